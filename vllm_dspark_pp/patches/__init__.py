@@ -1,0 +1,105 @@
+"""The patch registry.
+
+Every module in this package (except those starting with ``_``) is one patch of one vLLM module,
+named after it (``v1_engine_core`` patches ``vllm.v1.engine.core``). Each module has a header
+docstring with the fields WHAT / WHY / UPSTREAM / RETIRE WHEN / TESTED BY, and defines:
+
+* ``TARGET``: the dotted name of the vLLM module it changes;
+* ``apply()``: installs the patch; must be safe to call on an already patched process.
+
+:func:`apply_all` applies each patch once per process and logs one line naming the plugin
+version and the patches applied. ``docs/patches.md`` is generated from :func:`registry`
+(``vllm-dspark-pp patches --markdown``) and a unit test checks that it matches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+
+FIELDS = ("WHAT", "WHY", "UPSTREAM", "RETIRE WHEN", "TESTED BY")
+
+_lock = threading.Lock()
+_applied: list[str] = []
+_done = False
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    name: str
+    target: str
+    fields: dict[str, str]
+    module: ModuleType
+
+
+def _parse_header(doc: str) -> dict[str, str]:
+    """Split a docstring into its ``FIELD:`` paragraphs (see FIELDS)."""
+    pattern = re.compile(r"^(%s):\s*" % "|".join(re.escape(f) for f in FIELDS), re.M)
+    parts = pattern.split(doc or "")
+    found: dict[str, str] = {}
+    for key, body in zip(parts[1::2], parts[2::2]):
+        found[key] = " ".join(body.split())
+    return found
+
+
+def registry() -> list[PatchInfo]:
+    """All patch modules, sorted by name, with their parsed headers."""
+    infos = []
+    for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if mod.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{mod.name}")
+        infos.append(
+            PatchInfo(mod.name, getattr(module, "TARGET", ""), _parse_header(module.__doc__), module)
+        )
+    return infos
+
+
+def applied_patches() -> list[str]:
+    return list(_applied)
+
+
+def apply_all() -> list[str]:
+    """Apply every registered patch once in this process; later calls do nothing."""
+    global _done
+    with _lock:
+        if _done:
+            return list(_applied)
+        from vllm.logger import init_logger
+
+        from vllm_dspark_pp.version import __version__
+
+        for info in registry():
+            info.module.apply()
+            _applied.append(info.name)
+        _done = True
+        init_logger("vllm.dspark_pp").info(
+            "vllm-dspark-pp %s applied %d patches: %s",
+            __version__,
+            len(_applied),
+            ", ".join(_applied) or "(none)",
+        )
+        return list(_applied)
+
+
+def markdown_index() -> str:
+    """The human index written to docs/patches.md."""
+    lines = [
+        "# Patches applied to vLLM",
+        "",
+        "Generated from the patch registry (`vllm-dspark-pp patches --markdown > docs/patches.md`);",
+        "`tests/unit/test_patch_registry.py` fails when this file and the registry disagree.",
+        "Every patch is version-gated: the plugin refuses to run on any vLLM but the supported",
+        "release (see `vllm_dspark_pp/version.py`).",
+        "",
+    ]
+    for info in registry():
+        lines += [f"## `{info.name}` (patches `{info.target}`)", ""]
+        for field in FIELDS:
+            lines.append(f"- **{field.capitalize()}**: {info.fields.get(field, '(missing)')}")
+        lines.append("")
+    return "\n".join(lines)
