@@ -1,4 +1,4 @@
-"""``vllm-dspark-pp`` command line: one subcommand per module under ``vllm_dspark_pp.cli``.
+"""``vllm-dspark-pp`` command line: one subcommand per module under ``vllm_dspark_pp.cli`` (found automatically).
 
 Each subcommand module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
 """
@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
 
-# module name under vllm_dspark_pp.cli, in the order shown by --help
-SUBCOMMANDS = ("make_tiny_models", "plan", "patches")
+
+def subcommand_modules() -> list[str]:
+    """Every module of this package except ``main`` and private ones, sorted."""
+    pkg = importlib.import_module("vllm_dspark_pp.cli")
+    return sorted(
+        m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "main" and not m.name.startswith("_")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,13 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="DSpark speculative decoding on pipeline-parallel vLLM targets.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMANDS:
-        try:
-            mod = importlib.import_module(f"vllm_dspark_pp.cli.{name}")
-        except ModuleNotFoundError as exc:  # a subcommand still being written
-            if exc.name == f"vllm_dspark_pp.cli.{name}":
-                continue
-            raise
+    for name in subcommand_modules():
+        mod = importlib.import_module(f"vllm_dspark_pp.cli.{name}")
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
