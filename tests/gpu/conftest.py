@@ -1,0 +1,151 @@
+"""Fixtures of the one-GPU tier (tests/gpu).
+
+Every engine the tier needs is started ONCE, concurrently, by the session fixture ``gpu_jobs``
+(the whole suite must fit one 10-minute command on the GPU machine, and one engine start costs
+30-90 s there): each job is a subprocess (or a pair of servers) with its own hard deadline, run
+from a thread pool, and the tests only read the results. The first test to ask for
+``gpu_jobs`` launches everything; tests that do not need engines (kernels) run meanwhile.
+
+Jobs (all bf16, tiny Qwen3 target + tiny DSpark draft, ``max_num_seqs=8``):
+
+* ``baseline``  no speculation, eager, top-2 logprobs (evidence for near-ties), plugin probe in
+  the worker;
+* ``spec_graphs`` DSpark with CUDA graphs on (vLLM's default mode) and decode graphs captured
+  for 4 and 8 requests, so waves of 3, 5 and 7 requests replay padded graphs;
+* ``spec_eager`` DSpark with ``enforce_eager``;
+* ``spec_graphs_fixed8`` as ``spec_graphs`` plus the plugin's fixed DSpark graph batch of 8
+  (only when ``vllm_dspark_pp.graph_batch`` exists);
+* ``pd``  prefiller + decoder over MooncakeConnector/TCP with the last wave's prompts.
+
+Environment knobs: ``DSPARK_GPU_ARTIFACTS`` (where failing jobs leave logs),
+``DSPARK_GPU_PD_EAGER=1`` (PD servers eager instead of CUDA graphs), ``DSPARK_GPU_NEAR_TIE``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU_DIR = Path(__file__).resolve().parent
+if str(GPU_DIR) not in sys.path:
+    sys.path.insert(0, str(GPU_DIR))
+
+from gpu_common import (  # noqa: E402
+    GRAPH_COMPILATION_CONFIG,
+    MAX_TOKENS,
+    PD_EAGER,
+    TIMEOUTS,
+    Jobs,
+    fixed_graph_batch_key,
+    make_prompts,
+    require_cuda,
+    spec_config,
+)
+
+
+@pytest.fixture(scope="session")
+def gpu_models(tmp_path_factory):
+    """The tiny pair in bf16 with head_dim 64 (a FlashAttention-3 head size)."""
+    require_cuda()
+    if importlib.util.find_spec("vllm_dspark_pp.tiny_models") is None:
+        pytest.skip("vllm_dspark_pp.tiny_models is missing (branch e2e not merged): no tiny models")
+    from vllm_dspark_pp.tiny_models import make_tiny_models
+
+    return make_tiny_models(
+        tmp_path_factory.mktemp("gpu_tiny_models"),
+        seed=0,
+        dtype="bfloat16",
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+    )
+
+
+@pytest.fixture(scope="session")
+def gpu_waves():
+    return make_prompts()
+
+
+@pytest.fixture(scope="session")
+def gpu_jobs(gpu_models, gpu_waves):
+    from gpu_harness import run_llm
+    from pd_run import run_pd
+
+    jobs = Jobs()
+    target = gpu_models.target
+    sampling = {"max_tokens": MAX_TOKENS}
+    jobs.submit(
+        "baseline",
+        run_llm,
+        "baseline",
+        {"model": target, "enforce_eager": True},
+        gpu_waves,
+        timeout_s=TIMEOUTS["eager"],
+        sampling=sampling,
+        logprobs=2,
+        probe=True,
+    )
+    jobs.submit(
+        "spec_graphs",
+        run_llm,
+        "spec_graphs",
+        {"model": target, "speculative_config": spec_config(gpu_models), "compilation_config": GRAPH_COMPILATION_CONFIG},
+        gpu_waves,
+        timeout_s=TIMEOUTS["graphs"],
+        sampling=sampling,
+    )
+    jobs.submit(
+        "spec_eager",
+        run_llm,
+        "spec_eager",
+        {"model": target, "speculative_config": spec_config(gpu_models), "enforce_eager": True},
+        gpu_waves,
+        timeout_s=TIMEOUTS["eager"],
+        sampling=sampling,
+    )
+    key = fixed_graph_batch_key()
+    if key is None:
+        jobs.skip(
+            "spec_graphs_fixed8",
+            "vllm_dspark_pp.graph_batch is missing (protocol branch not merged): no fixed DSpark graph batch",
+        )
+    else:
+        jobs.submit(
+            "spec_graphs_fixed8",
+            run_llm,
+            "spec_graphs_fixed8",
+            {
+                "model": target,
+                "speculative_config": spec_config(gpu_models, **{key: 8}),
+                "compilation_config": GRAPH_COMPILATION_CONFIG,
+            },
+            gpu_waves,
+            timeout_s=TIMEOUTS["graphs"],
+            sampling=sampling,
+        )
+    common = [
+        "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
+        "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(1 << 30),
+    ]  # fmt: skip
+    if PD_EAGER:
+        common.append("--enforce-eager")
+    else:
+        common += ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
+    jobs.submit(
+        "pd",
+        run_pd,
+        target,
+        spec_config(gpu_models),
+        gpu_waves[-1],
+        timeout_s=TIMEOUTS["pd"],
+        common_args=common,
+        max_tokens=MAX_TOKENS,
+    )
+    yield jobs
+    jobs.shutdown()

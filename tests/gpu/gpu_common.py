@@ -1,0 +1,99 @@
+"""Shared constants and helpers of the one-GPU tier (imported by tests/gpu/conftest.py and tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+WAVE_SIZES = (3, 5, 7)  # against decode graphs of 4 and 8 requests: every wave is padded
+MAX_TOKENS = 48
+GRAPH_COMPILATION_CONFIG = {
+    "decode_cudagraph_capture_request_sizes": [4, 8],
+    "prefill_cudagraph_capture_token_sizes": [8, 16, 32, 64, 128, 256, 512],
+}
+TIMEOUTS = {"eager": 300, "graphs": 380, "pd": 420}
+PD_EAGER = os.environ.get("DSPARK_GPU_PD_EAGER", "0") == "1"
+
+
+def cuda_status() -> tuple[bool, str]:
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return False, f"torch not importable: {e}"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False (no GPU, or CUDA_VISIBLE_DEVICES hides it)"
+    return True, torch.cuda.get_device_name(0)
+
+
+def require_cuda() -> None:
+    ok, why = cuda_status()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU: {why}")
+
+
+def make_prompts(seed: int = 1234, sizes=WAVE_SIZES, vocab: int = 512) -> list[list[list[int]]]:
+    """Distinct token-id prompts (no special ids 0-3), 6-40 tokens, one list per wave."""
+    import random
+
+    rng = random.Random(seed)
+    return [[[rng.randrange(4, vocab) for _ in range(rng.randrange(6, 41))] for _ in range(n)] for n in sizes]
+
+
+def fixed_graph_batch_key() -> str | None:
+    if importlib.util.find_spec("vllm_dspark_pp.graph_batch") is None:
+        return None
+    from vllm_dspark_pp import graph_batch
+
+    return getattr(graph_batch, "KEY", None)
+
+
+class Jobs:
+    """Named background jobs; ``result(name)`` waits for one and re-raises its failure."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpu-job")
+        self._futures: dict[str, Future] = {}
+        self._skipped: dict[str, str] = {}
+        self._started: dict[str, float] = {}
+        self._ended: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, name: str, fn, *args, **kwargs) -> None:
+        def run():
+            self._started[name] = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._ended[name] = time.monotonic()
+
+        self._futures[name] = self._pool.submit(run)
+
+    def skip(self, name: str, reason: str) -> None:
+        self._skipped[name] = reason
+
+    def result(self, name: str, timeout: float = 600):
+        if name in self._skipped:
+            pytest.skip(self._skipped[name])
+        fut = self._futures[name]
+        return fut.result(timeout=timeout)
+
+    def elapsed(self, name: str) -> float | None:
+        if name in self._started and name in self._ended:
+            return round(self._ended[name] - self._started[name], 1)
+        return None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def spec_config(models, **extra) -> dict:
+    cfg = {"method": "dspark", "model": models.draft}
+    cfg.update(extra)
+    return cfg
+
+

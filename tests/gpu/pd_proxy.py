@@ -1,0 +1,239 @@
+"""A small prefill -> decode proxy for two vLLM servers joined by MooncakeConnector (stdlib only).
+
+For each ``POST /v1/completions`` (or ``/v1/chat/completions``) it
+
+1. picks a fresh ``transfer_id`` and sends the request to the **prefiller** (kv_producer) with
+   ``max_tokens=1``, no streaming, and ``kv_transfer_params = {"do_remote_decode": true,
+   "do_remote_prefill": false, "transfer_id": ...}``; the prefiller computes the prompt's KV and
+   keeps its blocks for the decoder to pull;
+2. sends the original request to the **decoder** (kv_consumer) with ``kv_transfer_params =
+   {"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": ...,
+   "remote_engine_id": <prefiller engine id>, "remote_bootstrap_addr": <prefiller bootstrap
+   URL>}`` (anything the prefiller returned in ``kv_transfer_params`` is kept underneath);
+3. returns the decoder's answer.
+
+These are the keys vLLM 0.34.0's MooncakeConnector reads (mooncake_connector.py:1132-1152,
+1204-1250 scheduler side; the decoder queries ``<bootstrap>/query`` for the prefiller's workers,
+:2810-2858). The prefiller's engine id is taken from its bootstrap server's ``/query`` unless given.
+
+``GET /health`` answers 200; ``GET /stats`` gives the proxy's counters. Streaming is refused (400).
+Upstream errors come back with the upstream status and body, and a timeout as 504, so a stuck
+server becomes a failed request, never a hung client.
+
+Run standalone: ``python tests/gpu/pd_proxy.py --prefill http://127.0.0.1:8100 --decode
+http://127.0.0.1:8200 --bootstrap http://127.0.0.1:8998 --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, body: bytes, where: str):
+        super().__init__(f"{where}: HTTP {status}: {body[:500]!r}")
+        self.status, self.body, self.where = status, body, where
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        raise UpstreamError(e.code, e.read(), url) from e
+    except (TimeoutError, urllib.error.URLError, OSError) as e:
+        raise UpstreamError(504, str(e).encode(), url) from e
+
+
+def prefill_request(body: dict, transfer_id: str) -> dict:
+    """The prefiller's copy of a client request: one output token, KV kept for the decoder."""
+    p = dict(body)
+    p["max_tokens"] = 1
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p.pop("min_tokens", None)
+    p["stream"] = False
+    p.pop("stream_options", None)
+    p["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+    }
+    return p
+
+
+def decode_request(
+    body: dict, transfer_id: str, engine_id: str, bootstrap_addr: str, from_prefill: dict | None
+) -> dict:
+    """The decoder's copy: pull the prompt's KV from the prefiller, then generate."""
+    params = dict(from_prefill or {})
+    params.update(
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        transfer_id=transfer_id,
+    )
+    for key, value in (("remote_engine_id", engine_id), ("remote_bootstrap_addr", bootstrap_addr)):
+        if not params.get(key):  # missing or null in what the prefiller returned
+            params[key] = value
+    d = dict(body)
+    d["kv_transfer_params"] = params
+    return d
+
+
+def query_engine_id(bootstrap_addr: str, timeout: float = 5.0) -> str:
+    """The prefiller's engine id as its Mooncake bootstrap server lists it."""
+    with urllib.request.urlopen(bootstrap_addr.rstrip("/") + "/query", timeout=timeout) as r:
+        data = json.loads(r.read().decode())
+    ids = sorted({entry["engine_id"] for entry in data.values()})
+    if len(ids) != 1:
+        raise RuntimeError(f"bootstrap {bootstrap_addr} lists engine ids {ids}, expected exactly one")
+    return ids[0]
+
+
+class PDProxy:
+    def __init__(
+        self,
+        prefill_url: str,
+        decode_url: str,
+        bootstrap_addr: str,
+        engine_id: str | None = None,
+        *,
+        timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        self.prefill_url = prefill_url.rstrip("/")
+        self.decode_url = decode_url.rstrip("/")
+        self.bootstrap_addr = bootstrap_addr.rstrip("/")
+        self._engine_id = engine_id
+        self.timeout_s = timeout_s
+        self.stats = {"requests": 0, "prefill_ok": 0, "decode_ok": 0, "errors": []}
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer((host, port), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def engine_id(self) -> str:
+        if self._engine_id is None:
+            self._engine_id = query_engine_id(self.bootstrap_addr)
+        return self._engine_id
+
+    def handle(self, path: str, body: dict) -> dict:
+        """Prefill then decode one request; raises UpstreamError on an upstream failure."""
+        with self._lock:
+            self.stats["requests"] += 1
+        tid = f"dspark-pd-{uuid.uuid4().hex}"
+        p = _post(self.prefill_url + path, prefill_request(body, tid), self.timeout_s)
+        with self._lock:
+            self.stats["prefill_ok"] += 1
+        d = _post(
+            self.decode_url + path,
+            decode_request(body, tid, self.engine_id, self.bootstrap_addr, p.get("kv_transfer_params")),
+            self.timeout_s,
+        )
+        with self._lock:
+            self.stats["decode_ok"] += 1
+        return d
+
+    def _handler_class(self):
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    return self._send(200, b"{}")
+                if self.path == "/stats":
+                    with proxy._lock:
+                        return self._send(200, json.dumps(proxy.stats).encode())
+                return self._send(404, b'{"error": "not found"}')
+
+            def do_POST(self):
+                if self.path not in ROUTES:
+                    return self._send(404, b'{"error": "not found"}')
+                try:
+                    n = int(self.headers.get("Content-Length", "0"))
+                    body = json.loads(self.rfile.read(n).decode() or "{}")
+                except ValueError as e:
+                    return self._send(400, json.dumps({"error": f"bad JSON: {e}"}).encode())
+                if body.get("stream"):
+                    return self._send(400, b'{"error": "pd_proxy does not stream"}')
+                try:
+                    out = proxy.handle(self.path, body)
+                except UpstreamError as e:
+                    with proxy._lock:
+                        proxy.stats["errors"].append(str(e)[:300])
+                    return self._send(e.status, e.body or b"{}")
+                except Exception as e:  # noqa: BLE001 - the client must get an answer
+                    with proxy._lock:
+                        proxy.stats["errors"].append(f"{type(e).__name__}: {e}"[:300])
+                    return self._send(502, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                return self._send(200, json.dumps(out).encode())
+
+        return Handler
+
+    def start(self) -> PDProxy:
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> PDProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", required=True, help="prefiller base URL (kv_producer)")
+    ap.add_argument("--decode", required=True, help="decoder base URL (kv_consumer)")
+    ap.add_argument("--bootstrap", required=True, help="prefiller's Mooncake bootstrap URL")
+    ap.add_argument("--engine-id", default=None, help="prefiller engine id (default: ask /query)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    a = ap.parse_args(argv)
+    proxy = PDProxy(a.prefill, a.decode, a.bootstrap, a.engine_id, timeout_s=a.timeout, host=a.host, port=a.port)
+    print(f"pd_proxy on {proxy.url}: {a.prefill} -> {a.decode}", flush=True)
+    try:
+        proxy._server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

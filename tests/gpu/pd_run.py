@@ -1,0 +1,173 @@
+"""Prefill/decode disaggregation on loopback: two ``vllm serve`` joined by MooncakeConnector (TCP).
+
+:func:`run_pd` starts a prefiller (``kv_producer``) and a decoder (``kv_consumer``), both with the
+same speculative config, puts :class:`pd_proxy.PDProxy` in front, sends the prompts (concurrently,
+token ids in, token ids out), reads the decoder's spec-decode and KV-connector counters from
+``/metrics`` before and after, and always kills both servers. On any failure the servers' logs
+are saved as artifacts and the exception names the step that failed.
+
+Works with or without the plugin's prefill-only producer role: the instances are started the
+same way either way; what differs is what the prefiller's drafter does (see docs/producer.md).
+Shared by tests/gpu/test_gpu_pd_mooncake.py (one GPU, PP=1 both sides) and
+tests/multi_gpu/run_pd_pp2.py (PP=2 producer).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from gpu_harness import (
+    GPUCaseFailure,
+    Server,
+    Timings,
+    counter_delta,
+    free_port,
+    free_port_block,
+    http_json,
+    http_text,
+    parse_prometheus,
+    spec_counters,
+)
+from pd_proxy import PDProxy, query_engine_id
+
+KV_METRICS = (
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:prompt_tokens_total",
+    "vllm:mooncake_num_failed_transfers_total",
+    "vllm:mooncake_num_failed_recvs_total",
+)
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    return parse_prometheus(http_text(server.url + "/metrics"))
+
+
+def _kv_counters(m: dict[str, float]) -> dict[str, float]:
+    out = {k: m.get(k, 0.0) for k in KV_METRICS}
+    out.update({k: v for k, v in m.items() if k.startswith("vllm:prompt_tokens_by_source_total{")})
+    return out
+
+
+def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
+    cfg = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+    if engine_id:
+        cfg["engine_id"] = engine_id
+    return cfg
+
+
+def run_pd(
+    model: str,
+    speculative_config: dict | None,
+    prompts: list[list[int]],
+    *,
+    timeout_s: float,
+    common_args: list[str],
+    prefill_args: list[str] = (),
+    decode_args: list[str] = (),
+    prefill_env: dict | None = None,
+    decode_env: dict | None = None,
+    max_tokens: int = 48,
+    request_timeout_s: float = 90.0,
+) -> dict:
+    deadline = time.monotonic() + timeout_s
+    t = Timings()
+    t.mark("start")
+    step = "choose ports"
+    bport = free_port()
+    engine_id = f"dspark-pd-prefill-{uuid.uuid4().hex[:8]}"
+    spec = ["--speculative-config", json.dumps(speculative_config)] if speculative_config else []
+    pre = Server(
+        "prefill",
+        model,
+        [*common_args, *spec, "--kv-transfer-config", json.dumps(mooncake_kv_config("kv_producer", engine_id)), *prefill_args],
+        env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport), "VLLM_PORT": str(free_port_block()), **(prefill_env or {})},
+    )
+    dec = Server(
+        "decode",
+        model,
+        [*common_args, *spec, "--kv-transfer-config", json.dumps(mooncake_kv_config("kv_consumer")), *decode_args],
+        # its own (unused) bootstrap port, so nothing on the decode side can collide with the prefiller's
+        env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()), "VLLM_PORT": str(free_port_block()), **(decode_env or {})},
+    )
+    ok = False
+    try:
+        step = "start servers"
+        pre.start()
+        dec.start()
+        step = "wait for the prefiller's /health"
+        pre.wait_ready(deadline)
+        t.mark("prefill ready")
+        step = "wait for the decoder's /health"
+        dec.wait_ready(deadline)
+        t.mark("decode ready")
+        bootstrap = f"http://127.0.0.1:{bport}"
+        step = f"ask the prefiller's Mooncake bootstrap {bootstrap}/query for its engine id"
+        seen_id = None
+        while seen_id is None:
+            try:
+                seen_id = query_engine_id(bootstrap)
+            except Exception:  # noqa: BLE001 - not registered yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        step = "read metrics before"
+        dec_before = _metrics(dec)
+        pre_before = _metrics(pre)
+        step = "send requests through the proxy"
+        with PDProxy(pre.url, dec.url, bootstrap, seen_id, timeout_s=request_timeout_s) as proxy:
+
+            def one(ids: list[int]) -> list[int]:
+                body = {
+                    "model": model,
+                    "prompt": ids,
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                }
+                out = http_json(proxy.url + "/v1/completions", body, timeout=2 * request_timeout_s + 10)
+                toks = out["choices"][0].get("token_ids")
+                if toks is None:
+                    raise GPUCaseFailure(f"decoder answer has no token_ids: {str(out)[:400]}")
+                return list(toks)
+
+            with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as ex:
+                tokens = list(ex.map(one, prompts))
+            stats = dict(proxy.stats)
+        t.mark("requests done")
+        step = "read metrics after"
+        time.sleep(1.5)  # counters are published with the next stats interval
+        dec_after = _metrics(dec)
+        pre_after = _metrics(pre)
+        ok = True
+        return {
+            "tokens": tokens,
+            "decoder_spec": counter_delta(spec_counters(dec_before), spec_counters(dec_after)),
+            "prefill_spec": counter_delta(spec_counters(pre_before), spec_counters(pre_after)),
+            "decoder_kv": {k: v - _kv_counters(dec_before).get(k, 0.0) for k, v in _kv_counters(dec_after).items()},
+            "prefill_kv": {k: v - _kv_counters(pre_before).get(k, 0.0) for k, v in _kv_counters(pre_after).items()},
+            "engine_id": seen_id,
+            "configured_engine_id": engine_id,
+            "proxy": stats,
+            "timings": t.describe(),
+        }
+    except Exception as e:
+        raise GPUCaseFailure(
+            f"PD run failed at step {step!r} ({t.describe()}): {type(e).__name__}: {e}\n"
+            f"--- prefiller log tail ---\n{pre.log_text()[-3000:]}\n"
+            f"--- decoder log tail ---\n{dec.log_text()[-3000:]}"
+        ) from e
+    finally:
+        pre.stop()
+        dec.stop()
+        if not ok:
+            pre.save_log("pd")
+            dec.save_log("pd")
