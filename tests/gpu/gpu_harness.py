@@ -101,6 +101,19 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
+def _pgid_file(proc: subprocess.Popen) -> Path | None:
+    d = os.environ.get("DSPARK_GPU_PGID_DIR")
+    return Path(d) / str(proc.pid) if d else None
+
+
+def register_group(proc: subprocess.Popen) -> None:
+    """Note the child's process group so tools/gpu/run_gpu_suite.sh can kill it if pytest itself dies."""
+    f = _pgid_file(proc)
+    if f is not None:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(str(proc.pid))
+
+
 def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM then SIGKILL the child's whole process group (it was started with its own session)."""
     if proc.poll() is None:
@@ -120,6 +133,9 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+    f = _pgid_file(proc)
+    if f is not None:
+        f.unlink(missing_ok=True)
 
 
 def free_port() -> int:
@@ -217,6 +233,7 @@ def run_llm(
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        register_group(proc)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -288,6 +305,7 @@ class Server:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        register_group(self.proc)
         return self
 
     def log_text(self) -> str:
