@@ -53,7 +53,7 @@ def _post(url: str, body: dict, timeout: float) -> dict:
     except urllib.error.HTTPError as e:
         raise UpstreamError(e.code, e.read(), url) from e
     except (TimeoutError, urllib.error.URLError, OSError) as e:
-        raise UpstreamError(504, str(e).encode(), url) from e
+        raise UpstreamError(504, json.dumps({"error": f"{url}: {type(e).__name__}: {e}"}).encode(), url) from e
 
 
 def prefill_request(body: dict, transfer_id: str) -> dict:

@@ -1,0 +1,165 @@
+"""tests/gpu/pd_proxy.py's request flow against fake prefill/decode/bootstrap servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+import pd_proxy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Fake:
+    """A loopback HTTP server that records POST bodies and answers with ``reply(path, body)``."""
+
+    def __init__(self, reply):
+        self.bodies: list[tuple[str, dict]] = []
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, status, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(*reply(self.path, None))
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append((self.path, body))
+                self._answer(*reply(self.path, body))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def post(url, body, timeout=20):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture
+def fakes():
+    made = []
+
+    def make(reply):
+        f = Fake(reply)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def test_prefill_then_decode_with_the_mooncake_keys(fakes):
+    boot = fakes(lambda p, b: (200, {"0": {"engine_id": "eng-P", "worker_addr": {"0": {"0": "tcp://x:1"}}}}))
+    pre = fakes(lambda p, b: (200, {"choices": [{"text": "x", "token_ids": [9]}], "kv_transfer_params": None}))
+    dec = fakes(lambda p, b: (200, {"choices": [{"text": "abc", "token_ids": [1, 2, 3]}]}))
+    with pd_proxy.PDProxy(pre.url, dec.url, boot.url) as proxy:
+        client = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "min_tokens": 2, "temperature": 0}
+        status, out = post(proxy.url + "/v1/completions", client)
+        stats = dict(proxy.stats)
+    assert status == 200 and out["choices"][0]["token_ids"] == [1, 2, 3]
+    (pp, pb), = pre.bodies
+    (dp, db), = dec.bodies
+    assert pp == dp == "/v1/completions"
+    # prefiller: one token, no streaming, KV kept for a remote decoder
+    assert pb["max_tokens"] == 1 and pb["stream"] is False and "min_tokens" not in pb
+    assert pb["kv_transfer_params"]["do_remote_decode"] is True
+    assert pb["kv_transfer_params"]["do_remote_prefill"] is False
+    tid = pb["kv_transfer_params"]["transfer_id"]
+    # decoder: the client's request unchanged except the pull instructions
+    assert db["max_tokens"] == 3 and db["min_tokens"] == 2 and db["prompt"] == [5, 6, 7]
+    kv = db["kv_transfer_params"]
+    assert kv == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": tid,
+        "remote_engine_id": "eng-P",  # from the bootstrap's /query
+        "remote_bootstrap_addr": boot.url,
+    }
+    assert stats == {"requests": 1, "prefill_ok": 1, "decode_ok": 1, "errors": []}
+
+
+def test_each_request_gets_its_own_transfer_id_and_prefill_params_are_kept(fakes):
+    pre = fakes(lambda p, b: (200, {"choices": [{}], "kv_transfer_params": {"extra_key": 42, "remote_engine_id": None}}))
+    dec = fakes(lambda p, b: (200, {"choices": [{"token_ids": [1]}]}))
+    with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="given") as proxy:
+        for _ in range(3):
+            assert post(proxy.url + "/v1/completions", {"prompt": [1], "max_tokens": 2})[0] == 200
+    tids = {b["kv_transfer_params"]["transfer_id"] for _, b in pre.bodies}
+    assert len(tids) == 3
+    assert [b["kv_transfer_params"]["transfer_id"] for _, b in dec.bodies] == [
+        b["kv_transfer_params"]["transfer_id"] for _, b in pre.bodies
+    ]
+    kv = dec.bodies[0][1]["kv_transfer_params"]
+    assert kv["extra_key"] == 42 and kv["remote_engine_id"] == "given"
+
+
+def test_prefill_error_is_returned_and_decoder_never_called(fakes):
+    pre = fakes(lambda p, b: (500, {"error": "boom"}))
+    dec = fakes(lambda p, b: (200, {}))
+    with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="e") as proxy:
+        status, out = post(proxy.url + "/v1/completions", {"prompt": [1]})
+        errors = list(proxy.stats["errors"])
+    assert status == 500 and out == {"error": "boom"}
+    assert dec.bodies == [] and len(errors) == 1
+
+
+def test_a_stuck_decoder_becomes_a_504_not_a_hang(fakes):
+    pre = fakes(lambda p, b: (200, {"choices": [{}]}))
+
+    def slow(p, b):
+        time.sleep(5)
+        return 200, {}
+
+    dec = fakes(slow)
+    with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="e", timeout_s=1.0) as proxy:
+        t0 = time.monotonic()
+        status, _ = post(proxy.url + "/v1/completions", {"prompt": [1]})
+        took = time.monotonic() - t0
+    assert status == 504 and took < 4
+
+
+def test_streaming_and_unknown_routes_are_refused(fakes):
+    pre = fakes(lambda p, b: (200, {}))
+    with pd_proxy.PDProxy(pre.url, pre.url, "http://127.0.0.1:1", engine_id="e") as proxy:
+        assert post(proxy.url + "/v1/completions", {"prompt": [1], "stream": True})[0] == 400
+        assert post(proxy.url + "/v1/other", {})[0] == 404
+        with urllib.request.urlopen(proxy.url + "/health", timeout=5) as r:
+            assert r.status == 200
+    assert pre.bodies == []
+
+
+def test_bootstrap_listing_two_engines_is_an_error(fakes):
+    boot = fakes(lambda p, b: (200, {"0": {"engine_id": "a"}, "1": {"engine_id": "b"}}))
+    with pytest.raises(RuntimeError, match="exactly one"):
+        pd_proxy.query_engine_id(boot.url)
