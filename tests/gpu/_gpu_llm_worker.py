@@ -90,7 +90,7 @@ def main(spec_path: str, result_path: str) -> int:
         sc = vc.speculative_config
         result["config"] = {
             "enforce_eager": bool(vc.model_config.enforce_eager),
-            "cudagraph_mode": str(cc.cudagraph_mode),
+            "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
             "decode_cudagraph_capture_request_sizes": list(
                 getattr(cc, "decode_cudagraph_capture_request_sizes", None) or []
             ),

@@ -47,7 +47,7 @@ CHILD_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not in the GPU kit
     "VLLM_HOST_IP": "127.0.0.1",  # loopback only: the GPU machine has no network
     "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "90",  # a stuck step becomes an engine error
-    "VLLM_ENGINE_READY_TIMEOUT_S": "240",
+    "VLLM_ENGINE_READY_TIMEOUT_S": "330",  # compile + graph capture of several engines at once
 }
 
 DEFAULT_LLM_KWARGS = {

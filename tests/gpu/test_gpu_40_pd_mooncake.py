@@ -15,7 +15,7 @@ import json
 
 import pytest
 from gpu_common import PD_EAGER
-from parity import acceptance_close, acceptance_rate, compare_tokens
+from gpu_parity import acceptance_close, acceptance_rate, compare_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(540)]
 

@@ -28,7 +28,7 @@ from mg_common import GPU_DIR, NcclStubGuard, Report, gpu_count  # noqa: E402
 
 sys.path.insert(0, str(GPU_DIR))
 from gpu_harness import GPUCaseFailure, run_llm  # noqa: E402
-from parity import acceptance_close, compare_tokens  # noqa: E402
+from gpu_parity import acceptance_close, compare_tokens  # noqa: E402
 from pd_run import run_pd  # noqa: E402
 from run_pp2_aggregated import MAX_TOKENS, random_pair, waves  # noqa: E402
 

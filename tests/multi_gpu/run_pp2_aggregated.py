@@ -10,7 +10,7 @@ For each model pair (the random-weight tiny pair, generated here, and the traine
 
 * PP=1 without speculation (reference tokens, top-2 logprobs), PP=1 DSpark (reference acceptance),
   PP=2 DSpark, and PP=2 x TP=2 DSpark with 4 GPUs: greedy tokens equal the PP=1 non-speculative
-  run (the near-tie rule of tests/gpu/parity.py) and acceptance equals PP=1 DSpark's (exact
+  run (the near-tie rule of tests/gpu/gpu_parity.py) and acceptance equals PP=1 DSpark's (exact
   counts reported; the verdict allows 2 points for bf16);
 * start-up + warm-up of PP=2 DSpark repeated 5 times, each under a hard deadline: a hang is a
   failure naming the phase and the last log line where it stopped;
@@ -36,7 +36,7 @@ from mg_common import GPU_DIR, NcclStubGuard, Report, gpu_count  # noqa: E402
 
 sys.path.insert(0, str(GPU_DIR))
 from gpu_harness import GPUCaseFailure, run_llm  # noqa: E402
-from parity import acceptance_close, compare_tokens  # noqa: E402
+from gpu_parity import acceptance_close, compare_tokens  # noqa: E402
 
 WAVES_SEED = 4321
 MAX_TOKENS = 48

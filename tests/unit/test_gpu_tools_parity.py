@@ -1,4 +1,4 @@
-"""The GPU parity rule (tests/gpu/parity.py) and the /metrics parser of the GPU harness."""
+"""The GPU parity rule (tests/gpu/gpu_parity.py) and the /metrics parser of the GPU harness."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 import gpu_harness  # noqa: E402
-from parity import acceptance_close, acceptance_rate, compare_tokens  # noqa: E402
+from gpu_parity import acceptance_close, acceptance_rate, compare_tokens  # noqa: E402
 
 
 def test_identical_tokens():

@@ -24,7 +24,8 @@ SITE=${DSPARK_SITE:-/tmp/site}
 BUDGET=${DSPARK_GPU_BUDGET_S:-560}
 ART=$(mktemp -d /tmp/dspark-gpu-artifacts.XXXX)
 PGIDS=$(mktemp -d /tmp/dspark-gpu-pgids.XXXX)
-export DSPARK_GPU_ARTIFACTS=$ART DSPARK_GPU_PGID_DIR=$PGIDS PYTHONUNBUFFERED=1
+# DSPARK_PP_TEST_DEVICE=gpu: tests/conftest.py must not switch this run to the CPU platform
+export DSPARK_GPU_ARTIFACTS=$ART DSPARK_GPU_PGID_DIR=$PGIDS PYTHONUNBUFFERED=1 DSPARK_PP_TEST_DEVICE=gpu
 : > "$LOG"
 say() { echo "[gpu-suite $(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 T0=$(date +%s)
