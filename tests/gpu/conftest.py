@@ -35,6 +35,9 @@ if str(GPU_DIR) not in sys.path:
     sys.path.insert(0, str(GPU_DIR))
 
 from gpu_common import (  # noqa: E402
+    CPU_DRYRUN_ENV,
+    CPU_DRYRUN_LLM,
+    DRYRUN_CPU,
     GRAPH_COMPILATION_CONFIG,
     MAX_TOKENS,
     PD_EAGER,
@@ -55,6 +58,8 @@ def gpu_models(tmp_path_factory):
         pytest.skip("vllm_dspark_pp.tiny_models is missing (branch e2e not merged): no tiny models")
     from vllm_dspark_pp.tiny_models import make_tiny_models
 
+    if DRYRUN_CPU:
+        return make_tiny_models(tmp_path_factory.mktemp("gpu_tiny_models"), seed=0)
     return make_tiny_models(
         tmp_path_factory.mktemp("gpu_tiny_models"),
         seed=0,
@@ -74,8 +79,14 @@ def gpu_waves():
 
 @pytest.fixture(scope="session")
 def gpu_jobs(gpu_models, gpu_waves):
-    from gpu_harness import run_llm
+    from gpu_harness import run_llm as _run_llm
     from pd_run import run_pd
+
+    def run_llm(name, cfg, waves, **kw):
+        if DRYRUN_CPU:
+            cfg = {**cfg, **CPU_DRYRUN_LLM}
+            kw["env"] = {**CPU_DRYRUN_ENV, **(kw.get("env") or {})}
+        return _run_llm(name, cfg, waves, **kw)
 
     jobs = Jobs()
     target = gpu_models.target
@@ -137,6 +148,11 @@ def gpu_jobs(gpu_models, gpu_waves):
         common.append("--enforce-eager")
     else:
         common += ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
+    if DRYRUN_CPU:
+        jobs.skip("pd", "DSPARK_GPU_DRYRUN_CPU=1: no PD on the CPU dry run")
+        yield jobs
+        jobs.shutdown()
+        return
     jobs.submit(
         "pd",
         run_pd,

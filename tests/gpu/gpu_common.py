@@ -18,6 +18,20 @@ GRAPH_COMPILATION_CONFIG = {
 }
 TIMEOUTS = {"eager": 300, "graphs": 380, "pd": 420}
 PD_EAGER = os.environ.get("DSPARK_GPU_PD_EAGER", "0") == "1"
+# Developer knob: run the engine jobs on vLLM's CPU platform (float32, eager, no PD) to check the
+# tier's plumbing without a GPU. Never set on the GPU machine; graph assertions fail under it.
+DRYRUN_CPU = os.environ.get("DSPARK_GPU_DRYRUN_CPU") == "1"
+CPU_DRYRUN_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "TRITON_INTERPRET": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+if DRYRUN_CPU:  # the CPU is far slower: short outputs, long deadlines
+    MAX_TOKENS = 8
+    TIMEOUTS = {k: 3 * v for k, v in TIMEOUTS.items()}
+CPU_DRYRUN_LLM = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": None, "gpu_memory_utilization": None}
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -31,6 +45,8 @@ def cuda_status() -> tuple[bool, str]:
 
 
 def require_cuda() -> None:
+    if DRYRUN_CPU:
+        return
     ok, why = cuda_status()
     if not ok:
         pytest.skip(f"needs a CUDA GPU: {why}")
