@@ -9,7 +9,8 @@
 # /tmp/dspark-gpu-out):
 #   gpu_suite.log        full log           gpu_junit.xml    junit (xunit2)
 #   gpu_summary.txt      the table          gpu_artifacts.tar.gz  logs of failed engines/servers (if any)
-# and prints the short pass/fail/skip table LAST. Exit status: pytest's (or 124 on the budget).
+# and prints the short pass/fail/skip table LAST. Exit status: pytest's (124 on the budget), or 1
+# when pytest passed but no test did (everything skipped).
 # Knobs: DSPARK_GPU_BUDGET_S (default 560), DSPARK_SITE (default /tmp/site), DSPARK_GPU_PD_EAGER=1.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -104,4 +105,7 @@ say "done in ${WALL} s, pytest exit ${RC}; full log $LOG"
 echo
 echo "================ GPU suite summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 python3 tools/gpu/summarize.py --junit "$JUNIT" --log "$LOG" --wall "$WALL" --out "$SUMMARY"
+SRC=$?
+# pytest's status, or the summary's when pytest says 0 but nothing passed (all skipped is no pass)
+[ "$RC" = 0 ] && RC=$SRC
 exit "$RC"
