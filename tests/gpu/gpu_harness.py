@@ -219,6 +219,8 @@ def run_llm(
     if probe:  # collective_rpc with a callable needs pickled functions
         extra.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     tmp = tempfile.mkdtemp(prefix=f"dspark-gpu-{name}-")
+    # own vLLM cache (torch.compile artifacts): engines that start together must not race on one
+    extra.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "vllm_cache"))
     spec_path, result_path, log_path = (os.path.join(tmp, n) for n in ("spec.json", "result.json", "log.txt"))
     Path(spec_path).write_text(json.dumps(spec))
     t0 = time.monotonic()
@@ -282,9 +284,10 @@ class Server:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args
-        self.env = child_env(env)
-        self.proc: subprocess.Popen | None = None
         self._logdir = tempfile.mkdtemp(prefix=f"dspark-gpu-srv-{name}-")
+        # own vLLM cache (torch.compile artifacts), as for run_llm
+        self.env = child_env({"VLLM_CACHE_ROOT": os.path.join(self._logdir, "vllm_cache"), **(env or {})})
+        self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(self._logdir, "server.log")
         self._log = None
 
