@@ -131,6 +131,8 @@ def main(argv=None) -> int:
         return rep.finish()
     guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", **guard.env()}
+    # the runs here are sequential: one shared torch.compile cache keeps the repeats inside the budget
+    env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="dspark-mg-vllm-cache-")
     rep.log(f"NCCL guard: {len(guard.symbols)} symbols, so={guard.so}, problem={guard.problem}")
     if importlib.util.find_spec("vllm_dspark_pp.tiny_models") is None:
         rep.add("tiny models", "FAIL", "vllm_dspark_pp.tiny_models missing")
