@@ -1,22 +1,25 @@
-"""Start-up agreement across pipeline-parallel ranks, over the PP group's CPU (gloo) group.
+"""Start-up agreement across pipeline-parallel ranks.
 
 Every PP rank must run the same exchange code, or the ranks post different collectives and the
 first mismatched step hangs. Right after the PP groups exist (when the model runner builds its
-``PPHandler``), every rank sends the facts that shape the exchange to the last PP rank:
+``PPHandler``), every rank publishes the facts that shape the exchange:
 
     protocol (vllm_dspark_pp.version.PROTOCOL_VERSION), plugin version, vLLM version,
     pp_size, method, num_speculative_tokens (k), fixed_graph_batch
 
-The last rank compares each rank's facts with its own and sends every rank the same verdict; on
-any difference every rank raises :class:`HandshakeError` with one message naming the rank and the
-field. Nothing here can block forever:
+The last PP rank compares each rank's facts with its own and publishes one verdict; on any
+difference every rank raises :class:`HandshakeError` with the same message naming the rank and
+the field. Nothing here can block forever:
 
-* all messages are point-to-point with a tag of their own (vLLM's untagged CPU-group traffic can
-  never be taken for a handshake) and a fixed size, and every wait polls with a deadline;
-* a rank without the plugin sends nothing: the last rank stops waiting after the timeout and
-  fails, naming the silent rank, and tells the ranks that did answer, so they fail too;
-* if the last rank itself runs without the plugin, the others stop waiting for its verdict after
-  the timeout and fail, naming it.
+* the messages go through the key-value store every process of the job already shares (the
+  store ``torch.distributed`` was initialised with), read only after a non-blocking ``check``
+  says they are there; every wait polls with a deadline. (Gloo point-to-point was tried first:
+  its works only complete inside a ``wait``, and a timed-out ``wait`` closes the connections of
+  the whole group, so the verdict could no longer reach the ranks that did answer.)
+* a rank without the plugin publishes nothing: the last rank stops waiting after the timeout
+  and publishes a verdict naming the silent rank, so every rank that runs the plugin fails;
+* if the last rank itself runs without the plugin, the others stop waiting for its verdict
+  (timeout plus a grace period) and fail, naming it.
 
 A rank without the plugin cannot be made to fail by us; it is stopped when the engine sees the
 other ranks' workers fail (the executor tears every worker down).
@@ -32,14 +35,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from vllm_dspark_pp.version import PROTOCOL_VERSION, __version__
 
-HANDSHAKE_TAG = 0x5D5  # a gloo tag of our own
-_MAGIC = b"DSPKPP01"
-_SIZE = 4096  # bytes per message, fixed
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S"
 FIELDS = (
@@ -94,39 +91,42 @@ def verdict_grace_s(timeout: float) -> float:
     return max(5.0, 0.5 * timeout)
 
 
-def _encode(obj: dict) -> torch.Tensor:
-    body = json.dumps(obj, sort_keys=True).encode()
-    if len(body) > _SIZE - len(_MAGIC) - 4:
-        raise HandshakeError("handshake message too long")
-    raw = _MAGIC + len(body).to_bytes(4, "little") + body
-    buf = torch.zeros(_SIZE, dtype=torch.uint8)
-    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return buf
+def _encode(obj: dict) -> str:
+    return json.dumps(obj, sort_keys=True)
 
 
-def _decode(buf: torch.Tensor) -> dict | None:
-    raw = bytes(buf.numpy().tobytes())
-    if not raw.startswith(_MAGIC):
-        return None
-    n = int.from_bytes(raw[len(_MAGIC) : len(_MAGIC) + 4], "little")
+def _decode(raw: bytes) -> dict | None:
     try:
-        return json.loads(raw[len(_MAGIC) + 4 : len(_MAGIC) + 4 + n].decode())
+        obj = json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError):
         return None
+    return obj if isinstance(obj, dict) else None
 
 
-def _wait_all(works: dict[int, Any], deadline: float) -> set[int]:
-    """Poll until every work completes or the deadline passes; return the ranks still pending."""
-    pending = set(works)
-    while pending:
-        for r in list(pending):
-            if works[r].is_completed():
-                works[r].wait()
-                pending.discard(r)
-        if not pending or time.monotonic() >= deadline:
+def _poll(store: Any, keys: list[str], deadline: float) -> set[str]:
+    """Wait until every key exists or the deadline passes; return the keys still missing.
+    Only non-blocking ``check`` calls are made."""
+    missing = set(keys)
+    while missing:
+        for key in list(missing):
+            if store.check([key]):
+                missing.discard(key)
+        if not missing or time.monotonic() >= deadline:
             break
-        time.sleep(0.01)
-    return pending
+        time.sleep(0.02)
+    return missing
+
+
+_epochs: dict[tuple, int] = {}
+
+
+def _prefix(ranks: list[int], epoch: int | None) -> str:
+    # One namespace per PP group (there are TP x DP of them) and per handshake of that group in
+    # this process (every rank handshakes the same number of times, so the counters agree).
+    key = tuple(ranks)
+    if epoch is None:
+        epoch = _epochs[key] = _epochs.get(key, 0) + 1
+    return f"vllm_dspark_pp/handshake/v{PROTOCOL_VERSION}/{'-'.join(map(str, ranks))}/{epoch}"
 
 
 def compare(ref: dict, ref_rank: int, others: dict[int, dict]) -> list[str]:
@@ -156,48 +156,48 @@ def run_handshake(
     *,
     rank_in_group: int,
     ranks: list[int],
-    cpu_group: Any,
+    store: Any,
     timeout: float | None = None,
+    epoch: int | None = None,
 ) -> None:
-    """Run the handshake for one PP group; raises :class:`HandshakeError` on any rank if the
-    ranks disagree or one is silent. ``ranks`` are the group's global ranks, last = last stage."""
+    """Run the handshake for one PP group; raises :class:`HandshakeError` on every rank if the
+    ranks disagree or one is silent. ``ranks`` are the group's global ranks (last = last stage);
+    ``store`` is a ``torch.distributed`` store all of them share."""
     mine = asdict(facts) if isinstance(facts, HandshakeFacts) else dict(facts)
     world = len(ranks)
     if world <= 1:
         return
     timeout = timeout_s() if timeout is None else timeout
     deadline = time.monotonic() + timeout
+    prefix = _prefix(ranks, epoch)
     last = world - 1
+    verdict_key = f"{prefix}/verdict"
     if rank_in_group != last:
-        send = dist.isend(
-            _encode({"rank": rank_in_group, **mine}), ranks[last], cpu_group, HANDSHAKE_TAG
-        )
-        verdict_buf = torch.zeros(_SIZE, dtype=torch.uint8)
-        recv = dist.irecv(verdict_buf, ranks[last], cpu_group, HANDSHAKE_TAG + 1)
-        # Wait longer than the last rank does, so its verdict about a silent third rank
-        # arrives before this rank gives up on it.
-        if _wait_all({last: recv}, deadline + verdict_grace_s(timeout)):
+        store.set(f"{prefix}/rank{rank_in_group}", _encode(mine))
+        # Wait longer than the last rank does, so its verdict about a silent third rank arrives
+        # before this rank gives up on it.
+        if _poll(store, [verdict_key], deadline + verdict_grace_s(timeout)):
             raise HandshakeError(
                 f"vllm-dspark-pp start-up handshake: PP rank {last} (last) sent no verdict within "
-                f"{timeout + verdict_grace_s(timeout):.0f} s. It probably runs without vllm-dspark-pp (not installed, or left "
-                f"out of VLLM_PLUGINS) or with an incompatible release; install the same "
-                f"vllm-dspark-pp on every node. ({TIMEOUT_ENV} sets the wait.)"
+                f"{timeout + verdict_grace_s(timeout):.0f} s. It probably runs without "
+                f"vllm-dspark-pp (not installed, or left out of VLLM_PLUGINS) or with an "
+                f"incompatible release; install the same vllm-dspark-pp on every node. "
+                f"({TIMEOUT_ENV} sets the wait.)"
             )
-        _wait_all({last: send}, deadline)
-        verdict = _decode(verdict_buf) or {"ok": False, "message": "unreadable verdict"}
+        verdict = _decode(store.get(verdict_key)) or {"ok": False, "message": "unreadable verdict"}
         if not verdict.get("ok"):
             raise HandshakeError(verdict.get("message", "handshake failed"))
         return
 
-    bufs = {r: torch.zeros(_SIZE, dtype=torch.uint8) for r in range(last)}
-    works = {r: dist.irecv(bufs[r], ranks[r], cpu_group, HANDSHAKE_TAG) for r in range(last)}
-    silent = _wait_all(works, deadline)
+    keys = {r: f"{prefix}/rank{r}" for r in range(last)}
+    missing = _poll(store, list(keys.values()), deadline)
+    silent = sorted(r for r, k in keys.items() if k in missing)
     received: dict[int, dict] = {}
     unreadable = []
-    for r in range(last):
+    for r, key in keys.items():
         if r in silent:
             continue
-        msg = _decode(bufs[r])
+        msg = _decode(store.get(key))
         if msg is None:
             unreadable.append(r)
         else:
@@ -205,23 +205,23 @@ def run_handshake(
     problems = [
         f"PP rank {r} sent no handshake within {timeout:.0f} s: it probably runs without "
         f"vllm-dspark-pp (not installed, or left out of VLLM_PLUGINS)"
-        for r in sorted(silent)
+        for r in silent
     ]
     problems += [f"PP rank {r} sent an unreadable handshake" for r in unreadable]
     problems += compare(mine, last, received)
     if problems:
         message = "vllm-dspark-pp start-up handshake failed: " + "; ".join(problems) + "."
         message += _fix_hint(problems)
-        verdict = {"ok": False, "message": message}
-    else:
-        message = ""
-        verdict = {"ok": True}
-    sends = {
-        r: dist.isend(_encode(verdict), ranks[r], cpu_group, HANDSHAKE_TAG + 1) for r in received
-    }
-    _wait_all(sends, time.monotonic() + min(timeout, 10.0))
-    if problems:
+        store.set(verdict_key, _encode({"ok": False, "message": message}))
         raise HandshakeError(message)
+    store.set(verdict_key, _encode({"ok": True}))
+
+
+def default_store() -> Any:
+    """The store ``torch.distributed`` was initialised with (shared by every process)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
 
 
 def run_pp_handshake(vllm_config: Any, timeout: float | None = None) -> None:
@@ -235,6 +235,6 @@ def run_pp_handshake(vllm_config: Any, timeout: float | None = None) -> None:
         facts_from_config(vllm_config),
         rank_in_group=pp.rank_in_group,
         ranks=list(pp.ranks),
-        cpu_group=pp.cpu_group,
+        store=default_store(),
         timeout=timeout,
     )

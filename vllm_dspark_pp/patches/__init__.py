@@ -54,7 +54,9 @@ def registry() -> list[PatchInfo]:
             continue
         module = importlib.import_module(f"{__name__}.{mod.name}")
         infos.append(
-            PatchInfo(mod.name, getattr(module, "TARGET", ""), _parse_header(module.__doc__), module)
+            PatchInfo(
+                mod.name, getattr(module, "TARGET", ""), _parse_header(module.__doc__), module
+            )
         )
     return infos
 
