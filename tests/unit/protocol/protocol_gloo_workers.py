@@ -43,7 +43,6 @@ def exchange_worker(rank: int, world: int, port: int, seeds: list[int], queue) -
         from collections import deque
 
         import numpy as np
-
         import protocol_replay as pr
         import protocol_sim as ps
 

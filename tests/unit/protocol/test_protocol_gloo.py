@@ -5,8 +5,8 @@ the last rank sent and every rank must have posted the same collective sequence.
 from __future__ import annotations
 
 import pytest
-
 from protocol_gloo_workers import exchange_worker, run_processes
+
 from vllm_dspark_pp.exchange import compare_sequences
 
 SEEDS = list(range(12))  # 12 cases x 30 steps = 360 steps per process

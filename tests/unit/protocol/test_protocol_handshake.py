@@ -5,7 +5,6 @@ participating rank fast, with one message naming the rank and the field."""
 from __future__ import annotations
 
 import pytest
-
 from protocol_gloo_workers import HANDSHAKE_SCENARIOS, handshake_worker, run_processes
 
 TIMEOUT = 3.0  # handshake timeout inside the workers (seconds)
