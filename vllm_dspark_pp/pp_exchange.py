@@ -296,7 +296,8 @@ def prewarm_deferred_post_update(model_runner: Any, num_reqs: int = 3) -> int:
             num_rejected=num_rejected,
             draft_tokens=buffers.get(DRAFTS),
         )
-    torch.accelerator.synchronize()
+    if torch.device(device).type != "cpu":
+        torch.accelerator.synchronize()
     return len(variants)
 
 
