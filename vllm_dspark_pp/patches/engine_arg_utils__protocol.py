@@ -13,7 +13,7 @@ UPSTREAM: none yet (a DSpark graph batch setting would belong in SpeculativeConf
 
 RETIRE WHEN: SpeculativeConfig has a fixed drafter graph batch field.
 
-TESTED BY: tests/unit/protocol/test_graph_batch.py
+TESTED BY: tests/unit/protocol/test_protocol_graph_batch.py
 """
 
 from __future__ import annotations

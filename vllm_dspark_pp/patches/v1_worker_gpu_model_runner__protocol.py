@@ -16,7 +16,7 @@ UPSTREAM: none (plugin protocol).
 
 RETIRE WHEN: the PP exchange and handshake are upstream.
 
-TESTED BY: tests/unit/protocol/test_pp_handler.py, tests/unit/protocol/test_handshake.py
+TESTED BY: tests/unit/protocol/test_protocol_pp_handler.py, tests/unit/protocol/test_protocol_handshake.py
 """
 
 from __future__ import annotations

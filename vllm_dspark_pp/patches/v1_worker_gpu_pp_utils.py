@@ -19,8 +19,8 @@ UPSTREAM: vllm-project/vllm PR #53577 (closed; fixed-width aligned PP payloads) 
 RETIRE WHEN: vLLM's PPHandler pads the sampled payload to the speculative width and aligns the
 counts rows itself.
 
-TESTED BY: tests/unit/protocol/test_schedule_randomized.py, tests/unit/protocol/test_pp_handler.py,
-tests/unit/protocol/test_gloo_exchange.py, tests/gpu/test_protocol_gpu.py
+TESTED BY: tests/unit/protocol/test_protocol_schedule_randomized.py, tests/unit/protocol/test_protocol_pp_handler.py,
+tests/unit/protocol/test_protocol_gloo.py, tests/gpu/test_protocol_gpu.py
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ UPSTREAM: vllm-project/vllm PR #53577 (closed; padded graph batch safety).
 
 RETIRE WHEN: DFlash/DSpark speculators take a fixed graph batch from SpeculativeConfig.
 
-TESTED BY: tests/unit/protocol/test_graph_batch.py
+TESTED BY: tests/unit/protocol/test_protocol_graph_batch.py
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ UPSTREAM: vllm-project/vllm PR #53577 (closed), PR #56956 (open).
 
 RETIRE WHEN: vLLM's warm-up disables the PP broadcast and pre-warms the deferred post-update.
 
-TESTED BY: tests/unit/protocol/test_warmup_patch.py, tests/gpu/test_protocol_gpu.py
+TESTED BY: tests/unit/protocol/test_protocol_warmup.py, tests/gpu/test_protocol_gpu.py
 """
 
 from __future__ import annotations

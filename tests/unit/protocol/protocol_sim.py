@@ -208,7 +208,7 @@ class Case:
     steps: list[Step]
 
 
-def random_case(seed: int, num_steps: int = 30) -> Case:
+def random_case(seed: int, num_steps: int = 24) -> Case:
     """A seeded random engine run: prefill chunks, decodes with and without drafts, aborts,
     preemptions, max-length finishes and empty steps; PP size 2..4; k in {0, 1, 2, 3, 5}."""
     rng = random.Random(seed)
