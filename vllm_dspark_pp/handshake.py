@@ -215,6 +215,21 @@ def run_handshake(
         store.set(verdict_key, _encode({"ok": False, "message": message}))
         raise HandshakeError(message)
     store.set(verdict_key, _encode({"ok": True}))
+    _logger().info(
+        "PP handshake: %d ranks agree (protocol %s, vLLM %s, method %s, k=%s, fixed graph batch %s)",
+        world,
+        mine.get("protocol"),
+        mine.get("vllm_version"),
+        mine.get("method"),
+        mine.get("num_speculative_tokens"),
+        mine.get("fixed_graph_batch"),
+    )
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.dspark_pp.handshake")
 
 
 def default_store() -> Any:
