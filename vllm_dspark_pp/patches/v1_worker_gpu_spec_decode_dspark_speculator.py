@@ -28,6 +28,12 @@ TARGET = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 
 
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.dspark_pp.graph_batch")
+
+
 def _patch_dflash(module) -> None:
     from vllm_dspark_pp.graph_batch import MANAGER_ATTR, pinned_dispatch
 
@@ -35,6 +41,7 @@ def _patch_dflash(module) -> None:
         def dispatch_cg_and_sync_dp(cudagraph_manager, num_reqs, num_tokens, *args, **kwargs):
             fixed = getattr(cudagraph_manager, MANAGER_ATTR, None)
             if fixed and not kwargs.get("need_eager", False) and not args:
+                before = num_tokens
                 num_tokens, kwargs["dp_sync_state"] = pinned_dispatch(
                     fixed,
                     num_reqs,
@@ -42,6 +49,13 @@ def _patch_dflash(module) -> None:
                     kwargs.get("uniform_token_count"),
                     kwargs.get("dp_sync_state"),
                 )
+                if num_tokens != before:
+                    _logger().info_once(
+                        "DSpark drafter dispatch pinned to the fixed graph batch of %d requests "
+                        "(%d tokens)",
+                        fixed,
+                        num_tokens,
+                    )
             return orig(cudagraph_manager, num_reqs, num_tokens, *args, **kwargs)
 
         return dispatch_cg_and_sync_dp

@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 from protocol_gloo_workers import HANDSHAKE_SCENARIOS, handshake_worker, run_processes
 
-TIMEOUT = 3.0  # handshake timeout inside the workers (seconds)
+TIMEOUT = 6.0  # handshake timeout inside the workers (seconds)
+# Bounds are loose on purpose (CI machines are shared): "fast" means no wait beyond the
+# timeout plus its grace, never a hang.
+SLACK = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_a_silent_rank_fails_the_others_fast(outcomes):
         assert got[r]["outcome"] == "error", got[r]
         msg = got[r]["message"]
         assert "PP rank 1 sent no handshake" in msg and "without vllm-dspark-pp" in msg, msg
-        assert got[r]["elapsed"] < TIMEOUT + 3, got[r]["elapsed"]
+        assert got[r]["elapsed"] < TIMEOUT + SLACK, got[r]["elapsed"]
 
 
 @pytest.mark.timeout(200)
@@ -66,4 +69,4 @@ def test_a_silent_last_rank_fails_the_others_fast(outcomes):
     for r in (0, 1):
         assert got[r]["outcome"] == "error", got[r]
         assert "PP rank 2 (last) sent no verdict" in got[r]["message"], got[r]["message"]
-        assert got[r]["elapsed"] < TIMEOUT + 5 + 3, got[r]["elapsed"]
+        assert got[r]["elapsed"] < TIMEOUT + 5 + SLACK, got[r]["elapsed"]
