@@ -28,6 +28,9 @@ TARGET = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 
 
+_logged: list[bool] = []
+
+
 def _logger():
     from vllm.logger import init_logger
 
@@ -49,8 +52,10 @@ def _patch_dflash(module) -> None:
                     kwargs.get("uniform_token_count"),
                     kwargs.get("dp_sync_state"),
                 )
-                if num_tokens != before:
-                    _logger().info_once(
+                if num_tokens != before and not _logged:
+                    _logged.append(True)
+                    # plain info: vLLM's info_once prints on the node's first rank only
+                    _logger().info(
                         "DSpark drafter dispatch pinned to the fixed graph batch of %d requests "
                         "(%d tokens)",
                         fixed,
