@@ -12,6 +12,7 @@ Run on the GPU machine:  python -m pytest -m gpu -s tests/gpu/test_protocol_gpu.
 
 from __future__ import annotations
 
+import os
 from types import MethodType, SimpleNamespace
 
 import numpy as np
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.gpu
 K = 3  # drafts per step
 MAX_REQS = 32
 BATCH_SIZES = [1, 2, 3, 5, 6, 7, 8, 13, 16, 31]
+# "cpu" only for a dry run of the test logic under the Triton interpreter (no compiles there).
+DEVICE = os.environ.get("DSPARK_PP_PROTOCOL_GPU_TEST_DEVICE", "cuda")
 
 
 class CompileCounter:
@@ -75,7 +78,7 @@ def batch_of(n, slots, drafts):
     return SimpleNamespace(
         num_reqs=n,
         idx_mapping_np=idx_np,
-        idx_mapping=torch.from_numpy(idx_np.astype(np.int64)).cuda(),
+        idx_mapping=torch.from_numpy(idx_np.astype(np.int64)).to(DEVICE),
         num_computed_tokens_np=np.full(n, 10, dtype=np.int32),
         num_scheduled_tokens=np.full(n, 1 + drafts, dtype=np.int32),
         prefill_len_np=np.full(n, 4, dtype=np.int32),
@@ -87,7 +90,7 @@ def batch_of(n, slots, drafts):
 
 @pytest.fixture(scope="module")
 def setup():
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from vllm_dspark_pp.patches import v1_worker_gpu_pp_utils, v1_worker_gpu_warmup
 
@@ -100,7 +103,11 @@ def setup():
     from vllm_dspark_pp.patches._util import is_patched
 
     assert is_patched(warmup, "warmup_kernels") and is_patched(pp_utils.PPHandler, "receive")
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if DEVICE == "cuda"
+        else torch.device(DEVICE)
+    )
     saved = pp_utils.get_pp_group
     pp_utils.get_pp_group = lambda: FakePP(0, 2)
     try:
@@ -157,7 +164,8 @@ def test_no_triton_compile_in_the_deferred_post_update_after_prewarm(setup, monk
                 assert (out["draft_tokens"] is not None) == (drafts > 0)
                 runner.postprocess_sampled(**out)
                 applied += 1
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
     print(
         f"[protocol-gpu] serving: {applied} deferred post-updates (N in {BATCH_SIZES}, "
         f"with and without drafts), {serving.count} new Triton compiles: {serving.names}"
