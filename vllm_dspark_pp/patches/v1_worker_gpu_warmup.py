@@ -46,7 +46,15 @@ def _patch(module) -> None:
                 orig(model_runner, *args, **kwargs)
             handler = getattr(model_runner, "pp_handler", None)
             if handler is not None and hasattr(handler, "_dspark_spec"):
-                prewarm_deferred_post_update(model_runner)
+                n = prewarm_deferred_post_update(model_runner)
+                from vllm.logger import init_logger
+
+                init_logger("vllm.dspark_pp.warmup").info(
+                    "PP warm-up ran with the token exchange off; pre-warmed %d deferred "
+                    "post-update variant(s) on this %s rank",
+                    n,
+                    "last" if handler.is_last_rank else "non-last",
+                )
 
         return warmup_kernels
 
