@@ -1,0 +1,185 @@
+"""Worker bodies for the multi-process (gloo) tests. Each runs in a spawned process, reports one
+result dict through a queue and exits hard (os._exit) so no pending gloo work can hold it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _report(queue, result) -> None:
+    queue.put(result)
+    queue.close()
+    queue.join_thread()  # flush before the hard exit
+    os._exit(0)
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float = 60.0):
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist
+
+
+def exchange_worker(rank: int, world: int, port: int, seeds: list[int], queue) -> None:
+    """Replay seeded cases through the real patched PPHandler with real gloo broadcasts."""
+    result = {"rank": rank, "ok": False}
+    try:
+        import dataclasses
+        from collections import deque
+
+        import numpy as np
+        import protocol_replay as pr
+        import protocol_sim as ps
+
+        dist = _init(rank, world, port)
+        ps.apply_protocol_patches()
+        log = []
+        problems: list[str] = []
+        steps = 0
+        real_broadcast = dist.broadcast
+
+        def recording_broadcast(tensor, src, group=None, async_op=False):
+            log.append((len(log), tuple(tensor.shape), str(tensor.dtype)))
+            return real_broadcast(tensor, src=src, group=group)
+
+        dist.broadcast = recording_broadcast
+        last = world - 1
+        with ps.cpu_streams():
+            for seed in seeds:
+                case = dataclasses.replace(ps.random_case(seed), pp_size=world)
+                h = ps.make_handler(rank, world, case.k, case.max_num_reqs, dist.group.WORLD)
+                ring = deque([None] * world)
+                gen = np.zeros(case.max_num_reqs, dtype=np.int64)
+                gen_at = {}
+                for t, step in enumerate(case.steps):
+                    steps += 1
+                    if rank == last:
+                        ps.last_rank_execute(h, step)
+                        ps.last_rank_step(h, seed, t, step, case.k)
+                        continue
+                    out = ps.non_last_execute(h, step)
+                    src = ring.popleft()
+                    ring.append(None)
+                    pr._check_delivery(case, rank, t, src, out, gen_at, gen, problems)
+                    for slot in step.freed:
+                        gen[slot] += 1
+                    ps.non_last_sample(h, step)
+                    if h.queue[-1] is not None:
+                        ring[-1] = t
+                        gen_at[t] = gen[step.batch.idx_mapping_np].copy()
+                        pr._check_received(case, rank, t, step, h.queue[-1], problems)
+        dist.barrier()
+        result.update(ok=True, log=log, problems=problems, steps=steps)
+    except Exception:
+        result["error"] = traceback.format_exc()
+    _report(queue, result)
+
+
+HANDSHAKE_SCENARIOS = {
+    # name: (per-rank fact overrides, silent ranks)
+    "agree": ({}, ()),
+    "versions": ({0: {"protocol": 2, "vllm_version": "0.35.0"}}, ()),
+    "k": ({1: {"num_speculative_tokens": 5}}, ()),
+    "silent_rank": ({}, (1,)),
+    "silent_last": ({}, (2,)),
+}
+
+
+def handshake_worker(
+    rank: int, world: int, port: int, names: list[str], timeout_s: float, queue
+) -> None:
+    """Run one PP start-up handshake per scenario (each in its own namespace, after a barrier); a
+    silent rank joins the group but never handshakes, like a rank without the plugin."""
+    import time
+
+    result = {"rank": rank, "scenarios": {}}
+    try:
+        dist = _init(rank, world, port)
+        from vllm_dspark_pp import handshake
+
+        for i, name in enumerate(names):
+            overrides, silent = HANDSHAKE_SCENARIOS[name]
+            facts = dict(
+                protocol=1,
+                plugin_version="0.1.0",
+                vllm_version="0.34.0",
+                pp_size=world,
+                method="dspark",
+                num_speculative_tokens=3,
+                fixed_graph_batch=None,
+            )
+            facts.update(overrides.get(rank, {}))
+            dist.barrier()
+            out = {}
+            t0 = time.monotonic()
+            if rank in silent:
+                time.sleep(timeout_s + handshake.verdict_grace_s(timeout_s) + 1)
+                out["outcome"] = "silent"
+            else:
+                try:
+                    handshake.run_handshake(
+                        facts,
+                        rank_in_group=rank,
+                        ranks=list(range(world)),
+                        store=handshake.default_store(),
+                        timeout=timeout_s,
+                        epoch=i + 1,
+                    )
+                    out["outcome"] = "ok"
+                except Exception as e:  # noqa: BLE001
+                    out.update(outcome="error", type=type(e).__name__, message=str(e))
+            out["elapsed"] = time.monotonic() - t0
+            result["scenarios"][name] = out
+    except Exception:
+        result["error"] = traceback.format_exc()
+    _report(queue, result)
+
+
+def run_processes(target, world: int, args_for_rank, timeout_s: float) -> dict[int, dict]:
+    """Spawn ``world`` processes, collect one result per rank; every join has a timeout and a
+    process still alive after it is killed."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    import time
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, world, port, *args_for_rank(r), q), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                res = q.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+                results[res["rank"]] = res
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return results

@@ -1,0 +1,61 @@
+"""Bracket each sample_tokens with the exchange schedule, and run the PP start-up handshake.
+
+WHAT: ``GPUModelRunner.__init__`` runs :func:`vllm_dspark_pp.handshake.run_pp_handshake` right
+after vLLM built the ``PPHandler`` (so the PP groups exist), when PP > 1.
+``GPUModelRunner.sample_tokens`` tells the ``PPHandler`` the step's scheduled draft count before
+the step (``begin_step``) and checks after it (``end_step``) that the rank posted exactly the
+step's schedule. Both are no-ops without PP.
+
+WHY: the last rank's ``PPHandler.broadcast`` does not receive the step's draft count in vLLM
+0.34.0, but the schedule needs it to know whether a draft broadcast follows; and a step that
+planned a draft broadcast and never posted it would leave every other PP rank waiting. The
+handshake makes a rank with another plugin release, vLLM release or speculative setting (or no
+plugin at all) fail at start-up instead of hanging at the first step.
+
+UPSTREAM: none (plugin protocol).
+
+RETIRE WHEN: the PP exchange and handshake are upstream.
+
+TESTED BY: tests/unit/protocol/test_protocol_pp_handler.py, tests/unit/protocol/test_protocol_handshake.py
+"""
+
+from __future__ import annotations
+
+from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches._util import wrap
+
+TARGET = "vllm.v1.worker.gpu.model_runner"
+
+
+def _patch(module) -> None:
+    cls = module.GPUModelRunner
+
+    def make_init(orig):
+        def __init__(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            if getattr(self, "pp_handler", None) is not None:
+                from vllm_dspark_pp.handshake import run_pp_handshake
+
+                run_pp_handshake(self.vllm_config)
+
+        return __init__
+
+    def make_sample_tokens(orig):
+        def sample_tokens(self, *args, **kwargs):
+            handler = getattr(self, "pp_handler", None)
+            state = getattr(self, "execute_model_state", None)
+            if handler is None or state is None or not hasattr(handler, "begin_step"):
+                return orig(self, *args, **kwargs)
+            handler.begin_step(state.num_spec_tokens_to_schedule)
+            out = orig(self, *args, **kwargs)
+            handler.end_step()
+            return out
+
+        return sample_tokens
+
+    wrap(cls, "__init__", make_init)
+    wrap(cls, "sample_tokens", make_sample_tokens)
+
+
+def apply() -> None:
+    when_imported(TARGET, _patch)
