@@ -428,7 +428,9 @@ def _drop_shared_modules(model: nn.Module) -> None:
             del owner._modules[attr]
 
 
-def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Module:
+def load_context_kv_model(
+    target_model: nn.Module, vllm_config: VllmConfig, extra_report: dict[str, Any] | None = None
+) -> nn.Module:
     """Build and load the context-KV-only drafter through vLLM's own DSpark loading path
     (``dspark/utils.py::load_dspark_model``: draft-local PP=1 config, attention backend,
     KV-cache dtype and load config), with the context-only class instantiated."""
@@ -442,13 +444,36 @@ def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> n
     if not is_context_kv_only(model):
         raise RuntimeError(f"expected a context-KV-only drafter, vLLM built {type(model)}")
     _drop_shared_modules(model)
+    report = {
+        "class": type(model).__name__,
+        "layers": model.get_draft_kv_cache_layer_names(),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "params": sorted(n for n, _ in model.named_parameters()),
+        **(extra_report or {}),
+    }
     logger.info(
-        "Built the context-KV-only DSpark drafter (%s, %d layers, %.2f MiB of parameters).",
-        type(model).__name__,
-        len(model.model.layers),
-        sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+        "Built the context-KV-only DSpark drafter (%s, layers %s, %.3f MiB of parameters).",
+        report["class"],
+        report["layers"],
+        report["param_bytes"] / 2**20,
     )
+    _append_report(report)
     return model
+
+
+#: Diagnostics: when set, every context-only build appends one JSON line to this file
+#: (tests use it to see what a worker process built).
+REPORT_ENV = "VLLM_DSPARK_PP_CONTEXT_KV_REPORT"
+
+
+def _append_report(report: dict[str, Any]) -> None:
+    import json
+    import os
+
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(report) + "\n")
 
 
 # --------------------------------------------------------------------------- sizes
@@ -511,6 +536,7 @@ def draft_param_bytes(
         "fc": n_feat * th * h * b,
         "hidden_norm": h * b,
         "norm": h * b,
+        "mask_embedding": h * b,  # allocated by vLLM, loaded only if the checkpoint ships one
         "markov_head": (vocab * rank + dvocab * rank) * b,
         "d2t": dvocab * 8 if dvocab < vocab else 0,
     }

@@ -31,10 +31,22 @@ TARGET = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
 
 
 def _is_producer(speculator) -> bool:
-    from vllm_dspark_pp.roles import is_dspark_prefill_only
+    from vllm_dspark_pp import roles
 
     cfg = speculator.vllm_config
-    return is_dspark_prefill_only(cfg.speculative_config, cfg.kv_transfer_config)
+    decided = roles.is_dspark_prefill_only(cfg.speculative_config, cfg.kv_transfer_config)
+    # What the SpeculativeConfig itself says, through the KV-transfer config attached in the
+    # engine process and carried here by pickling (reported for tests; must agree).
+    spec = cfg.speculative_config
+    speculator.dspark_pp_attached_role = (
+        spec.is_dspark_prefill_only() if roles.is_attached(spec) else None
+    )
+    if speculator.dspark_pp_attached_role not in (None, decided):
+        raise RuntimeError(
+            "vllm-dspark-pp: the speculative config's attached KV-transfer config disagrees "
+            "with this worker's kv_transfer_config; refusing to guess the DSpark role."
+        )
+    return decided
 
 
 def _patch(module) -> None:
@@ -61,7 +73,11 @@ def _patch(module) -> None:
             if not getattr(self, "dspark_prefill_only", False):
                 return orig(self, target_model, target_attn_layer_names)
             self.use_confidence_head = False
-            return context_kv.load_context_kv_model(target_model, self.vllm_config)
+            return context_kv.load_context_kv_model(
+                target_model,
+                self.vllm_config,
+                {"attached_prefill_only": getattr(self, "dspark_pp_attached_role", None)},
+            )
 
         return load_draft_model
 
