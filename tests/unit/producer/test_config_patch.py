@@ -41,7 +41,7 @@ def test_no_kv_transfer(make_vllm_config):
 
 @pytest.mark.parametrize("dumps,loads", [(pickle.dumps, pickle.loads),
                                          (cloudpickle.dumps, cloudpickle.loads),
-                                         (lambda o: o, copy.deepcopy), (lambda o: o, copy.copy)])
+                                         (lambda o: o, copy.deepcopy)])
 def test_survives_pickling_of_the_whole_vllm_config(make_vllm_config, dumps, loads):
     cfg = make_vllm_config(producer_kv())
     back = loads(dumps(cfg))
@@ -55,12 +55,23 @@ def test_survives_pickling_of_the_whole_vllm_config(make_vllm_config, dumps, loa
     assert roles.STATE_KEY not in spec.__dict__
 
 
-def test_replace_still_works(make_vllm_config):
-    from vllm.config.utils import replace
+def test_shallow_copy_of_the_speculative_config(make_vllm_config):
+    cfg = make_vllm_config(producer_kv())
+    dup = copy.copy(cfg.speculative_config)
+    assert dup is not cfg.speculative_config and dup.is_dspark_prefill_only() is True
+
+
+def test_instance_dict_holds_only_fields(make_vllm_config):
+    """vllm.config.utils.replace rebuilds a config from __dict__ and raises on any key that is
+    not a dataclass field; the attachment must not add one (fresh or unpickled)."""
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.config.utils import get_field
 
     cfg = make_vllm_config(producer_kv())
-    back = pickle.loads(pickle.dumps(cfg.speculative_config))
-    replace(back, enforce_eager=True)  # raises on unknown keys in __dict__
+    for spec in (cfg.speculative_config, pickle.loads(pickle.dumps(cfg.speculative_config))):
+        assert spec.is_dspark_prefill_only()
+        for key in spec.__dict__:
+            get_field(SpeculativeConfig, key)  # raises ValueError for a non-field
 
 
 def test_unpickled_without_our_setstate(make_vllm_config):

@@ -103,9 +103,16 @@ def test_skipped_weight_names(checkpoint):
                     "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.k_norm.weight"}
 
 
-def _loaded(model, checkpoint):
+def _loaded(model, checkpoint, cfg):
+    """Load and post-process as vLLM's loader does (quant methods, then the model hook)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
     loaded = model.load_weights(iter(checkpoint.items()))
-    model.process_weights_after_loading()
+    with set_current_vllm_config(cfg):
+        process_weights_after_loading(
+            model, cfg.speculative_config.draft_model_config, torch.device("cpu")
+        )
     return loaded
 
 
@@ -114,7 +121,8 @@ def test_loads_only_kv_rows_and_they_match_the_full_drafter(producer_cfg, checkp
 
     full, _ = _build(producer_cfg, Qwen3DSparkForCausalLM)
     ctx, _ = _build(producer_cfg, context_kv.qwen3_context_kv_class())
-    loaded = _loaded(ctx, checkpoint)
+    # Compared before post-processing: on CPU it repacks linear weights out of `.weight`.
+    loaded = ctx.load_weights(iter(checkpoint.items()))
     assert sorted(loaded) == CONTEXT_PARAMS
     full.load_weights(iter(checkpoint.items()))
     fa, ca = full.model.layers[0].self_attn, ctx.model.layers[0].self_attn
@@ -133,9 +141,8 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
 
     full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
     ctx, ccfg = _build(producer_cfg, context_kv.qwen3_context_kv_class())
-    _loaded(ctx, checkpoint)
-    full.load_weights(iter(checkpoint.items()))
-    full.process_weights_after_loading()
+    _loaded(ctx, checkpoint, ccfg)
+    _loaded(full, checkpoint, fcfg)
 
     g = torch.Generator().manual_seed(0)
     n_tok, aux = 13, full.model.fc.input_size
