@@ -1,7 +1,7 @@
 """Fixtures of the CPU end-to-end tier (see docs/testing.md).
 
-``e2e_timeout_s``: the hard per-case wall-clock limit (``DSPARK_E2E_TIMEOUT_S``, default 180 s;
-a case takes 15-60 s on an idle 2-core machine, the margin is for loaded CI hosts).
+``e2e_timeout_s``: the hard per-case wall-clock limit (``DSPARK_E2E_TIMEOUT_S``, default 300 s;
+a case takes well under a minute on an idle 2-core machine; measured 90-160 s on a host loaded 10x, hence the margin).
 """
 
 from __future__ import annotations
@@ -13,4 +13,4 @@ import pytest
 
 @pytest.fixture(scope="session")
 def e2e_timeout_s() -> float:
-    return float(os.environ.get("DSPARK_E2E_TIMEOUT_S", "180"))
+    return float(os.environ.get("DSPARK_E2E_TIMEOUT_S", "300"))

@@ -71,7 +71,15 @@ DEFAULT_TIMEOUT_S = 90.0
 
 
 class E2EFailure(AssertionError):
-    """The case failed, crashed or hung; the message carries the reason and the log tail."""
+    """The case failed, crashed or hung; the message carries the reason and the log tail.
+
+    ``hung`` tells a hard-limit kill from a failure; ``pgid`` is the killed process group.
+    """
+
+    def __init__(self, msg: str, *, hung: bool = False, pgid: int | None = None):
+        super().__init__(msg)
+        self.hung = hung
+        self.pgid = pgid
 
 
 @dataclass
@@ -170,13 +178,16 @@ def run_generate(
     if timed_out:
         raise E2EFailure(
             f"e2e case [{desc}] HUNG: killed after {timeout_s:.0f} s in phase "
-            f"{result.get('phase', 'import')!r}.\n--- log tail ---\n{_tail(log_text)}"
+            f"{result.get('phase', 'import')!r}.\n--- log tail ---\n{_tail(log_text)}",
+            hung=True,
+            pgid=proc.pid,
         )
     if not result.get("ok"):
         raise E2EFailure(
             f"e2e case [{desc}] failed (exit {proc.returncode}) in phase {result.get('phase')!r}: "
             f"{result.get('error', 'no result written')}\n{result.get('traceback', '')}"
-            f"\n--- log tail ---\n{_tail(log_text)}"
+            f"\n--- log tail ---\n{_tail(log_text)}",
+            pgid=proc.pid,
         )
     return Result(
         tokens=result["tokens"],
