@@ -11,7 +11,7 @@ import torch
 from vllm_dspark_pp import graph_batch as gb
 from vllm_dspark_pp.patches import (
     engine_arg_utils__protocol,
-    v1_worker_gpu_spec_decode_dspark_speculator,
+    v1_worker_gpu_spec_decode_dspark_speculator__protocol,
 )
 
 
@@ -144,7 +144,7 @@ def test_patched_dispatch_pins_the_tagged_manager_and_passes_vllms_dp_check():
 
     q, fixed = 3, 8
     mod = SimpleNamespace(dispatch_cg_and_sync_dp=dp_utils.dispatch_cg_and_sync_dp)
-    v1_worker_gpu_spec_decode_dspark_speculator._patch_dflash(mod)
+    v1_worker_gpu_spec_decode_dspark_speculator__protocol._patch_dflash(mod)
     manager = _FakeManager()
     setattr(manager, gb.MANAGER_ATTR, fixed)
     # What DFlashSpeculator.propose passes: the target's DP sync rebuilt for 5 * q tokens.

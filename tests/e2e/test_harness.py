@@ -1,0 +1,32 @@
+"""The e2e harness turns a hang into a failure and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from e2e.harness import E2EFailure, run_generate
+
+pytestmark = pytest.mark.e2e
+
+
+def test_hard_limit_kills_the_whole_process_group(tiny_models):
+    # 8 s is far too short for vLLM's start-up (engine core + 2 PP workers): the case must be
+    # reported as HUNG and every process of its group must be gone afterwards.
+    t0 = time.monotonic()
+    with pytest.raises(E2EFailure) as info:
+        run_generate(
+            {"model": tiny_models.target, "pipeline_parallel_size": 2}, [[5, 6, 7]], timeout_s=8
+        )
+    assert info.value.hung and "HUNG" in str(info.value)
+    assert time.monotonic() - t0 < 40
+    with pytest.raises(ProcessLookupError):
+        os.killpg(info.value.pgid, 0)
+
+
+def test_engine_errors_are_failures_with_the_reason(tiny_models):
+    with pytest.raises(E2EFailure) as info:
+        run_generate({"model": tiny_models.target, "max_model_len": 10**7}, [[5]], timeout_s=120)
+    assert not info.value.hung
+    assert "max_model_len" in str(info.value) or "max model len" in str(info.value).lower()

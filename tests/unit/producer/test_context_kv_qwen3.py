@@ -1,0 +1,212 @@
+"""The Qwen3 context-KV-only drafter, built in process on CPU next to vLLM's full drafter."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig
+
+from vllm_dspark_pp import context_kv
+
+CONTEXT_PARAMS = [
+    "model.fc.weight",
+    "model.hidden_norm.weight",
+    "model.layers.0.self_attn.k_norm.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+]
+
+
+@pytest.fixture(scope="module")
+def producer_cfg(make_vllm_config, dist_env):
+    return make_vllm_config(KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"))
+
+
+def _build(cfg, cls):
+    """Instantiate ``cls`` as vLLM would (current config set), with its own layer registry."""
+    from vllm.config import set_current_vllm_config
+
+    c = copy.copy(cfg)
+    c.compilation_config = copy.copy(cfg.compilation_config)
+    c.compilation_config.static_forward_context = {}
+    with set_current_vllm_config(c), torch.device("cpu"):
+        model = cls(vllm_config=c, prefix="")
+    return model, c
+
+
+@pytest.fixture(scope="module")
+def pair(producer_cfg):
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    full, full_cfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, ctx_cfg = _build(producer_cfg, context_kv.qwen3_context_kv_class())
+    return full, full_cfg, ctx, ctx_cfg
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_pair):
+    from safetensors.torch import load_file
+
+    return load_file(f"{tiny_pair.draft}/model.safetensors")
+
+
+def test_context_only_module_tree(pair):
+    full, _, ctx, _ = pair
+    assert sorted(n for n, _ in ctx.named_parameters()) == CONTEXT_PARAMS
+    full_names = {n for n, _ in full.named_parameters()}
+    assert set(CONTEXT_PARAMS) <= full_names
+    modules = {n for n, _ in ctx.named_modules()}
+    for absent in ("lm_head", "model.embed_tokens", "model.markov_head", "model.confidence_head",
+                   "model.norm", "model.layers.0.mlp", "model.layers.0.self_attn.o_proj",
+                   "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"):
+        assert absent not in modules
+    attn = ctx.model.layers[0].self_attn
+    full_attn = full.model.layers[0].self_attn
+    assert attn.q_size == 0
+    assert attn.qkv_proj.weight.shape == (2 * full_attn.kv_size, full_attn.hidden_size)
+    assert not list(attn.q_norm.parameters())
+    assert context_kv.is_context_kv_only(ctx) and not context_kv.is_context_kv_only(full)
+
+
+def test_kv_cache_layer_names_and_specs_equal(pair):
+    full, full_cfg, ctx, ctx_cfg = pair
+    names = full.get_draft_kv_cache_layer_names()
+    assert names == ctx.get_draft_kv_cache_layer_names() == ["model.layers.6.self_attn.attn"]
+    assert full.get_draft_attn_causal() == ctx.get_draft_attn_causal()
+    f_layers = full_cfg.compilation_config.static_forward_context
+    c_layers = ctx_cfg.compilation_config.static_forward_context
+    assert sorted(f_layers) == sorted(c_layers) == names
+    for n in names:
+        f_spec = f_layers[n].get_kv_cache_spec(full_cfg)
+        c_spec = c_layers[n].get_kv_cache_spec(ctx_cfg)
+        assert f_spec == c_spec
+        assert type(f_layers[n].impl) is type(c_layers[n].impl)
+        assert f_layers[n].attn_backend is c_layers[n].attn_backend
+
+
+def test_skipped_weight_names(checkpoint):
+    skipped = set(context_kv.skipped_weight_names(checkpoint))
+    assert skipped == {
+        "embed_tokens.weight", "lm_head.weight", "norm.weight",
+        "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight", "confidence_head.proj.bias",
+        "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.o_proj.weight",
+        "layers.0.self_attn.q_norm.weight",
+        "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",
+        "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+    }
+    kept = set(checkpoint) - skipped
+    assert kept == {"fc.weight", "hidden_norm.weight", "layers.0.self_attn.k_proj.weight",
+                    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.k_norm.weight"}
+
+
+def _loaded(model, checkpoint, cfg):
+    """Load and post-process as vLLM's loader does (quant methods, then the model hook)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    loaded = model.load_weights(iter(checkpoint.items()))
+    with set_current_vllm_config(cfg):
+        process_weights_after_loading(
+            model, cfg.speculative_config.draft_model_config, torch.device("cpu")
+        )
+    return loaded
+
+
+def test_loads_only_kv_rows_and_they_match_the_full_drafter(producer_cfg, checkpoint):
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    full, _ = _build(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, _ = _build(producer_cfg, context_kv.qwen3_context_kv_class())
+    # Compared before post-processing: on CPU it repacks linear weights out of `.weight`.
+    loaded = ctx.load_weights(iter(checkpoint.items()))
+    assert sorted(loaded) == CONTEXT_PARAMS
+    full.load_weights(iter(checkpoint.items()))
+    fa, ca = full.model.layers[0].self_attn, ctx.model.layers[0].self_attn
+    assert torch.equal(ca.qkv_proj.weight, fa.qkv_proj.weight[fa.q_size:])
+    assert torch.equal(ca.k_norm.weight, fa.k_norm.weight)
+    assert torch.equal(ctx.model.fc.weight, full.model.fc.weight)
+    assert torch.equal(ctx.model.hidden_norm.weight, full.model.hidden_norm.weight)
+    kv = checkpoint["layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(ca.qkv_proj.weight[: kv.shape[0]], kv)
+
+
+def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
+    """The K (normed, rotated) and V the context path computes, both drafters, same inputs."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, ccfg = _build(producer_cfg, context_kv.qwen3_context_kv_class())
+    _loaded(ctx, checkpoint, ccfg)
+    _loaded(full, checkpoint, fcfg)
+
+    g = torch.Generator().manual_seed(0)
+    n_tok, aux = 13, full.model.fc.input_size
+    aux_states = torch.randn(n_tok, aux, generator=g)
+    positions = torch.arange(3, 3 + n_tok)
+
+    def context_kv_of(model, cfg):
+        m = model.model
+        with set_current_vllm_config(cfg):
+            states = model.combine_hidden_states(aux_states)
+            k, v = m._project_context_kv(states, n_tok, m._num_attn_layers, m._num_kv_heads,
+                                         m._head_dim)
+            k = m._normalize_context_k(k)
+            m._apply_context_rope(k, positions)
+        return k, v
+
+    fk, fv = context_kv_of(full, fcfg)
+    ck, cv = context_kv_of(ctx, ccfg)
+    assert fk.abs().sum() > 0 and fv.abs().sum() > 0
+    torch.testing.assert_close(ck, fk, rtol=0, atol=0)
+    torch.testing.assert_close(cv, fv, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", ["forward", "compute_logits", "compute_draft_logits",
+                                  "markov_embed", "markov_bias", "compute_confidence",
+                                  "embed_input_ids", "map_draft_to_target"])
+def test_drafting_raises_clearly(pair, call):
+    ctx = pair[2]
+    with pytest.raises(context_kv.ContextOnlyDrafterError, match="prefill-only KV producer"):
+        getattr(ctx, call)(torch.zeros(1, dtype=torch.long))
+
+
+def test_backbone_forward_raises(pair):
+    ctx = pair[2]
+    with pytest.raises(context_kv.ContextOnlyDrafterError, match="cannot draft tokens"):
+        ctx.model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
+    import json
+
+    full, _, ctx, _ = pair
+    hf = json.load(open(f"{tiny_pair.draft}/config.json"))
+    sizes = context_kv.draft_param_bytes(hf, "kv_producer", dtype_bytes=4)
+    # The analytic count includes the draft-owned embedding and LM head; the built full model
+    # allocates both (they are replaced by the target's when vLLM shares them).
+    full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
+    ctx_bytes = sum(p.numel() * p.element_size() for p in ctx.parameters())
+    assert sizes["context_only_bytes"] == ctx_bytes
+    assert sizes["full_bytes"] == full_bytes
+    assert sizes["builds"] == "context_only" and sizes["built_bytes"] == ctx_bytes
+    both = context_kv.draft_param_bytes(hf, "kv_both", dtype_bytes=4)
+    assert both["builds"] == "full"
+
+
+@pytest.mark.parametrize("arch,refused", [
+    ("Qwen3DSparkModel", False), ("DSparkDraftModel", True), ("K3DSparkModel", True),
+    ("DSparkV41DraftModel", True), ("DSparkMiniMaxDraftModel", True),
+    ("Gemma4DSparkModel", True), ("Qwen3OmniDSparkModel", True), ("SomethingElse", True),
+])
+def test_unsupported_families_refused(arch, refused):
+    spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(architectures=[arch]))
+    problem = context_kv.unsupported_draft_problem(spec)
+    assert (problem is not None) == refused
+    if refused:
+        with pytest.raises(NotImplementedError, match="kv_both"):
+            context_kv.check_draft_supported(spec)

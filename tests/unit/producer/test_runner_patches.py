@@ -1,0 +1,205 @@
+"""The producer patches of the model runner, the DSpark speculator and EPLB, on stand-ins."""
+
+from __future__ import annotations
+
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from vllm_dspark_pp.context_kv import ContextOnlyDrafterError
+
+
+@pytest.fixture(scope="module")
+def modules(plugin):
+    import vllm.v1.worker.gpu.eplb_utils as eplb
+    import vllm.v1.worker.gpu.model_runner as mr
+    import vllm.v1.worker.gpu.spec_decode.dspark.speculator as sp
+
+    return mr, sp, eplb
+
+
+def test_patches_installed_on_import(modules):
+    from vllm_dspark_pp.patches._util import is_patched
+
+    mr, sp, eplb = modules
+    for name in ("load_model", "sample", "execute_model"):
+        assert is_patched(mr.GPUModelRunner, name)
+    for name in ("__init__", "load_draft_model", "propose", "init_cudagraph_manager", "capture"):
+        assert is_patched(sp.DSparkSpeculator, name)
+    assert hasattr(sp.DSparkSpeculator, "materialize_context_kv")
+    assert is_patched(eplb.EPLBController, "maybe_register_speculator")
+
+
+class _State(NamedTuple):
+    num_spec_tokens_to_schedule: int
+
+
+def _patched_runner_class():
+    """A stand-in GPUModelRunner with recording originals, patched by our patch module."""
+    from vllm_dspark_pp.patches import v1_worker_gpu_model_runner__producer as patch
+
+    seen: dict = {}
+
+    class Runner:
+        def load_model(self):
+            self.rejection_sampler = "built by vLLM"
+
+        def sample(self, hidden_states, input_batch, grammar_output):
+            seen["sampler"] = self.rejection_sampler
+            return "sampled"
+
+        def execute_model(self, scheduler_output):
+            self.execute_model_state = scheduler_output  # vLLM builds the state here
+            return None
+
+        def sample_tokens(self, grammar_output):
+            seen["n"] = self.execute_model_state.num_spec_tokens_to_schedule
+            return "out"
+
+    class FakeRejectionSampler:
+        def __init__(self, sampler, spec, device, watermark_key=None):
+            self.args = (sampler, spec, device, watermark_key)
+
+    module = types.SimpleNamespace(
+        GPUModelRunner=Runner,
+        RejectionSampler=FakeRejectionSampler,
+        speculative_target_watermark_key=lambda cfg: "wm",
+    )
+    patch._patch(module)
+    return Runner, seen, FakeRejectionSampler
+
+
+def _runner_cfg(role):
+    from vllm.config import KVTransferConfig
+
+    spec = types.SimpleNamespace(method="dspark")
+    return types.SimpleNamespace(
+        speculative_config=spec,
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role=role),
+        watermark_config=None,
+    )
+
+
+@pytest.mark.parametrize("role,expected", [("kv_producer", 0), ("kv_both", 4),
+                                           ("kv_consumer", 4)])
+def test_sample_tokens_schedules_no_drafts_on_producers(role, expected):
+    Runner, seen, _ = _patched_runner_class()
+    r = Runner()
+    r.vllm_config = _runner_cfg(role)
+    r.load_model()
+    r.execute_model(_State(4))
+    assert r.sample_tokens(None) == "out"
+    assert seen["n"] == expected
+
+
+def test_rejection_sampler_built_only_when_drafts_arrive():
+    Runner, seen, Fake = _patched_runner_class()
+    r = Runner()
+    r.vllm_config = _runner_cfg("kv_producer")
+    r.speculative_config, r.device, r.sampler = "spec", "cpu", "sampler"
+    r.load_model()
+    assert r.rejection_sampler is None
+    r.sample(None, types.SimpleNamespace(num_draft_tokens=0), None)
+    assert seen["sampler"] is None
+    r.sample(None, types.SimpleNamespace(num_draft_tokens=3), None)
+    assert isinstance(seen["sampler"], Fake)
+    assert seen["sampler"].args == ("sampler", "spec", "cpu", "wm")
+    full = Runner()
+    full.vllm_config = _runner_cfg("kv_both")
+    full.load_model()
+    assert full.rejection_sampler == "built by vLLM"
+
+
+def test_speculator_propose_routes_on_producers(modules):
+    from vllm_dspark_pp.patches import (
+        v1_worker_gpu_spec_decode_dspark_speculator__producer as patch,
+    )
+
+    calls = []
+
+    class Base:
+        def __init__(self, vllm_config, device):
+            self.vllm_config = vllm_config
+            self.draft_tokens = torch.zeros(4, 2, dtype=torch.long)
+
+        def propose(self, *args, **kwargs):
+            calls.append(kwargs.get("num_speculative_tokens"))
+            return "proposed"
+
+        def load_draft_model(self, *a):
+            return "full"
+
+        def init_cudagraph_manager(self, mode):
+            calls.append("cg")
+
+        def capture(self):
+            calls.append("capture")
+
+    class Spec(Base):
+        pass
+
+    patch._patch(types.SimpleNamespace(DSparkSpeculator=Spec))
+    from vllm.config import KVTransferConfig
+
+    spec_cfg = types.SimpleNamespace(method="dspark", is_dspark_prefill_only=lambda: True)
+    cfg = types.SimpleNamespace(
+        speculative_config=spec_cfg,
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
+                                            kv_role="kv_producer"),
+    )
+    s = Spec(cfg, "cpu")
+    assert s.dspark_prefill_only and not s.use_draft_logits and not s.enable_adaptive_verification
+    batch = types.SimpleNamespace(num_reqs=3)
+    assert s.propose(input_batch=batch, dummy_run=True).shape == (3, 2)
+    assert calls == []  # dummy proposes do nothing on a producer
+    assert s.propose(batch, num_speculative_tokens=0) == "proposed"
+    assert calls == [0]  # materialize_context_kv = vLLM's propose with zero drafts
+    with pytest.raises(ContextOnlyDrafterError):
+        s.propose(batch, num_speculative_tokens=2)
+    s.init_cudagraph_manager(None)
+    s.capture()
+    assert calls == [0] and s.query_cudagraph_manager is None
+
+    cfg.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    spec_cfg.is_dspark_prefill_only = lambda: False
+    full = Spec(cfg, "cpu")
+    assert not full.dspark_prefill_only
+    assert full.propose(batch, num_speculative_tokens=2) == "proposed"
+    assert full.load_draft_model(None, set()) == "full"
+    full.capture()
+    assert calls[-2:] == [2, "capture"]
+
+
+def test_attached_role_disagreement_is_refused(modules):
+    from vllm.config import KVTransferConfig
+
+    from vllm_dspark_pp import roles
+    from vllm_dspark_pp.patches import (
+        v1_worker_gpu_spec_decode_dspark_speculator__producer as patch,
+    )
+
+    class Spec:  # weak-referenceable stand-in
+        method = "dspark"
+
+        def is_dspark_prefill_only(self):
+            return roles.is_dspark_prefill_only(self)
+
+    spec_cfg = Spec()
+    roles.attach_kv_transfer_config(spec_cfg, None)  # engine side: no KV transfer
+    cfg = types.SimpleNamespace(
+        speculative_config=spec_cfg,
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
+                                            kv_role="kv_producer"),
+    )
+    with pytest.raises(RuntimeError, match="disagrees"):
+        patch._is_producer(types.SimpleNamespace(vllm_config=cfg))
+
+
+def test_eplb_skips_context_only_drafter(modules):
+    eplb = modules[2]
+    ctl = eplb.EPLBController.__new__(eplb.EPLBController)
+    ctl.parallel_config = types.SimpleNamespace(enable_eplb=True)
+    spec = types.SimpleNamespace(model=types.SimpleNamespace(context_kv_only=True))
+    assert ctl.maybe_register_speculator(spec, None, False) is False

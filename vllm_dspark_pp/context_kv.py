@@ -1,0 +1,563 @@
+"""The context-KV-only DSpark drafter for prefill-only KV producers.
+
+A prefill-only producer never verifies drafts, but the decode instance's DSpark drafter reads
+the draft's *context KV* for the prompt (pulled over the KV connector by layer name). So the
+producer builds only what writes that KV:
+
+* the context projection (``fc``, target aux hidden states -> draft hidden) and its norm
+  (``hidden_norm``);
+* per draft layer: the K/V projection (the K/V rows of ``qkv_proj`` only), the K norm
+  (``k_norm``), the rotary embedding and the attention (KV cache) layer, with the same layer
+  names, heads, head size, sliding window and sinks as the full drafter so that vLLM derives the
+  identical KV-cache spec.
+
+It skips, and never loads: token embeddings, LM head, Markov head, confidence head, the
+final norm, MLPs, query/output projections, q_norm and the per-layer input/post-attention
+norms (the context path does not read them: ``qwen3_dflash.py::precompute_and_store_context_kv``
+normalises with ``hidden_norm`` and projects with the K/V rows only). Drafting tokens on such a
+model raises :class:`ContextOnlyDrafterError`.
+
+The K/V computation itself is vLLM's own code: the context model borrows
+``DFlashQwen3Model.precompute_and_store_context_kv`` and its helpers unchanged, fed by a
+``QKVParallelLinear`` with zero query heads (``q_size == 0``), so the bytes written are the
+full drafter's by construction (``tests/gpu/test_producer_gpu.py`` compares cache contents).
+
+Families: Qwen3 DSpark is built here. Every other DSpark draft architecture is refused at
+start on a prefill-only producer (see :data:`CONTEXT_ONLY_ARCHITECTURES` and
+:func:`unsupported_draft_problem`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+logger = init_logger("vllm.dspark_pp.context_kv")
+
+#: Draft architectures (``draft_model_config.architectures``) with a context-KV-only build.
+CONTEXT_ONLY_ARCHITECTURES: dict[str, str] = {
+    "Qwen3DSparkModel": "Qwen3 DSpark",
+}
+
+#: DSpark draft architectures vLLM 0.34.0 serves that have no context-only build yet.
+KNOWN_UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "DSparkDraftModel": "DeepSeek-V4 DSpark",
+    "K3DSparkModel": "Kimi-K3 DSpark",
+    "DSparkV41DraftModel": "DeepSeek-V4.1 DSpark",
+    "DSparkMiniMaxDraftModel": "MiniMax-M3 DSpark",
+    "Gemma4DSparkModel": "Gemma4 DSpark",
+    "Qwen3OmniDSparkModel": "Qwen3-Omni DSpark",
+    "MuseSparkDSparkModel": "Muse Spark DSpark",
+    "MistralLarge4DSparkModel": "Mistral Large 4 DSpark",
+}
+
+
+class ContextOnlyDrafterError(RuntimeError):
+    """A context-KV-only drafter was asked to draft tokens."""
+
+
+def _refuse(what: str) -> ContextOnlyDrafterError:
+    return ContextOnlyDrafterError(
+        f"{what}: this DSpark drafter was built context-KV-only because this instance is a "
+        "prefill-only KV producer (kv_role='kv_producer'); it writes the draft's context KV "
+        "for the decode instance and cannot draft tokens. Serve decodes from a kv_consumer or "
+        "kv_both instance (kv_both keeps the full drafter)."
+    )
+
+
+# --------------------------------------------------------------------------- families
+def draft_architectures(spec_config: SpeculativeConfig) -> list[str]:
+    draft = getattr(spec_config, "draft_model_config", None)
+    if draft is None:
+        return []
+    return list(getattr(draft, "architectures", None) or [])
+
+
+def unsupported_draft_problem(spec_config: SpeculativeConfig) -> str | None:
+    """Why this draft has no context-only build (None when it has one)."""
+    archs = draft_architectures(spec_config)
+    if any(a in CONTEXT_ONLY_ARCHITECTURES for a in archs):
+        # Qwen3-Omni drafts resolve to the Qwen3 class but are their own family.
+        if not any(a in KNOWN_UNSUPPORTED_ARCHITECTURES for a in archs):
+            return None
+    family = next(
+        (KNOWN_UNSUPPORTED_ARCHITECTURES[a] for a in archs if a in KNOWN_UNSUPPORTED_ARCHITECTURES),
+        None,
+    )
+    name = family or (", ".join(archs) if archs else "unknown architecture")
+    supported = ", ".join(f"{v} ({k})" for k, v in CONTEXT_ONLY_ARCHITECTURES.items())
+    return (
+        f"vllm-dspark-pp has no context-KV-only drafter for {name} yet, so it cannot serve as a "
+        f"DSpark prefill-only producer (kv_role='kv_producer'). Supported: {supported}. "
+        "Run this instance with kv_role='kv_both' (keeps the full drafter) or without "
+        "speculative decoding on the producer."
+    )
+
+
+def check_draft_supported(spec_config: SpeculativeConfig) -> None:
+    problem = unsupported_draft_problem(spec_config)
+    if problem is not None:
+        raise NotImplementedError(problem)
+
+
+# --------------------------------------------------------------------------- weights
+# Names as they appear in a Qwen3 DSpark checkpoint (no "model." prefix).
+_KEEP = re.compile(
+    r"^(?:model\.)?(?:"
+    r"fc\.|hidden_norm\.|"
+    r"(?:layers|midlayer)(?:\.\d+)?\.self_attn\.(?:k_proj|v_proj|qkv_proj|k_norm|attn|"
+    r"attention_sink_bias)\b"
+    r")"
+)
+
+
+def is_context_kv_weight(name: str) -> bool:
+    """Whether a Qwen3 DSpark checkpoint tensor is needed by the context-only drafter."""
+    return _KEEP.match(name) is not None
+
+
+def skipped_weight_names(names: Iterable[str]) -> list[str]:
+    return [n for n in names if not is_context_kv_weight(n)]
+
+
+# --------------------------------------------------------------------------- Qwen3 model
+def _build_qwen3_classes() -> tuple[type, type]:
+    """Define the Qwen3 context-only classes (deferred: needs torch and vLLM layers)."""
+    from torch import nn
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.model_loader.weight_utils import make_attention_sink
+    from vllm.model_executor.models import qwen3_dflash as qd
+    from vllm.model_executor.models.utils import (
+        AutoWeightsLoader,
+        get_draft_quant_config,
+        maybe_prefix,
+    )
+    from vllm.transformers_utils.config import set_default_rope_theta
+    from vllm.v1.attention.backend import AttentionType
+
+    class _EpsOnly(nn.Module):
+        """Stands in for q_norm: vLLM's context path reads only its epsilon."""
+
+        def __init__(self, eps: float) -> None:
+            super().__init__()
+            self.variance_epsilon = eps
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            raise _refuse("q_norm")
+
+    class Qwen3DSparkContextKVAttention(nn.Module):
+        """The K/V half of DFlashQwen3Attention: same attribute names, no query side."""
+
+        def __init__(self, config: Any, layer_idx: int, cache_config: Any, quant_config: Any,
+                     prefix: str) -> None:
+            super().__init__()
+            set_default_rope_theta(config, default_theta=1000000)
+            dflash_config = getattr(config, "dflash_config", None) or {}
+            sliding_window, causal = qd._resolve_layer_attention(config, layer_idx)
+            tp_size = get_tensor_model_parallel_world_size()
+            hidden_size = config.hidden_size
+            total_heads = config.num_attention_heads
+            total_kv = config.num_key_value_heads
+            self.layer_name = prefix
+            self.hidden_size = hidden_size
+            self.total_num_heads = total_heads
+            self.num_heads = total_heads // tp_size  # query heads of the cache layer
+            self.total_num_kv_heads = total_kv
+            self.num_kv_heads = max(1, total_kv // tp_size)
+            self.head_dim = getattr(config, "head_dim", None) or hidden_size // total_heads
+            self.q_size = 0  # the projection below holds K/V rows only
+            self.kv_size = self.num_kv_heads * self.head_dim
+            self.scaling = self.head_dim**-0.5
+            self.v_scale = dflash_config.get("attention_value_scale")
+            self.sliding_window = sliding_window
+            self.causal = causal
+            self.qkv_proj = QKVParallelLinear(
+                hidden_size,
+                self.head_dim,
+                0,
+                total_kv,
+                bias=getattr(config, "attention_bias", False),
+                quant_config=quant_config,
+                prefix=f"{prefix}.qkv_proj",
+            )
+            self.rotary_emb = get_rope(
+                self.head_dim,
+                max_position=config.max_position_embeddings,
+                is_neox_style=getattr(config, "is_neox_style", True),
+                rope_parameters=config.rope_parameters,
+            )
+            add_sink = dflash_config.get(
+                "attention_sink_bias", getattr(config, "add_swa_attention_sink_bias", False)
+            )
+            self.attention_sink_bias = make_attention_sink(self.num_heads) if add_sink else None
+            self.attn = Attention(
+                self.num_heads,
+                self.head_dim,
+                self.scaling,
+                num_kv_heads=self.num_kv_heads,
+                cache_config=cache_config,
+                quant_config=quant_config,
+                per_layer_sliding_window=sliding_window,
+                prefix=f"{prefix}.attn",
+                attn_type=AttentionType.DECODER,
+                sinks=self.attention_sink_bias,
+            )
+            self.q_norm = _EpsOnly(config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("draft attention forward")
+
+    class Qwen3DSparkContextKVLayer(nn.Module):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__()
+            self.self_attn = Qwen3DSparkContextKVAttention(**kwargs)
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            raise _refuse("draft decoder layer forward")
+
+    base = qd.DFlashQwen3Model
+
+    class Qwen3DSparkContextKVModel(nn.Module):
+        """fc + hidden_norm + per-layer K/V; context KV via vLLM's own precompute."""
+
+        hf_to_vllm_mapper = base.hf_to_vllm_mapper
+
+        def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0,
+                     prefix: str = "") -> None:
+            super().__init__()
+            spec = vllm_config.speculative_config
+            assert spec is not None
+            self.config = spec.draft_model_config.hf_config
+            self.quant_config = get_draft_quant_config(vllm_config)
+            self._fused_kv_weight = None
+            self._fused_kv_bias = None
+            self._context_kv_proj = None  # no MXFP8 fused context projection
+            drafter_config = dict(getattr(self.config, "eagle_config", None) or {})
+            drafter_config.update(getattr(self.config, "dflash_config", None) or {})
+            self.use_aux_hidden_state = drafter_config.get(
+                "use_aux_hidden_state", getattr(self.config, "use_aux_hidden_state", True)
+            )
+            current = get_current_vllm_config()
+            self.layers = nn.ModuleList(
+                Qwen3DSparkContextKVLayer(
+                    config=self.config,
+                    layer_idx=i,
+                    cache_config=current.cache_config,
+                    quant_config=self.quant_config,
+                    prefix=maybe_prefix(prefix, f"layers.{i + start_layer_id}.self_attn"),
+                )
+                for i in range(self.config.num_hidden_layers)
+            )
+            if self.use_aux_hidden_state:
+                self.fc = ReplicatedLinear(
+                    input_size=qd._get_dflash_fc_input_size(vllm_config),
+                    output_size=self.config.hidden_size,
+                    bias=False,
+                    params_dtype=vllm_config.model_config.dtype,
+                    quant_config=self.quant_config,
+                    prefix=maybe_prefix(prefix, "fc"),
+                    return_bias=False,
+                )
+            self.hidden_norm = RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+
+        # vLLM 0.34.0's context-KV code, used as is (qwen3_dflash.py, DFlashQwen3Model).
+        _build_context_kv_buffers = base._build_context_kv_buffers
+        _build_fused_kv_buffers = base._build_fused_kv_buffers
+        _normalize_context_states = base._normalize_context_states
+        _project_context_kv_token_major = base._project_context_kv_token_major
+        _project_context_kv = base._project_context_kv
+        _apply_context_rope = base._apply_context_rope
+        _normalize_context_k = base._normalize_context_k
+        precompute_and_store_context_kv = base.precompute_and_store_context_kv
+
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("draft backbone forward")
+
+        def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+            raise _refuse("draft token embedding")
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            loader = AutoWeightsLoader(self)
+            return loader.load_weights(
+                self._kv_rows_only(weights), mapper=self.hf_to_vllm_mapper
+            )
+
+        def _kv_rows_only(
+            self, weights: Iterable[tuple[str, torch.Tensor]]
+        ) -> Iterator[tuple[str, torch.Tensor]]:
+            """A checkpoint that ships qkv_proj fused keeps only its K/V rows here."""
+            q_rows = self.config.num_attention_heads * (
+                getattr(self.config, "head_dim", None)
+                or self.config.hidden_size // self.config.num_attention_heads
+            )
+            for name, weight in weights:
+                if ".qkv_proj." in name and name.endswith(("weight", "bias")):
+                    weight = weight[q_rows:]
+                yield name, weight
+
+    class Qwen3DSparkContextKVForCausalLM(nn.Module):
+        """Top level of the Qwen3 context-KV-only DSpark drafter."""
+
+        context_kv_only = True
+        model_cls = Qwen3DSparkContextKVModel
+
+        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+            super().__init__()
+            spec = vllm_config.speculative_config
+            assert spec is not None
+            self.draft_model_config = spec.draft_model_config
+            self.config = self.draft_model_config.hf_config
+            self.model = self.model_cls(
+                vllm_config=vllm_config,
+                prefix=maybe_prefix(prefix, "model"),
+                start_layer_id=vllm_config.model_config.get_total_num_hidden_layers(),
+            )
+            # No d2t map, no heads: nothing here samples.
+            self.draft_id_to_target_id = None
+
+        get_draft_kv_cache_layer_names = qd.DFlashQwen3ForCausalLM.get_draft_kv_cache_layer_names
+        get_draft_attn_causal = qd.DFlashQwen3ForCausalLM.get_draft_attn_causal
+        combine_hidden_states = qd.DFlashQwen3ForCausalLM.combine_hidden_states
+        precompute_and_store_context_kv = (
+            qd.DFlashQwen3ForCausalLM.precompute_and_store_context_kv
+        )
+
+        def process_weights_after_loading(self) -> None:
+            self.model._build_fused_kv_buffers()
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            kept: list[tuple[str, torch.Tensor]] = []
+            skipped = 0
+            for name, tensor in weights:
+                if not is_context_kv_weight(name):
+                    skipped += 1
+                    continue
+                kept.append((name if name.startswith("model.") else "model." + name, tensor))
+            logger.info(
+                "Context-KV-only DSpark drafter: loading %d tensors, skipping %d "
+                "(embeddings, heads, MLPs, query/output projections).",
+                len(kept),
+                skipped,
+            )
+            return AutoWeightsLoader(self).load_weights(kept)
+
+        # Everything that drafts tokens is absent.
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("draft forward")
+
+        def embed_input_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("draft token embedding")
+
+        def compute_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("draft logits")
+
+        compute_draft_logits = compute_logits
+        compute_draft_logits_local = compute_logits
+
+        def map_draft_to_target(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("draft-to-target id map")
+
+        def markov_embed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("Markov head")
+
+        markov_bias = markov_embed
+        apply_markov_bias_gathered = markov_embed
+
+        def compute_confidence(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise _refuse("confidence head")
+
+    return Qwen3DSparkContextKVModel, Qwen3DSparkContextKVForCausalLM
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def qwen3_context_kv_class() -> type:
+    """The Qwen3 context-only top-level class (built once per process)."""
+    if "qwen3" not in _CLASSES:
+        _, top = _build_qwen3_classes()
+        _CLASSES["qwen3"] = top
+    return _CLASSES["qwen3"]
+
+
+def context_kv_class_for(spec_config: SpeculativeConfig) -> type:
+    check_draft_supported(spec_config)
+    return qwen3_context_kv_class()
+
+
+def is_context_kv_only(model: Any) -> bool:
+    return bool(getattr(model, "context_kv_only", False))
+
+
+# --------------------------------------------------------------------------- loading
+@contextlib.contextmanager
+def _initialize_as(model_class: type) -> Iterator[None]:
+    """Make vLLM's model loader instantiate ``model_class`` for the next model it creates."""
+    import functools
+
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.initialize_model
+    base_loader.initialize_model = functools.partial(original, model_class=model_class)
+    try:
+        yield
+    finally:
+        base_loader.initialize_model = original
+
+
+def _drop_shared_modules(model: nn.Module) -> None:
+    """vLLM's DSpark loader aliases the target's embedding/LM head onto the drafter; the
+    context-only drafter does not use them, so drop the references."""
+    for owner, attr in ((model, "lm_head"), (getattr(model, "model", None), "embed_tokens")):
+        if owner is not None and attr in owner._modules:
+            del owner._modules[attr]
+
+
+def load_context_kv_model(
+    target_model: nn.Module, vllm_config: VllmConfig, extra_report: dict[str, Any] | None = None
+) -> nn.Module:
+    """Build and load the context-KV-only drafter through vLLM's own DSpark loading path
+    (``dspark/utils.py::load_dspark_model``: draft-local PP=1 config, attention backend,
+    KV-cache dtype and load config), with the context-only class instantiated."""
+    from vllm.v1.worker.gpu.spec_decode.dspark import utils as dspark_utils
+
+    spec = vllm_config.speculative_config
+    assert spec is not None
+    cls = context_kv_class_for(spec)
+    with _initialize_as(cls):
+        model = dspark_utils.load_dspark_model(target_model, vllm_config)
+    if not is_context_kv_only(model):
+        raise RuntimeError(f"expected a context-KV-only drafter, vLLM built {type(model)}")
+    _drop_shared_modules(model)
+    report = {
+        "class": type(model).__name__,
+        "layers": model.get_draft_kv_cache_layer_names(),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "params": sorted(n for n, _ in model.named_parameters()),
+        **(extra_report or {}),
+    }
+    logger.info(
+        "Built the context-KV-only DSpark drafter (%s, layers %s, %.3f MiB of parameters).",
+        report["class"],
+        report["layers"],
+        report["param_bytes"] / 2**20,
+    )
+    _append_report(report)
+    return model
+
+
+#: Diagnostics: when set, every context-only build appends one JSON line to this file
+#: (tests use it to see what a worker process built).
+REPORT_ENV = "VLLM_DSPARK_PP_CONTEXT_KV_REPORT"
+
+
+def _append_report(report: dict[str, Any]) -> None:
+    import json
+    import os
+
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(report) + "\n")
+
+
+# --------------------------------------------------------------------------- sizes
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def draft_param_bytes(
+    draft_hf_config: Any, role: str = "kv_producer", dtype_bytes: int = 2
+) -> dict[str, Any]:
+    """Parameter bytes of a Qwen3 DSpark draft, full vs context-only (pure, analytic).
+
+    ``draft_hf_config``: the draft's HF config (object or dict) with hidden_size,
+    intermediate_size, num_attention_heads, num_key_value_heads, head_dim, vocab_size,
+    num_hidden_layers and optionally draft_vocab_size, markov_rank, target_hidden_size,
+    dspark_target_layer_ids/target_layer_ids, attention_bias, enable_confidence_head,
+    confidence_head_with_markov, has_own_embed_tokens/has_own_lm_head.
+    ``role``: kv_role of the instance (None/"kv_both"/"kv_consumer" keep the full drafter).
+
+    Returns components (name -> bytes) of the full drafter, the context-only total, the full
+    total, which one this role builds (``built``), and the embedding/LM-head bytes that vLLM
+    shares with the target when the draft ships none (``shared_with_target``).
+    """
+    h = int(_get(draft_hf_config, "hidden_size"))
+    inter = int(_get(draft_hf_config, "intermediate_size"))
+    nq = int(_get(draft_hf_config, "num_attention_heads"))
+    nkv = int(_get(draft_hf_config, "num_key_value_heads", nq))
+    hd = int(_get(draft_hf_config, "head_dim", None) or h // nq)
+    vocab = int(_get(draft_hf_config, "vocab_size"))
+    dvocab = int(_get(draft_hf_config, "draft_vocab_size", None) or vocab)
+    layers = int(_get(draft_hf_config, "num_hidden_layers"))
+    rank = int(_get(draft_hf_config, "markov_rank", 0) or 0)
+    th = int(_get(draft_hf_config, "target_hidden_size", None) or h)
+    tl = (
+        _get(draft_hf_config, "dspark_target_layer_ids", None)
+        or _get(draft_hf_config, "target_layer_ids", None)
+        or (_get(draft_hf_config, "dflash_config", None) or {}).get("target_layer_ids")
+    )
+    n_feat = len(tl) if tl else layers
+    bias = bool(_get(draft_hf_config, "attention_bias", False))
+    own_embed = bool(_get(draft_hf_config, "has_own_embed_tokens", False))
+    own_head = bool(_get(draft_hf_config, "has_own_lm_head", False))
+    b = dtype_bytes
+
+    q_rows, kv_rows = nq * hd, 2 * nkv * hd
+    per_layer = {
+        "q_proj": (h * q_rows + (q_rows if bias else 0)) * b,
+        "kv_proj": (h * kv_rows + (kv_rows if bias else 0)) * b,
+        "o_proj": (q_rows * h + (h if bias else 0)) * b,
+        "q_norm": hd * b,
+        "k_norm": hd * b,
+        "layer_norms": 2 * h * b,
+        "mlp": 3 * h * inter * b,
+    }
+    comp = {
+        "embed_tokens": vocab * h * b,
+        "lm_head": dvocab * h * b,
+        "fc": n_feat * th * h * b,
+        "hidden_norm": h * b,
+        "norm": h * b,
+        "mask_embedding": h * b,  # allocated by vLLM, loaded only if the checkpoint ships one
+        "markov_head": (vocab * rank + dvocab * rank) * b,
+        "d2t": dvocab * 8 if dvocab < vocab else 0,
+    }
+    if _get(draft_hf_config, "enable_confidence_head", False):
+        dim = h + (rank if _get(draft_hf_config, "confidence_head_with_markov", False) else 0)
+        comp["confidence_head"] = (dim + 1) * 4  # float32 + bias
+    for k, v in per_layer.items():
+        comp[f"layers.{k}"] = v * layers
+    context_keys = ("fc", "hidden_norm", "layers.kv_proj", "layers.k_norm")
+    context_only = sum(comp[k] for k in context_keys)
+    full = sum(comp.values())
+    shared = (0 if own_embed else comp["embed_tokens"]) + (0 if own_head else comp["lm_head"])
+    prefill_only = role == "kv_producer"
+    return {
+        "components": comp,
+        "context_only_components": list(context_keys),
+        "full_bytes": full,
+        "full_bytes_excluding_shared": full - shared,
+        "shared_with_target": shared,
+        "context_only_bytes": context_only,
+        "role": role,
+        "builds": "context_only" if prefill_only else "full",
+        "built_bytes": context_only if prefill_only else full - shared,
+    }
