@@ -172,7 +172,7 @@ def train_problems(n: int, heldout_size: int = DEFAULT_HELDOUT_SIZE) -> list[Pro
 
 
 PROMPT_PREFIX = "Question: "
-ANSWER_PREFIX = "\nAnswer: "
+ANSWER_PREFIX = "\nAnswer:"
 
 
 def format_prompt(question: str) -> str:
@@ -181,8 +181,9 @@ def format_prompt(question: str) -> str:
 
 
 def format_document(p: Problem) -> str:
-    """One training document (the tokenizer adds the end-of-text token after it)."""
-    return format_prompt(p.question) + p.answer
+    """One training document (the trainer appends the end-of-text token). The answer starts with a
+    space so that the prompt, which ends at ``Answer:``, tokenizes the same alone and inside it."""
+    return format_prompt(p.question) + " " + p.answer
 
 
 def write_gsm8k_jsonl(path: str, problems: list[Problem]) -> None:
