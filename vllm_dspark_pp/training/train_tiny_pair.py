@@ -205,6 +205,19 @@ def answer_value(text: str):
         return None
 
 
+def _write(args, target, draft, extra, device, t_start) -> None:
+    from vllm_dspark_pp.training.export import write_pair
+
+    target.cpu().float()
+    draft.cpu().float()
+    os.makedirs(args.out, exist_ok=True)
+    paths = write_pair(args.out, target, draft, args.tokenizer, extra)
+    with open(os.path.join(args.out, "training_summary.json"), "w") as f:
+        json.dump({k: v for k, v in extra.items() if not k.endswith("history")}, f, indent=2)
+    size = sum(os.path.getsize(p_) for p_ in paths)
+    log(f"wrote {paths} ({size / 2**20:.2f} MiB); total {time.time() - t_start:.0f}s")
+
+
 def main(args) -> int:
     t_start = time.time()
     deadline = t_start + 60 * args.minutes
@@ -337,19 +350,7 @@ def main(args) -> int:
     draft_time = time.time() - t0
     d_loss, d_parts = eval_draft()
 
-    # ---- held-out acceptance (simulated exactly as vLLM's greedy DSpark steps) ----
-    draft.eval()
-    prompts = [bpe.encode(corpus.format_prompt(p.question)) for p in heldout[: args.eval_prompts]]
-    t0 = time.time()
-    mean_len, per_pos, steps, completions = simulate_acceptance(draft, target, prompts, 64, device)  # float32
-    correct = sum(answer_value(bpe.decode(c)) == p.value for c, p in zip(completions, heldout, strict=False))
-    log(f"held-out ({len(prompts)} prompts, {steps} steps): simulated mean acceptance length {mean_len:.3f}, "
-        f"per position {[round(x, 3) for x in per_pos]}; target accuracy {correct}/{len(prompts)} "
-        f"({time.time() - t0:.0f}s)")
-
-    # ---- write ----
-    target.cpu().float()
-    draft.cpu().float()
+    # ---- write (before the acceptance simulation, so a failure there loses no weights) ----
     extra = {
         "target_config": tcfg.to_dict(),
         "draft_config": dcfg.to_dict(),
@@ -367,21 +368,29 @@ def main(args) -> int:
         "target_heldout_answer_loss": target_ans_loss,
         "draft_heldout_loss": d_loss,
         "draft_heldout_parts": d_parts,
-        "simulated_mean_acceptance_length": mean_len,
-        "simulated_per_position_acceptance": per_pos,
-        "simulated_steps": steps,
-        "target_heldout_accuracy": correct / max(1, len(prompts)),
         "target_history": history,
         "draft_history": dhistory,
     }
-    from vllm_dspark_pp.training.export import write_pair
+    _write(args, target, draft, extra, device, t_start)
 
-    os.makedirs(args.out, exist_ok=True)
-    paths = write_pair(args.out, target, draft, args.tokenizer, extra)
-    with open(os.path.join(args.out, "training_summary.json"), "w") as f:
-        json.dump({k: v for k, v in extra.items() if not k.endswith("history")}, f, indent=2)
-    sizes = {p_: os.path.getsize(p_) for p_ in paths}
-    log(f"wrote {paths} ({sum(sizes.values()) / 2**20:.2f} MiB); total {time.time() - t_start:.0f}s")
+    # ---- held-out acceptance (simulated exactly as vLLM's greedy DSpark steps) ----
+    draft.to(device).eval()
+    target.to(device).eval()
+    prompts = [bpe.encode(corpus.format_prompt(p.question)) for p in heldout[: args.eval_prompts]]
+    t0 = time.time()
+    mean_len, per_pos, steps, completions = simulate_acceptance(draft, target, prompts, 64, device)  # float32
+    correct = sum(answer_value(bpe.decode(c)) == p.value for c, p in zip(completions, heldout, strict=False))
+    log(f"held-out ({len(prompts)} prompts, {steps} steps): simulated mean acceptance length {mean_len:.3f}, "
+        f"per position {[round(x, 3) for x in per_pos]}; target accuracy {correct}/{len(prompts)} "
+        f"({time.time() - t0:.0f}s)")
+    extra.update({
+        "simulated_mean_acceptance_length": mean_len,
+        "simulated_per_position_acceptance": per_pos,
+        "simulated_steps": steps,
+        "simulated_prompts": len(prompts),
+        "target_heldout_accuracy": correct / max(1, len(prompts)),
+    })
+    _write(args, target, draft, extra, device, t_start)
     return 0
 
 
