@@ -205,6 +205,22 @@ def answer_value(text: str):
         return None
 
 
+def _fit_steps(what: str, step: int, total: int, t0: float, end: float) -> int:
+    """At step 50, shrink ``total`` if the measured step time says it would overrun ``end``, so that
+    the learning-rate schedule still completes (logged; training.json records the steps run)."""
+    if step != 50:
+        return total
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    per_step = (time.time() - t0) / step
+    fit = int(step + (end - time.time()) / per_step * 0.95)
+    if fit < total:
+        log(f"{what}: {per_step * 1000:.1f} ms/step; {total} steps would overrun the time cap, running {fit}")
+        return fit
+    log(f"{what}: {per_step * 1000:.1f} ms/step; {total} steps fit in the time cap")
+    return total
+
+
 def _write(args, target, draft, extra, device, t_start) -> None:
     from vllm_dspark_pp.training.export import write_pair
 
@@ -276,14 +292,18 @@ def main(args) -> int:
     t0 = time.time()
     target_steps_run = 0
     history = []
-    for step in range(args.target_steps):
-        if time.time() > deadline - 0.45 * 60 * args.minutes:
+    total = args.target_steps
+    target_end = deadline - 0.45 * 60 * args.minutes
+    step = 0
+    while step < total:
+        if time.time() > target_end:
             log(f"target: time cap reached at step {step}")
             break
+        total = _fit_steps("target", step, total, t0, target_end)
         idx = torch.randint(0, tr_ids.shape[0], (args.batch_size,), generator=gen)
         ids, dl = tr_ids[idx].to(device), tr_len[idx].to(device)
         for g in opt.param_groups:
-            g["lr"] = gpt_lr(step, args.target_steps, args.target_lr, min(200, args.target_steps // 10 + 1))
+            g["lr"] = gpt_lr(step, total, args.target_lr, min(200, total // 10 + 1))
         with amp_ctx():
             logits, _, _ = target(ids)
         loss = lm_loss(logits, ids, dl)
@@ -292,10 +312,11 @@ def main(args) -> int:
         torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
         opt.step()
         target_steps_run = step + 1
-        if step % args.eval_every == 0 or step == args.target_steps - 1:
+        step += 1
+        if (step - 1) % args.eval_every == 0 or step == total:
             all_l, ans_l = eval_target()
             history.append({"step": step, "train": loss.item(), "heldout": all_l, "heldout_answer": ans_l})
-            log(f"target step {step}/{args.target_steps} train {loss.item():.4f} held-out {all_l:.4f} "
+            log(f"target step {step}/{total} train {loss.item():.4f} held-out {all_l:.4f} "
                 f"(answer tokens {ans_l:.4f}) {time.time() - t0:.0f}s")
     target_loss, target_ans_loss = eval_target()
     target_time = time.time() - t0
@@ -326,25 +347,30 @@ def main(args) -> int:
     t0 = time.time()
     draft_steps_run = 0
     dhistory = []
-    for step in range(args.draft_steps):
-        if time.time() > deadline - 0.08 * 60 * args.minutes:
+    total = args.draft_steps
+    draft_end = deadline - 0.08 * 60 * args.minutes
+    step = 0
+    while step < total:
+        if time.time() > draft_end:
             log(f"draft: time cap reached at step {step}")
             break
+        total = _fit_steps("draft", step, total, t0, draft_end)
         idx = torch.randint(0, tr_ids.shape[0], (args.batch_size,), generator=gen)
         ids, dl, pl = tr_ids[idx].to(device), tr_len[idx].to(device), tr_plen[idx]
         anchors = sample_anchors(gen, tr_len[idx], pl, args.anchors_per_row).to(device)
         for g in opt.param_groups:
-            g["lr"] = gpt_lr(step, args.draft_steps, args.draft_lr, min(200, args.draft_steps // 10 + 1))
+            g["lr"] = gpt_lr(step, total, args.draft_lr, min(200, total // 10 + 1))
         loss, parts = draft_batch(draft, target, ids, dl, anchors, args.gamma, weights, amp_ctx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         draft_steps_run = step + 1
-        if step % args.eval_every == 0 or step == args.draft_steps - 1:
+        step += 1
+        if (step - 1) % args.eval_every == 0 or step == total:
             hl, hp = eval_draft()
             dhistory.append({"step": step, "train": loss.item(), "heldout": hl, **{f"heldout_{k}": v for k, v in hp.items()}})
-            log(f"draft step {step}/{args.draft_steps} train {loss.item():.4f} (ce {parts['ce'].item():.3f} "
+            log(f"draft step {step}/{total} train {loss.item():.4f} (ce {parts['ce'].item():.3f} "
                 f"tv {parts['tv'].item():.3f} conf {parts['conf'].item():.3f}) held-out {hl:.4f} "
                 f"(ce {hp['ce']:.3f} tv {hp['tv']:.3f} conf {hp['conf']:.3f}) {time.time() - t0:.0f}s")
     draft_time = time.time() - t0
