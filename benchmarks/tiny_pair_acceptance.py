@@ -84,6 +84,7 @@ def answer_value(text: str):
 
 
 def run_one(args, spec: bool) -> dict:
+    sys.path.insert(0, REPO)
     with tempfile.TemporaryDirectory() as td:
         out = os.path.join(td, "res.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--_worker", "--worker-out", out, "--pair", args.pair,
@@ -93,13 +94,15 @@ def run_one(args, spec: bool) -> dict:
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         print(f"[tiny_pair_acceptance] running {f'DSpark k={args.k}' if spec else 'no speculation'} "
               f"on {args.num_prompts} prompts ...", flush=True)
+        from vllm_dspark_pp.proc import run_with_timeout
+
         try:
-            proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+            rc, out_s, err_s = run_with_timeout(cmd, env=env, timeout=args.timeout, capture=True)
         except subprocess.TimeoutExpired as e:
-            raise SystemExit(f"vLLM run timed out after {args.timeout}s (raise --timeout)") from e
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-            raise SystemExit(f"vLLM run failed with exit code {proc.returncode}")
+            raise SystemExit(f"vLLM run timed out after {args.timeout}s and was killed (raise --timeout)") from e
+        if rc != 0:
+            sys.stderr.write(out_s[-4000:] + err_s[-8000:])
+            raise SystemExit(f"vLLM run failed with exit code {rc}")
         with open(out) as f:
             return json.load(f)
 

@@ -224,14 +224,15 @@ def run_offline(cfg: EvalConfig, prompts: list[str]) -> dict:
         env = {**os.environ, **{k: str(v) for k, v in cfg.env.items()},
                "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         cmd = [sys.executable, "-m", "vllm_dspark_pp.evals.gsm8k", "--_worker", spec_path, out_path]
-        try:
-            proc = subprocess.run(cmd, env=env, timeout=cfg.timeout_s, stdout=subprocess.PIPE,
-                                  stderr=None, text=True)  # stderr (vLLM logs + progress bar) passes through
+        from vllm_dspark_pp.proc import run_with_timeout
+
+        try:  # vLLM's log and progress bar pass through; the whole process group dies on timeout
+            rc, _, _ = run_with_timeout(cmd, env=env, timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"[{cfg.name}] vLLM run exceeded timeout_s={cfg.timeout_s}; raise it in "
-                               f"{cfg.path or 'the config'} if the machine is slow") from e
-        if proc.returncode != 0:
-            raise RuntimeError(f"[{cfg.name}] vLLM run failed (exit {proc.returncode}); its log is above")
+            raise RuntimeError(f"[{cfg.name}] vLLM run exceeded timeout_s={cfg.timeout_s} and was killed; raise "
+                               f"it in {cfg.path or 'the config'} if the machine is only slow") from e
+        if rc != 0:
+            raise RuntimeError(f"[{cfg.name}] vLLM run failed (exit {rc}); its log is above")
         with open(out_path) as f:
             return json.load(f)
 

@@ -9,12 +9,12 @@ base logits and the same confidences; the target's greedy continuation must equa
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from vllm_dspark_pp.proc import run_with_timeout
 from vllm_dspark_pp.training.export import load_pair, write_pair
 from vllm_dspark_pp.training.models import DraftConfig, TargetConfig, TinyDSparkDraft, TinyQwen3
 
@@ -48,11 +48,11 @@ def test_training_draft_matches_vllm(tmp_path):
     make_random_pair(pair)
     rec_path = str(tmp_path / "records.json")
     env = {**os.environ, **CPU_ENV, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
+    rc, out, err = run_with_timeout(
         [sys.executable, os.path.join(HERE, "vllm_draft_probe.py"), pair, rec_path, "Question: Tom has 3 apples.", "24"],
-        env=env, capture_output=True, text=True, timeout=800,
+        env=env, capture=True, timeout=800,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert rc == 0, out[-3000:] + err[-6000:]
     rec = json.load(open(rec_path))
     target, draft = load_pair(pair)
     target.eval()
