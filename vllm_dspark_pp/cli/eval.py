@@ -30,7 +30,11 @@ def run(args) -> int:
         cfg.accuracy_min = args.accuracy_min
     if args.acceptance_length_min is not None:
         cfg.acceptance_length_min = args.acceptance_length_min
-    report = gsm8k.evaluate(cfg, server_url=args.server_url, limit=args.limit)
+    try:
+        report = gsm8k.evaluate(cfg, server_url=args.server_url, limit=args.limit)
+    except RuntimeError as e:
+        print(f"GSM8K [{cfg.name}]: ERROR {e}", flush=True)
+        return 2
     print(gsm8k.format_report(report), flush=True)
     if args.out_json:
         with open(args.out_json, "w") as f:
