@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The test command (README): the CPU tiers (unit, collective, end to end). GPU tests are skipped on
-# machines without CUDA with a visible reason; run tests/gpu through tools/gpu/run_gpu_suite.sh.
+# The project's test command (README, CI): lint, then the CPU tiers (unit, collective, end to end).
+# tests/gpu is skipped with a visible reason on machines without CUDA (run it with tools/gpu/run_gpu_suite.sh).
+# Extra arguments go to pytest (e.g. `bash tools/run_tests.sh -k plan`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-exec "$PY" -m pytest -ra tests "$@"
+echo "[tests] ruff check"
+"$PY" -m ruff check .
+echo "[tests] pytest"
+exec "$PY" -m pytest -ra --durations=15 tests "$@"

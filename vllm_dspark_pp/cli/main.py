@@ -15,7 +15,9 @@ def subcommand_modules() -> list[str]:
     """Every module of this package except ``main`` and private ones, sorted."""
     pkg = importlib.import_module("vllm_dspark_pp.cli")
     return sorted(
-        m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "main" and not m.name.startswith("_")
+        m.name
+        for m in pkgutil.iter_modules(pkg.__path__)
+        if m.name != "main" and not m.name.startswith("_")
     )
 
 

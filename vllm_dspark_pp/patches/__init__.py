@@ -38,10 +38,11 @@ class PatchInfo:
 
 def _parse_header(doc: str) -> dict[str, str]:
     """Split a docstring into its ``FIELD:`` paragraphs (see FIELDS)."""
-    pattern = re.compile(r"^(%s):\s*" % "|".join(re.escape(f) for f in FIELDS), re.M)
+    alternatives = "|".join(re.escape(f) for f in FIELDS)
+    pattern = re.compile(rf"^({alternatives}):\s*", re.M)
     parts = pattern.split(doc or "")
     found: dict[str, str] = {}
-    for key, body in zip(parts[1::2], parts[2::2]):
+    for key, body in zip(parts[1::2], parts[2::2], strict=True):
         found[key] = " ".join(body.split())
     return found
 
@@ -54,7 +55,9 @@ def registry() -> list[PatchInfo]:
             continue
         module = importlib.import_module(f"{__name__}.{mod.name}")
         infos.append(
-            PatchInfo(mod.name, getattr(module, "TARGET", ""), _parse_header(module.__doc__), module)
+            PatchInfo(
+                mod.name, getattr(module, "TARGET", ""), _parse_header(module.__doc__), module
+            )
         )
     return infos
 
@@ -77,6 +80,7 @@ def apply_all() -> list[str]:
             info.module.apply()
             _applied.append(info.name)
         _done = True
+        _ensure_vllm_logging()
         init_logger("vllm.dspark_pp").info(
             "vllm-dspark-pp %s applied %d patches: %s",
             __version__,
@@ -84,6 +88,20 @@ def apply_all() -> list[str]:
             ", ".join(_applied) or "(none)",
         )
         return list(_applied)
+
+
+def _ensure_vllm_logging() -> None:
+    """vLLM 0.34.0 configures its loggers lazily (vllm serve, the engine and the workers do it
+    before plugins load). In a bare process (``load_general_plugins()`` from a script) nothing
+    would print our start-up line, so apply vLLM's default logging config, as vLLM itself would."""
+    import logging
+
+    if logging.getLogger("vllm").handlers:
+        return
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())
 
 
 def markdown_index() -> str:

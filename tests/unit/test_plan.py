@@ -1,0 +1,80 @@
+"""`vllm-dspark-pp plan` builds vLLM's configs from config.json files and judges the deployment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_dspark_pp.plan import build_plan_stages, tap_stage
+
+
+def _plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_dspark_pp.cli.main", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _spec(draft: str, k: int = 4) -> str:
+    return json.dumps({"method": "dspark", "model": draft, "num_speculative_tokens": k})
+
+
+def test_plan_accepts_pp2_dspark_and_places_taps_and_drafter(tiny_models):
+    proc = _plan(
+        tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-pp", "2", "--json"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plan = json.loads(proc.stdout[proc.stdout.index("{\n") :])
+    assert plan["accepted"] is True
+    assert plan["pp_size"] == 2 and plan["method"] == "dspark"
+    assert plan["draft_architecture"] == "Qwen3DSparkModel"
+    assert plan["draft_pp_size"] == 1  # DSpark drafts with a draft-local PP=1 config
+    # draft target_layer_ids (1, 3, 5) -> aux taps (2, 4, 6); 6 layers split 0-2 | 3-5
+    assert plan["aux_tap_ids"] == [2, 4, 6]
+    s0, s1 = plan["stages"]
+    assert s0["layers"] == [0, 3] and s1["layers"] == [3, 6]
+    assert s0["aux_taps"] == [2] and s1["aux_taps"] == [4, 6]
+    assert s1["drafts"] and not s0["drafts"]
+    assert s0["relay_out_taps"] == [2] and s0["relay_bytes_per_token"] > 0
+    # judged as a GPU deployment: what the CPU platform could not check is listed
+    assert any("CUDA graph" in n for n in plan["not_checked"])
+
+
+def test_plan_text_output_names_the_verdict(tiny_models):
+    proc = _plan(tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-pp", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "verdict     ACCEPTED" in proc.stdout
+    assert "not checked on this machine (GPU-only)" in proc.stdout
+
+
+def test_plan_rejects_tp_that_does_not_divide_heads_with_vllms_message(tiny_models):
+    proc = _plan(tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-tp", "3")
+    assert proc.returncode == 1
+    assert "REJECTED" in proc.stdout
+    assert "divisible by tensor parallel size (3)" in proc.stdout
+
+
+def test_plan_rejects_more_stages_than_layers(tiny_models):
+    proc = _plan(tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-pp", "7")
+    assert proc.returncode == 1
+    assert "REJECTED" in proc.stdout and "without target layers" in proc.stdout
+
+
+def test_tap_stage_follows_vllms_capture_point():
+    ranges = [(0, 3), (3, 6)]
+    assert tap_stage(0, ranges) == 0  # embedding output
+    assert tap_stage(3, ranges) == 0  # captured after layer 2
+    assert tap_stage(4, ranges) == 1
+    with pytest.raises(ValueError):
+        tap_stage(8, ranges)
+
+
+def test_relay_carries_earlier_taps_through_every_later_boundary():
+    stages = build_plan_stages(6, 3, [2, 4, 6], hidden_size=8, dtype_bytes=2)
+    assert [s.relay_out_taps for s in stages] == [[2], [2, 4], []]
+    assert [s.relay_bytes_per_token for s in stages] == [16, 32, 0]
