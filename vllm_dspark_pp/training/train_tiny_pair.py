@@ -205,15 +205,23 @@ def answer_value(text: str):
         return None
 
 
+_FIT_FROM, _FIT_AT = 20, 70
+_fit_t: dict[str, float] = {}
+
+
 def _fit_steps(what: str, step: int, total: int, t0: float, end: float) -> int:
-    """At step 50, shrink ``total`` if the measured step time says it would overrun ``end``, so that
-    the learning-rate schedule still completes (logged; training.json records the steps run)."""
-    if step != 50:
+    """Time steps 20..70 (after warm-up and the first evaluation) and shrink ``total`` if the
+    measured step time says it would overrun ``end``, so that the learning-rate schedule still
+    completes (logged; training.json records the steps run)."""
+    if step not in (_FIT_FROM, _FIT_AT):
         return total
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    per_step = (time.time() - t0) / step
-    fit = int(step + (end - time.time()) / per_step * 0.95)
+    if step == _FIT_FROM:
+        _fit_t[what] = time.time()
+        return total
+    per_step = (time.time() - _fit_t[what]) / (_FIT_AT - _FIT_FROM)
+    fit = int(step + (end - time.time()) / per_step * 0.9)
     if fit < total:
         log(f"{what}: {per_step * 1000:.1f} ms/step; {total} steps would overrun the time cap, running {fit}")
         return fit
