@@ -1,0 +1,48 @@
+"""``vllm-dspark-pp eval gsm8k``: GSM8K-style accuracy + acceptance gate for one configuration."""
+
+from __future__ import annotations
+
+NAME = "eval"
+HELP = "Evaluation gates: `eval gsm8k --config tests/evals/gsm8k/configs/<name>.yaml`."
+
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="eval_name", required=True)
+    g = sub.add_parser("gsm8k", help="GSM8K accuracy, invalid rate and DSpark acceptance for one YAML config")
+    g.add_argument("--config", required=True, help="YAML under tests/evals/gsm8k/configs/")
+    g.add_argument("--server-url", default=None,
+                   help="OpenAI-compatible server (e.g. http://localhost:8000) instead of an offline LLM")
+    g.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    g.add_argument("--accuracy-min", type=float, default=None, help="override the config's threshold")
+    g.add_argument("--acceptance-length-min", type=float, default=None, help="override the config's threshold")
+    g.add_argument("--out-json", default=None, help="write the full report (with completions) here")
+    g.add_argument("--results-md", default=None, help="append the result row to this markdown table")
+
+
+def run(args) -> int:
+    import json
+    import os
+
+    from vllm_dspark_pp.evals import gsm8k
+
+    cfg = gsm8k.load_config(args.config)
+    if args.accuracy_min is not None:
+        cfg.accuracy_min = args.accuracy_min
+    if args.acceptance_length_min is not None:
+        cfg.acceptance_length_min = args.acceptance_length_min
+    try:
+        report = gsm8k.evaluate(cfg, server_url=args.server_url, limit=args.limit)
+    except RuntimeError as e:
+        print(f"GSM8K [{cfg.name}]: ERROR {e}", flush=True)
+        return 2
+    print(gsm8k.format_report(report), flush=True)
+    if args.out_json:
+        with open(args.out_json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.results_md:
+        new = not os.path.exists(args.results_md)
+        with open(args.results_md, "a") as f:
+            if new:
+                f.write(gsm8k.RESULTS_HEADER)
+            f.write(gsm8k.results_row(report))
+    return 0 if report["passed"] else 1

@@ -1,0 +1,1 @@
+"""Evaluation harnesses (GSM8K-style accuracy + speculative acceptance gates)."""

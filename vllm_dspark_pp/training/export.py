@@ -1,0 +1,158 @@
+"""Write the pair as two HF-style model directories vLLM loads: ``<out>/target`` (Qwen3ForCausalLM)
+and ``<out>/dspark-draft`` (Qwen3 DSpark draft; the ``dspark`` in the directory name is what vLLM's
+DSparkSpeculatorConfig.matches looks for). Checkpoints are safetensors when the package is
+importable, otherwise a torch state dict (``*.pt``) that ``convert_pt_dir`` turns into safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from vllm_dspark_pp.training.models import DraftConfig, TargetConfig
+from vllm_dspark_pp.training.tokenizer import EOS_ID, PAD_ID, write_hf_tokenizer_files
+
+TARGET_DIR = "target"
+DRAFT_DIR = "dspark-draft"
+
+
+def target_hf_config(t: TargetConfig) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": t.vocab_size,
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": t.num_hidden_layers,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": t.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta},
+        "max_position_embeddings": t.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": "float32",
+    }
+
+
+def draft_hf_config(t: TargetConfig, d: DraftConfig) -> dict:
+    cfg = target_hf_config(t)
+    cfg.update(
+        {
+            # vLLM's hf_config_override maps DSparkDraftModel + model_type qwen3 to Qwen3DSparkModel.
+            "architectures": ["DSparkDraftModel"],
+            "num_hidden_layers": d.num_hidden_layers,
+            "intermediate_size": d.intermediate_size,
+            "num_attention_heads": d.num_attention_heads,
+            "num_key_value_heads": d.num_key_value_heads,
+            "head_dim": d.head_dim,
+            "tie_word_embeddings": False,
+            "target_hidden_size": t.hidden_size,
+            "block_size": d.block_size,
+            "target_layer_ids": list(d.target_layer_ids),
+            "mask_token_id": d.mask_token_id,
+            "dflash_config": {
+                "mask_token_id": d.mask_token_id,
+                "target_layer_ids": list(d.target_layer_ids),
+                "use_aux_hidden_state": True,
+            },
+            "markov_rank": d.markov_rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": d.confidence_head_with_markov,
+            "sample_from_anchor": True,
+        }
+    )
+    return cfg
+
+
+def _save(sd: dict[str, torch.Tensor], path_no_ext: str, metadata: dict | None = None) -> str:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        torch.save(sd, path_no_ext + ".pt")
+        return path_no_ext + ".pt"
+    save_file(sd, path_no_ext + ".safetensors", metadata={"format": "pt", **(metadata or {})})
+    return path_no_ext + ".safetensors"
+
+
+def write_model_dir(path: str, hf_config: dict, sd: dict[str, torch.Tensor], tokenizer_json: str,
+                    extra: dict | None = None) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False}, f, indent=2)
+        f.write("\n")
+    write_hf_tokenizer_files(path, tokenizer_json)
+    if extra:
+        with open(os.path.join(path, "training.json"), "w") as f:
+            json.dump(extra, f, indent=2, sort_keys=True)
+            f.write("\n")
+    return _save(sd, os.path.join(path, "model"))
+
+
+def write_pair(out: str, target, draft, tokenizer_json: str, extra: dict | None = None) -> tuple[str, str]:
+    t = write_model_dir(os.path.join(out, TARGET_DIR), target_hf_config(target.cfg), target.hf_state_dict(),
+                        tokenizer_json, extra)
+    d = write_model_dir(os.path.join(out, DRAFT_DIR), draft_hf_config(draft.tcfg, draft.dcfg),
+                        draft.vllm_state_dict(), tokenizer_json, extra)
+    return t, d
+
+
+def convert_pt_dir(path: str) -> None:
+    """Turn ``model.pt`` in every model directory under ``path`` into ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    for root, _dirs, files in os.walk(path):
+        if "model.pt" in files:
+            sd = torch.load(os.path.join(root, "model.pt"), map_location="cpu", weights_only=True)
+            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(root, "model.safetensors"),
+                      metadata={"format": "pt"})
+            os.remove(os.path.join(root, "model.pt"))
+
+
+def load_pair(out: str):
+    """Rebuild (target, draft) training modules from a directory written by ``write_pair``."""
+    from vllm_dspark_pp.training.models import TinyDSparkDraft, TinyQwen3
+
+    with open(os.path.join(out, DRAFT_DIR, "training.json")) as f:
+        extra = json.load(f)
+    tcfg, dcfg = TargetConfig(**extra["target_config"]), DraftConfig(**extra["draft_config"])
+    target, draft = TinyQwen3(tcfg), TinyDSparkDraft(tcfg, dcfg)
+    tsd, dsd = _load(os.path.join(out, TARGET_DIR)), _load(os.path.join(out, DRAFT_DIR))
+    target.load_state_dict({k.removeprefix("model."): v for k, v in tsd.items()})
+    emb = dsd.pop("embed_tokens.weight")
+    mapped = {
+        "fc.weight": dsd.pop("fc.weight"),
+        "hidden_norm.weight": dsd.pop("hidden_norm.weight"),
+        "norm.weight": dsd.pop("norm.weight"),
+        "markov_w1.weight": dsd.pop("markov_head.markov_w1.weight"),
+        "markov_w2.weight": dsd.pop("markov_head.markov_w2.weight"),
+        "confidence_proj.weight": dsd.pop("confidence_head.proj.weight"),
+        "confidence_proj.bias": dsd.pop("confidence_head.proj.bias"),
+        "embed_tokens.weight": emb,
+        "mask_embedding": emb[dcfg.mask_token_id].clone(),
+    }
+    mapped.update(dsd)  # layers.*
+    draft.load_state_dict(mapped)
+    return target, draft
+
+
+def _load(path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, "model.safetensors")
+    if os.path.exists(st):
+        from safetensors.torch import load_file
+
+        return load_file(st)
+    return torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
