@@ -204,6 +204,8 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
         kv_role=kvt.kv_role if kvt is not None else None,
         platform=platform,
     )
+    if spec is not None and spec.method == "dspark" and spec.draft_model_config is not None:
+        plan.extra.update(_draft_bytes_by_role(spec, kvt, dtype_bytes))
     for check in PLUGIN_CHECKS:
         errors = check(vllm_config)
         if errors:
@@ -212,6 +214,30 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
     if platform == "cpu":
         plan.not_checked = _gpu_only_checks(vllm_config, requested_async)
     return plan
+
+
+def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str, str]:
+    """Draft parameter bytes this instance builds (full drafter vs context-KV-only on producers)."""
+    from vllm_dspark_pp.context_kv import draft_param_bytes
+    from vllm_dspark_pp.roles import is_dspark_prefill_only
+
+    hf = spec.draft_model_config.hf_config
+    if "Qwen3DSparkModel" not in spec.draft_model_config.architectures:
+        return {"draft bytes": "computed for Qwen3 DSpark drafts only"}
+    full = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)
+    mib = 1024 * 1024
+    out = {
+        "draft bytes": (
+            f"full drafter {full['full_bytes'] / mib:.2f} MiB, context-KV-only "
+            f"{full['context_only_bytes'] / mib:.2f} MiB"
+        )
+    }
+    if kv_transfer_config is not None:
+        producer = is_dspark_prefill_only(spec, kv_transfer_config)
+        out["this role builds"] = (
+            "context-KV-only drafter (prefill-only producer)" if producer else "full drafter"
+        )
+    return out
 
 
 def format_plan(plan: Plan) -> str:

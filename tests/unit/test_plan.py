@@ -78,3 +78,36 @@ def test_relay_carries_earlier_taps_through_every_later_boundary():
     stages = build_plan_stages(6, 3, [2, 4, 6], hidden_size=8, dtype_bytes=2)
     assert [s.relay_out_taps for s in stages] == [[2], [2, 4], []]
     assert [s.relay_bytes_per_token for s in stages] == [16, 32, 0]
+
+
+def _kv(connector: str, role: str) -> str:
+    return json.dumps({"kv_connector": connector, "kv_role": role})
+
+
+def test_plan_shows_context_only_draft_bytes_for_a_mooncake_producer(tiny_models):
+    proc = _plan(
+        tiny_models.target,
+        "--speculative-config",
+        _spec(tiny_models.draft),
+        "-pp",
+        "2",
+        "--kv-transfer-config",
+        _kv("MooncakeConnector", "kv_producer"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "this role builds: context-KV-only drafter (prefill-only producer)" in proc.stdout
+    assert "draft bytes: full drafter" in proc.stdout
+
+
+def test_plan_flags_nixl_with_a_pp2_dspark_producer(tiny_models):
+    proc = _plan(
+        tiny_models.target,
+        "--speculative-config",
+        _spec(tiny_models.draft),
+        "-pp",
+        "2",
+        "--kv-transfer-config",
+        _kv("NixlConnector", "kv_producer"),
+    )
+    assert proc.returncode == 1
+    assert "NotImplementedError" in proc.stdout and "MooncakeConnector" in proc.stdout
