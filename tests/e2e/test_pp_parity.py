@@ -24,7 +24,7 @@ from e2e.harness import run_generate
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 NEAR_TIE = 1e-3  # top-2 logprob gap below which a flipped greedy token counts as a near-tie
 
 # Token-id prompts of different lengths (3 .. 90 tokens) and one text prompt (tokenizer path).
@@ -89,7 +89,7 @@ def reference(tiny_models, e2e_timeout_s):
     )
     assert [len(t) for t in ref.tokens] == [MAX_TOKENS] * len(PROMPTS)
     # The tiny target must not be degenerate, or parity would prove little.
-    assert all(len(set(t)) >= 8 for t in ref.tokens), ref.tokens
+    assert all(len(set(t)) >= 6 for t in ref.tokens), ref.tokens
     return ref
 
 
