@@ -51,7 +51,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     from vllm import LLM, SamplingParams
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(**spec["llm"])
+    llm = LLM(**{"disable_log_stats": False, **spec["llm"]})
     outs = llm.generate(spec["prompts"], SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"],
                                                          ignore_eos=True))
     m = {}

@@ -50,6 +50,18 @@ else
   python3 -c "import pytest, pytest_timeout" 2>&1 | tee -a "$LOG" || { say "FATAL: pytest still not importable"; exit 3; }
 fi
 
+# `vllm serve` (the PD test) imports watchfiles, uvloop, httptools, multipart and the prometheus
+# packages, which the kit's deps group does not ship; add those that are missing.
+for mod_whl in orjson:orjson watchfiles:watchfiles uvloop:uvloop httptools:httptools multipart:python_multipart \
+               prometheus_client:prometheus_client prometheus_fastapi_instrumentator:prometheus_fastapi_instrumentator; do
+  mod=${mod_whl%%:*}; whl=${mod_whl#*:}
+  if ! python3 -c "import $mod" >/dev/null 2>&1; then
+    say "installing $whl (for vllm serve) from tools/gpu/wheels/serve"
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" tools/gpu/wheels/serve/${whl}-*.whl 2>&1 \
+      | grep -v "^WARNING: Target directory" | tee -a "$LOG"
+  fi
+done
+
 say "installing the project into $SITE (entry point vllm.general_plugins -> dspark_pp)"
 rm -rf build ./*.egg-info
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target "$SITE" . 2>&1 \
