@@ -130,6 +130,16 @@ def skipped_weight_names(names: Iterable[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- Qwen3 model
+def _uses_aux_hidden_state(config: Any) -> bool:
+    """Whether the draft reads target aux taps; ``dflash_config`` wins over ``eagle_config``,
+    then the top-level field, default True (the same precedence as vLLM 0.34.0's drafter)."""
+    for section in ("dflash_config", "eagle_config"):
+        values = getattr(config, section, None) or {}
+        if "use_aux_hidden_state" in values:
+            return bool(values["use_aux_hidden_state"])
+    return bool(getattr(config, "use_aux_hidden_state", True))
+
+
 def _build_qwen3_classes() -> tuple[type, type]:
     """Define the Qwen3 context-only classes (deferred: needs torch and vLLM layers)."""
     from torch import nn
@@ -247,11 +257,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
             self._fused_kv_weight = None
             self._fused_kv_bias = None
             self._context_kv_proj = None  # no MXFP8 fused context projection
-            drafter_config = dict(getattr(self.config, "eagle_config", None) or {})
-            drafter_config.update(getattr(self.config, "dflash_config", None) or {})
-            self.use_aux_hidden_state = drafter_config.get(
-                "use_aux_hidden_state", getattr(self.config, "use_aux_hidden_state", True)
-            )
+            self.use_aux_hidden_state = _uses_aux_hidden_state(self.config)
             current = get_current_vllm_config()
             self.layers = nn.ModuleList(
                 Qwen3DSparkContextKVLayer(
@@ -264,15 +270,17 @@ def _build_qwen3_classes() -> tuple[type, type]:
                 for i in range(self.config.num_hidden_layers)
             )
             if self.use_aux_hidden_state:
-                self.fc = ReplicatedLinear(
-                    input_size=qd._get_dflash_fc_input_size(vllm_config),
-                    output_size=self.config.hidden_size,
-                    bias=False,
-                    params_dtype=vllm_config.model_config.dtype,
-                    quant_config=self.quant_config,
-                    prefix=maybe_prefix(prefix, "fc"),
-                    return_bias=False,
-                )
+                # the context projection: concatenated aux taps -> draft hidden size, same
+                # parameter name and dtype as the full drafter's, so the checkpoint row loads
+                in_features = qd._get_dflash_fc_input_size(vllm_config)
+                fc_options = {
+                    "prefix": maybe_prefix(prefix, "fc"),
+                    "quant_config": self.quant_config,
+                    "params_dtype": vllm_config.model_config.dtype,
+                    "bias": False,
+                    "return_bias": False,
+                }
+                self.fc = ReplicatedLinear(in_features, self.config.hidden_size, **fc_options)
             self.hidden_norm = RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
 
         # vLLM 0.34.0's context-KV code, used as is (qwen3_dflash.py, DFlashQwen3Model).
