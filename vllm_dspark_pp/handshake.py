@@ -103,13 +103,21 @@ def _decode(raw: bytes) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+class _StoreLost(Exception):
+    """The rendezvous store failed while this rank waited (its host process went away)."""
+
+
 def _poll(store: Any, keys: list[str], deadline: float) -> set[str]:
     """Wait until every key exists or the deadline passes; return the keys still missing.
     Only non-blocking ``check`` calls are made."""
     missing = set(keys)
     while missing:
         for key in list(missing):
-            if store.check([key]):
+            try:
+                present = store.check([key])
+            except Exception as exc:  # the store's host is gone: nobody can answer any more
+                raise _StoreLost(f"{type(exc).__name__}: {exc}") from exc
+            if present:
                 missing.discard(key)
         if not missing or time.monotonic() >= deadline:
             break
@@ -176,10 +184,14 @@ def run_handshake(
         store.set(f"{prefix}/rank{rank_in_group}", _encode(mine))
         # Wait longer than the last rank does, so its verdict about a silent third rank arrives
         # before this rank gives up on it.
-        if _poll(store, [verdict_key], deadline + verdict_grace_s(timeout)):
+        try:
+            missing, lost = _poll(store, [verdict_key], deadline + verdict_grace_s(timeout)), ""
+        except _StoreLost as exc:
+            missing, lost = {verdict_key}, f" (the rendezvous store failed while waiting: {exc})"
+        if missing:
             raise HandshakeError(
                 f"vllm-dspark-pp start-up handshake: PP rank {last} (last) sent no verdict within "
-                f"{timeout + verdict_grace_s(timeout):.0f} s. It probably runs without "
+                f"{timeout + verdict_grace_s(timeout):.0f} s{lost}. It probably runs without "
                 f"vllm-dspark-pp (not installed, or left out of VLLM_PLUGINS) or with an "
                 f"incompatible release; install the same vllm-dspark-pp on every node. "
                 f"({TIMEOUT_ENV} sets the wait.)"
@@ -190,7 +202,13 @@ def run_handshake(
         return
 
     keys = {r: f"{prefix}/rank{r}" for r in range(last)}
-    missing = _poll(store, list(keys.values()), deadline)
+    try:
+        missing = _poll(store, list(keys.values()), deadline)
+    except _StoreLost as exc:
+        raise HandshakeError(
+            f"vllm-dspark-pp start-up handshake: the rendezvous store failed while PP rank "
+            f"{last} (last) waited for the other ranks: {exc}"
+        ) from exc
     silent = sorted(r for r, k in keys.items() if k in missing)
     received: dict[int, dict] = {}
     unreadable = []
