@@ -214,18 +214,22 @@ def _build_qwen3_classes() -> tuple[type, type]:
                 "attention_sink_bias", getattr(config, "add_swa_attention_sink_bias", False)
             )
             self.attention_sink_bias = make_attention_sink(self.num_heads) if add_sink else None
-            self.attn = Attention(
-                self.num_heads,
-                self.head_dim,
-                self.scaling,
-                num_kv_heads=self.num_kv_heads,
-                cache_config=cache_config,
-                quant_config=quant_config,
-                per_layer_sliding_window=sliding_window,
-                prefix=f"{prefix}.attn",
-                attn_type=AttentionType.DECODER,
-                sinks=self.attention_sink_bias,
-            )
+            # The KV cache layer: its name (``<prefix>.attn``), heads, head size, window and
+            # sinks must give exactly the full drafter's KVCacheSpec, because the decoder pulls
+            # the context KV by layer name (tests/unit/producer checks the specs are equal).
+            cache_layer = {
+                "prefix": f"{prefix}.attn",
+                "num_heads": self.num_heads,
+                "num_kv_heads": self.num_kv_heads,
+                "head_size": self.head_dim,
+                "scale": self.scaling,
+                "per_layer_sliding_window": sliding_window,
+                "sinks": self.attention_sink_bias,
+                "attn_type": AttentionType.DECODER,
+                "cache_config": cache_config,
+                "quant_config": quant_config,
+            }
+            self.attn = Attention(**cache_layer)
             self.q_norm = _EpsOnly(config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
