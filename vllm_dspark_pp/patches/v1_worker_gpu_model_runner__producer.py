@@ -6,7 +6,10 @@ on first need only (a batch that carries draft tokens: vLLM's kernel warm-up sch
 and async scheduling adds -1 placeholders; those drafts are never the producer's own, so they
 are all rejected and output is unchanged); ``execute_model`` schedules zero drafts on every PP
 rank, so the last stage's speculator runs only ``materialize_context_kv()`` and no rank waits
-for a draft broadcast. Draft CUDA-graph capture, draft dummy proposes and adaptive verification
+for a draft broadcast; ``sample_tokens`` leaves no ``-1`` in the runner's draft buffer (vLLM marks
+unproposed draft slots ``-1``, ``model_runner.py:2388-2390``), so a batch that still carries
+draft slots -- only vLLM's kernel warm-up builds one, since the scheduler patch
+(``v1_core_sched_scheduler``) schedules none on producers -- feeds the target valid token ids. Draft CUDA-graph capture, draft dummy proposes and adaptive verification
 are switched off in the speculator patch (``v1_worker_gpu_spec_decode_dspark_speculator__producer``), EPLB
 registration of the draft in ``v1_worker_gpu_eplb_utils``.
 
@@ -17,7 +20,8 @@ UPSTREAM: vLLM PR #56957 (DSpark prefill-only producers under PP).
 
 RETIRE WHEN: upstream model runner has a producer role for DSpark.
 
-TESTED BY: tests/unit/producer/test_runner_patches.py, tests/e2e/producer/test_pd_producer_cpu.py
+TESTED BY: tests/unit/producer/test_runner_patches.py, tests/e2e/producer/test_pd_producer_cpu.py,
+tests/e2e/producer/test_producer_decodes_cpu.py, tests/gpu/test_producer_gpu.py
 """
 
 from __future__ import annotations
@@ -33,6 +37,18 @@ def _is_producer(runner) -> bool:
 
     cfg = runner.vllm_config
     return is_dspark_prefill_only(cfg.speculative_config, cfg.kv_transfer_config)
+
+
+def valid_draft_buffer(runner) -> None:
+    """Replace the ``-1`` marks of unproposed drafts in the runner's draft buffer by token 0.
+
+    A producer never verifies these drafts (any value is lossless: the rejection sampler
+    replaces a rejected draft by the target's token), but they are embedded as input ids when
+    a batch carries draft slots, so they must be in the vocabulary."""
+    states = getattr(runner, "req_states", None)
+    buf = getattr(states, "draft_tokens", None)
+    if buf is not None and buf.numel():
+        buf.clamp_(min=0)
 
 
 def _patch(module) -> None:
@@ -98,9 +114,19 @@ def _patch(module) -> None:
 
         return execute_model
 
+    def make_sample_tokens(orig):
+        def sample_tokens(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            if getattr(self, "dspark_prefill_only", False):
+                valid_draft_buffer(self)
+            return out
+
+        return sample_tokens
+
     wrap(cls, "load_model", make_load_model)
     wrap(cls, "sample", make_sample)
     wrap(cls, "execute_model", make_execute_model)
+    wrap(cls, "sample_tokens", make_sample_tokens)
 
 
 def apply() -> None:

@@ -24,8 +24,11 @@ def test_patches_installed_on_import(modules):
     from vllm_dspark_pp.patches._util import is_patched
 
     mr, sp, eplb = modules
-    for name in ("load_model", "sample", "execute_model"):
+    for name in ("load_model", "sample", "execute_model", "sample_tokens"):
         assert is_patched(mr.GPUModelRunner, name)
+    import vllm.v1.core.sched.scheduler as sched
+
+    assert is_patched(sched.Scheduler, "__init__")
     for name in ("__init__", "load_draft_model", "propose", "init_cudagraph_manager", "capture"):
         assert is_patched(sp.DSparkSpeculator, name)
     assert hasattr(sp.DSparkSpeculator, "materialize_context_kv")
@@ -92,6 +95,61 @@ def test_sample_tokens_schedules_no_drafts_on_producers(role, expected):
     r.execute_model(_State(4))
     assert r.sample_tokens(None) == "out"
     assert seen["n"] == expected
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_both"])
+def test_producer_draft_buffer_holds_only_token_ids(role):
+    """vLLM marks unproposed draft slots -1 after a zero-draft propose; on a producer the patch
+    turns them into token 0 so a warm-up batch with draft slots embeds valid ids."""
+    Runner, _, _ = _patched_runner_class()
+    r = Runner()
+    r.vllm_config = _runner_cfg(role)
+    r.load_model()
+    r.req_states = types.SimpleNamespace(draft_tokens=torch.tensor([[5, 7], [3, 9], [2, 2]]))
+    r.execute_model(_State(2))
+
+    def fill_like_vllm(rows):
+        r.req_states.draft_tokens[rows, 0:] = -1  # model_runner.py:2388-2390 with 0 drafts
+
+    fill_like_vllm([0, 2])
+    r.sample_tokens(None)
+    buf = r.req_states.draft_tokens
+    if role == "kv_producer":
+        assert buf.tolist() == [[0, 0], [3, 9], [0, 0]]
+    else:  # a full drafter's buffer is vLLM's business
+        assert buf.tolist() == [[-1, -1], [3, 9], [-1, -1]]
+
+
+def test_scheduler_of_a_producer_schedules_no_drafts(make_vllm_config):
+    from vllm.config import KVTransferConfig
+
+    from vllm_dspark_pp.patches import v1_core_sched_scheduler as patch
+
+    def kv(role):
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role=role,
+                                kv_connector_extra_config={"shared_storage_path": "/tmp/x"})
+
+    for role, zeroed in (("kv_producer", True), ("kv_both", False), ("kv_consumer", False)):
+        cfg = make_vllm_config(kv(role))
+        assert cfg.num_speculative_tokens > 0
+        sched = types.SimpleNamespace(num_spec_tokens=cfg.num_speculative_tokens,
+                                      dynamic_sd_lookup=[1, 2])
+        assert patch.producer_schedules_no_drafts(sched, cfg) is zeroed, role
+        assert (sched.num_spec_tokens == 0) is zeroed
+        assert (sched.dynamic_sd_lookup is None) is zeroed
+
+    # The wiring: the wrapped __init__ runs vLLM's first, then zeroes the count.
+    class Scheduler:
+        def __init__(self, vllm_config, kv_cache_config=None):
+            self.num_spec_tokens = vllm_config.num_speculative_tokens
+            self.dynamic_sd_lookup = None
+
+    class AsyncScheduler(Scheduler):
+        pass
+
+    patch._patch(types.SimpleNamespace(Scheduler=Scheduler))
+    assert AsyncScheduler(vllm_config=make_vllm_config(kv("kv_producer"))).num_spec_tokens == 0
+    assert AsyncScheduler(make_vllm_config(kv("kv_both")), None).num_spec_tokens > 0
 
 
 def test_rejection_sampler_built_only_when_drafts_arrive():

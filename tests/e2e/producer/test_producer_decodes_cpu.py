@@ -1,0 +1,78 @@
+"""CPU end to end: a DSpark prefill-only producer that is asked to decode.
+
+A PD proxy sends the producer one output token per request, but nothing stops a client from
+asking it for more. Such a request must decode like a plain (non-speculative) engine: the
+producer's drafter is context-KV-only, so no draft may be scheduled, verified or fed to the
+target as an input id.
+
+Before the fix (``patches/v1_core_sched_scheduler__producer.py``) vLLM 0.34.0's async scheduler
+gave every decoding request ``num_speculative_tokens`` placeholder drafts
+(``vllm/v1/core/sched/async_scheduler.py:22-41``); the model runner filled them from its draft
+buffer, which holds ``-1`` after a zero-draft propose (``model_runner.py:2388-2390``), and the
+target embedded token id ``-1``: harmless on the CPU's wrapped indexing, a device-side assert
+on CUDA (docs/results/gpu.md). Here the producer must report zero drafts and produce exactly
+the plain greedy tokens, under async and sync scheduling.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # tests/, for e2e.harness
+
+from e2e.harness import run_generate  # noqa: E402
+
+WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
+PROMPTS = [" ".join((WORDS * 4)[i : i + 20 + 5 * i]) for i in range(3)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from vllm_dspark_pp.tiny_models import make_tiny_models
+
+    return make_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny, e2e_timeout_s):
+    return run_generate(
+        {"model": tiny.target}, PROMPTS, timeout_s=e2e_timeout_s,
+        sampling={"max_tokens": MAX_TOKENS, "ignore_eos": True},
+    )
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_producer_decodes_without_drafts(tiny, plain, tmp_path, e2e_timeout_s, async_scheduling):
+    store = tmp_path / "store"
+    store.mkdir()
+    kv = {
+        "kv_connector": "DSparkDraftKVFileConnector",
+        "kv_connector_module_path": "dspark_pp_draft_kv_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    prod = run_generate(
+        {
+            "model": tiny.target,
+            "speculative_config": {"method": "dspark", "model": tiny.draft},
+            "kv_transfer_config": kv,
+        },
+        PROMPTS,
+        timeout_s=e2e_timeout_s,
+        sampling={"max_tokens": MAX_TOKENS, "ignore_eos": True},
+        async_scheduling=async_scheduling,
+        env={"PYTHONPATH": str(HERE)},
+    )
+    assert prod.config["async_scheduling"] is async_scheduling
+    assert all(len(t) == MAX_TOKENS for t in prod.tokens)
+    assert prod.tokens == plain.tokens
+    # No draft was scheduled or verified on the producer.
+    assert prod.metrics["num_drafts"] == 0, prod.metrics
+    assert prod.metrics["num_draft_tokens"] == 0, prod.metrics
