@@ -50,17 +50,25 @@ else
   python3 -c "import pytest, pytest_timeout" 2>&1 | tee -a "$LOG" || { say "FATAL: pytest still not importable"; exit 3; }
 fi
 
-# `vllm serve` (the PD test) imports watchfiles, uvloop, httptools, multipart and the prometheus
-# packages, which the kit's deps group does not ship; add those that are missing.
-for mod_whl in orjson:orjson watchfiles:watchfiles uvloop:uvloop httptools:httptools multipart:python_multipart \
-               prometheus_client:prometheus_client prometheus_fastapi_instrumentator:prometheus_fastapi_instrumentator; do
-  mod=${mod_whl%%:*}; whl=${mod_whl#*:}
-  if ! python3 -c "import $mod" >/dev/null 2>&1; then
-    say "installing $whl (for vllm serve) from tools/gpu/wheels/serve"
-    python3 -m pip install -q --no-index --no-deps --target "$SITE" tools/gpu/wheels/serve/${whl}-*.whl 2>&1 \
-      | grep -v "^WARNING: Target directory" | tee -a "$LOG"
-  fi
-done
+# `vllm serve` (the PD test) imports packages the kit's deps group does not ship (orjson, watchfiles,
+# uvloop, the prometheus packages, model_hosting_container_standards for the SageMaker router, ...).
+# Each wheel in tools/gpu/wheels/serve is installed when one of its top-level packages is missing.
+python3 - "$SITE" tools/gpu/wheels/serve/*.whl <<'PY' 2>&1 | tee -a "$LOG"
+import importlib.util, subprocess, sys, zipfile
+site, wheels = sys.argv[1], sys.argv[2:]
+for whl in wheels:
+    names = set()
+    for n in zipfile.ZipFile(whl).namelist():
+        top = n.split("/")[0]
+        if top.endswith((".dist-info", ".data")):
+            continue
+        names.add(top.removesuffix(".py").split(".")[0])
+    missing = sorted(x for x in names if importlib.util.find_spec(x) is None)
+    if missing:
+        print(f"[gpu-suite] installing {whl.rsplit('/', 1)[-1]} (vllm serve needs {', '.join(missing)})")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--target", site, whl], check=False)
+PY
 
 say "installing the project into $SITE (entry point vllm.general_plugins -> dspark_pp)"
 rm -rf build ./*.egg-info
