@@ -63,6 +63,13 @@ def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
     return cfg
 
 
+#: Log lines a DSpark prefill-only producer prints (context_kv.py, patches/*producer*, scheduler).
+PREFILL_MARKERS = (
+    "Built the context-KV-only DSpark drafter",
+    "the scheduler schedules no draft tokens",
+)
+
+
 def run_pd(
     model: str,
     speculative_config: dict | None,
@@ -158,6 +165,10 @@ def run_pd(
             "configured_engine_id": engine_id,
             "proxy": stats,
             "timings": t.describe(),
+            # What the prefiller's log says it built (patch log lines of vllm_dspark_pp).
+            "prefill_log_markers": {
+                marker: marker in pre.log_text() for marker in PREFILL_MARKERS
+            },
         }
     except Exception as e:
         raise GPUCaseFailure(

@@ -37,6 +37,16 @@ def test_pd_requests_all_went_through_prefill_then_decode(pd):
     assert st["requests"] == st["prefill_ok"] == st["decode_ok"] == len(pd["tokens"]), st
 
 
+def test_prefiller_is_a_context_kv_only_producer(pd):
+    markers = pd.get("prefill_log_markers", {})
+    print(f"prefiller log markers: {markers}")
+    assert markers and all(markers.values()), (
+        f"the prefiller (kv_producer) did not build the context-KV-only drafter or still schedules "
+        f"drafts: {markers}"
+    )
+    assert pd["prefill_spec"]["num_draft_tokens"] == 0, pd["prefill_spec"]
+
+
 def test_decoder_received_the_prompt_kv_over_mooncake(pd):
     kv = pd["decoder_kv"]
     hits = kv.get("vllm:external_prefix_cache_hits_total", 0)
