@@ -203,3 +203,24 @@ def make_checkpoint(shapes: dict[str, tuple[int, ...]], *, seed: int = 0, dtype:
             t = 1.0 + t
         out[name] = t.to(dtype=dtype or torch.float32, device=device)
     return out
+
+
+def shim_vllm_config(cfg: Any, *, target_hf: Any, draft_hf: Any) -> Any:
+    """A copy of a real ``VllmConfig`` whose target and draft HF configs are replaced (a
+    construction-only config for building drafters outside an engine): fresh cache config and
+    layer registry (``static_forward_context``), so two builds never share layer names."""
+    import copy
+
+    c = copy.copy(cfg)
+    c.model_config = copy.copy(cfg.model_config)
+    c.model_config.hf_config = target_hf
+    c.model_config.hf_text_config = target_hf
+    c.speculative_config = copy.copy(cfg.speculative_config)
+    draft = copy.copy(cfg.speculative_config.draft_model_config)
+    draft.hf_config = draft_hf
+    draft.hf_text_config = draft_hf
+    c.speculative_config.draft_model_config = draft
+    c.cache_config = copy.copy(cfg.cache_config)
+    c.compilation_config = copy.copy(cfg.compilation_config)
+    c.compilation_config.static_forward_context = {}
+    return c
