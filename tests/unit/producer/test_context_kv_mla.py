@@ -390,3 +390,97 @@ def test_dsv4_drafting_raises_clearly(dsv4_ctx, call):
         getattr(ctx, call)(torch.zeros(1, dtype=torch.long))
     with pytest.raises(context_kv.ContextOnlyDrafterError):
         ctx.model.layers[0].attn(torch.zeros(1))
+
+
+# --------------------------------------------------------------------------- DeepSeek-V4 full
+class _NoEvent:
+    """Stands in for torch.cuda.Event, which DeepseekV4Attention creates at construction
+    (attention.py:329) and a CPU-only torch cannot instantiate; nothing here records events."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.fixture()
+def dsv4_full_and_ctx(producer_cfg):
+    """vLLM's full DeepSeek-V4 drafter built on CPU next to ours, with its two CUDA-only
+    constructor calls answered (torch.cuda.Event; the FP8 einsum recipe, which asserts a CUDA
+    device: nvidia/ops/o_proj.py:33, nothing runs it here) and a one-rank EP group for its MoE."""
+    from vllm.distributed import get_world_group
+    from vllm.distributed import parallel_state as ps
+    from vllm.models.deepseek_v4.nvidia import flashmla
+    from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM
+
+    ds = tiny.tiny_dsv4_config()
+    fcfg = tiny.shim_vllm_config(producer_cfg, target_hf=ds, draft_hf=ds)
+    ccfg = tiny.shim_vllm_config(producer_cfg, target_hf=ds, draft_hf=ds)
+    saved_ep = ps._EP
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "Event", _NoEvent)
+        mp.setattr(flashmla, "compute_fp8_einsum_recipe", lambda: (None, None))
+        if ps._EP is None:
+            ps._EP = ps.init_model_parallel_group([[0]], get_world_group().local_rank, "gloo",
+                                                  group_name="ep")
+        try:
+            full = _build(fcfg, DSparkDeepseekV4ForCausalLM)
+        finally:
+            ps._EP = saved_ep
+    ctx = _build(ccfg, context_kv_mla.dsv4_context_kv_class(context_kv_mla.DSV4_NVIDIA_MODULE))
+    return full, fcfg, ctx, ccfg
+
+
+def test_dsv4_tree_names_and_specs_equal_the_full_drafter(dsv4_full_and_ctx):
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    full, fcfg, ctx, ccfg = dsv4_full_and_ctx
+    full_params = {n for n, _ in full.named_parameters()}
+    assert set(DSV4_PARAMS) <= full_params and len(full_params) > 4 * len(DSV4_PARAMS)
+    names = full.get_draft_kv_cache_layer_names()
+    assert names == ctx.get_draft_kv_cache_layer_names()
+    f_layers = {n: m for n, m in fcfg.compilation_config.static_forward_context.items()
+                if isinstance(m, AttentionLayerBase)}  # (the MoE experts register too)
+    c_layers = ccfg.compilation_config.static_forward_context
+    assert sorted(f_layers) == sorted(c_layers)
+    assert fcfg.cache_config.cache_dtype == ccfg.cache_config.cache_dtype == "fp8_ds_mla"
+    for n in sorted(f_layers):
+        assert f_layers[n].get_kv_cache_spec(fcfg) == c_layers[n].get_kv_cache_spec(ccfg), n
+        assert f_layers[n].get_attn_backend() is c_layers[n].get_attn_backend(), n
+    for i in range(2):
+        f_attn, c_attn = full.model.layers[i].attn, ctx.model.layers[i].attn
+        for attr in ("n_local_heads", "head_dim", "padded_heads", "eps", "window_size",
+                     "compress_ratio", "kv_cache_dtype", "kv_cache_torch_dtype", "prefix"):
+            assert getattr(f_attn, attr) == getattr(c_attn, attr), attr
+        assert type(f_attn).backend_cls is c_attn.backend_cls
+        torch.testing.assert_close(c_attn.rotary_emb.cos_sin_cache,
+                                   f_attn.rotary_emb.cos_sin_cache, rtol=0, atol=0)
+        assert f_attn.swa_cache_layer.block_size == c_attn.swa_cache_layer.block_size
+
+
+def test_dsv4_loaded_context_weights_equal_the_full_drafter(dsv4_full_and_ctx):
+    from vllm.config import set_current_vllm_config
+
+    full, fcfg, ctx, ccfg = dsv4_full_and_ctx
+    names = tiny.dsv4_checkpoint_shapes(tiny.tiny_dsv4_config())
+    ckpt = tiny.make_checkpoint({n: s for n, s in names.items() if n in tiny.DSV4_CONTEXT_NAMES},
+                                seed=5)
+    full.load_weights(iter(ckpt.items()))
+    assert sorted(ctx.load_weights(iter(ckpt.items()))) == DSV4_PARAMS
+    for p in ("context_wkv_proj", "main_proj", "main_norm"):
+        assert torch.equal(getattr(ctx.model, p).weight, getattr(full.model, p).weight), p
+    for i in range(2):
+        assert torch.equal(ctx.model.layers[i].attn.kv_norm.weight,
+                           full.model.layers[i].attn.kv_norm.weight)
+    # the projection + kv_norm the insert is fed (everything before the CUDA insert op)
+    _repack_linears(full.model.main_proj)
+    _repack_linears(full.model.context_wkv_proj)
+    _repack_linears(ctx)
+    aux = torch.randn(7, 64 * 2, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for model, cfg in ((full, fcfg), (ctx, ccfg)):
+        with set_current_vllm_config(cfg):
+            states = model.combine_hidden_states(aux)
+            kv = model.model.context_wkv_proj(states).view(7, 2, -1)
+            outs.append([model.model.layers[i].attn.kv_norm(kv[:, i]) for i in range(2)])
+    for f, c in zip(*outs, strict=True):
+        assert f.abs().sum() > 0
+        torch.testing.assert_close(c, f, rtol=0, atol=0)
