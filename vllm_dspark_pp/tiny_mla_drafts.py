@@ -122,27 +122,33 @@ DSV4_CONTEXT_NAMES = frozenset({
 })
 
 
-def tiny_k3_config() -> Any:
-    """A tiny Kimi-K3 DSpark draft config (vLLM's ``K3DSparkConfig``)."""
+def tiny_k3_config(*, gpu: bool = False) -> Any:
+    """A tiny Kimi-K3 DSpark draft config (vLLM's ``K3DSparkConfig``).
+
+    ``gpu=True`` uses the MLA latent geometry the CUDA MLA backends are built for
+    (``kv_lora_rank`` 512 + RoPE 64 = a 576-wide latent row); the CPU variant is smaller.
+    """
     from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
 
+    dims = (
+        {"hidden_size": 256, "num_attention_heads": 16, "qk_nope_head_dim": 128,
+         "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": 64, "kv_lora_rank": 512,
+         "target_hidden_size": 256}
+        if gpu else
+        {"hidden_size": 64, "num_attention_heads": 4, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 16, "v_head_dim": 16, "q_lora_rank": 32, "kv_lora_rank": 32,
+         "target_hidden_size": 64}
+    )
     cfg = K3DSparkConfig(
         vocab_size=512,
-        hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
-        q_lora_rank=32,
-        kv_lora_rank=32,
         max_position_embeddings=512,
-        target_hidden_size=64,
         num_target_layers=2,
         target_layer_ids=[0, 1],
         markov_rank=8,
         hidden_act="silu",
+        **dims,
     )
     cfg.architectures = ["K3DSparkModel"]
     return cfg

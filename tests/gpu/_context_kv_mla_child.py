@@ -110,7 +110,7 @@ if FAMILY == "dsv4":
 else:
     from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkForCausalLM as FULL
 
-    DRAFT = tiny.tiny_k3_config()
+    DRAFT = tiny.tiny_k3_config(gpu=True)
     TARGET = None  # the tiny Qwen3 target (K3 reads only its layer count)
     CTX_CLS_FN = lambda: context_kv.context_kv_class_for(_spec_with("K3DSparkModel"))  # noqa: E731
     SHAPES = tiny.k3_checkpoint_shapes(DRAFT)
