@@ -190,6 +190,8 @@ def test_k3_kv_cache_layer_names_and_specs_equal(k3_pair):
         torch.testing.assert_close(c_layers[n].rotary_emb.cos_sin_cache,
                                    f_layers[n].rotary_emb.cos_sin_cache, rtol=0, atol=0)
         assert torch.equal(c_layers[n]._k_scale, f_layers[n]._k_scale)
+        assert (c_layers[n].kv_a_layernorm.variance_epsilon
+                == f_layers[n].kv_a_layernorm.variance_epsilon)
 
 
 def test_k3_loads_only_context_weights_equal_to_the_full_drafter(k3_pair, k3_checkpoint):
