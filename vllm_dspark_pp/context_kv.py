@@ -22,8 +22,9 @@ The K/V computation itself is vLLM's own code: the context model borrows
 ``QKVParallelLinear`` with zero query heads (``q_size == 0``), so the bytes written are the
 full drafter's by construction (``tests/gpu/test_producer_gpu.py`` compares cache contents).
 
-Families: Qwen3 DSpark is built here. Every other DSpark draft architecture is refused at
-start on a prefill-only producer (see :data:`CONTEXT_ONLY_ARCHITECTURES` and
+Families: Qwen3 DSpark is built here; DeepSeek-V4 DSpark and Kimi-K3 DSpark (MLA-style
+layers) in :mod:`vllm_dspark_pp.context_kv_mla`. Every other DSpark draft architecture is
+refused at start on a prefill-only producer (see :data:`CONTEXT_ONLY_ARCHITECTURES` and
 :func:`unsupported_draft_problem`).
 """
 
@@ -46,12 +47,12 @@ logger = init_logger("vllm.dspark_pp.context_kv")
 #: Draft architectures (``draft_model_config.architectures``) with a context-KV-only build.
 CONTEXT_ONLY_ARCHITECTURES: dict[str, str] = {
     "Qwen3DSparkModel": "Qwen3 DSpark",
+    "DSparkDraftModel": "DeepSeek-V4 DSpark",  # context_kv_mla.py
+    "K3DSparkModel": "Kimi-K3 DSpark",  # context_kv_mla.py
 }
 
 #: DSpark draft architectures vLLM 0.34.0 serves that have no context-only build yet.
 KNOWN_UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "DSparkDraftModel": "DeepSeek-V4 DSpark",
-    "K3DSparkModel": "Kimi-K3 DSpark",
     "DSparkV41DraftModel": "DeepSeek-V4.1 DSpark",
     "DSparkMiniMaxDraftModel": "MiniMax-M3 DSpark",
     "Gemma4DSparkModel": "Gemma4 DSpark",
@@ -408,7 +409,15 @@ def qwen3_context_kv_class() -> type:
 
 
 def context_kv_class_for(spec_config: SpeculativeConfig) -> type:
+    """The context-only top-level class for this draft's architecture."""
     check_draft_supported(spec_config)
+    archs = draft_architectures(spec_config)
+    from vllm_dspark_pp import context_kv_mla
+
+    if context_kv_mla.DSV4_ARCH in archs:
+        return context_kv_mla.dsv4_context_kv_class()
+    if context_kv_mla.K3_ARCH in archs:
+        return context_kv_mla.k3_context_kv_class()
     return qwen3_context_kv_class()
 
 
