@@ -123,8 +123,21 @@ def _spec_with(arch):
     return types.SimpleNamespace(draft_model_config=types.SimpleNamespace(architectures=[arch]))
 
 
+def _k3_target():
+    """The tiny Qwen3 target config carrying the draft's MLA dimensions: vLLM picks the MLA
+    prefill backend from the *target* model config (``get_mla_dims``), and a real Kimi-K3 target
+    is an MLA model with the same dimensions."""
+    import copy
+
+    t = copy.copy(base_cfg.model_config.hf_config)
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
+                 "q_lora_rank"):
+        setattr(t, name, getattr(DRAFT, name))
+    return t
+
+
 def build(cls):
-    target = TARGET if TARGET is not None else base_cfg.model_config.hf_config
+    target = TARGET if TARGET is not None else _k3_target()
     cfg = tiny.shim_vllm_config(base_cfg, target_hf=target, draft_hf=DRAFT)
     with set_current_vllm_config(cfg), set_default_torch_dtype(BF16), DEV:
         model = cls(vllm_config=cfg, prefix="")
