@@ -75,6 +75,39 @@ def _refuse(what: str) -> ContextOnlyDrafterError:
     )
 
 
+# --------------------------------------------------------------------------- refusals
+class RefuseDrafting:
+    """Every drafting entry point of a DSpark drafter, refused."""
+
+    context_kv_only = True
+    draft_id_to_target_id = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _refuse("draft forward")
+
+    def embed_input_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _refuse("draft token embedding")
+
+    def compute_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _refuse("draft logits")
+
+    compute_draft_logits = compute_logits
+    compute_draft_logits_local = compute_logits
+
+    def map_draft_to_target(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _refuse("draft-to-target id map")
+
+    def markov_embed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _refuse("Markov head")
+
+    markov_bias = markov_embed
+    apply_markov_bias_gathered = markov_embed
+    markov_step = markov_embed
+
+    def compute_confidence(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _refuse("confidence head")
+
+
 # --------------------------------------------------------------------------- families
 def draft_architectures(spec_config: SpeculativeConfig) -> list[str]:
     draft = getattr(spec_config, "draft_model_config", None)
@@ -323,10 +356,9 @@ def _build_qwen3_classes() -> tuple[type, type]:
                     weight = weight[q_rows:]
                 yield name, weight
 
-    class Qwen3DSparkContextKVForCausalLM(nn.Module):
+    class Qwen3DSparkContextKVForCausalLM(RefuseDrafting, nn.Module):
         """Top level of the Qwen3 context-KV-only DSpark drafter."""
 
-        context_kv_only = True
         model_cls = Qwen3DSparkContextKVModel
 
         def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -368,31 +400,6 @@ def _build_qwen3_classes() -> tuple[type, type]:
                 skipped,
             )
             return AutoWeightsLoader(self).load_weights(kept)
-
-        # Everything that drafts tokens is absent.
-        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("draft forward")
-
-        def embed_input_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("draft token embedding")
-
-        def compute_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("draft logits")
-
-        compute_draft_logits = compute_logits
-        compute_draft_logits_local = compute_logits
-
-        def map_draft_to_target(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("draft-to-target id map")
-
-        def markov_embed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("Markov head")
-
-        markov_bias = markov_embed
-        apply_markov_bias_gathered = markov_embed
-
-        def compute_confidence(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("confidence head")
 
     return Qwen3DSparkContextKVModel, Qwen3DSparkContextKVForCausalLM
 

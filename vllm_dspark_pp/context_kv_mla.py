@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.context_kv import ContextOnlyDrafterError, _refuse
+from vllm_dspark_pp.context_kv import ContextOnlyDrafterError, RefuseDrafting, _refuse
 
 if TYPE_CHECKING:
     import torch
@@ -105,39 +105,6 @@ def _refuse_platform(family: str, module: Any, missing: str) -> NotImplementedEr
         "this family only on CUDA/ROCm, and the context-only build follows the CUDA one). "
         "Run this producer on NVIDIA GPUs or with kv_role='kv_both'."
     )
-
-
-# --------------------------------------------------------------------------- shared refusals
-class _RefuseDrafting:
-    """Every drafting entry point of a DSpark drafter, refused."""
-
-    context_kv_only = True
-    draft_id_to_target_id = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft forward")
-
-    def embed_input_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft token embedding")
-
-    def compute_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft logits")
-
-    compute_draft_logits = compute_logits
-    compute_draft_logits_local = compute_logits
-
-    def map_draft_to_target(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft-to-target id map")
-
-    def markov_embed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("Markov head")
-
-    markov_bias = markov_embed
-    apply_markov_bias_gathered = markov_embed
-    markov_step = markov_embed
-
-    def compute_confidence(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("confidence head")
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4
@@ -289,7 +256,7 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
         def embed_input_ids(self, *args: Any, **kwargs: Any) -> Any:
             raise _refuse("draft token embedding")
 
-    class DSparkDeepseekV4ContextKVForCausalLM(_RefuseDrafting, nn.Module):
+    class DSparkDeepseekV4ContextKVForCausalLM(RefuseDrafting, nn.Module):
         """Top level of the DeepSeek-V4 context-KV-only DSpark drafter."""
 
         family = "DeepSeek-V4 DSpark"
@@ -532,7 +499,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
 
     k3_mapper = WeightsMapper(orig_to_new_prefix={"": "model."})
 
-    class K3DSparkContextKVForCausalLM(_RefuseDrafting, nn.Module):
+    class K3DSparkContextKVForCausalLM(RefuseDrafting, nn.Module):
         """Top level of the Kimi-K3 context-KV-only DSpark drafter."""
 
         family = "Kimi-K3 DSpark"
