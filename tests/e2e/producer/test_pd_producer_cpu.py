@@ -22,16 +22,22 @@ prompt, target and draft context KV, come from the producer's store and the deco
 rest. The test checks that every stored layer holds exactly one 32-token block.
 
 Step 5 depends on the draft's context KV with this pair (it did not with the random-weight pair,
-which accepts only at draft position 0). Measured by hand (2026-12-02, 4 of these prompts, draft
-layers' store files overwritten with Gaussian noise of the same standard deviation, seed 0):
+which accepts only at draft position 0). Measured (2026-12-02, this 2-core CPU; draft layers'
+store files overwritten with Gaussian noise of the same standard deviation, seed 0, by
+``DSPARK_E2E_PD_CORRUPT_DRAFT_KV=1`` on the test's 8 prompts, and by hand on the first 4 of them,
+where corrupting the target layers instead was tried for contrast):
 
-| decoder reads | tokens == aggregated | drafts | accepted / drafted | accepted per position |
-|---|---|---|---|---|
-| the PP=2 producer's store | yes | 28 | 196 / 196 | 28 28 28 28 28 28 28 |
-| same, draft layers 4-5 corrupted | yes (lossless) | 67 | 159 / 469 | 48 41 20 18 12 10 10 |
-| same, target layers 0-3 corrupted (for contrast) | no | 33 | 31 / 231 | 14 8 5 3 1 0 0 |
+| decoder reads | prompts | tokens == aggregated | drafts | accepted / drafted | accepted per position |
+|---|---|---|---|---|---|
+| the PP=2 producer's store (= aggregated) | 8 | yes | 56 | 392 / 392 | 56 56 56 56 56 56 56 |
+| same, draft layers 4-5 corrupted | 8 | yes (lossless) | 129 | 332 / 903 | 94 81 43 37 31 24 22 |
+| the PP=2 producer's store (= aggregated) | 4 | yes | 28 | 196 / 196 | 28 28 28 28 28 28 28 |
+| same, draft layers 4-5 corrupted | 4 | yes (lossless) | 67 | 159 / 469 | 48 41 20 18 12 10 10 |
+| same, target layers 0-3 corrupted | 4 | no | 33 | 31 / 231 | 14 8 5 3 1 0 0 |
 
-So a wrong or missing draft context KV fails step 5 by its counters even though the tokens stay
+The drafter accepts every draft on these prompts (they are all of the corpus' two-step
+template, the only one whose prompts reach 34 tokens), so step 5 pins "no rejection at all";
+a wrong or missing draft context KV fails it by its counters even though the tokens stay
 lossless; step 4 still pins every byte. ``DSPARK_E2E_PD_CORRUPT_DRAFT_KV=1`` re-runs the
 corrupted-draft-KV decoder at the end of the test (one more engine run) and requires its
 acceptance to differ from the aggregated one while its tokens stay equal.
