@@ -15,9 +15,10 @@ Two model pairs:
   PP=2 async all gave 69 drafts, 483 draft tokens, 445 accepted, per position
   [69, 69, 65, 64, 60, 59, 59] (mean acceptance length 7.45), with identical tokens.
   The async counters are required to be equal too: they were identical in every run (PP=2 async
-  twice on 8 prompts, once on 16, equal to the sync counters). They are deterministic because,
-  without a token-budget cut (16 requests x 8 tokens = the 128 budget), each request's draft and
-  verify sequence depends only on its own greedy tokens, and the counters are sums over requests.
+  twice on 8 prompts and twice on these 16, always equal to the sync counters). They are
+  deterministic because, without a token-budget cut (16 requests x 8 tokens = the 128 budget),
+  each request's draft and verify sequence depends only on its own greedy tokens, and the
+  counters are sums over requests.
 * **The random-weight pair** (``tiny_models`` fixture: 6 layers, k=4) for what does not need real
   acceptance: 4 prompts of 3-90 tokens (token ids and one text prompt; with a 32-token budget the
   40- and 90-token prompts are split into chunks), 16 new tokens each: PP=1 DSpark, PP=2 with
