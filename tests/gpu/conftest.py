@@ -6,7 +6,7 @@ Every engine the tier needs is started ONCE, concurrently, by the session fixtur
 from a thread pool, and the tests only read the results. The first test to ask for
 ``gpu_jobs`` launches everything; tests that do not need engines (kernels) run meanwhile.
 
-Jobs (all bf16, tiny Qwen3 target + tiny DSpark draft, ``max_num_seqs=8``):
+Jobs (``max_num_seqs=8``; the first four: bf16, random-weight tiny Qwen3 target + tiny DSpark draft):
 
 * ``baseline``  no speculation, eager, top-2 logprobs (evidence for near-ties), plugin probe in
   the worker;
@@ -15,7 +15,13 @@ Jobs (all bf16, tiny Qwen3 target + tiny DSpark draft, ``max_num_seqs=8``):
 * ``spec_eager`` DSpark with ``enforce_eager``;
 * ``spec_graphs_fixed8`` as ``spec_graphs`` plus the plugin's fixed DSpark graph batch of 8
   (only when ``vllm_dspark_pp.graph_batch`` exists);
-* ``pd``  prefiller + decoder over MooncakeConnector/TCP with the last wave's prompts.
+* ``pair_baseline`` / ``pair_spec``  the trained tiny pair (models/tiny-pair, k=7, float32 by
+  default: ``DSPARK_GPU_PAIR_DTYPE``) on 7 held-out prompts, stopping at EOS: no speculation with
+  top-2 logprobs, and aggregated DSpark in the PD servers' mode (CUDA graphs, or eager with
+  ``DSPARK_GPU_PD_EAGER=1``): the references of the PD job;
+* ``pd``  prefiller + decoder over MooncakeConnector/TCP with the trained pair on the same 7
+  prompts (the random pair accepts only at draft position 0, so the decoder's acceptance would
+  not depend on the draft context it receives).
 
 Environment knobs: ``DSPARK_GPU_ARTIFACTS`` (where failing jobs leave logs),
 ``DSPARK_GPU_PD_EAGER=1`` (PD servers eager instead of CUDA graphs), ``DSPARK_GPU_NEAR_TIE``.
@@ -40,11 +46,15 @@ from gpu_common import (  # noqa: E402
     DRYRUN_CPU,
     GRAPH_COMPILATION_CONFIG,
     MAX_TOKENS,
+    PAIR_DTYPE,
+    PAIR_MAX_TOKENS,
+    PAIR_SAMPLING,
     PD_EAGER,
     TIMEOUTS,
     Jobs,
     fixed_graph_batch_key,
     make_prompts,
+    pair_prompts,
     require_cuda,
     spec_config,
 )
@@ -141,7 +151,7 @@ def gpu_jobs(gpu_models, gpu_waves):
             sampling=sampling,
         )
     common = [
-        "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
+        "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
         "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(1 << 30),
     ]  # fmt: skip
     if PD_EAGER:
@@ -149,19 +159,52 @@ def gpu_jobs(gpu_models, gpu_waves):
     else:
         common += ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
     if DRYRUN_CPU:
-        jobs.skip("pd", "DSPARK_GPU_DRYRUN_CPU=1: no PD on the CPU dry run")
+        for name in ("pair_baseline", "pair_spec", "pd"):
+            jobs.skip(name, "DSPARK_GPU_DRYRUN_CPU=1: no PD (nor its trained-pair references) on the CPU dry run")
         yield jobs
         jobs.shutdown()
         return
+    from e2e import tiny_pair  # tests/ is on sys.path (tests/conftest.py)
+
+    ok, why = tiny_pair.available()
+    if not ok:
+        for name in ("pair_baseline", "pair_spec", "pd"):
+            jobs.skip(name, why)
+        yield jobs
+        jobs.shutdown()
+        return
+    pair_waves = [pair_prompts()]
+    pair_llm = {"model": tiny_pair.TARGET, "dtype": PAIR_DTYPE}
+    jobs.submit(
+        "pair_baseline",
+        run_llm,
+        "pair_baseline",
+        {**pair_llm, "enforce_eager": True},
+        pair_waves,
+        timeout_s=TIMEOUTS["eager"],
+        sampling=PAIR_SAMPLING,
+        logprobs=2,
+    )
+    mode = {"enforce_eager": True} if PD_EAGER else {"compilation_config": GRAPH_COMPILATION_CONFIG}
+    jobs.submit(
+        "pair_spec",
+        run_llm,
+        "pair_spec",
+        {**pair_llm, **mode, "speculative_config": tiny_pair.spec_config()},
+        pair_waves,
+        timeout_s=TIMEOUTS["eager" if PD_EAGER else "graphs"],
+        sampling=PAIR_SAMPLING,
+    )
     jobs.submit(
         "pd",
         run_pd,
-        target,
-        spec_config(gpu_models),
-        gpu_waves[-1],
+        tiny_pair.TARGET,
+        tiny_pair.spec_config(),
+        pair_waves[-1],
         timeout_s=TIMEOUTS["pd"],
         common_args=common,
-        max_tokens=MAX_TOKENS,
+        max_tokens=PAIR_MAX_TOKENS,
+        ignore_eos=False,
     )
     yield jobs
     jobs.shutdown()

@@ -33,6 +33,15 @@ if DRYRUN_CPU:  # the CPU is far slower: short outputs, long deadlines
     TIMEOUTS = {k: 3 * v for k, v in TIMEOUTS.items()}
 CPU_DRYRUN_LLM = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": None, "gpu_memory_utilization": None}
 
+# The trained tiny pair (models/tiny-pair, docs/tiny-pair.md) for the PD acceptance comparison: the
+# random pair above accepts only at draft position 0, so its decoder-vs-aggregated acceptance
+# proves little. Float32 by default: the pair (head dim 32) was run on the H200 in float32 only
+# (tests/gpu/test_tiny_pair_gpu.py, TRITON_ATTN); DSPARK_GPU_PAIR_DTYPE=bfloat16 switches it.
+PAIR_DTYPE = os.environ.get("DSPARK_GPU_PAIR_DTYPE", "float32")
+PAIR_NUM_PROMPTS = 7  # one wave, sent concurrently to PD like the random pair's last wave
+PAIR_MAX_TOKENS = 64  # the held-out answers end at EOS after 23-56 tokens
+PAIR_SAMPLING = {"max_tokens": PAIR_MAX_TOKENS, "ignore_eos": False}
+
 
 def cuda_status() -> tuple[bool, str]:
     try:
@@ -58,6 +67,13 @@ def make_prompts(seed: int = 1234, sizes=WAVE_SIZES, vocab: int = 512) -> list[l
 
     rng = random.Random(seed)
     return [[[rng.randrange(4, vocab) for _ in range(rng.randrange(6, 41))] for _ in range(n)] for n in sizes]
+
+
+def pair_prompts(n: int = PAIR_NUM_PROMPTS) -> list[list[int]]:
+    """The first ``n`` held-out prompts of the pair's corpus, as token ids (tests/e2e/tiny_pair.py)."""
+    from e2e import tiny_pair  # tests/ is on sys.path (tests/conftest.py)
+
+    return tiny_pair.heldout_prompts(n)
 
 
 def fixed_graph_batch_key() -> str | None:

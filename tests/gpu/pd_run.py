@@ -82,6 +82,7 @@ def run_pd(
     prefill_env: dict | None = None,
     decode_env: dict | None = None,
     max_tokens: int = 48,
+    ignore_eos: bool = True,
     request_timeout_s: float = 90.0,
 ) -> dict:
     deadline = time.monotonic() + timeout_s
@@ -137,7 +138,7 @@ def run_pd(
                     "prompt": ids,
                     "max_tokens": max_tokens,
                     "temperature": 0.0,
-                    "ignore_eos": True,
+                    "ignore_eos": ignore_eos,
                     "return_token_ids": True,
                 }
                 out = http_json(proxy.url + "/v1/completions", body, timeout=2 * request_timeout_s + 10)

@@ -1,26 +1,53 @@
-"""CPU end to end: a PP=2 DSpark prefill-only producer feeding a PP=1 decoder.
+"""CPU end to end: a PP=2 DSpark prefill-only producer feeding a PP=1 decoder (trained tiny pair).
 
 Over a file connector (``dspark_pp_draft_kv_connector``: vLLM's ExampleConnector plus the draft
-layers, whose context KV is written outside the attention forward):
+layers, whose context KV is written outside the attention forward), with the trained tiny pair
+(``models/tiny-pair``, k=7) on 8 held-out prompts of 34-35 tokens:
 
 1. aggregated run (PP=1, no connector, full drafter): the reference tokens and acceptance;
 2. reference producer (PP=1, ``kv_both`` -> full drafter) writes a KV store;
 3. the producer under test (PP=2, ``kv_producer`` -> context-KV-only drafter on the last stage)
    writes another store;
-4. every saved layer, target and draft, is bitwise equal between the two stores;
+4. every saved layer, target (0-3) and draft (4-5), is bitwise equal between the two stores;
 5. a PP=1 decoder (``kv_consumer``, full drafter) loads the PP=2 producer's store and produces
-   exactly the aggregated tokens with exactly the aggregated acceptance counts.
+   exactly the aggregated tokens with exactly the aggregated acceptance counts (drafts, draft
+   tokens, accepted, accepted per position).
 
-Step 4 is what proves the draft's context KV: with the tiny pair the decoder's acceptance does
-not react to corrupted draft KV (checked: draft-layer files overwritten with noise gave the same
-``accepted_per_pos`` ``[21, 0, 0, 0]``; every accept is at draft position 0), so step 5 alone
-could not catch a wrong draft KV; step 4 can (any wrong byte fails it). Step 5 also fails if the
-draft layer's file is missing (ExampleConnector's loader opens one file per KV layer).
+The file connector moves whole blocks only: ExampleConnector stores
+``(len(prompt) - 1) // block_size * block_size`` tokens and the decoder loads
+``(len(prompt) - 2) // block_size * block_size``, so with CPU attention's block size of 32 (it
+supports multiples of 32 only) a prompt needs at least 34 tokens to move one block; the held-out
+prompts used here have 34-35 tokens (the pair's tokenizer, no BOS), so tokens 0-31 of every
+prompt, target and draft context KV, come from the producer's store and the decoder computes the
+rest. The test checks that every stored layer holds exactly one 32-token block.
+
+Step 5 depends on the draft's context KV with this pair (it did not with the random-weight pair,
+which accepts only at draft position 0). Measured (2026-12-02, this 2-core CPU; draft layers'
+store files overwritten with Gaussian noise of the same standard deviation, seed 0, by
+``DSPARK_E2E_PD_CORRUPT_DRAFT_KV=1`` on the test's 8 prompts, and by hand on the first 4 of them,
+where corrupting the target layers instead was tried for contrast):
+
+| decoder reads | prompts | tokens == aggregated | drafts | accepted / drafted | accepted per position |
+|---|---|---|---|---|---|
+| the PP=2 producer's store (= aggregated) | 8 | yes | 56 | 392 / 392 | 56 56 56 56 56 56 56 |
+| same, draft layers 4-5 corrupted | 8 | yes (lossless) | 129 | 332 / 903 | 94 81 43 37 31 24 22 |
+| the PP=2 producer's store (= aggregated) | 4 | yes | 28 | 196 / 196 | 28 28 28 28 28 28 28 |
+| same, draft layers 4-5 corrupted | 4 | yes (lossless) | 67 | 159 / 469 | 48 41 20 18 12 10 10 |
+| same, target layers 0-3 corrupted | 4 | no | 33 | 31 / 231 | 14 8 5 3 1 0 0 |
+
+The drafter accepts every draft on these prompts (they are all of the corpus' two-step
+template, the only one whose prompts reach 34 tokens), so step 5 pins "no rejection at all";
+a wrong or missing draft context KV fails it by its counters even though the tokens stay
+lossless; step 4 still pins every byte. ``DSPARK_E2E_PD_CORRUPT_DRAFT_KV=1`` re-runs the
+corrupted-draft-KV decoder at the end of the test (one more engine run) and requires its
+acceptance to differ from the aggregated one while its tokens stay equal.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,24 +58,19 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # tests/, for e2e.harness
 
+from e2e import tiny_pair  # noqa: E402
 from e2e.harness import run_generate  # noqa: E402
 
-WORDS = (
-    "the quick brown fox jumps over the lazy dog while a small cat sleeps on a warm mat near "
-    "the door of an old house by the river where boats pass slowly in the morning light and "
-    "birds sing"
-).split()
-# 40 and 47 words: one full 32-token block of KV per prompt goes through the connector.
-PROMPTS = [" ".join((WORDS * 4)[i : i + 40 + 7 * i]) for i in range(2)]
+BLOCK_SIZE = 32  # the CPU attention backend's smallest block size
+NUM_PROMPTS = 8
+PROMPTS = tiny_pair.heldout_prompts(NUM_PROMPTS, min_tokens=BLOCK_SIZE + 2)  # one full block moves
+SAMPLING = {"max_tokens": 64, "ignore_eos": False}  # every answer ends at EOS before 64 tokens
 CONNECTOR = "DSparkDraftKVFileConnector"
-DRAFT_LAYER = "model.layers.6.self_attn.attn"  # tiny target has 6 layers (0-5)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from vllm_dspark_pp.tiny_models import make_tiny_models
-
-    return make_tiny_models(tmp_path_factory.mktemp("tiny"))
+# The drafter's layers are numbered after the target's: target 0-3, draft 4-5.
+NUM_TARGET_LAYERS = tiny_pair.num_target_layers()
+NUM_DRAFT_LAYERS = json.loads(Path(tiny_pair.DRAFT, "config.json").read_text())["num_hidden_layers"]
+DRAFT_LAYERS = [f"model.layers.{NUM_TARGET_LAYERS + i}.self_attn.attn" for i in range(NUM_DRAFT_LAYERS)]
+TARGET_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_TARGET_LAYERS)]
 
 
 def _kv(role: str, store: Path) -> dict:
@@ -70,13 +92,31 @@ def _load_store(store: Path) -> dict[tuple[str, str], object]:
     return out
 
 
-def test_pp2_producer_context_only_feeds_pp1_decoder(tiny, tmp_path, e2e_timeout_s):
+def _corrupt_draft_layers(src: Path, dst: Path) -> None:
+    """Copy a store, overwriting every draft layer's KV with noise of the same scale (seed 0)."""
+    import safetensors.torch as st
     import torch
 
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(0)
+    for d in sorted(dst.iterdir()):
+        for name in DRAFT_LAYERS:
+            f = d / f"{name}.safetensors"
+            kv = st.load_file(str(f))["kv_cache"]
+            noise = torch.randn(kv.shape, generator=gen, dtype=kv.dtype) * kv.std()
+            st.save_file({"kv_cache": noise}, str(f))
+
+
+def test_pp2_producer_context_only_feeds_pp1_decoder(tmp_path, e2e_timeout_s):
+    import torch
+
+    ok, why = tiny_pair.available()
+    assert ok, why
     base = {
-        "model": tiny.target,
-        "speculative_config": {"method": "dspark", "model": tiny.draft},
-        "block_size": 32,
+        "model": tiny_pair.TARGET,
+        "speculative_config": tiny_pair.spec_config(),
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": NUM_PROMPTS,
     }
     env = {"PYTHONPATH": str(HERE)}
     ref_store, prod_store = tmp_path / "ref", tmp_path / "prod"
@@ -84,8 +124,12 @@ def test_pp2_producer_context_only_feeds_pp1_decoder(tiny, tmp_path, e2e_timeout
     prod_store.mkdir()
     report = tmp_path / "context_kv_builds.jsonl"
 
-    agg = run_generate(dict(base), PROMPTS, timeout_s=e2e_timeout_s, sampling={"max_tokens": 24})
-    assert agg.metrics["num_drafts"] > 0
+    agg = run_generate(dict(base), PROMPTS, timeout_s=e2e_timeout_s, sampling=SAMPLING)
+    print(f"aggregated: {agg.metrics}")
+    assert agg.finish_reasons == ["stop"] * NUM_PROMPTS, agg.finish_reasons
+    assert agg.config["num_speculative_tokens"] == tiny_pair.num_speculative_tokens()
+    # The trained drafter accepts (mean acceptance length well above 1), so step 5 means something.
+    assert agg.metrics["num_accepted_tokens"] >= 2 * agg.metrics["num_drafts"] > 0, agg.metrics
 
     ref = run_generate(
         dict(base, kv_transfer_config=_kv("kv_both", ref_store)),
@@ -109,33 +153,46 @@ def test_pp2_producer_context_only_feeds_pp1_decoder(tiny, tmp_path, e2e_timeout
     # Exactly one context-only drafter was built (on the last stage), and only its KV parts.
     builds = [json.loads(line) for line in report.read_text().splitlines()]
     assert len(builds) == 1, builds
-    assert builds[0]["layers"] == [DRAFT_LAYER]
+    assert builds[0]["layers"] == DRAFT_LAYERS
     # The worker's SpeculativeConfig saw the KV role through the attachment that pickling
     # carried from the engine process (patches/config_speculative.py).
     assert builds[0]["attached_prefill_only"] is True
-    assert builds[0]["params"] == [
-        "model.fc.weight",
-        "model.hidden_norm.weight",
-        "model.layers.0.self_attn.k_norm.weight",
-        "model.layers.0.self_attn.qkv_proj.weight",
+    assert builds[0]["params"] == ["model.fc.weight", "model.hidden_norm.weight"] + [
+        f"model.layers.{i}.self_attn.{p}" for i in range(NUM_DRAFT_LAYERS) for p in ("k_norm.weight", "qkv_proj.weight")
     ]
 
     ref_kv, prod_kv = _load_store(ref_store), _load_store(prod_store)
     assert len({k[0] for k in ref_kv}) == len(PROMPTS)
     assert set(ref_kv) == set(prod_kv)
-    assert {k[1] for k in prod_kv} >= {DRAFT_LAYER, "model.layers.0.self_attn.attn"}
+    assert {k[1] for k in prod_kv} == set(TARGET_LAYERS + DRAFT_LAYERS)
     for key in ref_kv:
         assert torch.equal(ref_kv[key], prod_kv[key]), f"KV differs for {key}"
         assert ref_kv[key].abs().sum() > 0, f"empty KV for {key}"
+        assert ref_kv[key].shape[0] == BLOCK_SIZE, f"{key}: {tuple(ref_kv[key].shape)} is not one {BLOCK_SIZE}-token block"
 
     dec = run_generate(
         dict(base, kv_transfer_config=_kv("kv_consumer", prod_store)),
         PROMPTS,
         timeout_s=e2e_timeout_s,
-        sampling={"max_tokens": 24},
+        sampling=SAMPLING,
         env=env,
     )
+    print(f"decoder: {dec.metrics}")
     assert dec.tokens == agg.tokens
     assert dec.acceptance == agg.acceptance
     assert dec.metrics["accepted_per_pos"] == agg.metrics["accepted_per_pos"]
+
+    if os.environ.get("DSPARK_E2E_PD_CORRUPT_DRAFT_KV") == "1":  # the docstring's control, on request
+        bad_store = tmp_path / "bad"
+        _corrupt_draft_layers(prod_store, bad_store)
+        bad = run_generate(
+            dict(base, kv_transfer_config=_kv("kv_consumer", bad_store)),
+            PROMPTS,
+            timeout_s=e2e_timeout_s,
+            sampling=SAMPLING,
+            env=env,
+        )
+        print(f"decoder on corrupted draft KV: {bad.metrics}")
+        assert bad.tokens == agg.tokens, "greedy output must stay lossless whatever the draft KV"
+        assert bad.metrics != agg.metrics, "corrupted draft KV did not change the decoder's acceptance"
 
