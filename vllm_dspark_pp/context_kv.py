@@ -76,36 +76,40 @@ def _refuse(what: str) -> ContextOnlyDrafterError:
 
 
 # --------------------------------------------------------------------------- refusals
+def refusing(what: str):
+    """A method that raises :class:`ContextOnlyDrafterError` naming ``what``."""
+
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse(what)
+
+    refused.__doc__ = f"Refused on a context-KV-only drafter: {what}."
+    return refused
+
+
 class RefuseDrafting:
     """Every drafting entry point of a DSpark drafter, refused."""
 
     context_kv_only = True
     draft_id_to_target_id = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft forward")
+    forward = refusing("draft forward")
 
-    def embed_input_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft token embedding")
+    embed_input_ids = refusing("draft token embedding")
 
-    def compute_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft logits")
+    compute_logits = refusing("draft logits")
 
     compute_draft_logits = compute_logits
     compute_draft_logits_local = compute_logits
 
-    def map_draft_to_target(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("draft-to-target id map")
+    map_draft_to_target = refusing("draft-to-target id map")
 
-    def markov_embed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("Markov head")
+    markov_embed = refusing("Markov head")
 
     markov_bias = markov_embed
     apply_markov_bias_gathered = markov_embed
     markov_step = markov_embed
 
-    def compute_confidence(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _refuse("confidence head")
+    compute_confidence = refusing("confidence head")
 
 
 # --------------------------------------------------------------------------- families
@@ -200,8 +204,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
             super().__init__()
             self.variance_epsilon = eps
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("q_norm")
+        forward = refusing("q_norm")
 
     class Qwen3DSparkContextKVAttention(nn.Module):
         """The K/V half of DFlashQwen3Attention: same attribute names, no query side."""
@@ -267,16 +270,14 @@ def _build_qwen3_classes() -> tuple[type, type]:
             self.q_norm = _EpsOnly(config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("draft attention forward")
+        forward = refusing("draft attention forward")
 
     class Qwen3DSparkContextKVLayer(nn.Module):
         def __init__(self, **kwargs: Any) -> None:
             super().__init__()
             self.self_attn = Qwen3DSparkContextKVAttention(**kwargs)
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft decoder layer forward")
+        forward = refusing("draft decoder layer forward")
 
     base = qd.DFlashQwen3Model
 
@@ -331,8 +332,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
         _normalize_context_k = base._normalize_context_k
         precompute_and_store_context_kv = base.precompute_and_store_context_kv
 
-        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            raise _refuse("draft backbone forward")
+        forward = refusing("draft backbone forward")
 
         def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
             raise _refuse("draft token embedding")

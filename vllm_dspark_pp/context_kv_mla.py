@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.context_kv import ContextOnlyDrafterError, RefuseDrafting, _refuse
+from vllm_dspark_pp.context_kv import ContextOnlyDrafterError, RefuseDrafting, refusing
 
 if TYPE_CHECKING:
     import torch
@@ -202,16 +202,14 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
         get_attn_backend = dsv4_attention.DeepseekV4Attention.get_attn_backend
         get_kv_cache_spec = dsv4_attention.DeepseekV4Attention.get_kv_cache_spec
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft attention forward")
+        forward = refusing("draft attention forward")
 
     class DeepseekV4ContextKVLayer(nn.Module):
         def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
             super().__init__()
             self.attn = DeepseekV4ContextKVAttention(vllm_config, prefix=f"{prefix}.attn")
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft decoder layer forward")
+        forward = refusing("draft decoder layer forward")
 
     class DSparkDeepseekV4ContextKVModel(nn.Module):
         """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache."""
@@ -250,11 +248,9 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
         combine_hidden_states = base_model.combine_hidden_states
         precompute_and_store_context_kv = base_model.precompute_and_store_context_kv
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft backbone forward")
+        forward = refusing("draft backbone forward")
 
-        def embed_input_ids(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft token embedding")
+        embed_input_ids = refusing("draft token embedding")
 
     class DSparkDeepseekV4ContextKVForCausalLM(RefuseDrafting, nn.Module):
         """Top level of the DeepSeek-V4 context-KV-only DSpark drafter."""
@@ -437,16 +433,14 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             if not should_load_quant_weights(method):
                 set_default_quant_scales(self, register_buffer=False)
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft attention forward")
+        forward = refusing("draft attention forward")
 
     class K3DSparkContextKVLayer(nn.Module):
         def __init__(self, **kwargs: Any) -> None:
             super().__init__()
             self.self_attn = K3DSparkContextKVAttention(**kwargs)
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft decoder layer forward")
+        forward = refusing("draft decoder layer forward")
 
     class K3DSparkContextKVModel(nn.Module):
         """context_proj/context_norm + context_kv_proj + per-layer latent KV cache."""
@@ -491,11 +485,9 @@ def _build_k3_classes(module_name: str | None = None) -> type:
         _has_uniform_block_layout = base_model._has_uniform_block_layout
         _get_context_kv_cache_ptrs = base_model._get_context_kv_cache_ptrs
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft backbone forward")
+        forward = refusing("draft backbone forward")
 
-        def embed_input_ids(self, *args: Any, **kwargs: Any) -> Any:
-            raise _refuse("draft token embedding")
+        embed_input_ids = refusing("draft token embedding")
 
     k3_mapper = WeightsMapper(orig_to_new_prefix={"": "model."})
 
