@@ -104,15 +104,40 @@ def _tail(text: str, n: int = 6000) -> str:
     return text[-n:]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs in process group ``pgid`` that are still running (zombies count as dead).
+
+    A SIGKILLed vLLM worker whose parent died first is reparented to PID 1 and stays a zombie
+    until PID 1 reaps it; ``os.killpg(pgid, 0)`` still succeeds then, although nothing runs.
+    """
+    live = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path("/proc", d, "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces or parentheses
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            live.append(int(d))
+    return live
+
+
+def _kill_group(proc: subprocess.Popen, settle_s: float = 10.0) -> None:
+    """SIGKILL the whole group, reap our child, and wait until no member of the group runs."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=settle_s)
     except subprocess.TimeoutExpired:
         pass
+    deadline = time.monotonic() + settle_s
+    while live_group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def run_generate(

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
-from e2e.harness import E2EFailure, run_generate
+from e2e.harness import E2EFailure, live_group_members, run_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -21,8 +20,9 @@ def test_hard_limit_kills_the_whole_process_group(tiny_models):
         )
     assert info.value.hung and "HUNG" in str(info.value)
     assert time.monotonic() - t0 < 40
-    with pytest.raises(ProcessLookupError):
-        os.killpg(info.value.pgid, 0)
+    # Killed workers may linger as zombies until PID 1 reaps them (killpg(pgid, 0) still succeeds
+    # then); what must hold is that nothing of the group still runs.
+    assert live_group_members(info.value.pgid) == []
 
 
 def test_engine_errors_are_failures_with_the_reason(tiny_models):
