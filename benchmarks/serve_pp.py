@@ -32,18 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_dspark_pp.dev.metrics import counter_delta, parse_prometheus
+from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus as spec_counters
+from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count
+from vllm_dspark_pp.dev.serve import CaseFailure as GPUCaseFailure
+from vllm_dspark_pp.dev.serve import Server, http_text
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "multi_gpu"))
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-from gpu_harness import (  # noqa: E402
-    GPUCaseFailure,
-    Server,
-    counter_delta,
-    http_text,
-    parse_prometheus,
-    spec_counters,
-)
-from mg_common import NcclStubGuard, Report, gpu_count  # noqa: E402
 
 CONFIGS = {
     "pp2_dspark": {"pp": 2, "tp": 1, "spec": True},

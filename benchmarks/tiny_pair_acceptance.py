@@ -18,59 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PAIR = os.path.join(REPO, "models", "tiny-pair")
 
 
 def _prompts(n: int):
-    sys.path.insert(0, REPO)
-    from vllm_dspark_pp.training import corpus
+    from vllm_dspark_pp.dev.training import corpus
 
     probs = corpus.heldout_problems(max(n, corpus.DEFAULT_HELDOUT_SIZE))[:n]
     return [corpus.format_prompt(p.question) for p in probs], [p.value for p in probs]
-
-
-def _metrics(llm) -> dict:
-    out: dict = {}
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out["num_drafts"] = out.get("num_drafts", 0) + m.value
-        elif m.name == "vllm:spec_decode_num_draft_tokens":
-            out["num_draft_tokens"] = out.get("num_draft_tokens", 0) + m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out["num_accepted_tokens"] = out.get("num_accepted_tokens", 0) + m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            prev = out.get("accepted_per_pos", [0] * len(m.values))
-            out["accepted_per_pos"] = [a + b for a, b in zip(prev, m.values, strict=False)]
-    return out
-
-
-def worker(args) -> int:
-    from vllm import LLM, SamplingParams
-
-    prompts, _ = _prompts(args.num_prompts)
-    kw = {}
-    if args.spec:
-        kw["speculative_config"] = {"method": "dspark", "model": os.path.join(args.pair, "dspark-draft"),
-                                    "num_speculative_tokens": args.k}
-    t0 = time.time()
-    llm = LLM(model=os.path.join(args.pair, "target"), dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enforce_eager=True, disable_log_stats=False,
-              pipeline_parallel_size=args.pp, seed=0, **kw)
-    load_s = time.time() - t0
-    t0 = time.time()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    gen_s = time.time() - t0
-    res = {"load_s": load_s, "generate_s": gen_s, "tokens": [list(o.outputs[0].token_ids) for o in outs],
-           "texts": [o.outputs[0].text for o in outs], "metrics": _metrics(llm)}
-    with open(args.worker_out, "w") as f:
-        json.dump(res, f)
-    return 0
 
 
 def answer_value(text: str):
@@ -84,27 +42,30 @@ def answer_value(text: str):
 
 
 def run_one(args, spec: bool) -> dict:
-    sys.path.insert(0, REPO)
-    with tempfile.TemporaryDirectory() as td:
-        out = os.path.join(td, "res.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--_worker", "--worker-out", out, "--pair", args.pair,
-               "--num-prompts", str(args.num_prompts), "--k", str(args.k), "--max-tokens", str(args.max_tokens),
-               "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--max-num-seqs",
-               str(args.max_num_seqs), "--pp", str(args.pp)] + (["--spec"] if spec else [])
-        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        print(f"[tiny_pair_acceptance] running {f'DSpark k={args.k}' if spec else 'no speculation'} "
-              f"on {args.num_prompts} prompts ...", flush=True)
-        from vllm_dspark_pp.proc import run_with_timeout
+    """One engine in a child with a hard deadline (vllm_dspark_pp.dev.engine, the shared runner)."""
+    from vllm_dspark_pp.dev.engine import child_env, run_engine
 
-        try:
-            rc, out_s, err_s = run_with_timeout(cmd, env=env, timeout=args.timeout, capture=True)
-        except subprocess.TimeoutExpired as e:
-            raise SystemExit(f"vLLM run timed out after {args.timeout}s and was killed (raise --timeout)") from e
-        if rc != 0:
-            sys.stderr.write(out_s[-4000:] + err_s[-8000:])
-            raise SystemExit(f"vLLM run failed with exit code {rc}")
-        with open(out) as f:
-            return json.load(f)
+    prompts, _ = _prompts(args.num_prompts)
+    llm = {"model": os.path.join(args.pair, "target"), "dtype": args.dtype,
+           "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+           "enforce_eager": True, "pipeline_parallel_size": args.pp, "seed": 0}
+    if spec:
+        llm["speculative_config"] = {"method": "dspark", "num_speculative_tokens": args.k,
+                                     "model": os.path.join(args.pair, "dspark-draft")}
+    job = {"name": "tiny-pair-acceptance", "llm": llm, "waves": [prompts],
+           "sampling": {"max_tokens": args.max_tokens, "ignore_eos": False}}
+    print(f"[tiny_pair_acceptance] running {f'DSpark k={args.k}' if spec else 'no speculation'} "
+          f"on {args.num_prompts} prompts ...", flush=True)
+    run = run_engine(job, timeout_s=args.timeout, env=child_env({}))
+    if run.timed_out:
+        raise SystemExit(f"vLLM run timed out after {args.timeout}s in phase {run.phase!r} and was "
+                         "killed (raise --timeout)")
+    if not run.ok:
+        sys.stderr.write(run.log_text[-8000:])
+        raise SystemExit(f"vLLM run failed in phase {run.phase!r}: {run.result.get('error')}")
+    wave = run.result["waves"][0]
+    return {"tokens": wave["tokens"], "texts": wave["texts"], "metrics": wave["metrics"],
+            "generate_s": run.result.get("generate_s", 0.0)}
 
 
 def main() -> int:
@@ -119,12 +80,7 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1500)
     p.add_argument("--out-json", default="")
-    p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args._worker:
-        return worker(args)
 
     _, values = _prompts(args.num_prompts)
     base = run_one(args, spec=False)

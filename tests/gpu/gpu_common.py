@@ -9,6 +9,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from support.env import CPU_ENV
 
 WAVE_SIZES = (3, 5, 7)  # against decode graphs of 4 and 8 requests: every wave is padded
 MAX_TOKENS = 48
@@ -23,13 +24,7 @@ PD_EAGER = os.environ.get("DSPARK_GPU_PD_EAGER", "0") == "1"
 # Developer knob: run the engine jobs on vLLM's CPU platform (float32, eager, no PD) to check the
 # tier's plumbing without a GPU. Never set on the GPU machine; graph assertions fail under it.
 DRYRUN_CPU = os.environ.get("DSPARK_GPU_DRYRUN_CPU") == "1"
-CPU_DRYRUN_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "TRITON_INTERPRET": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
+CPU_DRYRUN_ENV = {**CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
 if DRYRUN_CPU:  # the CPU is far slower: short outputs, long deadlines
     MAX_TOKENS = 8
     TIMEOUTS = {k: 3 * v for k, v in TIMEOUTS.items()}
@@ -72,8 +67,8 @@ def make_prompts(seed: int = 1234, sizes=WAVE_SIZES, vocab: int = 512) -> list[l
 
 
 def pair_prompts(n: int = PAIR_NUM_PROMPTS) -> list[list[int]]:
-    """The first ``n`` held-out prompts of the pair's corpus, as token ids (tests/e2e/tiny_pair.py)."""
-    from e2e import tiny_pair  # tests/ is on sys.path (tests/conftest.py)
+    """The first ``n`` held-out prompts of the pair's corpus, as token ids (tests/support/tiny_pair.py)."""
+    from support import tiny_pair
 
     return tiny_pair.heldout_prompts(n)
 

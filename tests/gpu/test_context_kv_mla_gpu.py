@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from vllm_dspark_pp.dev.proc import run_with_timeout
 
 pytestmark = pytest.mark.gpu
 
@@ -75,20 +76,12 @@ def _run_child(family: str, tiny, tmp: Path) -> dict:
     out, log = tmp / f"{family}.json", tmp / f"{family}.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(CHILD), family, str(tiny.target), str(tiny.draft), str(out)]
     with open(log, "wb") as f:
-        p = subprocess.Popen(
-            [sys.executable, str(CHILD), family, str(tiny.target), str(tiny.draft), str(out)],
-            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            p.wait(timeout=TIMEOUT_S)
+        try:  # own session; the whole process group is killed at the end either way
+            run_with_timeout(cmd, timeout=TIMEOUT_S, env=env, stdout=f)
         except subprocess.TimeoutExpired:
             pass
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
     if not out.exists():
         pytest.fail(f"{family} child wrote no report (crash or {TIMEOUT_S}s timeout):\n{tail}")

@@ -1,7 +1,7 @@
 """Kimi-K3 and DeepSeek-V4 DSpark in real engines on one GPU (issue 16). Written, not yet run.
 
 Targets: tiny real-architecture models generated from config.json by
-``vllm_dspark_pp.tiny_mla_targets`` (Kimi-K3: ``KimiLinearForCausalLM`` with KDA + NoPE MLA + MoE
+``vllm_dspark_pp.dev.tiny_mla_targets`` (Kimi-K3: ``KimiLinearForCausalLM`` with KDA + NoPE MLA + MoE
 and a ``K3DSparkModel`` draft; DeepSeek-V4: ``DeepseekV4ForCausalLM`` with its in-checkpoint
 DSpark draft), weights from vLLM's ``load_format="dummy"`` (seeded per parameter, so every engine
 of a family holds the same weights). Self-contained: uses none of tests/gpu/conftest.py's session
@@ -27,7 +27,7 @@ import os
 
 import pytest
 from gpu_common import GRAPH_COMPILATION_CONFIG, Jobs, make_prompts, require_cuda
-from gpu_parity import acceptance_close, acceptance_rate, compare_tokens
+from support.parity import acceptance_close, acceptance_rate, compare_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -41,7 +41,7 @@ SUMMARY: dict[str, dict] = {}
 
 
 def _pairs(tmp):
-    from vllm_dspark_pp import tiny_mla_targets as t
+    from vllm_dspark_pp.dev import tiny_mla_targets as t
 
     return {"k3": t.make_tiny_k3_pair(tmp, gpu=True), "dsv4": t.make_tiny_dsv4_pair(tmp, gpu=True)}
 
@@ -67,8 +67,8 @@ def _control_draft(pair, tmp):
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     require_cuda()
-    from gpu_harness import run_llm
-    from pd_run import run_pd
+    from support.gpu import run_llm
+    from support.pd_run import run_pd
 
     tmp = tmp_path_factory.mktemp("dsv4k3")
     pairs = _pairs(tmp)

@@ -3,7 +3,7 @@
 Batches of 1, 3, 5, 7 and 8 requests against ``max_num_reqs=8`` (a decode graph captured for 4 or
 8 requests replays them padded): every padding row must come out as padding (``is_padding``,
 zero ids/positions, PAD slots, ``-1`` sample mappings, ``seq_lens=0``), every real row as the
-pure-torch reference says (see dflash_prepare_ref.py), with the buffers poisoned beforehand.
+pure-torch reference says (see tests/support/dflash_prepare_ref.py), with the buffers poisoned beforehand.
 Both layouts: DSpark (sample from the anchor, N query rows) and DFlash (1 + N rows).
 """
 
@@ -25,7 +25,7 @@ def _cuda_or_skip():
 @pytest.mark.parametrize("num_reqs", [1, 3, 5, 7, 8])
 def test_prepare_inputs_matches_reference_with_padding_rows_poisoned(num_reqs, sample_from_anchor):
     _cuda_or_skip()
-    import dflash_prepare_ref as ref
+    from support import dflash_prepare_ref as ref
 
     problems = []
     for seed in range(3):
@@ -38,7 +38,7 @@ def test_prepare_inputs_matches_reference_with_padding_rows_poisoned(num_reqs, s
 def test_padding_reaches_the_end_of_large_buffers(num_reqs):
     """max_num_tokens=8192 needs two passes of the 32 padding programs (stride 32 x 128)."""
     _cuda_or_skip()
-    import dflash_prepare_ref as ref
+    from support import dflash_prepare_ref as ref
 
     case = ref.make_case(77 + num_reqs, num_reqs, max_num_tokens=8192, max_num_reqs=64, block_size=32)
     problems = ref.check_case(case, "cuda")

@@ -22,14 +22,10 @@ Each engine runs in its own subprocess with a hard timeout (no hang can outlive 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from support.gpu import run_llm
 
 pytestmark = pytest.mark.gpu
 
@@ -45,25 +41,6 @@ WORDS = (
 ).split()
 PROMPTS = [" ".join((WORDS * 8)[i : i + 70 + 9 * i]) for i in range(3)]
 
-_CHILD = textwrap.dedent(
-    """
-    import json, sys
-    from vllm import LLM, SamplingParams
-    spec = json.load(open(sys.argv[1]))
-    llm = LLM(**{"disable_log_stats": False, **spec["llm"]})
-    outs = llm.generate(spec["prompts"], SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"],
-                                                         ignore_eos=True))
-    m = {}
-    for x in llm.get_metrics():
-        if x.name.startswith("vllm:spec_decode_num_") and hasattr(x, "value"):
-            m[x.name] = m.get(x.name, 0) + int(x.value)
-    json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": m},
-              open(sys.argv[2], "w"))
-    import os; os._exit(0)
-    """
-)
-
-
 def _cuda_available() -> bool:
     try:
         import torch
@@ -77,28 +54,11 @@ needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU"
 
 
 def _run(tmp: Path, name: str, llm: dict, max_tokens: int, env: dict | None = None) -> dict:
-    spec, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    spec.write_text(json.dumps({"llm": llm, "prompts": PROMPTS, "max_tokens": max_tokens}))
-    child = tmp / "child.py"
-    child.write_text(_CHILD)
-    e = dict(os.environ)
-    e.update(env or {})
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(CONNECTOR_DIR), e.get("PYTHONPATH", "")])
-    with open(log, "wb") as f:
-        p = subprocess.Popen([sys.executable, str(child), str(spec), str(out)], env=e,
-                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            p.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    if not out.exists():
-        pytest.fail(f"{name} failed or hung; log tail:\n{log.read_text(errors='replace')[-5000:]}")
-    return json.loads(out.read_text())
+    """One engine through the shared runner (own process group, hard deadline)."""
+    env = {**(env or {}), "PYTHONPATH": str(CONNECTOR_DIR)}
+    res = run_llm(name, {"disable_log_stats": False, **llm}, [PROMPTS], timeout_s=TIMEOUT_S,
+                  sampling={"max_tokens": max_tokens, "ignore_eos": True}, env=env)
+    return {"tokens": res.tokens, "metrics": res.metrics(), "log": res.log_tail}
 
 
 @pytest.fixture(scope="module")
@@ -172,4 +132,4 @@ def test_producer_decodes_like_a_plain_engine(tiny, tmp_path):
     print("plain:", plain["tokens"], "\nproducer:", prod["tokens"], "\nmetrics:", prod["metrics"])
     assert all(len(t) == 16 for t in prod["tokens"])
     assert prod["tokens"] == plain["tokens"]
-    assert prod["metrics"].get("vllm:spec_decode_num_draft_tokens", 0) == 0, prod["metrics"]
+    assert prod["metrics"]["num_draft_tokens"] == 0, prod["metrics"]

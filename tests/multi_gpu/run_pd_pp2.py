@@ -8,7 +8,7 @@ One command (< 10 minutes), on a machine with >= 2 GPUs after the kit is booted:
 Producer: ``vllm serve --pipeline-parallel-size 2`` on GPUs 0,1, ``kv_producer``; decoder: PP=1
 ``kv_consumer`` on GPU 2 when three or more GPUs exist, else sharing GPU 1 with producer stage 1;
 both with the DSpark speculative config, joined by MooncakeConnector over TCP on loopback with
-tests/gpu/pd_proxy.py in front (tests/gpu/pd_run.py). References: PP=1 aggregated runs on GPU 0
+vllm_dspark_pp/dev/pd_proxy.py in front (tests/support/pd_run.py). References: PP=1 aggregated runs on GPU 0
 (plain, with top-2 logprobs; and DSpark). Checked: the KV came over Mooncake, greedy = aggregated,
 decoder acceptance = aggregated DSpark acceptance within 2 points, no NCCL stub reached.
 Log: OUT/pd_pp2.log; the table is printed last.
@@ -23,14 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mg_common import GPU_DIR, NcclStubGuard, Report, gpu_count  # noqa: E402
-
-sys.path.insert(0, str(GPU_DIR))
-from gpu_harness import GPUCaseFailure, run_llm  # noqa: E402
-from gpu_parity import acceptance_close, compare_tokens  # noqa: E402
-from pd_run import run_pd  # noqa: E402
+# A script run by hand on the GPU machine (not collected by pytest): make tests/support importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from run_pp2_aggregated import MAX_TOKENS, random_pair, waves  # noqa: E402
+from support.gpu import GPUCaseFailure, run_llm  # noqa: E402
+from support.parity import acceptance_close, compare_tokens  # noqa: E402
+from support.pd_run import run_pd  # noqa: E402
+
+from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count  # noqa: E402
 
 
 def main(argv=None) -> int:

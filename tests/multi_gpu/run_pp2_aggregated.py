@@ -10,14 +10,14 @@ For each model pair (the random-weight tiny pair, generated here, and the traine
 
 * PP=1 without speculation (reference tokens, top-2 logprobs), PP=1 DSpark (reference acceptance),
   PP=2 DSpark, and PP=2 x TP=2 DSpark with 4 GPUs: greedy tokens equal the PP=1 non-speculative
-  run (the near-tie rule of tests/gpu/gpu_parity.py) and acceptance equals PP=1 DSpark's (exact
+  run (the near-tie rule of tests/support/parity.py) and acceptance equals PP=1 DSpark's (exact
   counts reported; the verdict allows 2 points for bf16);
 * start-up + warm-up of PP=2 DSpark repeated 5 times, each under a hard deadline: a hang is a
   failure naming the phase and the last log line where it stopped;
 * the start-up handshake rejects a mismatched rank: rank 1 is made to publish a different
   protocol version (through a sitecustomize hook in its environment only) and the engine must
   fail at start with the handshake's error, not hang;
-* no child reaches the kit's stubbed NCCL functions (mg_common.NcclStubGuard).
+* no child reaches the kit's stubbed NCCL functions (vllm_dspark_pp.dev.multi_gpu.NcclStubGuard).
 
 Writes its log to OUT/pp2_aggregated.log and prints the table last. Exit 0 only if all passed.
 """
@@ -31,12 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mg_common import GPU_DIR, NcclStubGuard, Report, gpu_count  # noqa: E402
+# A script run by hand on the GPU machine (not collected by pytest): make tests/support importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support.gpu import GPUCaseFailure, run_llm  # noqa: E402
+from support.parity import acceptance_close, compare_tokens  # noqa: E402
 
-sys.path.insert(0, str(GPU_DIR))
-from gpu_harness import GPUCaseFailure, run_llm  # noqa: E402
-from gpu_parity import acceptance_close, compare_tokens  # noqa: E402
+from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count  # noqa: E402
 
 WAVES_SEED = 4321
 MAX_TOKENS = 48
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
             **env,
             "DSPARK_TEST_MISMATCH_RANK": "1",
             "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S": "30",
-            "PYTHONPATH": os.pathsep.join([str(hook), str(GPU_DIR.parents[1]), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(hook), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
         }
         try:
             run_llm(

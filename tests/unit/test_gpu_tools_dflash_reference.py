@@ -1,4 +1,4 @@
-"""The reference of tests/gpu/dflash_prepare_ref.py against vLLM's real kernel, on the CPU.
+"""The reference of tests/support/dflash_prepare_ref.py against vLLM's real kernel, on the CPU.
 
 vLLM's DFlash prepare-inputs Triton kernel runs here through the Triton interpreter (in a fresh
 process with the CPU environment), so the GPU test's reference is known to be right before the
@@ -14,27 +14,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import dflash_prepare_ref as ref
+from support.env import CPU_ENV
 
-GPU_DIR = Path(__file__).resolve().parents[1] / "gpu"
-sys.path.insert(0, str(GPU_DIR))
-import dflash_prepare_ref as ref  # noqa: E402
+SUPPORT_DIR = Path(ref.__file__).resolve().parent
 
 pytestmark = pytest.mark.timeout(600)
 
-CPU_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "TRITON_INTERPRET": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-    "VLLM_NO_USAGE_STATS": "1",
-}
-
-
 def test_vllm_kernel_under_the_triton_interpreter_matches_the_reference():
     code = textwrap.dedent(
-        f"""
-        import sys
-        sys.path.insert(0, {str(GPU_DIR)!r})
-        import dflash_prepare_ref as ref
+        """
+        from support import dflash_prepare_ref as ref
         bad = []
         for anchor, n in ((True, 3), (False, 5)):
             case = ref.make_case(40 + n, n, sample_from_anchor=anchor)
@@ -45,7 +35,7 @@ def test_vllm_kernel_under_the_triton_interpreter_matches_the_reference():
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **CPU_ENV}, capture_output=True, text=True, timeout=540
+        [sys.executable, "-c", code], env={**os.environ, **CPU_ENV, "PYTHONPATH": os.pathsep.join([str(SUPPORT_DIR.parent), os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True, timeout=540
     )
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0, out

@@ -1,14 +1,12 @@
-"""The GPU parity rule (tests/gpu/gpu_parity.py) and the /metrics parser of the GPU harness."""
+"""The GPU parity rule (tests/support/parity.py) and the one /metrics reader (vllm_dspark_pp.dev.metrics)."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-import gpu_harness  # noqa: E402
-from gpu_parity import acceptance_close, acceptance_rate, compare_tokens  # noqa: E402
+from support.parity import acceptance_close, acceptance_rate, compare_tokens
+
+from vllm_dspark_pp.dev import metrics
 
 
 def test_identical_tokens():
@@ -66,10 +64,10 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 96.0
 vllm:external_prefix_cache_hits_total{engine="1",model_name="m"} 4.0
 """
-    m = gpu_harness.parse_prometheus(text)
+    m = metrics.parse_prometheus(text)
     assert m["vllm:external_prefix_cache_hits_total"] == 100.0
     assert m['vllm:external_prefix_cache_hits_total{engine="1",model_name="m"}'] == 4.0
-    c = gpu_harness.spec_counters(m)
+    c = metrics.spec_metrics_from_prometheus(m)
     assert c == {"num_drafts": 12, "num_draft_tokens": 48, "num_accepted_tokens": 20, "accepted_per_pos": [12, 8]}
-    d = gpu_harness.counter_delta({"num_drafts": 2, "accepted_per_pos": [2, 1]}, c)
+    d = metrics.counter_delta({"num_drafts": 2, "accepted_per_pos": [2, 1]}, c)
     assert d["num_drafts"] == 10 and d["accepted_per_pos"] == [10, 7]

@@ -1,20 +1,17 @@
-"""tests/gpu/pd_proxy.py's request flow against fake prefill/decode/bootstrap servers on loopback."""
+"""vllm_dspark_pp/dev/pd_proxy.py's request flow against fake prefill/decode/bootstrap servers on loopback."""
 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-import pd_proxy  # noqa: E402
+from vllm_dspark_pp.dev import pd_proxy
 
 pytestmark = pytest.mark.timeout(60)
 

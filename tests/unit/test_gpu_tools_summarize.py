@@ -1,16 +1,8 @@
-"""tools/gpu/summarize.py turns a junit file (or, failing that, a pytest log) into the GPU table."""
+"""vllm_dspark_pp.dev.gpu_summary turns a junit file (or, failing that, a pytest log) into the GPU table."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_summarize", ROOT / "tools/gpu/summarize.py")
-summarize = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_summarize"] = summarize  # dataclasses look the module up by name
-_spec.loader.exec_module(summarize)
+from vllm_dspark_pp.dev import gpu_summary as summarize
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4" time="12.5">

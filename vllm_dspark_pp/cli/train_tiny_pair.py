@@ -8,12 +8,12 @@ HELP = ("Train the tiny Qwen3 target and its DSpark drafter on the seeded synthe
 
 
 def add_arguments(parser) -> None:
-    from vllm_dspark_pp.training.train_tiny_pair import add_arguments as add
+    from vllm_dspark_pp.dev.training.train_tiny_pair import add_arguments as add
 
     add(parser)
 
 
 def run(args) -> int:
-    from vllm_dspark_pp.training.train_tiny_pair import main
+    from vllm_dspark_pp.dev.training.train_tiny_pair import main
 
     return main(args)

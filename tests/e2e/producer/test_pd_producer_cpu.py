@@ -48,18 +48,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from support import tiny_pair
+from support.e2e import run_generate
 
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # tests/, for e2e.harness
-
-from e2e import tiny_pair  # noqa: E402
-from e2e.harness import run_generate  # noqa: E402
 
 BLOCK_SIZE = 32  # the CPU attention backend's smallest block size
 NUM_PROMPTS = 8

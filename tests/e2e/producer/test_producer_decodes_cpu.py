@@ -16,17 +16,14 @@ the plain greedy tokens, under async and sync scheduling.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from support.e2e import run_generate
 
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # tests/, for e2e.harness
-
-from e2e.harness import run_generate  # noqa: E402
 
 WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
 PROMPTS = [" ".join((WORDS * 4)[i : i + 20 + 5 * i]) for i in range(3)]

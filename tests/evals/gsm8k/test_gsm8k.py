@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from vllm_dspark_pp.evals import gsm8k
+from vllm_dspark_pp.dev import gsm8k
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = sorted(glob.glob(os.path.join(HERE, "configs", "*.yaml")))
@@ -43,24 +43,12 @@ def test_extract_number():
 
 
 def test_prompts_match_the_tiny_corpus_format():
-    from vllm_dspark_pp.training import corpus
+    from vllm_dspark_pp.dev.training import corpus
 
     p = corpus.heldout_problems(1)[0]
     assert gsm8k.build_prompt(p.question, []) == corpus.format_prompt(p.question)
     shot = {"question": "q1", "answer": "a1\n#### 1"}
     assert gsm8k.build_prompt("q2", [shot]) == "Question: q1\nAnswer: a1\n#### 1\n\nQuestion: q2\nAnswer:"
-
-
-def test_prometheus_parsing():
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total x",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
-        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 25.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 7.0',
-    ])
-    m = gsm8k.spec_metrics_from_prometheus(text)
-    assert m == {"num_drafts": 10.0, "num_accepted_tokens": 25.0, "accepted_per_pos": [9.0, 7.0]}
 
 
 def _fake(cfg, texts, drafts=10, accepted=25):

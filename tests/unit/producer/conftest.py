@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 
-for _k, _v in {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "TRITON_INTERPRET": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(_k, _v)
+import pytest
+from support.env import set_cpu_env_defaults
 
-import pytest  # noqa: E402
+set_cpu_env_defaults()
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import torch
 from vllm.config import KVTransferConfig
 
 from vllm_dspark_pp import context_kv, context_kv_mla
-from vllm_dspark_pp import tiny_mla_drafts as tiny
+from vllm_dspark_pp.dev import tiny_mla_drafts as tiny
 
 
 @pytest.fixture(scope="module")

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-sys.path.insert(0, os.path.dirname(__file__))
-
-import protocol_sim  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import protocol_sim  # this directory is on sys.path (pytest's rootdir-less conftest import)
+import pytest
+import torch
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,15 +4,10 @@ result dict through a queue and exits hard (os._exit) so no pending gloo work ca
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vllm_dspark_pp.dev.serve import free_port  # noqa: F401 - the tests take it from here
 
 
 def _report(queue, result) -> None:

@@ -7,15 +7,13 @@ Used in-process (recording broadcast) and in gloo worker processes (real broadca
 
 from __future__ import annotations
 
-import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+from support.env import set_cpu_env_defaults
+
+set_cpu_env_defaults()  # also in the spawned gloo workers, which import this module
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -5,8 +5,14 @@ import os
 
 import pytest
 
-from vllm_dspark_pp.training import corpus
-from vllm_dspark_pp.training.tokenizer import EOS_ID, MASK_ID, PAD_ID, SPECIAL_TOKENS, PurePythonBPE
+from vllm_dspark_pp.dev.training import corpus
+from vllm_dspark_pp.dev.training.tokenizer import (
+    EOS_ID,
+    MASK_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    PurePythonBPE,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "tokenizer.json")
@@ -57,7 +63,7 @@ def test_committed_tokenizer_matches_pure_python_encoder():
 
 def test_committed_tokenizer_is_reproducible(tmp_path):
     pytest.importorskip("tokenizers")
-    from vllm_dspark_pp.training.tokenizer import train_tokenizer
+    from vllm_dspark_pp.dev.training.tokenizer import train_tokenizer
 
     out = tmp_path / "tokenizer.json"
     train_tokenizer(str(out))

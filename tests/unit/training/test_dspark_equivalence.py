@@ -13,21 +13,15 @@ import sys
 
 import pytest
 import torch
+from support.env import CPU_E2E_EXTRA, CPU_ENV
 
-from vllm_dspark_pp.proc import run_with_timeout
-from vllm_dspark_pp.training.export import load_pair, write_pair
-from vllm_dspark_pp.training.models import DraftConfig, TargetConfig, TinyDSparkDraft, TinyQwen3
+from vllm_dspark_pp.dev.proc import run_with_timeout
+from vllm_dspark_pp.dev.training.export import load_pair, write_pair
+from vllm_dspark_pp.dev.training.models import DraftConfig, TargetConfig, TinyDSparkDraft, TinyQwen3
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "tokenizer.json")
-CPU_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "TRITON_INTERPRET": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
 
 
 def make_random_pair(out: str, seed: int = 0) -> None:
@@ -47,7 +41,7 @@ def test_training_draft_matches_vllm(tmp_path):
     pair = str(tmp_path / "pair")
     make_random_pair(pair)
     rec_path = str(tmp_path / "records.json")
-    env = {**os.environ, **CPU_ENV, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, **CPU_ENV, **CPU_E2E_EXTRA, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rc, out, err = run_with_timeout(
         [sys.executable, os.path.join(HERE, "vllm_draft_probe.py"), pair, rec_path, "Question: Tom has 3 apples.", "24"],
         env=env, capture=True, timeout=800,

@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -41,7 +38,7 @@ def load_jsonl(path: str) -> list[dict]:
 
 
 def builtin_rows(kind: str, n: int) -> list[dict]:
-    from vllm_dspark_pp.training import corpus
+    from vllm_dspark_pp.dev.training import corpus
 
     if kind == "heldout":
         probs = corpus.heldout_problems(max(n, corpus.DEFAULT_HELDOUT_SIZE))[:n]
@@ -146,95 +143,34 @@ def questions_for(cfg: EvalConfig) -> tuple[list[dict], list[dict]]:
     return rows[: cfg.num_questions], shots
 
 
-# ---------------------------------------------------------------- metrics
-
-
-def spec_metrics_from_llm(llm) -> dict:
-    out = {"num_drafts": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out["num_drafts"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out["num_accepted_tokens"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            prev = out["accepted_per_pos"] or [0] * len(m.values)
-            out["accepted_per_pos"] = [a + b for a, b in zip(prev, m.values, strict=False)]
-    return out
-
-
-def spec_metrics_from_prometheus(text: str) -> dict:
-    out = {"num_drafts": 0.0, "num_accepted_tokens": 0.0, "accepted_per_pos": []}
-    per_pos: dict[int, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        if name == "vllm:spec_decode_num_drafts_total":
-            out["num_drafts"] += float(value)
-        elif name == "vllm:spec_decode_num_accepted_tokens_total":
-            out["num_accepted_tokens"] += float(value)
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            m = re.search(r'position="(\d+)"', name_labels)
-            if m:
-                per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + float(value)
-    if per_pos:
-        out["accepted_per_pos"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)]
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict:
-    n = max(len(after["accepted_per_pos"]), len(before["accepted_per_pos"]))
-    pa = after["accepted_per_pos"] + [0] * (n - len(after["accepted_per_pos"]))
-    pb = before["accepted_per_pos"] + [0] * (n - len(before["accepted_per_pos"]))
-    return {"num_drafts": after["num_drafts"] - before["num_drafts"],
-            "num_accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"],
-            "accepted_per_pos": [a - b for a, b in zip(pa, pb, strict=True)]}
-
-
 # ---------------------------------------------------------------- runners
 
 
-def _offline_worker(spec_path: str, out_path: str) -> int:
-    """Subprocess body: generate with vllm.LLM and dump completions + metrics."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    from vllm import LLM, SamplingParams
-
-    t0 = time.time()
-    llm = LLM(**spec["llm"], disable_log_stats=False)
-    load_s = time.time() - t0
-    sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], stop=spec["stop"] or None)
-    t0 = time.time()
-    outs = llm.generate(spec["prompts"], sp, use_tqdm=True)
-    gen_s = time.time() - t0
-    res = {"texts": [o.outputs[0].text for o in outs], "tokens": [list(o.outputs[0].token_ids) for o in outs],
-           "metrics": spec_metrics_from_llm(llm), "load_s": load_s, "generate_s": gen_s}
-    with open(out_path, "w") as f:
-        json.dump(res, f)
-    return 0
-
-
 def run_offline(cfg: EvalConfig, prompts: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as td:
-        spec_path, out_path = os.path.join(td, "spec.json"), os.path.join(td, "out.json")
-        with open(spec_path, "w") as f:
-            json.dump({"llm": _resolve_llm_args(cfg.llm), "prompts": prompts, "max_tokens": cfg.max_tokens,
-                       "stop": cfg.stop}, f)
-        env = {**os.environ, **{k: str(v) for k, v in cfg.env.items()},
-               "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        cmd = [sys.executable, "-m", "vllm_dspark_pp.evals.gsm8k", "--_worker", spec_path, out_path]
-        from vllm_dspark_pp.proc import run_with_timeout
+    """``vllm.LLM`` in a child with a hard deadline (:func:`vllm_dspark_pp.dev.engine.run_engine`)."""
+    from vllm_dspark_pp.dev.engine import child_env, run_engine
 
-        try:  # vLLM's log and progress bar pass through; the whole process group dies on timeout
-            rc, _, _ = run_with_timeout(cmd, env=env, timeout=cfg.timeout_s)
-        except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"[{cfg.name}] vLLM run exceeded timeout_s={cfg.timeout_s} and was killed; raise "
-                               f"it in {cfg.path or 'the config'} if the machine is only slow") from e
-        if rc != 0:
-            raise RuntimeError(f"[{cfg.name}] vLLM run failed (exit {rc}); its log is above")
-        with open(out_path) as f:
-            return json.load(f)
+    spec = {
+        "name": cfg.name,
+        "llm": _resolve_llm_args(cfg.llm),
+        "waves": [prompts],
+        "sampling": {"max_tokens": cfg.max_tokens, "stop": cfg.stop or None, "ignore_eos": False},
+        # on the CPU platform async scheduling is forced back on when asked (engine_worker)
+        "async_scheduling": bool(cfg.llm.get("async_scheduling")),
+    }
+    env = child_env({k: str(v) for k, v in cfg.env.items()})
+    run = run_engine(spec, timeout_s=cfg.timeout_s, env=env, name=f"gsm8k-{cfg.name}")
+    if run.timed_out:
+        raise RuntimeError(f"[{cfg.name}] vLLM run exceeded timeout_s={cfg.timeout_s} in phase "
+                           f"{run.phase!r} and was killed; raise it in {cfg.path or 'the config'} "
+                           f"if the machine is only slow\n{run.log_text[-4000:]}")
+    if not run.ok:
+        raise RuntimeError(f"[{cfg.name}] vLLM run failed in phase {run.phase!r}: "
+                           f"{run.result.get('error')}\n{run.log_text[-4000:]}")
+    wave = run.result["waves"][0]
+    return {"texts": wave["texts"], "tokens": wave["tokens"], "metrics": wave["metrics"],
+            "config": run.result["config"], "load_s": run.result.get("startup_s", 0.0),
+            "generate_s": run.result.get("generate_s", 0.0)}
 
 
 def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int = 16) -> dict:
@@ -251,6 +187,8 @@ def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int =
             return r.read().decode()
 
     model = cfg.llm.get("served_model_name") or json.loads(get("/v1/models"))["data"][0]["id"]
+    from vllm_dspark_pp.dev.metrics import counter_delta, spec_metrics_from_prometheus
+
     before = spec_metrics_from_prometheus(get("/metrics"))
 
     def one(prompt):
@@ -265,7 +203,7 @@ def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int =
         texts = list(tqdm(ex.map(one, prompts), total=len(prompts), desc=f"gsm8k {cfg.name}"))
     gen_s = time.time() - t0
     after = spec_metrics_from_prometheus(get("/metrics"))
-    return {"texts": texts, "tokens": None, "metrics": _delta(after, before), "load_s": 0.0, "generate_s": gen_s}
+    return {"texts": texts, "tokens": None, "metrics": counter_delta(before, after), "load_s": 0.0, "generate_s": gen_s}
 
 
 # ---------------------------------------------------------------- scoring and gating
@@ -340,6 +278,7 @@ def evaluate(cfg: EvalConfig, server_url: str | None = None, limit: int | None =
     report = score(cfg, rows, res)
     report["completions"] = res["texts"]
     report["tokens"] = res.get("tokens")
+    report["config"] = res.get("config")  # what vLLM resolved (async_scheduling, PP size, ...)
     return report
 
 
@@ -355,8 +294,3 @@ def results_row(r: dict) -> str:
     return (f"| {r['name']} | {r['accuracy']:.4f} | {r['invalid_rate']:.4f} | {acc_len} | {per} | "
             f"{r['generate_s']} | {'yes' if r['passed'] else 'NO'} |\n")
 
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
-        sys.exit(_offline_worker(sys.argv[2], sys.argv[3]))
-    raise SystemExit("use `vllm-dspark-pp eval gsm8k`")

@@ -33,7 +33,7 @@ def train_tokenizer(out_path: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_doc
     """Train the BPE on the first ``num_docs`` training documents and save ``tokenizer.json``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from vllm_dspark_pp.training.corpus import format_document, train_problems
+    from vllm_dspark_pp.dev.training.corpus import format_document, train_problems
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE_PATTERN), behavior="isolated")

@@ -1,6 +1,7 @@
-"""Shared pieces of the several-GPU scripts (tests/multi_gpu/run_*.py, benchmarks/serve_pp.py).
+"""Shared pieces of the several-GPU scripts (tests/multi_gpu/run_*.py, benchmarks/serve_pp.py; moved here from tests/multi_gpu/mg_common.py).
 
-* the one-GPU harness (tests/gpu: run_llm, Server, run_pd, parity) is reused as is;
+* the one-GPU helpers (tests/support: run_llm, run_pd, parity; vllm_dspark_pp.dev: Server) are
+  reused as they are;
 * :class:`Report` collects result rows, tees a log file and prints the short table LAST;
 * :class:`NcclStubGuard`: the GPU kit stubs the NCCL symbols the machine's NCCL lacks (boot.sh:
   each returns ncclInvalidUsage). The guard builds a *loud* copy of that stub (same symbols, each
@@ -19,10 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_DIR = ROOT / "tests" / "gpu"
-for p in (str(GPU_DIR), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 NCCL_ERROR = re.compile(r"ncclInvalidUsage|NCCL error|invalid usage \(run with NCCL_DEBUG=WARN|ncclSystemError", re.I)
 

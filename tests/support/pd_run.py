@@ -8,7 +8,7 @@ are saved as artifacts and the exception names the step that failed.
 
 Works with or without the plugin's prefill-only producer role: the instances are started the
 same way either way; what differs is what the prefiller's drafter does (see docs/producer.md).
-Shared by tests/gpu/test_gpu_pd_mooncake.py (one GPU, PP=1 both sides) and
+Shared by tests/gpu/test_gpu_40_pd_mooncake.py (one GPU, PP=1 both sides) and
 tests/multi_gpu/run_pd_pp2.py (PP=2 producer).
 """
 
@@ -19,19 +19,18 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from gpu_harness import (
-    GPUCaseFailure,
+from support.gpu import GPUCaseFailure
+from vllm_dspark_pp.dev.metrics import counter_delta, parse_prometheus
+from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus as spec_counters
+from vllm_dspark_pp.dev.pd_proxy import PDProxy, query_engine_id
+from vllm_dspark_pp.dev.serve import (
     Server,
     Timings,
-    counter_delta,
     free_port,
     free_port_block,
     http_json,
     http_text,
-    parse_prometheus,
-    spec_counters,
 )
-from pd_proxy import PDProxy, query_engine_id
 
 KV_METRICS = (
     "vllm:external_prefix_cache_hits_total",

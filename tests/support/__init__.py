@@ -1,0 +1,14 @@
+"""The one copy of every test helper (importable as ``support.*``: pytest's ``pythonpath``).
+
+* ``support.env``: the CPU test environment (one dict), the device mode, the CPU kernel check;
+* ``support.e2e``: ``run_generate`` (CPU end-to-end tier) over the one engine-in-a-child runner
+  (``vllm_dspark_pp.dev.engine``);
+* ``support.gpu``: ``run_llm`` (one-GPU tier) over the same runner;
+* ``support.tiny_pair``: the trained tiny pair; ``support.parity``: the GPU parity rule;
+* ``support.pd_run``: prefiller + decoder + PD proxy over MooncakeConnector;
+* ``support.dflash_prepare_ref``: the reference of the DFlash input preparation (GPU test).
+
+Process groups with deadlines, ports, servers, the metrics reader and the PD proxy are in
+``vllm_dspark_pp.dev`` (benchmarks and the GSM8K command use them too, and must not import
+from ``tests/``).
+"""

@@ -1,0 +1,134 @@
+"""CPU end-to-end runs: one vLLM generation per fresh process group, with a hard deadline.
+
+::
+
+    from support.e2e import run_generate, Result, E2EFailure
+
+    res = run_generate(
+        {"model": target, "speculative_config": {"model": draft}, "pipeline_parallel_size": 2},
+        prompts=["the quick brown fox", [5, 6, 7]],      # text or token-id lists
+        timeout_s=90,                                    # hard limit for the whole process tree
+        sampling={"max_tokens": 24},                     # SamplingParams kwargs (greedy by default)
+        async_scheduling=False,                          # True: forced on after the CPU hook
+        abort={"index": 1, "after_tokens": 5},           # optional: abort a request mid-stream
+    )
+    res.tokens            # list[list[int]], one per prompt
+    res.metrics           # {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"}
+
+``cfg`` goes to ``vllm.LLM(**cfg)`` after the defaults below (float32, eager mode,
+``distributed_executor_backend="mp"``, small KV cache, ``disable_log_stats=False``). The child is
+``vllm_dspark_pp.dev.engine_worker`` run by ``vllm_dspark_pp.dev.engine.run_engine`` (the one
+runner, shared with the GPU tier): own process group, SIGKILLed when ``timeout_s`` passes
+(start-up, warm-up and shutdown included) and after every case anyway. Set
+``DSPARK_E2E_LOG_DIR`` to keep every case's full log.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from support.env import CPU_E2E_EXTRA, CPU_ENV
+from vllm_dspark_pp.dev.engine import child_env, run_engine
+
+DEFAULT_LLM_KWARGS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "distributed_executor_backend": "mp",
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "seed": 0,
+    "disable_log_stats": False,
+}
+DEFAULT_TIMEOUT_S = 90.0
+
+
+class E2EFailure(AssertionError):
+    """The case failed, crashed or hung; the message carries the reason and the log tail.
+
+    ``hung`` tells a hard-limit kill from a failure; ``pgid`` is the killed process group.
+    """
+
+    def __init__(self, msg: str, *, hung: bool = False, pgid: int | None = None):
+        super().__init__(msg)
+        self.hung = hung
+        self.pgid = pgid
+
+
+@dataclass
+class Result:
+    tokens: list[list[int]]
+    metrics: dict
+    finish_reasons: list[str | None]
+    config: dict
+    wall_s: float
+    startup_s: float
+    logprobs: list = field(default_factory=list)
+    aborted: bool = False
+    log_tail: str = ""
+
+    @property
+    def acceptance(self) -> tuple[int, int, int]:
+        m = self.metrics
+        return m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"]
+
+
+def run_generate(
+    cfg: dict,
+    prompts: list,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    sampling: dict | None = None,
+    async_scheduling: bool = False,
+    abort: dict | None = None,
+    env: dict | None = None,
+) -> Result:
+    """Run ``vllm.LLM(**cfg)`` on ``prompts`` in a fresh process tree; see the module docstring."""
+    llm_kwargs = {**DEFAULT_LLM_KWARGS, **cfg}
+    spec = {
+        "name": "e2e",
+        "llm": llm_kwargs,
+        "waves": [prompts],
+        "sampling": {"max_tokens": 32, **(sampling or {})},
+        "async_scheduling": bool(async_scheduling),
+        "abort": abort,
+    }
+    run = run_engine(spec, timeout_s=timeout_s, env=child_env({**CPU_ENV, **CPU_E2E_EXTRA}, env))
+    keep = os.environ.get("DSPARK_E2E_LOG_DIR")
+    if keep:  # debugging aid: keep every case's full log
+        os.makedirs(keep, exist_ok=True)
+        Path(keep, f"case-{int(time.time() * 1000)}.log").write_text(run.log_text)
+    desc = (
+        f"pp={llm_kwargs.get('pipeline_parallel_size', 1)} "
+        f"spec={'yes' if llm_kwargs.get('speculative_config') else 'no'} "
+        f"async={async_scheduling}"
+    )
+    res = run.result
+    if run.timed_out:
+        raise E2EFailure(
+            f"e2e case [{desc}] HUNG: killed after {timeout_s:.0f} s in phase {run.phase!r}.\n"
+            f"--- log tail ---\n{run.log_text[-6000:]}",
+            hung=True,
+            pgid=run.pgid,
+        )
+    if not run.ok:
+        raise E2EFailure(
+            f"e2e case [{desc}] failed (exit {run.returncode}) in phase {run.phase!r}: "
+            f"{res.get('error', 'no result written')}\n{res.get('traceback', '')}"
+            f"\n--- log tail ---\n{run.log_text[-6000:]}",
+            pgid=run.pgid,
+        )
+    wave = res["waves"][0]
+    return Result(
+        tokens=wave["tokens"],
+        metrics=wave["metrics"],
+        finish_reasons=wave["finish_reasons"],
+        config=res["config"],
+        wall_s=run.wall_s,
+        startup_s=res.get("startup_s", 0.0),
+        logprobs=wave.get("logprobs") or [],
+        aborted=wave["aborted"],
+        log_tail=run.log_text[-3000:],
+    )

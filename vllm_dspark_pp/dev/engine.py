@@ -1,0 +1,96 @@
+"""The one engine-in-a-child runner: ``vllm.LLM`` in a fresh process group with a hard deadline.
+
+:func:`run_engine` writes the spec (see :mod:`vllm_dspark_pp.dev.engine_worker`), starts
+``python -m vllm_dspark_pp.dev.engine_worker`` in its own session, waits at most ``timeout_s``
+(start-up, warm-up, generation and shutdown included), then kills the whole process group
+whatever happened, so no engine core or PP worker outlives the case. It returns an
+:class:`EngineRun` (the worker's JSON, the log, whether it timed out); the CPU e2e tier
+(``tests/support/e2e.py``) and the GPU tier (``tests/support/gpu.py``) turn that into their
+results and failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class EngineRun:
+    result: dict  # the worker's JSON ({} when it wrote none)
+    log_text: str
+    timed_out: bool
+    returncode: int | None
+    wall_s: float
+    pgid: int
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.result.get("ok")) and not self.timed_out
+
+    @property
+    def phase(self) -> str:
+        return self.result.get("phase", "import")
+
+
+def child_env(base: dict, extra: dict | None = None) -> dict:
+    """``os.environ`` + ``base`` + ``extra``, with the project root first on ``PYTHONPATH`` (the
+    worker and vLLM's plugin entry point must import this checkout in every child)."""
+    env = dict(os.environ)
+    env.update(base)
+    env.update(extra or {})
+    parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env
+
+
+def run_engine(
+    spec: dict, *, timeout_s: float, env: dict, name: str = "engine", own_cache: bool = False
+) -> EngineRun:
+    """Run one engine case (``spec``) in a child with the full environment ``env``.
+
+    ``own_cache``: give the child its own ``VLLM_CACHE_ROOT`` (engines started together must not
+    race on one torch.compile cache).
+    """
+    tmp = tempfile.mkdtemp(prefix=f"dspark-{name}-")
+    try:
+        paths = [os.path.join(tmp, n) for n in ("spec.json", "result.json", "log.txt")]
+        spec_path, result_path, log_path = paths
+        Path(spec_path).write_text(json.dumps(spec))
+        env = dict(env)
+        if own_cache:
+            env.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "vllm_cache"))
+        cmd = [sys.executable, "-m", "vllm_dspark_pp.dev.engine_worker", spec_path, result_path]
+        t0 = time.monotonic()
+        timed_out = False
+        with open(log_path, "wb") as log:
+            proc = start_in_session(
+                cmd, env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT
+            )
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                kill_group(proc)  # whatever happened, nothing of this case survives it
+        wall = time.monotonic() - t0
+        log_text = Path(log_path).read_text(errors="replace")
+        try:
+            result = json.loads(Path(result_path).read_text())
+        except (OSError, ValueError):
+            result = {}
+        return EngineRun(result, log_text, timed_out, proc.returncode, round(wall, 2), proc.pid)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+

@@ -1,0 +1,206 @@
+"""Ports, HTTP and ``vllm serve`` in its own process group (GPU tier, PD runs, benchmarks).
+
+* :func:`free_port`, :func:`free_port_block` (a base with free ports above it, for ``VLLM_PORT``);
+* :func:`http_json`, :func:`http_text`;
+* :class:`Server`: ``python -m vllm.entrypoints.cli.main serve``, waits for ``/health`` while
+  checking the process is alive, and always kills its process group on exit;
+* :func:`save_artifact`: where failing cases leave logs (``DSPARK_GPU_ARTIFACTS``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_dspark_pp.dev.engine import REPO_ROOT, child_env
+from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+
+# Given to every GPU child (on top of the caller's environment).
+GPU_CHILD_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not in the GPU kit
+    "VLLM_HOST_IP": "127.0.0.1",  # loopback only: the GPU machine has no network
+    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "90",  # a stuck step becomes an engine error
+    "VLLM_ENGINE_READY_TIMEOUT_S": "330",  # compile + graph capture of several engines at once
+}
+
+
+class CaseFailure(AssertionError):
+    """A case crashed, hung or returned nothing; the message has the phase and the log tail."""
+
+
+def tail(text: str, n: int = 5000) -> str:
+    return text[-n:]
+
+
+def artifact_dir() -> Path | None:
+    d = os.environ.get("DSPARK_GPU_ARTIFACTS")
+    if not d:
+        return None
+    p = Path(d)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def save_artifact(name: str, text: str, limit: int = 2_000_000) -> str | None:
+    """Keep (the end of) a log for the lead; returns its path or None when no dir is set."""
+    d = artifact_dir()
+    if d is None:
+        return None
+    path = d / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    path.write_text(text[-limit:])
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(width: int = 50, tries: int = 200) -> int:
+    """A base port with ``width`` free ports above it (for VLLM_PORT, which vLLM counts up from)."""
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(tries):
+        base = rng.randrange(20000, 60000 - width)
+        ok = True
+        for p in range(base, base + width, 7):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block found")
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def http_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+class Server:
+    """``vllm serve`` in its own process group; use as a context manager (always killed)."""
+
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        args: list[str],
+        env: dict | None = None,
+        port: int | None = None,
+        base_env: dict | None = None,
+    ):
+        self.name = name
+        self.model = model
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self._logdir = tempfile.mkdtemp(prefix=f"dspark-srv-{name}-")
+        # own vLLM cache (torch.compile artifacts): servers started together must not race
+        extra = {"VLLM_CACHE_ROOT": os.path.join(self._logdir, "vllm_cache"), **(env or {})}
+        self.env = child_env(GPU_CHILD_ENV if base_env is None else base_env, extra)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(self._logdir, "server.log")
+        self._log = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+        ]  # fmt: skip
+
+    def start(self) -> Server:
+        self._log = open(self.log_path, "wb")
+        self.proc = start_in_session(
+            self.command(),
+            env=self.env,
+            cwd=str(REPO_ROOT),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        return self
+
+    def log_text(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, deadline: float) -> None:
+        """Poll /health until it answers 200; fail at once if the process dies."""
+        while True:
+            if not self.alive():
+                rc = self.proc.returncode if self.proc else None
+                raise CaseFailure(
+                    f"server {self.name} exited (rc={rc}) during start-up\n{tail(self.log_text())}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise CaseFailure(
+                    f"server {self.name} not ready before its deadline\n{tail(self.log_text())}"
+                )
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc, grace_s=8.0)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def save_log(self, prefix: str = "server") -> str | None:
+        return save_artifact(f"{prefix}_{self.name}.log", self.log_text())
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class Timings:
+    marks: list[tuple[str, float]] = field(default_factory=list)
+
+    def mark(self, what: str) -> None:
+        self.marks.append((what, time.monotonic()))
+
+    def describe(self) -> str:
+        if not self.marks:
+            return ""
+        t0 = self.marks[0][1]
+        return ", ".join(f"{w} +{t - t0:.0f}s" for w, t in self.marks)

@@ -1,1 +1,0 @@
-"""Evaluation harnesses (GSM8K-style accuracy + speculative acceptance gates)."""
