@@ -27,6 +27,9 @@ if TEST_DEVICE == "cpu":
 
 REQUIRE_E2E = os.environ.get("DSPARK_PP_REQUIRE_E2E") == "1"
 
+# Session-scoped engine runs shared by tests/e2e and tests/evals (one engine per configuration).
+pytest_plugins = ["support.engines"]
+
 
 def _cuda_device_count() -> int:
     if TEST_DEVICE != "gpu":
@@ -43,6 +46,7 @@ def pytest_report_header(config):
     return [f"vllm-dspark-pp tests: device mode {TEST_DEVICE}"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
 def pytest_collection_modifyitems(config, items):
     n_cuda = None
     e2e_status = None
@@ -69,10 +73,11 @@ def pytest_collection_modifyitems(config, items):
                     reporter.write_line(
                         f"CPU e2e tier: kernel library {state}", red=not ok, bold=not ok
                     )
+            # The developer loop (`-m "not slow"`) keeps only the e2e tests marked `quick`.
+            if not item.get_closest_marker("quick"):
+                item.add_marker(pytest.mark.slow)
             ok, msg = e2e_status
-            if ok:
-                continue
-            if not REQUIRE_E2E:  # required: pytest_runtest_setup fails the test instead
+            if not ok and not REQUIRE_E2E:  # required: pytest_runtest_setup fails the test instead
                 item.add_marker(
                     pytest.mark.skip(
                         reason=f"CPU e2e tier UNAVAILABLE: vLLM CPU kernel library not usable: "

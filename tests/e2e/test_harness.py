@@ -9,7 +9,7 @@ from support.e2e import E2EFailure, run_generate
 
 from vllm_dspark_pp.dev.proc import live_group_members
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.quick]  # cheap: kept in the developer loop
 
 
 def test_hard_limit_kills_the_whole_process_group(tiny_models):

@@ -1,44 +1,51 @@
 """PP=2 generation on the CPU platform through the patched PP exchange (fixed-width aligned
-broadcasts, draft broadcast, handshake, fixed DSpark graph batch key) stays lossless: the greedy
-tokens equal the non-speculative PP=1 run.
+broadcasts, draft broadcast, handshake, fixed DSpark graph batch) stays lossless under async
+scheduling, with a request aborted mid-stream.
 
-Needs the e2e harness (tests/e2e/harness.py, branch e2e) and the tiny models fixture. Async
-scheduling only: PP=2 + speculative decoding with sync scheduling is the engine-core bug the e2e
-branch fixes; the exchange itself does not depend on the scheduling mode.
+Random-weight pair (k=3, ``dspark_pp_fixed_graph_batch`` 4; 6 requests, one aborted), against the shared PP=1 no-spec reference
+(tests/support/engines.py): every other request's tokens equal the reference, the aborted one is
+a prefix of its reference, drafts were broadcast and some were accepted. Synchronous scheduling
+with PP=2 and PP=3 is tests/e2e/test_pp_parity.py.
 """
 
 from __future__ import annotations
 
 import pytest
-
-harness = pytest.importorskip("e2e.harness", reason="the e2e harness (branch e2e) is not merged")
+from support.engines import RANDOM_MAX_TOKENS, run_random
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = ["the quick brown fox", [5, 6, 7, 8, 9, 10, 11]]
+ABORTED = 2
 
 
-@pytest.mark.timeout(400)
-def test_pp2_dspark_with_patched_exchange_is_lossless(tiny_models):
-    target, draft = tiny_models.target, tiny_models.draft
-    base = harness.run_generate(
-        {"model": str(target)}, PROMPTS, timeout_s=180, sampling={"max_tokens": 16}
-    )
-    pp2 = harness.run_generate(
-        {
-            "model": str(target),
-            "pipeline_parallel_size": 2,
-            "speculative_config": {
-                "method": "dspark",
-                "model": str(draft),
-                "num_speculative_tokens": 3,
-                "dspark_pp_fixed_graph_batch": 4,
-            },
-        },
-        PROMPTS,
-        timeout_s=200,
-        sampling={"max_tokens": 16},
+def test_pp2_dspark_async_fixed_graph_batch_with_an_abort_is_lossless(
+    tiny_models, e2e_timeout_s, random_reference
+):
+    spec = {
+        "method": "dspark",
+        "model": str(tiny_models.draft),
+        "num_speculative_tokens": 3,
+        "dspark_pp_fixed_graph_batch": 4,
+    }
+    res = run_random(
+        tiny_models,
+        e2e_timeout_s,
+        pp=2,
+        spec=False,
+        extra={"speculative_config": spec, "enable_chunked_prefill": True, "max_num_batched_tokens": 32},
         async_scheduling=True,
+        abort={"index": ABORTED, "after_tokens": 5},
     )
-    assert pp2.tokens == base.tokens
-    assert pp2.metrics["num_drafts"] > 0, "no drafts: the draft broadcast was never exercised"
+    assert res.config["async_scheduling"] is True and res.config["pipeline_parallel_size"] == 2
+    assert res.config["num_speculative_tokens"] == 3
+    assert res.aborted
+    for i, (ref_t, got_t) in enumerate(zip(random_reference.tokens, res.tokens, strict=True)):
+        if i == ABORTED:
+            assert 5 <= len(got_t) < RANDOM_MAX_TOKENS and got_t == ref_t[: len(got_t)], (ref_t, got_t)
+            assert res.finish_reasons[i] == "abort"
+        else:
+            assert got_t == ref_t, f"prompt {i} differs from PP=1 no-spec (another was aborted)"
+    m = res.metrics
+    assert m["num_drafts"] > 0, f"no drafts: the draft broadcast was never exercised: {m}"
+    assert m["num_draft_tokens"] == 3 * m["num_drafts"], m
+    assert m["num_accepted_tokens"] > 0, f"no draft accepted: the broadcast drafts are wrong? {m}"

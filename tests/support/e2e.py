@@ -60,6 +60,7 @@ class E2EFailure(AssertionError):
 @dataclass
 class Result:
     tokens: list[list[int]]
+    texts: list[str]
     metrics: dict
     finish_reasons: list[str | None]
     config: dict
@@ -123,6 +124,7 @@ def run_generate(
     wave = res["waves"][0]
     return Result(
         tokens=wave["tokens"],
+        texts=wave["texts"],
         metrics=wave["metrics"],
         finish_reasons=wave["finish_reasons"],
         config=res["config"],

@@ -3,8 +3,9 @@
 #
 #   source /tmp/site/env.sh && bash tools/gpu/run_gpu_suite.sh [OUTDIR] [extra pytest args]
 #
-# Installs the committed test wheels (only if pytest/pytest-timeout are not importable) and the
-# project into the kit's site (/tmp/site: gives vLLM the plugin's entry point), runs tests/gpu with
+# Checks that the kit provides what the suite needs (pytest is on the machine; pytest-timeout and
+# the `vllm serve` wheels come from the shared kit's `deps` group, ../shared/device/prepare.sh),
+# installs the project into the kit's site (/tmp/site: gives vLLM the plugin's entry point), runs tests/gpu with
 # per-test timeouts under a hard total budget, writes into OUTDIR (default $OUT, else
 # /tmp/dspark-gpu-out):
 #   gpu_suite.log        full log           gpu_junit.xml    junit (xunit2)
@@ -26,7 +27,7 @@ BUDGET=${DSPARK_GPU_BUDGET_S:-560}
 ART=$(mktemp -d /tmp/dspark-gpu-artifacts.XXXX)
 PGIDS=$(mktemp -d /tmp/dspark-gpu-pgids.XXXX)
 # DSPARK_PP_TEST_DEVICE=gpu: tests/conftest.py must not switch this run to the CPU platform
-export DSPARK_GPU_ARTIFACTS=$ART DSPARK_GPU_PGID_DIR=$PGIDS PYTHONUNBUFFERED=1 DSPARK_PP_TEST_DEVICE=gpu
+export DSPARK_GPU_ARTIFACTS=$ART DSPARK_PGID_DIR=$PGIDS PYTHONUNBUFFERED=1 DSPARK_PP_TEST_DEVICE=gpu
 : > "$LOG"
 say() { echo "[gpu-suite $(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 T0=$(date +%s)
@@ -42,33 +43,19 @@ if [ -z "${PYTHONPATH:-}" ] || [[ ":$PYTHONPATH:" != *":$SITE:"* ]]; then
 fi
 mkdir -p "$SITE"
 
-if python3 -c "import pytest, pytest_timeout" >/dev/null 2>&1; then
-  say "pytest present: $(python3 -c 'import pytest, pytest_timeout; print(pytest.__version__, pytest.__file__)')"
-else
-  say "installing test wheels from tools/gpu/wheels into $SITE"
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" tools/gpu/wheels/*.whl 2>&1 | tee -a "$LOG"
-  python3 -c "import pytest, pytest_timeout" 2>&1 | tee -a "$LOG" || { say "FATAL: pytest still not importable"; exit 3; }
-fi
-
-# `vllm serve` (the PD test) imports packages the kit's deps group does not ship (orjson, watchfiles,
-# uvloop, the prometheus packages, model_hosting_container_standards for the SageMaker router, ...).
-# Each wheel in tools/gpu/wheels/serve is installed when one of its top-level packages is missing.
-python3 - "$SITE" tools/gpu/wheels/serve/*.whl <<'PY' 2>&1 | tee -a "$LOG"
-import importlib.util, subprocess, sys, zipfile
-site, wheels = sys.argv[1], sys.argv[2:]
-for whl in wheels:
-    names = set()
-    for n in zipfile.ZipFile(whl).namelist():
-        top = n.split("/")[0]
-        if top.endswith((".dist-info", ".data")):
-            continue
-        names.add(top.removesuffix(".py").split(".")[0])
-    missing = sorted(x for x in names if importlib.util.find_spec(x) is None)
-    if missing:
-        print(f"[gpu-suite] installing {whl.rsplit('/', 1)[-1]} (vllm serve needs {', '.join(missing)})")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--target", site, whl], check=False)
+# pytest is on the GPU machine; pytest-timeout and the serve wheels (aiohttp, uvloop, orjson, the
+# prometheus packages, ...) come from the shared kit's `deps` group. Nothing is installed from here.
+if ! python3 - <<'PY' 2>&1 | tee -a "$LOG"; then
+import importlib.util, sys
+need = ["pytest", "pytest_timeout", "aiohttp", "uvloop", "orjson", "prometheus_client",
+        "prometheus_fastapi_instrumentator", "watchfiles"]
+missing = [n for n in need if importlib.util.find_spec(n) is None]
+print("[gpu-suite] test/serve packages:", "all present" if not missing else "MISSING " + ", ".join(missing))
+sys.exit(1 if missing else 0)
 PY
+  say "FATAL: the GPU kit lacks packages the suite needs: boot the kit with its deps group (../shared/device/prepare.sh)"
+  exit 3
+fi
 
 say "installing the project into $SITE (entry point vllm.general_plugins -> dspark_pp)"
 rm -rf build ./*.egg-info

@@ -6,7 +6,6 @@ skipped, with that reason, while ``models/tiny-pair`` holds no trained weights, 
 """
 
 import glob
-import json
 import os
 
 import pytest
@@ -16,7 +15,6 @@ from vllm_dspark_pp.dev import gsm8k
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = sorted(glob.glob(os.path.join(HERE, "configs", "*.yaml")))
 CPU_CONFIGS = [c for c in CONFIGS if gsm8k.load_config(c).ci == "cpu"]
-PAIR = os.path.join(gsm8k.REPO_ROOT, "models", "tiny-pair")
 
 
 def test_all_configs_parse():
@@ -79,18 +77,98 @@ def test_gate_passes_and_fails_readably():
     assert any("no speculative decoding metrics" in f for f in nospec["failures"])
 
 
+# The ``ci: cpu`` configurations are scored from the shared session engine runs
+# (tests/support/engines.py), the same runs the PP parity tests check: one engine per
+# configuration. Key: (pipeline_parallel_size, speculative, async_scheduling) of the YAML's llm.
+RUN_FOR = {
+    (1, False, False): "pair_reference",
+    (1, True, False): "pair_pp1",
+    (2, True, False): "pair_pp2_sync",
+    (2, True, True): "pair_pp2_async",
+}
+
+
+def _run_key(cfg) -> tuple[int, bool, bool]:
+    llm = cfg.llm
+    return (int(llm.get("pipeline_parallel_size", 1)), cfg.speculative, bool(llm.get("async_scheduling")))
+
+
+def test_cpu_configs_match_the_shared_runs():
+    """Each ``ci: cpu`` config describes exactly a shared run: same model, drafter, k, questions."""
+    from support import engines, tiny_pair
+
+    assert {_run_key(gsm8k.load_config(c)) for c in CPU_CONFIGS} == set(RUN_FOR)
+    for path in CPU_CONFIGS:
+        cfg = gsm8k.load_config(path)
+        llm = gsm8k._resolve_llm_args(cfg.llm)
+        assert os.path.realpath(llm["model"]) == os.path.realpath(tiny_pair.TARGET), path
+        if cfg.speculative:
+            sc = llm["speculative_config"]
+            assert os.path.realpath(sc["model"]) == os.path.realpath(tiny_pair.DRAFT), path
+            assert sc["num_speculative_tokens"] == tiny_pair.num_speculative_tokens(), path
+        assert cfg.data == gsm8k.BUILTIN_TINY and cfg.num_fewshot == 0, path
+        assert cfg.num_questions == engines.PAIR_NUM_PROMPTS, path
+        # the shared runs stop at EOS before PAIR_MAX_TOKENS (asserted there), below max_tokens
+        assert cfg.max_tokens >= engines.PAIR_MAX_TOKENS, path
+
+
+def test_gate_prompts_are_the_shared_runs_prompts():
+    """The gate's text prompts tokenize to exactly the shared runs' token ids."""
+    from support import engines, tiny_pair
+    from tokenizers import Tokenizer
+
+    cfg = gsm8k.load_config(CPU_CONFIGS[0])
+    rows, shots = gsm8k.questions_for(cfg)
+    tok = Tokenizer.from_file(str(tiny_pair.TOKENIZER))
+    ids = [tok.encode(gsm8k.build_prompt(r["question"], shots)).ids for r in rows]
+    assert ids == engines.pair_prompts()
+
+
+def test_offline_runner_builds_the_engine_job_and_reads_its_result(monkeypatch):
+    """gsm8k.run_offline through the shared runner (vllm_dspark_pp.dev.engine), with the runner
+    faked: the job it asks for and how it reads the answer (the real runner runs in the e2e tier)."""
+    from vllm_dspark_pp.dev import engine
+
+    seen = {}
+
+    def fake_run_engine(spec, *, timeout_s, env, name="engine", own_cache=False):
+        seen.update(spec=spec, timeout_s=timeout_s, env=env)
+        wave = {"texts": ["#### 1"], "tokens": [[5, 6]], "metrics": {"num_drafts": 1}}
+        result = {"ok": True, "waves": [wave], "config": {"async_scheduling": True},
+                  "startup_s": 1.0, "generate_s": 2.0}
+        return engine.EngineRun(result, "", False, 0, 3.0, 123)
+
+    monkeypatch.setattr(engine, "run_engine", fake_run_engine)
+    cfg = gsm8k.load_config(os.path.join(HERE, "configs", "tiny-pp2-dspark-async.yaml"))
+    out = gsm8k.run_offline(cfg, ["Question: q\nAnswer:"])
+    assert seen["spec"]["async_scheduling"] is True  # really async on the CPU platform too
+    assert seen["spec"]["waves"] == [["Question: q\nAnswer:"]]
+    assert seen["spec"]["sampling"]["max_tokens"] == cfg.max_tokens
+    assert seen["spec"]["sampling"]["stop"] == cfg.stop
+    assert seen["timeout_s"] == cfg.timeout_s and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert out["texts"] == ["#### 1"] and out["config"] == {"async_scheduling": True}
+
+
 @pytest.mark.e2e
-@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("path", CPU_CONFIGS, ids=[os.path.basename(c)[:-5] for c in CPU_CONFIGS])
-def test_cpu_config(path, tmp_path):
+def test_cpu_config(path, request, pair_reference):
+    """The gate on a shared run: thresholds from the YAML, completions token-identical to the
+    non-speculative run, and the scheduling mode vLLM used equal to the config's."""
     cfg = gsm8k.load_config(path)
-    if not os.path.exists(os.path.join(PAIR, "target", "model.safetensors")):
-        pytest.skip("the trained tiny pair is not committed under models/tiny-pair yet (docs/tiny-pair.md)")
     unset = [k for k in ("accuracy_min", "accuracy_equals", "acceptance_length_min") if getattr(cfg, k) is None]
     needed = {"accuracy_min"} if not cfg.speculative else {"accuracy_equals", "acceptance_length_min"}
     missing = needed & set(unset)
     assert not missing, f"{path}: thresholds {sorted(missing)} are null; measure and set them (docs/results/gsm8k.md)"
-    report = gsm8k.evaluate(cfg)
-    (tmp_path / "report.json").write_text(json.dumps(report, indent=2))
-    print(gsm8k.format_report(report))
+    key = _run_key(cfg)
+    run = request.getfixturevalue(RUN_FOR[key])
+    assert run.config["pipeline_parallel_size"] == key[0]
+    assert run.config["async_scheduling"] is key[2], "vLLM did not use the config's scheduling mode"
+    assert run.tokens == pair_reference.tokens, f"{cfg.name}: completions differ from the non-speculative run"
+    texts = run.texts
+    assert not any(s in t for t in texts for s in cfg.stop), "a stop string would have cut a completion"
+    rows, _ = gsm8k.questions_for(cfg)
+    report = gsm8k.score(cfg, rows, {"texts": texts, "metrics": run.metrics,
+                                     "load_s": run.startup_s, "generate_s": run.wall_s - run.startup_s})
+    report["config"] = run.config
+    print(gsm8k.format_report(report), "\nvLLM used:", run.config)
     assert report["passed"], gsm8k.format_report(report)

@@ -1,0 +1,142 @@
+"""Session-scoped engine runs shared by the CPU end-to-end tests (a pytest plugin: tests/conftest.py
+loads it with ``pytest_plugins``), so each configuration starts one vLLM engine per session.
+
+Trained tiny pair (``models/tiny-pair``, k=7), the first :data:`PAIR_NUM_PROMPTS` held-out
+problems of its corpus (the GSM8K gate's ``builtin:tiny-heldout`` questions, token for token),
+chunked prefill with a 128-token budget (prompts are split across steps; decode steps are never
+cut: 16 running requests x (1 + k) tokens = the budget):
+
+* ``pair_reference``: PP=1 without speculation (top-2 logprobs, to diagnose a mismatch);
+* ``pair_pp1``: PP=1 DSpark; ``pair_pp2_sync`` / ``pair_pp3_sync``: PP=2/3 DSpark, synchronous
+  scheduling (the CPU default); ``pair_pp2_async``: PP=2 DSpark with async scheduling forced on
+  (its ``config["async_scheduling"]`` records what vLLM used).
+
+Used by tests/e2e/test_pp_parity.py (tokens and counters) and tests/evals/gsm8k (accuracy and
+acceptance gates of the ``ci: cpu`` configurations, scored from these same runs).
+
+Random-weight pair (``tiny_models``, k=4), :data:`RANDOM_PROMPTS`: ``random_reference`` (PP=1
+no-spec, chunked prefill with a 32-token budget), ``random_pp1`` (PP=1 DSpark, same budget),
+``random_pp2_unchunked`` (PP=2 DSpark, chunked prefill off, sync).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support import tiny_pair
+from support.e2e import run_generate
+
+# ------------------------------------------------------------------ trained pair
+PAIR_NUM_PROMPTS = 32
+PAIR_MAX_TOKENS = 64  # above every held-out answer of these prompts (23-56 tokens + EOS)
+PAIR_LLM = {
+    "enable_chunked_prefill": True,
+    "max_num_batched_tokens": 128,
+    "max_num_seqs": 16,
+}
+PAIR_SAMPLING = {"max_tokens": PAIR_MAX_TOKENS, "ignore_eos": False}
+
+# ------------------------------------------------------------------ random pair
+RANDOM_MAX_TOKENS = 16
+# Token-id prompts of different lengths (3 .. 90 tokens) and text prompts (tokenizer path).
+RANDOM_PROMPTS = [
+    [11, 12, 13],
+    "the quick brown fox jumps over the lazy dog while a small cat sleeps",
+    [(7 * i + 3) % 500 + 4 for i in range(40)],
+    [(13 * i + 5) % 500 + 4 for i in range(90)],
+    "the quick brown fox",
+    [5, 6, 7, 8, 9, 10, 11],
+]
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 32}
+UNCHUNKED = {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}
+
+
+def plugin_env() -> dict:
+    # Off switch used to show the failure on stock vLLM (any non-matching name disables ours).
+    if os.environ.get("DSPARK_E2E_PLUGINS") == "none":
+        return {"VLLM_PLUGINS": "no-such-plugin"}
+    return {}
+
+
+def pair_prompts() -> list[list[int]]:
+    return tiny_pair.heldout_prompts(PAIR_NUM_PROMPTS)
+
+
+def run_pair(timeout_s, *, pp, spec, sampling=PAIR_SAMPLING, **kw):
+    ok, why = tiny_pair.available()
+    if not ok:
+        pytest.fail(why)
+    cfg = {"model": tiny_pair.TARGET, "pipeline_parallel_size": pp, **PAIR_LLM}
+    if spec:
+        cfg["speculative_config"] = tiny_pair.spec_config()
+    return run_generate(cfg, pair_prompts(), timeout_s, sampling=sampling, env=plugin_env(), **kw)
+
+
+def run_random(tiny, timeout_s, *, pp, spec, extra=None, **kw):
+    cfg = {"model": tiny.target, "pipeline_parallel_size": pp}
+    if spec:
+        cfg["speculative_config"] = {"method": "dspark", "model": tiny.draft}
+    cfg.update(extra or {})
+    kw.setdefault("sampling", {"max_tokens": RANDOM_MAX_TOKENS})
+    return run_generate(cfg, RANDOM_PROMPTS, timeout_s, env=plugin_env(), **kw)
+
+
+@pytest.fixture(scope="session")
+def e2e_timeout_s() -> float:
+    """The hard per-case wall-clock limit (``DSPARK_E2E_TIMEOUT_S``, default 300 s; a case takes
+    well under a minute on an idle 2-core machine; 90-160 s were measured on a host loaded 10x)."""
+    return float(os.environ.get("DSPARK_E2E_TIMEOUT_S", "300"))
+
+
+@pytest.fixture(scope="session")
+def pair_reference(e2e_timeout_s):
+    ref = run_pair(e2e_timeout_s, pp=1, spec=False, sampling={**PAIR_SAMPLING, "logprobs": 2})
+    # Every answer ran to its EOS inside the limit (the corpus' answers end with '#### n' + EOS).
+    assert ref.finish_reasons == ["stop"] * PAIR_NUM_PROMPTS, ref.finish_reasons
+    assert all(10 <= len(t) < PAIR_MAX_TOKENS for t in ref.tokens), [len(t) for t in ref.tokens]
+    return ref
+
+
+@pytest.fixture(scope="session")
+def pair_pp1(e2e_timeout_s):
+    return run_pair(e2e_timeout_s, pp=1, spec=True)
+
+
+@pytest.fixture(scope="session")
+def pair_pp2_sync(e2e_timeout_s):
+    return run_pair(e2e_timeout_s, pp=2, spec=True)
+
+
+@pytest.fixture(scope="session")
+def pair_pp3_sync(e2e_timeout_s):
+    return run_pair(e2e_timeout_s, pp=3, spec=True)
+
+
+@pytest.fixture(scope="session")
+def pair_pp2_async(e2e_timeout_s):
+    return run_pair(e2e_timeout_s, pp=2, spec=True, async_scheduling=True)
+
+
+@pytest.fixture(scope="session")
+def random_reference(tiny_models, e2e_timeout_s):
+    """Random pair, PP=1, no speculation (top-2 logprobs to diagnose any mismatch)."""
+    ref = run_random(
+        tiny_models, e2e_timeout_s, pp=1, spec=False, extra=CHUNKED,
+        sampling={"max_tokens": RANDOM_MAX_TOKENS, "logprobs": 2},
+    )  # fmt: skip
+    assert [len(t) for t in ref.tokens] == [RANDOM_MAX_TOKENS] * len(RANDOM_PROMPTS)
+    # The tiny target must not be degenerate, or parity would prove little.
+    assert all(len(set(t)) >= 6 for t in ref.tokens), ref.tokens
+    return ref
+
+
+@pytest.fixture(scope="session")
+def random_pp1(tiny_models, e2e_timeout_s):
+    return run_random(tiny_models, e2e_timeout_s, pp=1, spec=True, extra=CHUNKED)
+
+
+@pytest.fixture(scope="session")
+def random_pp2_unchunked(tiny_models, e2e_timeout_s):
+    return run_random(tiny_models, e2e_timeout_s, pp=2, spec=True, extra=UNCHUNKED)
