@@ -1,6 +1,6 @@
 """Draft parameter bytes on a DSpark producer: full drafter vs context-KV-only drafter.
 
-Analytic (``vllm_dspark_pp.context_kv.draft_param_bytes``; its count is checked against the
+Analytic (``vllm_dspark_pp.qwen3.draft_param_bytes``; its count is checked against the
 modules vLLM actually builds for the tiny pair in
 tests/unit/producer/test_context_kv_qwen3.py::test_draft_param_bytes_matches_the_built_modules).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_dspark_pp.context_kv import draft_param_bytes
+from vllm_dspark_pp.producer.qwen3 import draft_param_bytes
 
 QWEN3_8B_DSPARK = {
     "hidden_size": 4096,

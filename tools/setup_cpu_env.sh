@@ -34,4 +34,4 @@ fi
 say "this project (editable, no deps) + test extras"
 $PIP install --no-deps --no-build-isolation -e "$ROOT"
 $PIP install -r "$ROOT/tools/requirements-test.txt"
-say "done: $($VENV/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)"
+say "done: $("$VENV"/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)"

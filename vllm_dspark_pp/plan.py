@@ -218,8 +218,8 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
 
 def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str, str]:
     """Draft parameter bytes this instance builds (full drafter vs context-KV-only on producers)."""
-    from vllm_dspark_pp.context_kv import draft_param_bytes
-    from vllm_dspark_pp.roles import is_dspark_prefill_only
+    from vllm_dspark_pp.producer.qwen3 import draft_param_bytes
+    from vllm_dspark_pp.producer.roles import is_dspark_prefill_only
 
     hf = spec.draft_model_config.hf_config
     if "Qwen3DSparkModel" not in spec.draft_model_config.architectures:

@@ -5,7 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # Bumped whenever the PP token-exchange schedule or the handshake payload changes shape.
-# Ranks exchange it at start-up (see vllm_dspark_pp.handshake) and refuse to run on a mismatch.
+# Ranks exchange it at start-up (see vllm_dspark_pp.protocol.handshake) and refuse to run on a mismatch.
 PROTOCOL_VERSION = 1
 
 # Exactly the releases the whole test suite passed on. Widen only after a full run on the new

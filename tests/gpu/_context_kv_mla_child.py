@@ -54,8 +54,8 @@ from vllm.config import KVTransferConfig, set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
-from vllm_dspark_pp import context_kv, context_kv_mla  # noqa: E402
 from vllm_dspark_pp.dev import tiny_mla_drafts as tiny  # noqa: E402
+from vllm_dspark_pp.producer import deepseek_v4, drafter, kimi_k3, load  # noqa: E402
 
 # DSPARK_CHILD_DEVICE=cpu: a CPU dry run of this script's own logic (vLLM's DeepSeek-V4 drafter
 # does not build on CPU and the K3 insert needs the CUDA grouped op: those steps fail there).
@@ -104,7 +104,7 @@ if FAMILY == "dsv4":
 
     DRAFT = tiny.tiny_dsv4_config(gpu=True)
     TARGET = DRAFT  # the DeepSeek-V4 drafter's layers read the target config (same checkpoint)
-    CTX_CLS_FN = lambda: context_kv.context_kv_class_for(_spec_with("DSparkDraftModel"))  # noqa: E731
+    CTX_CLS_FN = lambda: load.context_kv_class_for(_spec_with("DSparkDraftModel"))  # noqa: E731
     SHAPES = tiny.dsv4_checkpoint_shapes(DRAFT)
     CONTEXT_NAMES = tiny.DSV4_CONTEXT_NAMES
 else:
@@ -112,7 +112,7 @@ else:
 
     DRAFT = tiny.tiny_k3_config(gpu=True)
     TARGET = None  # the tiny Qwen3 target (K3 reads only its layer count)
-    CTX_CLS_FN = lambda: context_kv.context_kv_class_for(_spec_with("K3DSparkModel"))  # noqa: E731
+    CTX_CLS_FN = lambda: load.context_kv_class_for(_spec_with("K3DSparkModel"))  # noqa: E731
     SHAPES = tiny.k3_checkpoint_shapes(DRAFT)
     CONTEXT_NAMES = tiny.K3_CONTEXT_NAMES
 
@@ -177,7 +177,7 @@ def _tree():
               "attn_norm", "ffn_norm", "attn_sink")
     bad = [n for n in c_names if any(b in n for b in banned)]
     assert not bad, bad
-    assert context_kv.is_context_kv_only(ctx) and not context_kv.is_context_kv_only(full)
+    assert drafter.is_context_kv_only(ctx) and not drafter.is_context_kv_only(full)
 
 
 @step("kv_layer_names_and_specs_equal")
@@ -209,8 +209,8 @@ def _specs():
 @step("skipped_weights")
 def _skipped():
     names = sorted(SHAPES)
-    filt = (context_kv_mla.is_dsv4_context_kv_weight if FAMILY == "dsv4"
-            else context_kv_mla.is_k3_context_kv_weight)
+    filt = (deepseek_v4.is_dsv4_context_kv_weight if FAMILY == "dsv4"
+            else kimi_k3.is_k3_context_kv_weight)
     kept = {n for n in names if filt(n)}
     assert kept == CONTEXT_NAMES, sorted(kept ^ CONTEXT_NAMES)
     report["facts"]["skipped_weights"] = sorted(set(names) - kept)
@@ -299,7 +299,7 @@ def _refused():
                  "embed_input_ids"):
         try:
             getattr(ctx, call)(torch.zeros(1, dtype=torch.long, device=DEV))
-        except context_kv.ContextOnlyDrafterError:
+        except drafter.ContextOnlyDrafterError:
             continue
         raise AssertionError(f"{call} did not raise ContextOnlyDrafterError")
 

@@ -14,7 +14,7 @@ Jobs (``max_num_seqs=8``; the first four: bf16, random-weight tiny Qwen3 target 
   for 4 and 8 requests, so waves of 3, 5 and 7 requests replay padded graphs;
 * ``spec_eager`` DSpark with ``enforce_eager``;
 * ``spec_graphs_fixed8`` as ``spec_graphs`` plus the plugin's fixed DSpark graph batch of 8
-  (only when ``vllm_dspark_pp.graph_batch`` exists);
+  (only when ``vllm_dspark_pp.protocol.graph_batch`` exists);
 * ``pair_baseline`` / ``pair_spec``  the trained tiny pair (models/tiny-pair, k=7, float32 by
   default: ``DSPARK_GPU_PAIR_DTYPE``) on 7 held-out prompts, stopping at EOS: no speculation with
   top-2 logprobs, and aggregated DSpark in the PD servers' mode (CUDA graphs, or eager with
@@ -130,7 +130,7 @@ def gpu_jobs(gpu_models, gpu_waves):
     if key is None:
         jobs.skip(
             "spec_graphs_fixed8",
-            "vllm_dspark_pp.graph_batch is missing (protocol branch not merged): no fixed DSpark graph batch",
+            "vllm_dspark_pp.protocol.graph_batch is missing (protocol branch not merged): no fixed DSpark graph batch",
         )
     else:
         jobs.submit(

@@ -74,9 +74,9 @@ def pair_prompts(n: int = PAIR_NUM_PROMPTS) -> list[list[int]]:
 
 
 def fixed_graph_batch_key() -> str | None:
-    if importlib.util.find_spec("vllm_dspark_pp.graph_batch") is None:
+    if importlib.util.find_spec("vllm_dspark_pp.protocol.graph_batch") is None:
         return None
-    from vllm_dspark_pp import graph_batch
+    from vllm_dspark_pp.protocol import graph_batch
 
     return getattr(graph_batch, "KEY", None)
 

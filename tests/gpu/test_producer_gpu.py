@@ -21,11 +21,12 @@ Each engine runs in its own subprocess with a hard timeout (no hang can outlive 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from support.gpu import run_llm
+
+from vllm_dspark_pp.producer.load import builds_in_log
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +59,7 @@ def _run(tmp: Path, name: str, llm: dict, max_tokens: int, env: dict | None = No
     env = {**(env or {}), "PYTHONPATH": str(CONNECTOR_DIR)}
     res = run_llm(name, {"disable_log_stats": False, **llm}, [PROMPTS], timeout_s=TIMEOUT_S,
                   sampling={"max_tokens": max_tokens, "ignore_eos": True}, env=env)
-    return {"tokens": res.tokens, "metrics": res.metrics(), "log": res.log_tail}
+    return {"tokens": res.tokens, "metrics": res.metrics(), "log": res.log_text}
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +92,14 @@ def test_materialize_context_kv_writes_full_drafter_kv(tiny, tmp_path):
         "enforce_eager": True,
         "seed": 0,
     }
-    report = tmp_path / "builds.jsonl"
-    env = {"VLLM_DSPARK_PP_CONTEXT_KV_REPORT": str(report)}
-    stores = {}
+    stores, builds = {}, {}
     for role in ("kv_both", "kv_producer"):
         store = tmp_path / role
         store.mkdir()
         stores[role] = store
-        _run(tmp_path, role, dict(base, kv_transfer_config=_kv(role, store)), 1, env)
-    builds = [json.loads(x) for x in report.read_text().splitlines()]
-    assert len(builds) == 1 and builds[0]["attached_prefill_only"] is True, builds
+        out = _run(tmp_path, role, dict(base, kv_transfer_config=_kv(role, store)), 1)
+        builds[role] = builds_in_log(out["log"])
+    assert builds["kv_both"] == [] and len(builds["kv_producer"]) == 1, builds
 
     def load(store):
         return {(d.name, f.name): st.load_file(str(f))["kv_cache"]

@@ -102,7 +102,7 @@ def setup():
 
     from vllm_dspark_pp.patches._util import is_patched
 
-    assert is_patched(warmup, "warmup_kernels") and is_patched(pp_utils.PPHandler, "receive")
+    assert is_patched(warmup, "warmup_kernels") and pp_utils.PPHandler.__name__ == "DSparkPPHandler"
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if DEVICE == "cuda"
@@ -133,7 +133,7 @@ def setup():
 
 
 def test_no_triton_compile_in_the_deferred_post_update_after_prewarm(setup, monkeypatch):
-    from vllm_dspark_pp.pp_exchange import prewarm_deferred_post_update
+    from vllm_dspark_pp.protocol.handler import prewarm_deferred_post_update
 
     runner = setup
     handler = runner.pp_handler

@@ -47,7 +47,7 @@ SITECUSTOMIZE = r'''
 import importlib.abc, importlib.machinery, os, sys
 
 _RANK = int(os.environ.get("DSPARK_TEST_MISMATCH_RANK", "-1"))
-_TARGET = "vllm_dspark_pp.handshake"
+_TARGET = "vllm_dspark_pp.protocol.handshake"
 
 
 def _patch(mod):
@@ -206,8 +206,8 @@ def main(argv=None) -> int:
     )
 
     # handshake: a mismatched rank must make start-up fail quickly with the handshake's message
-    if importlib.util.find_spec("vllm_dspark_pp.handshake") is None:
-        rep.add("handshake rejects a mismatched rank", "SKIP", "vllm_dspark_pp.handshake missing (protocol branch)")
+    if importlib.util.find_spec("vllm_dspark_pp.protocol.handshake") is None:
+        rep.add("handshake rejects a mismatched rank", "SKIP", "vllm_dspark_pp.protocol.handshake missing (protocol branch)")
     else:
         hook = Path(tempfile.mkdtemp(prefix="dspark-mismatch-"))
         (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)

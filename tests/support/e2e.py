@@ -69,6 +69,7 @@ class Result:
     logprobs: list = field(default_factory=list)
     aborted: bool = False
     log_tail: str = ""
+    log_text: str = ""  # the whole log of the case (engine core and workers included)
 
     @property
     def acceptance(self) -> tuple[int, int, int]:
@@ -133,4 +134,5 @@ def run_generate(
         logprobs=wave.get("logprobs") or [],
         aborted=wave["aborted"],
         log_tail=run.log_text[-3000:],
+        log_text=run.log_text,
     )

@@ -39,6 +39,7 @@ class LLMResult:
     wall_s: float
     log_tail: str = ""
     log_path: str | None = None
+    log_text: str = ""
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -104,4 +105,5 @@ def run_llm(
         startup_s=result.get("startup_s", 0.0),
         wall_s=round(run.wall_s, 1),
         log_tail=run.log_text[-3000:],
+        log_text=run.log_text,
     )

@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PAIR_DIR = REPO_ROOT / "models" / "tiny-pair"
 TARGET = str(PAIR_DIR / "target")
 DRAFT = str(PAIR_DIR / "dspark-draft")
-TOKENIZER = PAIR_DIR / "tokenizer.json"
+TOKENIZER = PAIR_DIR / "target" / "tokenizer.json"  # the one committed copy
 
 
 def num_speculative_tokens() -> int:

@@ -1,11 +1,11 @@
-"""Unit tests of the sync-scheduling draft rule (vllm_dspark_pp.inflight_drafts + its patch)."""
+"""Unit tests of the sync-scheduling draft rule (vllm_dspark_pp.sync_drafts + its patch)."""
 
 from __future__ import annotations
 
 from collections import deque
 from types import SimpleNamespace
 
-from vllm_dspark_pp import inflight_drafts
+from vllm_dspark_pp import sync_drafts as inflight_drafts
 
 
 class _Drafts:

@@ -15,7 +15,7 @@
 # Knobs: DSPARK_GPU_BUDGET_S (default 560), DSPARK_SITE (default /tmp/site), DSPARK_GPU_PD_EAGER=1.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$ROOT"
+cd "$ROOT" || exit 2
 OUTDIR=${1:-${OUT:-/tmp/dspark-gpu-out}}
 [ $# -gt 0 ] && shift
 mkdir -p "$OUTDIR"
@@ -104,7 +104,7 @@ done
 rm -rf "$PGIDS"
 
 if [ -n "$(ls -A "$ART" 2>/dev/null)" ]; then
-  tar -czf "$OUTDIR/gpu_artifacts.tar.gz" -C "$ART" . && say "failure logs: $OUTDIR/gpu_artifacts.tar.gz ($(ls "$ART" | tr '\n' ' '))"
+  tar -czf "$OUTDIR/gpu_artifacts.tar.gz" -C "$ART" . && say "failure logs: $OUTDIR/gpu_artifacts.tar.gz ($(find "$ART" -mindepth 1 -maxdepth 1 -printf "%f "))"
 fi
 rm -rf "$ART"
 WALL=$(( $(date +%s) - T0 ))

@@ -1,8 +1,7 @@
 """Attach the KV-transfer config to the speculative config, and refuse unsupported producers.
 
-WHAT: Wraps ``VllmConfig.__post_init__``: after vLLM's checks, records the instance's
-KVTransferConfig on its SpeculativeConfig (``roles.attach_kv_transfer_config``), then, for a
-DSpark prefill-only producer (kv_role='kv_producer'), refuses at start (NotImplementedError)
+WHAT: Wraps ``VllmConfig.__post_init__``: after vLLM's checks, for a DSpark prefill-only
+producer (``producer.roles.prefill_only_role``: kv_role='kv_producer'), refuses at start (NotImplementedError)
 (a) a draft family without a context-KV-only build and (b) PP>1 over NIXL connectors
 (NixlConnector, NixlPullConnector, NixlPushConnector, also inside MultiConnector), naming
 MooncakeConnector as the supported path.
@@ -25,21 +24,20 @@ TARGET = "vllm.config.vllm"
 def apply() -> None:
     from vllm.config.vllm import VllmConfig
 
-    from vllm_dspark_pp import context_kv, roles
     from vllm_dspark_pp.patches._util import wrap
+    from vllm_dspark_pp.producer import roles
+    from vllm_dspark_pp.producer.drafter import check_draft_supported
 
     def make(orig):
         def __post_init__(self, *args, **kwargs):
             result = orig(self, *args, **kwargs)
-            spec = self.speculative_config
-            if spec is not None:
-                roles.attach_kv_transfer_config(spec, self.kv_transfer_config)
-                if roles.is_dspark_prefill_only(spec, self.kv_transfer_config):
-                    if getattr(spec, "draft_model_config", None) is not None:
-                        context_kv.check_draft_supported(spec)
-                    roles.check_prefill_only_connectors(
-                        spec, self.kv_transfer_config, self.parallel_config
-                    )
+            if roles.prefill_only_role(self):
+                spec = self.speculative_config
+                if getattr(spec, "draft_model_config", None) is not None:
+                    check_draft_supported(spec)
+                roles.check_prefill_only_connectors(
+                    spec, self.kv_transfer_config, self.parallel_config
+                )
             return result
 
         return __post_init__

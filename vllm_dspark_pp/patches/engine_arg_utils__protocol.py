@@ -26,7 +26,7 @@ _STASH = "_vllm_dspark_pp_fixed_graph_batch"
 
 
 def _patch(module) -> None:
-    from vllm_dspark_pp import graph_batch
+    from vllm_dspark_pp.protocol import graph_batch
 
     def make(orig):
         def create_engine_config(self, *args, **kwargs):

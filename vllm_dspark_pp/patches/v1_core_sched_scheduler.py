@@ -64,9 +64,9 @@ class SameDraftCountForEveryBatch:
 def producer_schedules_no_drafts(scheduler, vllm_config) -> bool:
     """Zero the draft count of ``scheduler`` when ``vllm_config`` is a DSpark prefill-only
     producer; return whether it did."""
-    from vllm_dspark_pp.roles import is_dspark_prefill_only
+    from vllm_dspark_pp.producer.roles import prefill_only_role
 
-    if not is_dspark_prefill_only(vllm_config.speculative_config, vllm_config.kv_transfer_config):
+    if not prefill_only_role(vllm_config):
         return False
     scheduler.num_spec_tokens = 0
     scheduler.dynamic_sd_lookup = None

@@ -3,7 +3,7 @@
 WHAT: ``EngineCore.post_step`` no longer fetches drafts while a PP batch queue is used with
 synchronous scheduling; instead ``EngineCore.step_with_batch_queue`` fetches them each time it has
 processed a batch's output and applies them only to requests not in a batch still in flight
-(feature logic: ``vllm_dspark_pp.inflight_drafts``). Async scheduling, PP=1 and runs without
+(feature logic: ``vllm_dspark_pp.sync_drafts``). Async scheduling, PP=1 and runs without
 speculative decoding are untouched.
 
 WHY: vLLM 0.34.0 calls ``take_draft_token_ids`` from ``post_step`` (vllm/v1/engine/core.py:749-756)
@@ -31,7 +31,7 @@ TARGET = "vllm.v1.engine.core"
 def apply() -> None:
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_dspark_pp import inflight_drafts
+    from vllm_dspark_pp import sync_drafts as inflight_drafts
     from vllm_dspark_pp.patches._util import wrap
 
     def make_post_step(orig):

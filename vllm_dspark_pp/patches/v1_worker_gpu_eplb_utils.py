@@ -21,8 +21,8 @@ TARGET = "vllm.v1.worker.gpu.eplb_utils"
 def apply() -> None:
     from vllm.v1.worker.gpu.eplb_utils import EPLBController
 
-    from vllm_dspark_pp.context_kv import is_context_kv_only
     from vllm_dspark_pp.patches._util import wrap
+    from vllm_dspark_pp.producer.drafter import is_context_kv_only
 
     def make(orig):
         def maybe_register_speculator(self, speculator, *args, **kwargs):

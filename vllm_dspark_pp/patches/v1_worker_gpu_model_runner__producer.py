@@ -33,10 +33,9 @@ TARGET = "vllm.v1.worker.gpu.model_runner"
 
 
 def _is_producer(runner) -> bool:
-    from vllm_dspark_pp.roles import is_dspark_prefill_only
+    from vllm_dspark_pp.producer.roles import prefill_only_role
 
-    cfg = runner.vllm_config
-    return is_dspark_prefill_only(cfg.speculative_config, cfg.kv_transfer_config)
+    return prefill_only_role(runner.vllm_config)
 
 
 def valid_draft_buffer(runner) -> None:

@@ -1,8 +1,8 @@
 """Bracket each sample_tokens with the exchange schedule, and run the PP start-up handshake.
 
-WHAT: ``GPUModelRunner.__init__`` runs :func:`vllm_dspark_pp.handshake.run_pp_handshake` right
+WHAT: ``GPUModelRunner.__init__`` runs :func:`vllm_dspark_pp.protocol.handshake.run_pp_handshake` right
 after vLLM built the ``PPHandler`` (so the PP groups exist), when PP > 1.
-``GPUModelRunner.sample_tokens`` tells the ``PPHandler`` the step's scheduled draft count before
+``GPUModelRunner.sample_tokens`` tells the ``DSparkPPHandler`` (patches/v1_worker_gpu_pp_utils.py) the step's scheduled draft count before
 the step (``begin_step``) and checks after it (``end_step``) that the rank posted exactly the
 step's schedule. Both are no-ops without PP.
 
@@ -34,7 +34,7 @@ def _patch(module) -> None:
         def __init__(self, *args, **kwargs):
             orig(self, *args, **kwargs)
             if getattr(self, "pp_handler", None) is not None:
-                from vllm_dspark_pp.handshake import run_pp_handshake
+                from vllm_dspark_pp.protocol.handshake import run_pp_handshake
 
                 run_pp_handshake(self.vllm_config)
 
@@ -44,7 +44,7 @@ def _patch(module) -> None:
         def sample_tokens(self, *args, **kwargs):
             handler = getattr(self, "pp_handler", None)
             state = getattr(self, "execute_model_state", None)
-            if handler is None or state is None or not hasattr(handler, "begin_step"):
+            if handler is None or state is None:  # no PP, or no step to sample
                 return orig(self, *args, **kwargs)
             handler.begin_step(state.num_spec_tokens_to_schedule)
             out = orig(self, *args, **kwargs)

@@ -1,7 +1,7 @@
 """The DSpark speculator on a prefill-only producer: context KV only.
 
-WHAT: On a DSpark prefill-only producer (``roles.is_dspark_prefill_only``), ``DSparkSpeculator``
-loads the context-KV-only drafter (``context_kv.load_context_kv_model``) instead of the full
+WHAT: On a DSpark prefill-only producer (``producer.roles.prefill_only_role``), ``DSparkSpeculator``
+loads the context-KV-only drafter (``producer.load.load_context_kv_model``) instead of the full
 one, turns off the draft logits cache, adaptive verification and its acceptance estimator, and
 gains ``materialize_context_kv()``: vLLM's own propose path with zero speculative tokens, which
 stores the context hidden states and writes the draft's context KV, then returns without the
@@ -30,27 +30,10 @@ from vllm_dspark_pp.patches._util import wrap
 TARGET = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
 
 
-def _is_producer(speculator) -> bool:
-    from vllm_dspark_pp import roles
-
-    cfg = speculator.vllm_config
-    decided = roles.is_dspark_prefill_only(cfg.speculative_config, cfg.kv_transfer_config)
-    # What the SpeculativeConfig itself says, through the KV-transfer config attached in the
-    # engine process and carried here by pickling (reported for tests; must agree).
-    spec = cfg.speculative_config
-    speculator.dspark_pp_attached_role = (
-        spec.is_dspark_prefill_only() if roles.is_attached(spec) else None
-    )
-    if speculator.dspark_pp_attached_role not in (None, decided):
-        raise RuntimeError(
-            "vllm-dspark-pp: the speculative config's attached KV-transfer config disagrees "
-            "with this worker's kv_transfer_config; refusing to guess the DSpark role."
-        )
-    return decided
-
-
 def _patch(module) -> None:
-    from vllm_dspark_pp import context_kv
+    from vllm_dspark_pp.producer.drafter import ContextOnlyDrafterError
+    from vllm_dspark_pp.producer.load import load_context_kv_model
+    from vllm_dspark_pp.producer.roles import prefill_only_role
 
     cls = module.DSparkSpeculator
     if getattr(cls, "_vllm_dspark_pp_producer", False):
@@ -59,7 +42,7 @@ def _patch(module) -> None:
     def make_init(orig):
         def __init__(self, vllm_config, device):
             orig(self, vllm_config, device)
-            self.dspark_prefill_only = _is_producer(self)
+            self.dspark_prefill_only = prefill_only_role(vllm_config)
             if self.dspark_prefill_only:
                 # Nothing on a producer verifies these drafts.
                 self.use_draft_logits = False
@@ -73,11 +56,7 @@ def _patch(module) -> None:
             if not getattr(self, "dspark_prefill_only", False):
                 return orig(self, target_model, target_attn_layer_names)
             self.use_confidence_head = False
-            return context_kv.load_context_kv_model(
-                target_model,
-                self.vllm_config,
-                {"attached_prefill_only": getattr(self, "dspark_pp_attached_role", None)},
-            )
+            return load_context_kv_model(target_model, self.vllm_config)
 
         return load_draft_model
 
@@ -91,7 +70,7 @@ def _patch(module) -> None:
                 return self.draft_tokens[: batch.num_reqs]
             n = kwargs.get("num_speculative_tokens")
             if n:
-                raise context_kv.ContextOnlyDrafterError(
+                raise ContextOnlyDrafterError(
                     f"propose(num_speculative_tokens={n}) on a prefill-only producer: the "
                     "context-KV-only DSpark drafter cannot draft tokens (the producer model "
                     "runner patch schedules zero drafts; is it applied?)"

@@ -5,7 +5,7 @@ WHAT: when ``dspark_pp_fixed_graph_batch`` (B) is configured, ``DSparkSpeculator
 ``dispatch_cg_and_sync_dp`` that ``vllm.v1.worker.gpu.spec_decode.dflash.speculator`` calls is
 wrapped so that, for a tagged manager only, a step with at most B requests (DP-wide maximum) is
 dispatched at ``B * q`` tokens and the reused DP-sync state is rebuilt with that token count
-(``vllm_dspark_pp.graph_batch.pinned_dispatch``). Without the key nothing changes.
+(``vllm_dspark_pp.protocol.graph_batch.pinned_dispatch``). Without the key nothing changes.
 
 WHY: the drafter would otherwise replay a different graph per batch size; and pinning the shape
 without rebuilding the DP-sync token count would trip vLLM's "reusing a DP sync taken over a
@@ -38,7 +38,7 @@ def _logger():
 
 
 def _patch_dflash(module) -> None:
-    from vllm_dspark_pp.graph_batch import MANAGER_ATTR, pinned_dispatch
+    from vllm_dspark_pp.protocol.graph_batch import MANAGER_ATTR, pinned_dispatch
 
     def make(orig):
         def dispatch_cg_and_sync_dp(cudagraph_manager, num_reqs, num_tokens, *args, **kwargs):
@@ -69,7 +69,7 @@ def _patch_dflash(module) -> None:
 
 
 def _patch_dspark(module) -> None:
-    from vllm_dspark_pp.graph_batch import MANAGER_ATTR, fixed_graph_batch
+    from vllm_dspark_pp.protocol.graph_batch import MANAGER_ATTR, fixed_graph_batch
 
     def make(orig):
         def init_cudagraph_manager(self, cudagraph_mode):

@@ -5,7 +5,7 @@ every rank (``PPHandler.exchange_disabled``: no sampled-token, count or draft br
 and no receive; the ring slots stay empty), then ``warmup_kernels`` compiles, on non-last ranks,
 the deferred post-update kernel in both variants serving reaches (plain and draft-adopting), on
 buffers laid out exactly like the received ones and with every row masked so no state changes
-(``vllm_dspark_pp.pp_exchange.prewarm_deferred_post_update``). The last rank runs the warm-up
+(``vllm_dspark_pp.protocol.handler.prewarm_deferred_post_update``). The last rank runs the warm-up
 steps exactly as before; non-last ranks skip the receives only the last rank can feed.
 
 WHY: warm-up steps discard their outputs, yet vLLM 0.34.0 posts the side-stream broadcasts for
@@ -32,20 +32,20 @@ TARGET = "vllm.v1.worker.gpu.warmup"
 
 def _quiet_exchange(model_runner):
     handler = getattr(model_runner, "pp_handler", None)
-    if handler is None or not hasattr(handler, "exchange_disabled"):
+    if handler is None:  # no PP
         return nullcontext()
     return handler.exchange_disabled()
 
 
 def _patch(module) -> None:
-    from vllm_dspark_pp.pp_exchange import prewarm_deferred_post_update
+    from vllm_dspark_pp.protocol.handler import prewarm_deferred_post_update
 
     def make_warmup_kernels(orig):
         def warmup_kernels(model_runner, *args, **kwargs):
             with _quiet_exchange(model_runner):
                 orig(model_runner, *args, **kwargs)
             handler = getattr(model_runner, "pp_handler", None)
-            if handler is not None and hasattr(handler, "_dspark_spec"):
+            if handler is not None:
                 n = prewarm_deferred_post_update(model_runner)
                 from vllm.logger import init_logger
 

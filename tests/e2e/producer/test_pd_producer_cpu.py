@@ -54,6 +54,8 @@ import pytest
 from support import tiny_pair
 from support.e2e import run_generate
 
+from vllm_dspark_pp.producer.load import builds_in_log
+
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).resolve().parent
@@ -126,7 +128,6 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
     ref_store, prod_store = tmp / "ref", tmp / "prod"
     ref_store.mkdir()
     prod_store.mkdir()
-    report = tmp / "context_kv_builds.jsonl"
     agg = {
         mode: run_generate(
             dict(BASE), PROMPTS, timeout_s=e2e_timeout_s, sampling=SAMPLING, async_scheduling=mode == "async"
@@ -138,18 +139,18 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
         PROMPTS,
         timeout_s=e2e_timeout_s,
         sampling={"max_tokens": 1},
-        env=dict(ENV, VLLM_DSPARK_PP_CONTEXT_KV_REPORT=str(report)),
+        env=ENV,
     )
-    assert not report.exists(), "kv_both must keep the full drafter"
+    assert builds_in_log(ref.log_text) == [], "kv_both must keep the full drafter"
     prod = run_generate(
         dict(BASE, kv_transfer_config=_kv("kv_producer", prod_store), pipeline_parallel_size=2),
         PROMPTS,
         timeout_s=e2e_timeout_s,
         sampling={"max_tokens": 1},
-        env=dict(ENV, VLLM_DSPARK_PP_CONTEXT_KV_REPORT=str(report)),
+        env=ENV,
     )
     return {"agg": agg, "ref": ref, "prod": prod, "ref_store": ref_store, "prod_store": prod_store,
-            "report": report, "tmp": tmp}
+            "tmp": tmp}
 
 
 BASE = {
@@ -181,12 +182,10 @@ def test_pp2_producer_writes_the_full_drafters_kv_with_a_context_only_drafter(pd
     assert [t[:1] for t in agg.tokens] == prod.tokens == ref.tokens
     assert prod.metrics["num_drafts"] == 0
     # Exactly one context-only drafter was built (on the last stage), and only its KV parts.
-    builds = [json.loads(line) for line in pd_stores["report"].read_text().splitlines()]
+    # (the build's log line: vllm_dspark_pp.producer.load.BUILT_LINE)
+    builds = builds_in_log(prod.log_text)
     assert len(builds) == 1, builds
     assert builds[0]["layers"] == DRAFT_LAYERS
-    # The worker's SpeculativeConfig saw the KV role through the attachment that pickling
-    # carried from the engine process (patches/config_speculative.py).
-    assert builds[0]["attached_prefill_only"] is True
     assert builds[0]["params"] == ["model.fc.weight", "model.hidden_norm.weight"] + [
         f"model.layers.{i}.self_attn.{p}" for i in range(NUM_DRAFT_LAYERS) for p in ("k_norm.weight", "qkv_proj.weight")
     ]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from vllm.config import KVTransferConfig
 
-from vllm_dspark_pp import context_kv, context_kv_mla
 from vllm_dspark_pp.dev import tiny_mla_drafts as tiny
+from vllm_dspark_pp.producer import deepseek_v4, drafter, kimi_k3, load, qwen3
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,11 @@ def _spec(*archs):
 
 
 def test_architecture_routing():
-    assert context_kv.context_kv_class_for(_spec("Qwen3DSparkModel")) is (
-        context_kv.qwen3_context_kv_class())
-    assert context_kv.context_kv_class_for(_spec("K3DSparkModel")) is (
-        context_kv_mla.k3_context_kv_class())
-    assert context_kv.context_kv_class_for(_spec("K3DSparkModel")).__name__ == (
+    assert load.context_kv_class_for(_spec("Qwen3DSparkModel")) is (
+        qwen3.qwen3_context_kv_class())
+    assert load.context_kv_class_for(_spec("K3DSparkModel")) is (
+        kimi_k3.k3_context_kv_class())
+    assert load.context_kv_class_for(_spec("K3DSparkModel")).__name__ == (
         "K3DSparkContextKVForCausalLM")
 
 
@@ -59,7 +59,7 @@ def test_dsv4_routing_on_cpu_names_the_missing_cuda_drafter():
     # On the CPU platform vLLM's registry resolves DeepSeek-V4 DSpark to a stub
     # (deepseek_v4/cpu/dspark.py); the context-only build says so instead of guessing.
     with pytest.raises(NotImplementedError, match="CUDA implementation.*kv_both"):
-        context_kv.context_kv_class_for(_spec("DSparkDraftModel"))
+        load.context_kv_class_for(_spec("DSparkDraftModel"))
 
 
 @pytest.mark.parametrize("arch,refused", [
@@ -69,7 +69,7 @@ def test_dsv4_routing_on_cpu_names_the_missing_cuda_drafter():
     ("MuseSparkDSparkModel", True), ("MistralLarge4DSparkModel", True),
 ])
 def test_refusals_list_the_supported_families(arch, refused):
-    problem = context_kv.unsupported_draft_problem(_spec(arch))
+    problem = drafter.unsupported_draft_problem(_spec(arch))
     assert (problem is not None) == refused
     if refused:
         for family in ("Qwen3 DSpark (Qwen3DSparkModel)",
@@ -81,17 +81,17 @@ def test_refusals_list_the_supported_families(arch, refused):
 # --------------------------------------------------------------------------- weight filters
 def test_dsv4_weight_filter_over_checkpoint_names():
     names = tiny.dsv4_checkpoint_shapes(tiny.tiny_dsv4_config())
-    kept = set(names) - set(context_kv_mla.dsv4_skipped_weight_names(names))
+    kept = set(names) - set(deepseek_v4.dsv4_skipped_weight_names(names))
     assert kept == tiny.DSV4_CONTEXT_NAMES
     # block-fp8 checkpoints ship a scale next to each linear weight: wkv's is kept
-    assert context_kv_mla.is_dsv4_context_kv_weight("mtp.1.attn.wkv.scale")
-    assert not context_kv_mla.is_dsv4_context_kv_weight("mtp.1.attn.wq_a.scale")
-    assert context_kv_mla.is_dsv4_context_kv_weight("context_wkv_proj.weight")
+    assert deepseek_v4.is_dsv4_context_kv_weight("mtp.1.attn.wkv.scale")
+    assert not deepseek_v4.is_dsv4_context_kv_weight("mtp.1.attn.wq_a.scale")
+    assert deepseek_v4.is_dsv4_context_kv_weight("context_wkv_proj.weight")
     for draft_only in ("mtp.0.attn.wq_b.weight", "mtp.0.attn.wo_a.weight", "mtp.0.attn.attn_sink",
                        "mtp.0.ffn.experts.3.w2.weight", "mtp.1.markov_head.markov_w1.weight",
                        "mtp.1.confidence_head.proj.bias", "mtp.1.hc_head_fn", "mtp.0.hc_attn_fn",
                        "embed.weight", "layers.0.attn.wkv.weight"):
-        assert not context_kv_mla.is_dsv4_context_kv_weight(draft_only), draft_only
+        assert not deepseek_v4.is_dsv4_context_kv_weight(draft_only), draft_only
 
 
 def test_dsv4_checkpoint_names_resolve_like_the_full_loader():
@@ -106,24 +106,24 @@ def test_dsv4_checkpoint_names_resolve_like_the_full_loader():
             assert full is None
             continue
         if name in tiny.DSV4_CONTEXT_NAMES and ".wkv." not in name:
-            assert context_kv_mla._dsv4_param_name(name, 2) == (full, None)
-    assert context_kv_mla._dsv4_param_name("mtp.1.attn.wkv.weight", 2) == (
+            assert deepseek_v4._dsv4_param_name(name, 2) == (full, None)
+    assert deepseek_v4._dsv4_param_name("mtp.1.attn.wkv.weight", 2) == (
         "model.context_wkv_proj.weight", 1)
-    assert context_kv_mla._dsv4_param_name("mtp.0.attn.wkv.scale", 2) == (
+    assert deepseek_v4._dsv4_param_name("mtp.0.attn.wkv.scale", 2) == (
         "model.context_wkv_proj.weight_scale_inv", 0)
 
 
 def test_k3_weight_filter_over_checkpoint_names():
     names = tiny.k3_checkpoint_shapes(tiny.tiny_k3_config())
-    kept = set(names) - set(context_kv_mla.k3_skipped_weight_names(names))
+    kept = set(names) - set(kimi_k3.k3_skipped_weight_names(names))
     assert kept == tiny.K3_CONTEXT_NAMES
-    assert context_kv_mla.is_k3_context_kv_weight("model.context_proj.weight")
-    assert context_kv_mla.is_k3_context_kv_weight("layers.0.self_attn.k_scale")
+    assert kimi_k3.is_k3_context_kv_weight("model.context_proj.weight")
+    assert kimi_k3.is_k3_context_kv_weight("layers.0.self_attn.k_scale")
     for draft_only in ("layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_b_proj.weight",
                        "layers.1.self_attn.o_proj.weight", "layers.1.mlp.gate_proj.weight",
                        "final_norm.weight", "markov_head.markov_w2.weight", "lm_head.weight",
                        "embed_tokens.weight", "confidence_head.proj.weight"):
-        assert not context_kv_mla.is_k3_context_kv_weight(draft_only), draft_only
+        assert not kimi_k3.is_k3_context_kv_weight(draft_only), draft_only
 
 
 # --------------------------------------------------------------------------- Kimi-K3
@@ -150,7 +150,7 @@ def k3_pair(producer_cfg):
     fcfg = tiny.shim_vllm_config(producer_cfg, target_hf=target, draft_hf=draft)
     ccfg = tiny.shim_vllm_config(producer_cfg, target_hf=target, draft_hf=draft)
     full = _build(fcfg, K3DSparkForCausalLM)
-    ctx = _build(ccfg, context_kv_mla.k3_context_kv_class())
+    ctx = _build(ccfg, kimi_k3.k3_context_kv_class())
     return full, fcfg, ctx, ccfg
 
 
@@ -165,7 +165,7 @@ def test_k3_context_only_module_tree(k3_pair):
                    "model.layers.0.self_attn.kv_b_proj", "model.layers.0.self_attn.o_proj"):
         assert absent not in modules, absent
     assert ctx.model.confidence_head is None
-    assert context_kv.is_context_kv_only(ctx) and not context_kv.is_context_kv_only(full)
+    assert drafter.is_context_kv_only(ctx) and not drafter.is_context_kv_only(full)
     f_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
     c_bytes = sum(p.numel() * p.element_size() for p in ctx.parameters())
     assert c_bytes < f_bytes / 3
@@ -280,9 +280,9 @@ def test_k3_context_kv_written_equals_the_full_drafter(k3_pair, k3_checkpoint, m
                                   "compute_confidence", "embed_input_ids", "map_draft_to_target"])
 def test_k3_drafting_raises_clearly(k3_pair, call):
     ctx = k3_pair[2]
-    with pytest.raises(context_kv.ContextOnlyDrafterError, match="prefill-only KV producer"):
+    with pytest.raises(drafter.ContextOnlyDrafterError, match="prefill-only KV producer"):
         getattr(ctx, call)(torch.zeros(1, dtype=torch.long))
-    with pytest.raises(context_kv.ContextOnlyDrafterError):
+    with pytest.raises(drafter.ContextOnlyDrafterError):
         ctx.model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
 
 
@@ -300,7 +300,7 @@ DSV4_PARAMS = [
 def dsv4_ctx(producer_cfg):
     ds = tiny.tiny_dsv4_config()
     cfg = tiny.shim_vllm_config(producer_cfg, target_hf=ds, draft_hf=ds)
-    cls = context_kv_mla.dsv4_context_kv_class(context_kv_mla.DSV4_NVIDIA_MODULE)
+    cls = deepseek_v4.dsv4_context_kv_class(deepseek_v4.DSV4_NVIDIA_MODULE)
     return _build(cfg, cls), cfg
 
 
@@ -314,7 +314,7 @@ def test_dsv4_context_only_module_tree(dsv4_ctx):
                    "model.layers.0.attn.wo_a", "model.layers.0.attn.wo_b",
                    "model.layers.0.attn.q_norm", "model.layers.0.attn.indexer"):
         assert absent not in modules, absent
-    assert context_kv.is_context_kv_only(ctx)
+    assert drafter.is_context_kv_only(ctx)
     ds = tiny.tiny_dsv4_config()
     assert ctx.model.context_wkv_proj.weight.shape == (ds.n_mtp_layers * ds.head_dim,
                                                        ds.hidden_size)
@@ -388,9 +388,9 @@ def test_dsv4_context_projection_path_on_cpu(dsv4_ctx):
                                   "compute_confidence", "embed_input_ids"])
 def test_dsv4_drafting_raises_clearly(dsv4_ctx, call):
     ctx, _ = dsv4_ctx
-    with pytest.raises(context_kv.ContextOnlyDrafterError, match="cannot draft tokens"):
+    with pytest.raises(drafter.ContextOnlyDrafterError, match="cannot draft tokens"):
         getattr(ctx, call)(torch.zeros(1, dtype=torch.long))
-    with pytest.raises(context_kv.ContextOnlyDrafterError):
+    with pytest.raises(drafter.ContextOnlyDrafterError):
         ctx.model.layers[0].attn(torch.zeros(1))
 
 
@@ -427,7 +427,7 @@ def dsv4_full_and_ctx(producer_cfg):
             full = _build(fcfg, DSparkDeepseekV4ForCausalLM)
         finally:
             ps._EP = saved_ep
-    ctx = _build(ccfg, context_kv_mla.dsv4_context_kv_class(context_kv_mla.DSV4_NVIDIA_MODULE))
+    ctx = _build(ccfg, deepseek_v4.dsv4_context_kv_class(deepseek_v4.DSV4_NVIDIA_MODULE))
     return full, fcfg, ctx, ccfg
 
 

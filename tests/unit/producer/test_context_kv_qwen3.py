@@ -9,7 +9,7 @@ import pytest
 import torch
 from vllm.config import KVTransferConfig
 
-from vllm_dspark_pp import context_kv
+from vllm_dspark_pp.producer import drafter, qwen3
 
 CONTEXT_PARAMS = [
     "model.fc.weight",
@@ -41,7 +41,7 @@ def pair(producer_cfg):
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, full_cfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ctx_cfg = _build(producer_cfg, context_kv.qwen3_context_kv_class())
+    ctx, ctx_cfg = _build(producer_cfg, qwen3.qwen3_context_kv_class())
     return full, full_cfg, ctx, ctx_cfg
 
 
@@ -67,7 +67,7 @@ def test_context_only_module_tree(pair):
     assert attn.q_size == 0
     assert attn.qkv_proj.weight.shape == (2 * full_attn.kv_size, full_attn.hidden_size)
     assert not list(attn.q_norm.parameters())
-    assert context_kv.is_context_kv_only(ctx) and not context_kv.is_context_kv_only(full)
+    assert drafter.is_context_kv_only(ctx) and not drafter.is_context_kv_only(full)
 
 
 def test_kv_cache_layer_names_and_specs_equal(pair):
@@ -87,7 +87,7 @@ def test_kv_cache_layer_names_and_specs_equal(pair):
 
 
 def test_skipped_weight_names(checkpoint):
-    skipped = set(context_kv.skipped_weight_names(checkpoint))
+    skipped = set(qwen3.skipped_weight_names(checkpoint))
     assert skipped == {
         "embed_tokens.weight", "lm_head.weight", "norm.weight",
         "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
@@ -120,7 +120,7 @@ def test_loads_only_kv_rows_and_they_match_the_full_drafter(producer_cfg, checkp
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, _ = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, _ = _build(producer_cfg, context_kv.qwen3_context_kv_class())
+    ctx, _ = _build(producer_cfg, qwen3.qwen3_context_kv_class())
     # Compared before post-processing: on CPU it repacks linear weights out of `.weight`.
     loaded = ctx.load_weights(iter(checkpoint.items()))
     assert sorted(loaded) == CONTEXT_PARAMS
@@ -140,7 +140,7 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ccfg = _build(producer_cfg, context_kv.qwen3_context_kv_class())
+    ctx, ccfg = _build(producer_cfg, qwen3.qwen3_context_kv_class())
     _loaded(ctx, checkpoint, ccfg)
     _loaded(full, checkpoint, fcfg)
 
@@ -171,13 +171,13 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
                                   "embed_input_ids", "map_draft_to_target"])
 def test_drafting_raises_clearly(pair, call):
     ctx = pair[2]
-    with pytest.raises(context_kv.ContextOnlyDrafterError, match="prefill-only KV producer"):
+    with pytest.raises(drafter.ContextOnlyDrafterError, match="prefill-only KV producer"):
         getattr(ctx, call)(torch.zeros(1, dtype=torch.long))
 
 
 def test_backbone_forward_raises(pair):
     ctx = pair[2]
-    with pytest.raises(context_kv.ContextOnlyDrafterError, match="cannot draft tokens"):
+    with pytest.raises(drafter.ContextOnlyDrafterError, match="cannot draft tokens"):
         ctx.model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
 
 
@@ -186,7 +186,7 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
 
     full, _, ctx, _ = pair
     hf = json.load(open(f"{tiny_pair.draft}/config.json"))
-    sizes = context_kv.draft_param_bytes(hf, "kv_producer", dtype_bytes=4)
+    sizes = qwen3.draft_param_bytes(hf, "kv_producer", dtype_bytes=4)
     # The analytic count includes the draft-owned embedding and LM head; the built full model
     # allocates both (they are replaced by the target's when vLLM shares them).
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
@@ -194,7 +194,7 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
     assert sizes["context_only_bytes"] == ctx_bytes
     assert sizes["full_bytes"] == full_bytes
     assert sizes["builds"] == "context_only" and sizes["built_bytes"] == ctx_bytes
-    both = context_kv.draft_param_bytes(hf, "kv_both", dtype_bytes=4)
+    both = qwen3.draft_param_bytes(hf, "kv_both", dtype_bytes=4)
     assert both["builds"] == "full"
 
 
@@ -205,8 +205,8 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
 ])
 def test_unsupported_families_refused(arch, refused):
     spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(architectures=[arch]))
-    problem = context_kv.unsupported_draft_problem(spec)
+    problem = drafter.unsupported_draft_problem(spec)
     assert (problem is not None) == refused
     if refused:
         with pytest.raises(NotImplementedError, match="kv_both"):
-            context_kv.check_draft_supported(spec)
+            drafter.check_draft_supported(spec)

@@ -8,7 +8,7 @@ import types
 import pytest
 from vllm.config import KVTransferConfig
 
-from vllm_dspark_pp import roles
+from vllm_dspark_pp.producer import roles
 
 
 def spec(method="dspark", pp=1):
@@ -47,7 +47,6 @@ def test_predicates_direct_connector(method, pp, role, connector):
     s, kv = spec(method, pp), kvc(connector, role)
     prefill_only = roles.is_dspark_prefill_only(s, kv)
     assert prefill_only == (method == "dspark" and role == "kv_producer")
-    assert roles.use_dspark_last_stage_drafter(s) == (method == "dspark" and pp > 1)
     problem = roles.prefill_only_connector_problem(s, kv)
     expect_refusal = prefill_only and pp > 1 and connector.startswith("Nixl")
     assert (problem is not None) == expect_refusal
@@ -124,5 +123,4 @@ def test_guard_message_names_the_fix():
 def test_explicit_parallel_config_wins():
     s = spec("dspark", pp=1)
     pc = types.SimpleNamespace(pipeline_parallel_size=4)
-    assert roles.use_dspark_last_stage_drafter(s, pc)
     assert roles.prefill_only_connector_problem(s, kvc("NixlConnector", "kv_producer"), pc)

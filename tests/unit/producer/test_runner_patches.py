@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from vllm_dspark_pp.context_kv import ContextOnlyDrafterError
+from vllm_dspark_pp.producer.drafter import ContextOnlyDrafterError
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +273,7 @@ def test_speculator_propose_routes_on_producers(modules):
     patch._patch(types.SimpleNamespace(DSparkSpeculator=Spec))
     from vllm.config import KVTransferConfig
 
-    spec_cfg = types.SimpleNamespace(method="dspark", is_dspark_prefill_only=lambda: True)
+    spec_cfg = types.SimpleNamespace(method="dspark")
     cfg = types.SimpleNamespace(
         speculative_config=spec_cfg,
         kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
@@ -293,38 +293,12 @@ def test_speculator_propose_routes_on_producers(modules):
     assert calls == [0] and s.query_cudagraph_manager is None
 
     cfg.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-    spec_cfg.is_dspark_prefill_only = lambda: False
     full = Spec(cfg, "cpu")
     assert not full.dspark_prefill_only
     assert full.propose(batch, num_speculative_tokens=2) == "proposed"
     assert full.load_draft_model(None, set()) == "full"
     full.capture()
     assert calls[-2:] == [2, "capture"]
-
-
-def test_attached_role_disagreement_is_refused(modules):
-    from vllm.config import KVTransferConfig
-
-    from vllm_dspark_pp import roles
-    from vllm_dspark_pp.patches import (
-        v1_worker_gpu_spec_decode_dspark_speculator__producer as patch,
-    )
-
-    class Spec:  # weak-referenceable stand-in
-        method = "dspark"
-
-        def is_dspark_prefill_only(self):
-            return roles.is_dspark_prefill_only(self)
-
-    spec_cfg = Spec()
-    roles.attach_kv_transfer_config(spec_cfg, None)  # engine side: no KV transfer
-    cfg = types.SimpleNamespace(
-        speculative_config=spec_cfg,
-        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
-                                            kv_role="kv_producer"),
-    )
-    with pytest.raises(RuntimeError, match="disagrees"):
-        patch._is_producer(types.SimpleNamespace(vllm_config=cfg))
 
 
 def test_eplb_skips_context_only_drafter(modules):

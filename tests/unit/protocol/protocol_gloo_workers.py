@@ -105,7 +105,7 @@ def handshake_worker(
     result = {"rank": rank, "scenarios": {}}
     try:
         dist = _init(rank, world, port)
-        from vllm_dspark_pp import handshake
+        from vllm_dspark_pp.protocol import handshake
 
         for i, name in enumerate(names):
             overrides, silent = HANDSHAKE_SCENARIOS[name]

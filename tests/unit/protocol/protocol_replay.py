@@ -122,7 +122,7 @@ def _check_delivery(case, r, t, src, out, gen_at, gen, problems):
             problems.append(f"step {t}: rank {r} consumed outputs from an empty ring slot")
         return
     batch = case.steps[src].batch
-    from vllm_dspark_pp.exchange import need_sampled_mask
+    from vllm_dspark_pp.protocol.schedule import need_sampled_mask
 
     mask = need_sampled_mask(batch)
     live = (gen[batch.idx_mapping_np] == gen_at[src]) & mask

@@ -18,7 +18,7 @@ set_cpu_env_defaults()  # also in the spawned gloo workers, which import this mo
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_dspark_pp.exchange import ALIGN_BYTES  # noqa: E402
+from vllm_dspark_pp.protocol.schedule import ALIGN_BYTES  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # CPU stand-ins for the CUDA stream API PPHandler uses (vLLM's CPU worker installs similar ones).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from protocol_gloo_workers import exchange_worker, run_processes
 
-from vllm_dspark_pp.exchange import compare_sequences
+from vllm_dspark_pp.protocol.schedule import compare_sequences
 
 SEEDS = list(range(14))  # 14 cases x 24 steps = 336 steps per process
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_dspark_pp import graph_batch as gb
 from vllm_dspark_pp.patches import (
     engine_arg_utils__protocol,
     v1_worker_gpu_spec_decode_dspark_speculator__protocol,
 )
+from vllm_dspark_pp.protocol import graph_batch as gb
 
 
 def test_key_is_taken_out_of_the_spec_dict():
@@ -179,7 +179,7 @@ def test_patched_dispatch_pins_the_tagged_manager_and_passes_vllms_dp_check():
 
 
 def test_handshake_facts_carry_the_fixed_batch():
-    from vllm_dspark_pp.handshake import facts_from_config
+    from vllm_dspark_pp.protocol.handshake import facts_from_config
 
     cfg = _fake_config()
     gb.record(cfg, 6)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from vllm_dspark_pp.handshake import HandshakeError, HandshakeFacts, run_handshake
+from vllm_dspark_pp.protocol.handshake import HandshakeError, HandshakeFacts, run_handshake
 
 FACTS = HandshakeFacts(
     protocol=1,

@@ -8,8 +8,13 @@ import pytest
 import torch
 from protocol_sim import Batch, FakeGroup, aligned, make_handler, random_case
 
-from vllm_dspark_pp.exchange import ExchangeSpec, counts_row_len, need_sampled_mask, step_schedule
-from vllm_dspark_pp.pp_exchange import ExchangeError
+from vllm_dspark_pp.protocol.handler import DSparkExchange, ExchangeError
+from vllm_dspark_pp.protocol.schedule import (
+    ExchangeSpec,
+    counts_row_len,
+    need_sampled_mask,
+    step_schedule,
+)
 
 
 def decode_batch(n, drafts=0):
@@ -145,14 +150,14 @@ def test_disabled_exchange_posts_nothing_on_any_rank(rec):
 
 
 def test_ring_depth_and_aux_relay_of_vllm_are_kept(cpu_streams):
-    from vllm.v1.worker.gpu import pp_utils
 
-    from vllm_dspark_pp.patches._util import is_patched
+    from vllm_dspark_pp.protocol.handler import vllm_pp_handler_class
 
     h = make_handler(0, 4, 1, 8, FakeGroup(0))
+    assert type(h).__name__ == "DSparkPPHandler" and isinstance(h, vllm_pp_handler_class(type(h)))
     assert len(h.queue) == 4 and all(s is None for s in h.queue)
-    assert not is_patched(pp_utils.PPHandler, "relay_aux_hidden_states")
-    assert not is_patched(pp_utils.PPHandler, "get_prev_sampled_outputs")
+    for name in ("relay_aux_hidden_states", "get_prev_sampled_outputs", "on_req_idx_freed"):
+        assert name not in type(h).__dict__ and name not in DSparkExchange.__dict__, name
     h.on_req_idx_freed(3)
     assert h.req_idx_gen_np[3] == 1
 
@@ -189,15 +194,19 @@ def test_unpatched_vllm_handler_fails_the_alignment_check(patch_broadcast):
     view this plugin fixes (so the randomized test can tell the two apart)."""
     from vllm.v1.worker.gpu import pp_utils
 
-    from vllm_dspark_pp.patches._util import original
+    from vllm_dspark_pp.protocol.handler import DSparkExchange, vllm_pp_handler_class
 
-    cls = pp_utils.PPHandler
-    saved = {
-        n: cls.__dict__[n] for n in ("broadcast", "receive", "broadcast_drafts", "_sample_len")
-    }
+    ours = pp_utils.PPHandler
+    assert issubclass(ours, DSparkExchange)
+    vllm_cls = vllm_pp_handler_class(ours)
+    # Our step brackets (the replay calls them), vLLM 0.34.0's exchange methods.
+    stock = type(
+        "StockExchange",
+        (ours,),
+        {n: vllm_cls.__dict__[n] for n in ("broadcast", "receive", "broadcast_drafts", "_sample_len")},
+    )
     try:
-        for n in saved:
-            setattr(cls, n, original(cls, n))
+        pp_utils.PPHandler = stock
         found = None
         for seed in range(60):
             case = random_case(seed)
@@ -207,5 +216,4 @@ def test_unpatched_vllm_handler_fails_the_alignment_check(patch_broadcast):
                 break
         assert found is not None
     finally:
-        for n, fn in saved.items():
-            setattr(cls, n, fn)
+        pp_utils.PPHandler = ours

@@ -16,8 +16,13 @@ import protocol_replay
 import pytest
 from protocol_sim import random_case
 
-from vllm_dspark_pp import pp_exchange
-from vllm_dspark_pp.exchange import ExchangeMismatch, Payload, StepSchedule, compare_sequences
+from vllm_dspark_pp.protocol import handler as pp_exchange
+from vllm_dspark_pp.protocol.schedule import (
+    ExchangeMismatch,
+    Payload,
+    StepSchedule,
+    compare_sequences,
+)
 
 NUM_CASES = int(os.environ.get("DSPARK_PP_RANDOM_CASES", "1200"))
 SEEDS = range(NUM_CASES)
@@ -69,7 +74,7 @@ def test_cases_cover_every_situation():
         capped=0,
         nothing_posted=0,
     )
-    from vllm_dspark_pp.exchange import need_sampled_mask
+    from vllm_dspark_pp.protocol.schedule import need_sampled_mask
 
     for seed in range(200):
         case = random_case(seed)

@@ -11,9 +11,9 @@ import torch
 from protocol_sim import FakeGroup, aligned, make_handler
 from test_protocol_pp_handler import decode_batch
 
-from vllm_dspark_pp.exchange import counts_row_len
 from vllm_dspark_pp.patches import v1_worker_gpu_warmup
-from vllm_dspark_pp.pp_exchange import prewarm_deferred_post_update
+from vllm_dspark_pp.protocol.handler import prewarm_deferred_post_update
+from vllm_dspark_pp.protocol.schedule import counts_row_len
 
 
 class FakeRunner:

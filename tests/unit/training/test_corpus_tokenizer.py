@@ -15,7 +15,7 @@ from vllm_dspark_pp.dev.training.tokenizer import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "tokenizer.json")
+TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "target", "tokenizer.json")
 
 
 def test_corpus_is_deterministic_and_gsm8k_formatted():

@@ -21,7 +21,7 @@ from vllm_dspark_pp.dev.training.models import DraftConfig, TargetConfig, TinyDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "tokenizer.json")
+TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "target", "tokenizer.json")
 
 
 def make_random_pair(out: str, seed: int = 0) -> None:

@@ -37,7 +37,7 @@ from vllm_dspark_pp.dev.training.models import (
 from vllm_dspark_pp.dev.training.tokenizer import EOS_ID, PAD_ID, PurePythonBPE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-DEFAULT_TOKENIZER = os.path.join(REPO_ROOT, "models", "tiny-pair", "tokenizer.json")
+DEFAULT_TOKENIZER = os.path.join(REPO_ROOT, "models", "tiny-pair", "target", "tokenizer.json")
 
 
 def log(msg: str) -> None:

@@ -10,77 +10,26 @@ Role semantics (documented in docs/producer.md):
   itself, so it only needs the draft's context KV: it builds the context-KV-only drafter.
 * ``kv_both`` decodes too, so it keeps the full drafter (it is *not* prefill-only).
 * ``kv_consumer`` (the decode side) keeps the full drafter.
-* ``use_dspark_last_stage_drafter``: DSpark under a PP>1 target always drafts on the last
-  pipeline stage, with a draft-local PP=1 parallel config (vLLM builds the speculator only on
-  the last PP rank; ``dspark/utils.py::_get_dspark_parallel_config`` forces PP=1).
 
-The speculative config must see the instance's KV-transfer config, but vLLM's config
-dataclasses forbid extra fields, and ``vllm.config.utils.replace`` rebuilds a config from its
-instance ``__dict__`` and rejects unknown keys there. So the KV-transfer config is attached in a
-per-process side table keyed by the config object, and carried through pickling (the engine
-core sends ``VllmConfig`` to every worker) by ``__getstate__``/``__setstate__`` installed by
-``patches/config_speculative.py``.
+The role is decided in one place, :func:`prefill_only_role`, from the instance's ``VllmConfig``
+(its speculative and KV-transfer configs); every caller (config check, scheduler, model runner,
+speculator, ``plan``) has that config at hand, including the workers, which receive the whole
+``VllmConfig``. (An earlier version attached the KV-transfer config to the SpeculativeConfig in a
+side table carried through pickling; nothing needed it, so it is gone.)
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm.config import KVTransferConfig, ParallelConfig, SpeculativeConfig
+    from vllm.config import KVTransferConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 
 #: Connectors whose PP>1 producer path with a context-only drafter is not proven correct.
 NIXL_CONNECTORS: tuple[str, ...] = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
 
 #: The supported path for PP>1 DSpark prefill-only producers.
 SUPPORTED_PP_PRODUCER_CONNECTOR = "MooncakeConnector"
-
-#: Key under which the attached KV-transfer config travels in a pickled SpeculativeConfig.
-STATE_KEY = "__vllm_dspark_pp_kv_transfer_config__"
-
-_UNSET: Any = object()
-# id(spec_config) -> (weak reference to spec_config, attached KVTransferConfig or None)
-_ATTACHED: dict[int, tuple[weakref.ref, Any]] = {}
-
-
-# --------------------------------------------------------------------------- attachment
-def attach_kv_transfer_config(
-    spec_config: SpeculativeConfig, kv_transfer_config: KVTransferConfig | None
-) -> None:
-    """Record which KV-transfer config belongs to ``spec_config`` (this process only;
-    pickling carries it through ``__getstate__``/``__setstate__``)."""
-    key = id(spec_config)
-
-    def _forget(_ref: weakref.ref, key: int = key) -> None:
-        entry = _ATTACHED.get(key)
-        if entry is not None and entry[0] is _ref:
-            del _ATTACHED[key]
-
-    _ATTACHED[key] = (weakref.ref(spec_config, _forget), kv_transfer_config)
-
-
-def is_attached(spec_config: SpeculativeConfig) -> bool:
-    entry = _ATTACHED.get(id(spec_config))
-    if entry is not None and entry[0]() is spec_config:
-        return True
-    return STATE_KEY in getattr(spec_config, "__dict__", {})
-
-
-def attached_kv_transfer_config(spec_config: SpeculativeConfig) -> KVTransferConfig | None:
-    """The KV-transfer config attached to ``spec_config``, or None."""
-    entry = _ATTACHED.get(id(spec_config))
-    if entry is not None and entry[0]() is spec_config:
-        return entry[1]
-    # Unpickled before our __setstate__ was installed: the value landed in __dict__.
-    # Move it to the side table so vllm.config.utils.replace keeps working.
-    d = getattr(spec_config, "__dict__", {})
-    if STATE_KEY in d:
-        value = d.pop(STATE_KEY)
-        attach_kv_transfer_config(spec_config, value)
-        return value
-    return None
-
 
 # --------------------------------------------------------------------------- roles
 def is_pure_kv_producer(kv_transfer_config: KVTransferConfig | None) -> bool:
@@ -91,17 +40,17 @@ def is_pure_kv_producer(kv_transfer_config: KVTransferConfig | None) -> bool:
 
 
 def is_dspark_prefill_only(
-    spec_config: SpeculativeConfig | None, kv_transfer_config: Any = _UNSET
+    spec_config: SpeculativeConfig | None, kv_transfer_config: KVTransferConfig | None
 ) -> bool:
-    """DSpark speculative decoding on a pure KV producer (``kv_role=kv_producer``).
-
-    ``kv_transfer_config`` defaults to the one attached to ``spec_config``.
-    """
+    """DSpark speculative decoding on a pure KV producer (``kv_role=kv_producer``)."""
     if spec_config is None or getattr(spec_config, "method", None) != "dspark":
         return False
-    if kv_transfer_config is _UNSET:
-        kv_transfer_config = attached_kv_transfer_config(spec_config)
     return is_pure_kv_producer(kv_transfer_config)
+
+
+def prefill_only_role(vllm_config: VllmConfig) -> bool:
+    """Whether this instance is a DSpark prefill-only producer: the one role decision."""
+    return is_dspark_prefill_only(vllm_config.speculative_config, vllm_config.kv_transfer_config)
 
 
 def target_pp_size(
@@ -112,18 +61,6 @@ def target_pp_size(
     if parallel_config is None:
         return 1
     return int(parallel_config.pipeline_parallel_size)
-
-
-def use_dspark_last_stage_drafter(
-    spec_config: SpeculativeConfig | None, parallel_config: ParallelConfig | None = None
-) -> bool:
-    """DSpark under a PP>1 target: the drafter lives on the last stage, draft-local PP=1.
-
-    ``parallel_config`` is the target's (defaults to ``spec_config.target_parallel_config``).
-    """
-    if spec_config is None or getattr(spec_config, "method", None) != "dspark":
-        return False
-    return target_pp_size(spec_config, parallel_config) > 1
 
 
 # --------------------------------------------------------------------------- connectors

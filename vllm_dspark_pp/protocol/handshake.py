@@ -68,7 +68,7 @@ class HandshakeFacts:
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
     import vllm
 
-    from vllm_dspark_pp.graph_batch import fixed_graph_batch
+    from vllm_dspark_pp.protocol.graph_batch import fixed_graph_batch
 
     spec = vllm_config.speculative_config
     return HandshakeFacts(

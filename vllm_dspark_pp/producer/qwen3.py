@@ -1,151 +1,36 @@
-"""The context-KV-only DSpark drafter for prefill-only KV producers.
+"""Qwen3 DSpark: the context-KV-only drafter and the analytic parameter bytes.
 
-A prefill-only producer never verifies drafts, but the decode instance's DSpark drafter reads
-the draft's *context KV* for the prompt (pulled over the KV connector by layer name). So the
-producer builds only what writes that KV:
-
-* the context projection (``fc``, target aux hidden states -> draft hidden) and its norm
-  (``hidden_norm``);
-* per draft layer: the K/V projection (the K/V rows of ``qkv_proj`` only), the K norm
-  (``k_norm``), the rotary embedding and the attention (KV cache) layer, with the same layer
-  names, heads, head size, sliding window and sinks as the full drafter so that vLLM derives the
-  identical KV-cache spec.
-
-It skips, and never loads: token embeddings, LM head, Markov head, confidence head, the
-final norm, MLPs, query/output projections, q_norm and the per-layer input/post-attention
-norms (the context path does not read them: ``qwen3_dflash.py::precompute_and_store_context_kv``
-normalises with ``hidden_norm`` and projects with the K/V rows only). Drafting tokens on such a
-model raises :class:`ContextOnlyDrafterError`.
+Built: the context projection (``fc``, target aux hidden states -> draft hidden) and its norm
+(``hidden_norm``); per draft layer the K/V projection (the K/V rows of ``qkv_proj`` only), the K
+norm (``k_norm``), the rotary embedding and the attention (KV cache) layer, with the same layer
+names, heads, head size, sliding window and sinks as the full drafter so that vLLM derives the
+identical KV-cache spec. Skipped, never loaded: token embeddings, LM head, Markov head,
+confidence head, the final norm, MLPs, query/output projections, q_norm and the per-layer
+input/post-attention norms (the context path does not read them:
+``qwen3_dflash.py::precompute_and_store_context_kv`` normalises with ``hidden_norm`` and
+projects with the K/V rows only).
 
 The K/V computation itself is vLLM's own code: the context model borrows
 ``DFlashQwen3Model.precompute_and_store_context_kv`` and its helpers unchanged, fed by a
-``QKVParallelLinear`` with zero query heads (``q_size == 0``), so the bytes written are the
-full drafter's by construction (``tests/gpu/test_producer_gpu.py`` compares cache contents).
-
-Families: Qwen3 DSpark is built here; DeepSeek-V4 DSpark and Kimi-K3 DSpark (MLA-style
-layers) in :mod:`vllm_dspark_pp.context_kv_mla`. Every other DSpark draft architecture is
-refused at start on a prefill-only producer (see :data:`CONTEXT_ONLY_ARCHITECTURES` and
-:func:`unsupported_draft_problem`).
+``QKVParallelLinear`` with zero query heads (``q_size == 0``), so the bytes written are the full
+drafter's by construction (``tests/gpu/test_producer_gpu.py`` compares cache contents).
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from vllm_dspark_pp.producer.drafter import RefuseDrafting, _refuse, refusing
+
 if TYPE_CHECKING:
     import torch
-    from torch import nn
-    from vllm.config import SpeculativeConfig, VllmConfig
+    from vllm.config import VllmConfig
 
-logger = init_logger("vllm.dspark_pp.context_kv")
-
-#: Draft architectures (``draft_model_config.architectures``) with a context-KV-only build.
-CONTEXT_ONLY_ARCHITECTURES: dict[str, str] = {
-    "Qwen3DSparkModel": "Qwen3 DSpark",
-    "DSparkDraftModel": "DeepSeek-V4 DSpark",  # context_kv_mla.py
-    "K3DSparkModel": "Kimi-K3 DSpark",  # context_kv_mla.py
-}
-
-#: DSpark draft architectures vLLM 0.34.0 serves that have no context-only build yet.
-KNOWN_UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "DSparkV41DraftModel": "DeepSeek-V4.1 DSpark",
-    "DSparkMiniMaxDraftModel": "MiniMax-M3 DSpark",
-    "Gemma4DSparkModel": "Gemma4 DSpark",
-    "Qwen3OmniDSparkModel": "Qwen3-Omni DSpark",
-    "MuseSparkDSparkModel": "Muse Spark DSpark",
-    "MistralLarge4DSparkModel": "Mistral Large 4 DSpark",
-}
-
-
-class ContextOnlyDrafterError(RuntimeError):
-    """A context-KV-only drafter was asked to draft tokens."""
-
-
-def _refuse(what: str) -> ContextOnlyDrafterError:
-    return ContextOnlyDrafterError(
-        f"{what}: this DSpark drafter was built context-KV-only because this instance is a "
-        "prefill-only KV producer (kv_role='kv_producer'); it writes the draft's context KV "
-        "for the decode instance and cannot draft tokens. Serve decodes from a kv_consumer or "
-        "kv_both instance (kv_both keeps the full drafter)."
-    )
-
-
-# --------------------------------------------------------------------------- refusals
-def refusing(what: str):
-    """A method that raises :class:`ContextOnlyDrafterError` naming ``what``."""
-
-    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise _refuse(what)
-
-    refused.__doc__ = f"Refused on a context-KV-only drafter: {what}."
-    return refused
-
-
-class RefuseDrafting:
-    """Every drafting entry point of a DSpark drafter, refused."""
-
-    context_kv_only = True
-    draft_id_to_target_id = None
-
-    forward = refusing("draft forward")
-
-    embed_input_ids = refusing("draft token embedding")
-
-    compute_logits = refusing("draft logits")
-
-    compute_draft_logits = compute_logits
-    compute_draft_logits_local = compute_logits
-
-    map_draft_to_target = refusing("draft-to-target id map")
-
-    markov_embed = refusing("Markov head")
-
-    markov_bias = markov_embed
-    apply_markov_bias_gathered = markov_embed
-    markov_step = markov_embed
-
-    compute_confidence = refusing("confidence head")
-
-
-# --------------------------------------------------------------------------- families
-def draft_architectures(spec_config: SpeculativeConfig) -> list[str]:
-    draft = getattr(spec_config, "draft_model_config", None)
-    if draft is None:
-        return []
-    return list(getattr(draft, "architectures", None) or [])
-
-
-def unsupported_draft_problem(spec_config: SpeculativeConfig) -> str | None:
-    """Why this draft has no context-only build (None when it has one)."""
-    archs = draft_architectures(spec_config)
-    if any(a in CONTEXT_ONLY_ARCHITECTURES for a in archs):
-        # Qwen3-Omni drafts resolve to the Qwen3 class but are their own family.
-        if not any(a in KNOWN_UNSUPPORTED_ARCHITECTURES for a in archs):
-            return None
-    family = next(
-        (KNOWN_UNSUPPORTED_ARCHITECTURES[a] for a in archs if a in KNOWN_UNSUPPORTED_ARCHITECTURES),
-        None,
-    )
-    name = family or (", ".join(archs) if archs else "unknown architecture")
-    supported = ", ".join(f"{v} ({k})" for k, v in CONTEXT_ONLY_ARCHITECTURES.items())
-    return (
-        f"vllm-dspark-pp has no context-KV-only drafter for {name} yet, so it cannot serve as a "
-        f"DSpark prefill-only producer (kv_role='kv_producer'). Supported: {supported}. "
-        "Run this instance with kv_role='kv_both' (keeps the full drafter) or without "
-        "speculative decoding on the producer."
-    )
-
-
-def check_draft_supported(spec_config: SpeculativeConfig) -> None:
-    problem = unsupported_draft_problem(spec_config)
-    if problem is not None:
-        raise NotImplementedError(problem)
-
+logger = init_logger("vllm.dspark_pp.producer.qwen3")
 
 # --------------------------------------------------------------------------- weights
 # Names as they appear in a Qwen3 DSpark checkpoint (no "model." prefix).
@@ -414,94 +299,6 @@ def qwen3_context_kv_class() -> type:
         _CLASSES["qwen3"] = top
     return _CLASSES["qwen3"]
 
-
-def context_kv_class_for(spec_config: SpeculativeConfig) -> type:
-    """The context-only top-level class for this draft's architecture."""
-    check_draft_supported(spec_config)
-    archs = draft_architectures(spec_config)
-    from vllm_dspark_pp import context_kv_mla
-
-    if context_kv_mla.DSV4_ARCH in archs:
-        return context_kv_mla.dsv4_context_kv_class()
-    if context_kv_mla.K3_ARCH in archs:
-        return context_kv_mla.k3_context_kv_class()
-    return qwen3_context_kv_class()
-
-
-def is_context_kv_only(model: Any) -> bool:
-    return bool(getattr(model, "context_kv_only", False))
-
-
-# --------------------------------------------------------------------------- loading
-@contextlib.contextmanager
-def _initialize_as(model_class: type) -> Iterator[None]:
-    """Make vLLM's model loader instantiate ``model_class`` for the next model it creates."""
-    import functools
-
-    from vllm.model_executor.model_loader import base_loader
-
-    original = base_loader.initialize_model
-    base_loader.initialize_model = functools.partial(original, model_class=model_class)
-    try:
-        yield
-    finally:
-        base_loader.initialize_model = original
-
-
-def _drop_shared_modules(model: nn.Module) -> None:
-    """vLLM's DSpark loader aliases the target's embedding/LM head onto the drafter; the
-    context-only drafter does not use them, so drop the references."""
-    for owner, attr in ((model, "lm_head"), (getattr(model, "model", None), "embed_tokens")):
-        if owner is not None and attr in owner._modules:
-            del owner._modules[attr]
-
-
-def load_context_kv_model(
-    target_model: nn.Module, vllm_config: VllmConfig, extra_report: dict[str, Any] | None = None
-) -> nn.Module:
-    """Build and load the context-KV-only drafter through vLLM's own DSpark loading path
-    (``dspark/utils.py::load_dspark_model``: draft-local PP=1 config, attention backend,
-    KV-cache dtype and load config), with the context-only class instantiated."""
-    from vllm.v1.worker.gpu.spec_decode.dspark import utils as dspark_utils
-
-    spec = vllm_config.speculative_config
-    assert spec is not None
-    cls = context_kv_class_for(spec)
-    with _initialize_as(cls):
-        model = dspark_utils.load_dspark_model(target_model, vllm_config)
-    if not is_context_kv_only(model):
-        raise RuntimeError(f"expected a context-KV-only drafter, vLLM built {type(model)}")
-    _drop_shared_modules(model)
-    report = {
-        "class": type(model).__name__,
-        "layers": model.get_draft_kv_cache_layer_names(),
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "params": sorted(n for n, _ in model.named_parameters()),
-        **(extra_report or {}),
-    }
-    logger.info(
-        "Built the context-KV-only DSpark drafter (%s, layers %s, %.3f MiB of parameters).",
-        report["class"],
-        report["layers"],
-        report["param_bytes"] / 2**20,
-    )
-    _append_report(report)
-    return model
-
-
-#: Diagnostics: when set, every context-only build appends one JSON line to this file
-#: (tests use it to see what a worker process built).
-REPORT_ENV = "VLLM_DSPARK_PP_CONTEXT_KV_REPORT"
-
-
-def _append_report(report: dict[str, Any]) -> None:
-    import json
-    import os
-
-    path = os.environ.get(REPORT_ENV)
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(report) + "\n")
 
 
 # --------------------------------------------------------------------------- sizes

@@ -1,0 +1,284 @@
+"""Kimi-K3 DSpark: the context-KV-only drafter (see :mod:`.drafter` for the contract).
+
+Kimi-K3 DSpark (``K3DSparkModel`` -> ``vllm/models/kimi_k3/nvidia/dspark_mla.py``)
+    Built: ``model.context_proj`` + ``model.context_norm``, ``model.context_kv_proj`` (every
+    layer's ``kv_a_proj_with_mqa`` stacked), and per draft layer the latent KV cache layer
+    ``model.layers.<N+i>.self_attn`` (an MLA attention layer: ``kv_a_layernorm``, the rotary
+    table, the MLA backend/impl used to write the cache, KV-cache quant scales). Skipped:
+    embedding, LM head, ``q_a_proj``/``q_a_layernorm``/``q_b_proj``/``kv_b_proj``/``o_proj``,
+    the per-layer ``fused_qkv_a_proj``, MLPs, layer norms, ``final_norm``, Markov and
+    confidence heads.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from vllm_dspark_pp.producer.drafter import (
+    K3_ARCH,
+    RefuseDrafting,
+    platform_module,
+    refuse_platform,
+    refusing,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+logger = init_logger("vllm.dspark_pp.producer.kimi_k3")
+
+#: vLLM 0.34.0's CUDA implementations (the registry's platform pick on NVIDIA).
+K3_NVIDIA_MODULE = "vllm.models.kimi_k3.nvidia.dspark_mla"
+
+# Kimi-K3: a draft-specific checkpoint in HF layout (no ``model.`` prefix).
+_K3_KEEP = re.compile(
+    r"^(?:model\.)?(?:context_proj\.|context_norm\.|context_kv_proj\.|"
+    r"layers\.\d+\.self_attn\.(?:kv_a_proj_with_mqa\.|kv_a_layernorm\.|"
+    r"(?:k|v|q|kv|prob)_scale$))"
+)
+
+
+def is_k3_context_kv_weight(name: str) -> bool:
+    """Whether a Kimi-K3 DSpark checkpoint tensor feeds the context-only drafter."""
+    return _K3_KEEP.match(name) is not None
+
+
+
+def k3_skipped_weight_names(names: Iterable[str]) -> list[str]:
+    return [n for n in names if not is_k3_context_kv_weight(n)]
+
+
+
+# --------------------------------------------------------------------------- Kimi-K3
+def _build_k3_classes(module_name: str | None = None) -> type:
+    """Define the Kimi-K3 context-only classes against vLLM's drafter module."""
+    import torch
+    from torch import nn
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.attention.attention import (
+        _init_kv_cache_quant,
+        set_default_quant_scales,
+        should_load_quant_weights,
+    )
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+    from vllm.model_executor.layers.quantization import resolve_quant_method
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.models.utils import (
+        AutoWeightsLoader,
+        WeightsMapper,
+        get_draft_quant_config,
+        maybe_prefix,
+    )
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.selector import get_attn_backend
+
+    dspark = platform_module(K3_ARCH, K3_NVIDIA_MODULE, module_name)
+    base_model = getattr(dspark, "K3DSparkModel", None)
+    if base_model is None:
+        raise refuse_platform("Kimi-K3 DSpark", dspark, "K3DSparkModel")
+    base_top = dspark.K3DSparkForCausalLM
+    base_attn = dspark.MultiHeadLatentAttention
+
+    class K3DSparkContextKVAttention(nn.Module, AttentionLayerBase):
+        """The latent-KV-cache half of Kimi-K3's MultiHeadLatentAttention (draft layer):
+        same layer name, backend, head size, cache dtype and quant scales; no projections."""
+
+        def __init__(self, *, config: Any, cache_config: Any, quant_config: Any,
+                     prefix: str) -> None:
+            super().__init__()
+            self.hidden_size = config.hidden_size
+            self.qk_nope_head_dim = config.qk_nope_head_dim
+            self.qk_rope_head_dim = config.qk_rope_head_dim
+            self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            self.v_head_dim = config.v_head_dim
+            self.q_lora_rank = config.q_lora_rank
+            self.kv_lora_rank = config.kv_lora_rank
+            self.non_causal_multi_token_decode = True
+            self.head_size = self.kv_lora_rank + self.qk_rope_head_dim  # latent "head"
+            self.scale = self.qk_head_dim**-0.5
+            self.rms_norm_eps = config.rms_norm_eps
+            self.layer_name = prefix
+            self.rotary_emb = self._make_rope(config)
+            self.num_heads = config.num_attention_heads
+            self.num_local_heads = self.num_heads // get_tensor_model_parallel_world_size()
+            self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+            self.quant_config = quant_config
+            self.kv_cache_dtype = cache_config.cache_dtype if cache_config else "auto"
+            self.act_dtype = torch.get_default_dtype()
+            self.attn_backend = get_attn_backend(
+                self.head_size, self.act_dtype, self.kv_cache_dtype, use_mla=True,
+                use_sparse=False, num_heads=self.num_local_heads,
+            )
+            _init_kv_cache_quant(self, quant_config, prefix)
+            # The backend's impl writes the cache on the per-layer insert path
+            # (do_kv_cache_update); it is never asked to attend, so no kv_b_proj.
+            self.impl = self.attn_backend.get_impl_cls()(
+                num_heads=self.num_local_heads, head_size=self.head_size, scale=self.scale,
+                num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+                kv_cache_dtype=self.kv_cache_dtype, logits_soft_cap=None,
+                attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                qk_nope_head_dim=self.qk_nope_head_dim,
+                qk_rope_head_dim=self.qk_rope_head_dim, qk_head_dim=self.qk_head_dim,
+                v_head_dim=self.v_head_dim, kv_b_proj=None, indexer=None,
+            )
+            if getattr(self.impl, "dcp_world_size", -1) < 1:
+                self.impl.dcp_world_size = 1
+                self.impl.dcp_rank = 0
+            forward_context = get_current_vllm_config().compilation_config
+            if prefix in forward_context.static_forward_context:
+                raise ValueError(f"Duplicate layer name: {prefix}")
+            forward_context.static_forward_context[prefix] = self
+            self.kv_cache = torch.tensor([])
+
+        def _make_rope(self, config: Any) -> Any:
+            rope = dict(config.rope_parameters)
+            if rope["rope_type"] != "default":
+                rope["rope_type"] = ("deepseek_llama_scaling"
+                                     if rope.get("attention_factor") == 1.0 else "deepseek_yarn")
+            emb = get_rope(self.qk_rope_head_dim, max_position=config.max_position_embeddings,
+                           rope_parameters=rope, is_neox_style=False, dtype=torch.float32)
+            if rope["rope_type"] == "deepseek_yarn" and rope["factor"] > 1:
+                m = 0.1 * float(rope.get("mscale_all_dim", False)) * math.log(rope["factor"]) + 1
+                self.scale *= m * m
+            return emb
+
+        # vLLM 0.34.0's own AttentionLayerBase methods (kimi_k3/nvidia/mla.py).
+        bind_kv_cache = base_attn.bind_kv_cache
+        get_attn_backend = base_attn.get_attn_backend
+        get_kv_cache_spec = base_attn.get_kv_cache_spec
+
+        def process_weights_after_loading(self) -> None:
+            """KV-cache scales only (the full layer also absorbs kv_b_proj, absent here)."""
+            method = (resolve_quant_method(self.quant_config, self, prefix=self.layer_name)
+                      if self.quant_config else None)
+            if not should_load_quant_weights(method):
+                set_default_quant_scales(self, register_buffer=False)
+
+        forward = refusing("draft attention forward")
+
+    class K3DSparkContextKVLayer(nn.Module):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__()
+            self.self_attn = K3DSparkContextKVAttention(**kwargs)
+
+        forward = refusing("draft decoder layer forward")
+
+    class K3DSparkContextKVModel(nn.Module):
+        """context_proj/context_norm + context_kv_proj + per-layer latent KV cache."""
+
+        def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int,
+                     prefix: str) -> None:
+            super().__init__()
+            spec = vllm_config.speculative_config
+            assert spec is not None
+            self.config = config = spec.draft_model_config.hf_config
+            self.quant_config = get_draft_quant_config(vllm_config)
+            self.context_proj = ReplicatedLinear(
+                config.target_hidden_size * config.num_target_layers, config.hidden_size,
+                bias=False, return_bias=False, quant_config=self.quant_config,
+                prefix=maybe_prefix(prefix, "context_proj"),
+            )
+            self.context_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.layers = nn.ModuleList(
+                K3DSparkContextKVLayer(
+                    config=config, cache_config=vllm_config.cache_config,
+                    quant_config=self.quant_config,
+                    prefix=maybe_prefix(prefix, f"layers.{start_layer_id + i}.self_attn"),
+                )
+                for i in range(config.num_hidden_layers)
+            )
+            width = config.kv_lora_rank + config.qk_rope_head_dim
+            self.context_kv_proj = MergedColumnParallelLinear(
+                config.hidden_size, [width] * config.num_hidden_layers,
+                bias=False, return_bias=False, quant_config=self.quant_config,
+                # the full drafter's prefix (its quant-config lookup name)
+                prefix=maybe_prefix(prefix, f"layers.{start_layer_id}.self_attn.fused_qkv_a_proj"),
+                disable_tp=True,
+            )
+            self.confidence_head = None
+            self._max_num_context_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+
+        # vLLM 0.34.0's context-KV code, unchanged (kimi_k3/nvidia/dspark_mla.py).
+        combine_hidden_states = base_model.combine_hidden_states
+        precompute_and_store_context_kv = base_model.precompute_and_store_context_kv
+        _build_fused_context_kv_metadata = base_model._build_fused_context_kv_metadata
+        _precompute_fused_context_kv = base_model._precompute_fused_context_kv
+        _has_uniform_block_layout = base_model._has_uniform_block_layout
+        _get_context_kv_cache_ptrs = base_model._get_context_kv_cache_ptrs
+
+        forward = refusing("draft backbone forward")
+
+        embed_input_ids = refusing("draft token embedding")
+
+    k3_mapper = WeightsMapper(orig_to_new_prefix={"": "model."})
+
+    class K3DSparkContextKVForCausalLM(RefuseDrafting, nn.Module):
+        """Top level of the Kimi-K3 context-KV-only DSpark drafter."""
+
+        family = "Kimi-K3 DSpark"
+        speculator_config_class = getattr(base_top, "speculator_config_class", None)
+
+        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+            super().__init__()
+            spec = vllm_config.speculative_config
+            assert spec is not None
+            self.draft_model_config = spec.draft_model_config
+            self.config = self.draft_model_config.hf_config
+            self.model = K3DSparkContextKVModel(
+                vllm_config=vllm_config,
+                start_layer_id=vllm_config.model_config.get_total_num_hidden_layers(),
+                prefix=maybe_prefix(prefix, "model"),
+            )
+
+        combine_hidden_states = base_top.combine_hidden_states
+        get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
+        precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
+        process_weights_after_loading = base_top.process_weights_after_loading
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            counts = {"skipped": 0}
+            stacked = dspark._duplicate_context_kv_weights(
+                self._context_only(weights, counts), len(self.model.layers)
+            )
+            # The per-layer kv_a_proj_with_mqa rows live only in context_kv_proj here.
+            kept = ((n, w) for n, w in stacked if ".kv_a_proj_with_mqa." not in n)
+            loaded = AutoWeightsLoader(self).load_weights(kept, mapper=k3_mapper)
+            logger.info(
+                "Context-KV-only Kimi-K3 DSpark drafter: loaded %d parameters, skipped %d "
+                "tensors (embeddings, heads, MLPs, query/output projections).",
+                len(loaded), counts["skipped"],
+            )
+            return loaded
+
+        @staticmethod
+        def _context_only(
+            weights: Iterable[tuple[str, torch.Tensor]], counts: dict[str, int]
+        ) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if is_k3_context_kv_weight(name):
+                    yield name.removeprefix("model."), tensor
+                else:
+                    counts["skipped"] += 1
+
+    return K3DSparkContextKVForCausalLM
+
+
+
+_CLASSES: dict[str | None, type] = {}
+
+
+def k3_context_kv_class(module_name: str | None = None) -> type:
+    """The Kimi-K3 context-only top-level class."""
+    if module_name not in _CLASSES:
+        _CLASSES[module_name] = _build_k3_classes(module_name)
+    return _CLASSES[module_name]

@@ -1,0 +1,105 @@
+"""Pick the family's context-KV-only class and load it through vLLM's DSpark loading path.
+
+The build is logged (one ``Built the context-KV-only DSpark drafter: {json}`` line per worker
+that builds one: class, KV-cache layers, parameter names and bytes); tests read that line from
+the log instead of a report file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+from vllm_dspark_pp.producer.deepseek_v4 import dsv4_context_kv_class
+from vllm_dspark_pp.producer.drafter import (
+    DSV4_ARCH,
+    K3_ARCH,
+    check_draft_supported,
+    draft_architectures,
+    is_context_kv_only,
+)
+from vllm_dspark_pp.producer.kimi_k3 import k3_context_kv_class
+from vllm_dspark_pp.producer.qwen3 import qwen3_context_kv_class
+
+if TYPE_CHECKING:
+    from torch import nn
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+logger = init_logger("vllm.dspark_pp.producer.load")
+
+#: The log line of a context-KV-only build (followed by ``: {json}``).
+BUILT_LINE = "Built the context-KV-only DSpark drafter"
+
+
+def context_kv_class_for(spec_config: SpeculativeConfig) -> type:
+    """The context-only top-level class for this draft's architecture."""
+    check_draft_supported(spec_config)
+    archs = draft_architectures(spec_config)
+    if DSV4_ARCH in archs:
+        return dsv4_context_kv_class()
+    if K3_ARCH in archs:
+        return k3_context_kv_class()
+    return qwen3_context_kv_class()
+
+
+# --------------------------------------------------------------------------- loading
+@contextlib.contextmanager
+def _initialize_as(model_class: type) -> Iterator[None]:
+    """Make vLLM's model loader instantiate ``model_class`` for the next model it creates."""
+    import functools
+
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.initialize_model
+    base_loader.initialize_model = functools.partial(original, model_class=model_class)
+    try:
+        yield
+    finally:
+        base_loader.initialize_model = original
+
+
+def _drop_shared_modules(model: nn.Module) -> None:
+    """vLLM's DSpark loader aliases the target's embedding/LM head onto the drafter; the
+    context-only drafter does not use them, so drop the references."""
+    for owner, attr in ((model, "lm_head"), (getattr(model, "model", None), "embed_tokens")):
+        if owner is not None and attr in owner._modules:
+            del owner._modules[attr]
+
+
+
+def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Module:
+    """Build and load the context-KV-only drafter through vLLM's own DSpark loading path
+    (``dspark/utils.py::load_dspark_model``: draft-local PP=1 config, attention backend,
+    KV-cache dtype and load config), with the context-only class instantiated."""
+    from vllm.v1.worker.gpu.spec_decode.dspark import utils as dspark_utils
+
+    spec = vllm_config.speculative_config
+    assert spec is not None
+    cls = context_kv_class_for(spec)
+    with _initialize_as(cls):
+        model = dspark_utils.load_dspark_model(target_model, vllm_config)
+    if not is_context_kv_only(model):
+        raise RuntimeError(f"expected a context-KV-only drafter, vLLM built {type(model)}")
+    _drop_shared_modules(model)
+    build = {
+        "class": type(model).__name__,
+        "layers": model.get_draft_kv_cache_layer_names(),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "params": sorted(n for n, _ in model.named_parameters()),
+    }
+    logger.info("%s: %s", BUILT_LINE, json.dumps(build))
+    return model
+
+
+def builds_in_log(log_text: str) -> list[dict]:
+    """Every context-KV-only build a log reports (for tests and operators)."""
+    out = []
+    for line in log_text.splitlines():
+        i = line.find(BUILT_LINE + ": {")
+        if i >= 0:
+            out.append(json.loads(line[i + len(BUILT_LINE) + 2 :]))
+    return out

@@ -1,0 +1,339 @@
+"""``DSparkPPHandler``: vLLM's ``PPHandler`` with the DSpark PP token exchange (a subclass).
+
+``patches/v1_worker_gpu_pp_utils.py`` replaces ``vllm.v1.worker.gpu.pp_utils.PPHandler`` by
+``DSparkPPHandler(DSparkExchange, PPHandler)`` right after that module is imported, before the
+model runner binds the name. The subclass overrides ``broadcast``, ``receive``,
+``broadcast_drafts`` and ``_sample_len`` (vllm/v1/worker/gpu/pp_utils.py:104-266) and carries
+its state as typed attributes (``exchange_spec``, ``exchange_enabled``, ``exchange_step``).
+Both sides compute the step's :class:`~vllm_dspark_pp.protocol.schedule.StepSchedule` with the
+same pure function and post exactly its payloads through one method (:meth:`_post`) that checks
+shape, dtype, contiguity and 16-byte alignment before the collective is posted. A step that would
+post anything other than its schedule raises :class:`ExchangeError` on the spot: an exception
+kills the engine cleanly, an unmatched collective hangs it.
+
+The model runner patch brackets each ``sample_tokens`` with :meth:`begin_step` /
+:meth:`end_step`, which tell the schedule the step's scheduled draft count and check, after the
+step, that every planned payload was posted exactly once (a missing draft broadcast on the last
+rank would leave every other rank waiting). The warm-up patch runs vLLM's warm-up inside
+:meth:`exchange_disabled`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_dspark_pp.protocol.schedule import (
+    ALIGN_BYTES,
+    COUNTS,
+    DRAFTS,
+    SAMPLED,
+    ExchangeSpec,
+    Payload,
+    StepSchedule,
+    step_schedule,
+)
+
+_TORCH_DTYPE = {"int64": torch.int64, "int32": torch.int32}
+
+
+class ExchangeError(RuntimeError):
+    """This rank was about to post a collective its schedule does not contain."""
+
+
+@dataclass
+class StepState:
+    """One step's exchange: its index, draft count, schedule and what was posted so far."""
+
+    index: int
+    num_spec_tokens: int | None
+    bracketed: bool  # begun by begin_step (the model runner patch), not by a bare call
+    schedule: StepSchedule | None = None
+    posted: list[str] = field(default_factory=list)
+
+
+def schedule_for(handler: DSparkExchange, input_batch: Any, num_spec_tokens: int) -> StepSchedule:
+    return step_schedule(
+        handler.exchange_spec, input_batch, num_spec_tokens, enabled=handler.exchange_enabled
+    )
+
+
+def alloc_payload(payload: Payload, device: torch.device, fill: int | None = None) -> torch.Tensor:
+    """A fresh contiguous buffer for ``payload`` (the caching allocators align to >= 64 B)."""
+    dtype = _TORCH_DTYPE[payload.dtype]
+    if fill is None:
+        return torch.empty(payload.shape, dtype=dtype, device=device)
+    return torch.full(payload.shape, fill, dtype=dtype, device=device)
+
+
+def counts_views(counts: torch.Tensor, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``num_sampled`` and ``num_rejected`` row views of a ``[2, C]`` counts buffer."""
+    return counts[0, :num_reqs], counts[1, :num_reqs]
+
+
+def is_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGN_BYTES == 0
+
+
+class DSparkExchange:
+    """The exchange half of ``DSparkPPHandler``; see :func:`dspark_pp_handler_class`."""
+
+    exchange_spec: ExchangeSpec
+    exchange_enabled: bool  # False during warm-up: no rank posts anything
+    exchange_step: StepState | None
+    exchange_step_index: int
+
+    def __init__(self, max_num_reqs: int, num_speculative_steps: int, device: Any) -> None:
+        super().__init__(max_num_reqs, num_speculative_steps, device)
+        self.exchange_spec = ExchangeSpec(num_speculative_steps)
+        self.exchange_enabled = True
+        self.exchange_step = None
+        self.exchange_step_index = 0
+
+    # -- one width for every step (replaces pp_utils.py:104-106)
+    def _sample_len(self, input_batch: Any = None) -> int:
+        return self.exchange_spec.sample_width
+
+    # -- warm-up
+    def set_exchange_enabled(self, enabled: bool) -> None:
+        self.exchange_enabled = bool(enabled)
+
+    @contextmanager
+    def exchange_disabled(self):
+        """No rank posts any sampled-token or draft broadcast inside (warm-up)."""
+        previous = self.exchange_enabled
+        self.exchange_enabled = False
+        try:
+            yield
+        finally:
+            self.exchange_enabled = previous
+
+    # -- step brackets (the model runner patch)
+    def begin_step(self, num_spec_tokens: int) -> None:
+        self.exchange_step_index += 1
+        self.exchange_step = StepState(self.exchange_step_index, int(num_spec_tokens), True)
+
+    def end_step(self) -> None:
+        """Check the step posted exactly its schedule, then forget it."""
+        step = self.exchange_step
+        self.exchange_step = None
+        if step is None or step.schedule is None:
+            return
+        planned = [p.name for p in step.schedule.payloads]
+        if step.posted != planned:
+            raise ExchangeError(
+                f"PP exchange step {step.index} ({'last' if self.is_last_rank else 'non-last'} "
+                f"rank) posted {step.posted} but its schedule is {planned} "
+                f"({step.schedule.describe()}); the other PP ranks would wait forever."
+            )
+
+    def _current_step(self, num_spec_tokens_hint: int | None) -> StepState:
+        step = self.exchange_step
+        if step is None or not step.bracketed:
+            # Called outside a bracketed sample_tokens (a bare handler, as in unit tests): every
+            # call starts a step of its own and the draft count comes from the caller's hint.
+            self.exchange_step_index += 1
+            step = StepState(self.exchange_step_index, num_spec_tokens_hint, False)
+            self.exchange_step = step
+        return step
+
+    def _post(self, step: StepState, tensor: torch.Tensor, payload: Payload) -> None:
+        if tuple(tensor.shape) != payload.shape or tensor.dtype != _TORCH_DTYPE[payload.dtype]:
+            raise ExchangeError(
+                f"PP exchange step {step.index}: {payload.name} buffer is "
+                f"{list(tensor.shape)}:{tensor.dtype}, schedule says {payload.describe()}"
+            )
+        if not tensor.is_contiguous() or not is_aligned(tensor):
+            raise ExchangeError(
+                f"PP exchange step {step.index}: {payload.name} buffer is not contiguous and "
+                f"{ALIGN_BYTES}-byte aligned"
+            )
+        if payload.name in step.posted:
+            raise ExchangeError(
+                f"PP exchange step {step.index}: {payload.name} would be posted twice in one step"
+            )
+        expected = [p.name for p in step.schedule.payloads]
+        if expected[: len(step.posted) + 1] != step.posted + [payload.name]:
+            raise ExchangeError(
+                f"PP exchange step {step.index}: {payload.name} posted out of order "
+                f"(posted {step.posted}, schedule {expected})"
+            )
+        torch.distributed.broadcast(tensor, src=self.last_rank, group=self.broadcast_group)
+        step.posted.append(payload.name)
+
+
+    def broadcast(
+        self,
+        sampled_token_ids: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        input_batch: Any,
+    ) -> None:
+        """Last rank: post the step's sampled tokens and counts (fixed width, aligned)."""
+        assert self.is_last_rank
+        step = self._current_step(None)
+        nst = step.num_spec_tokens if step.num_spec_tokens is not None else 1
+        sched = step.schedule = schedule_for(self, input_batch, nst)
+        self.sampled_tokens_broadcast = sched.posts
+        if not sched.posts:
+            return
+        if sampled_token_ids.dtype != torch.int64:
+            raise ExchangeError(f"sampled tokens must be int64, got {sampled_token_ids.dtype}")
+        from vllm.platforms import current_platform
+
+        if current_platform.is_xpu():
+            self.main_stream.synchronize()
+
+        n = sched.num_reqs
+        with torch.cuda.stream(self.broadcast_stream):
+            self.broadcast_stream.wait_stream(self.main_stream)
+            sampled_p, counts_p = sched.sampled, sched.counts
+            width = sampled_token_ids.shape[-1]
+            if width > sampled_p.shape[1] or sampled_token_ids.shape[0] != n:
+                raise ExchangeError(
+                    f"sampled tokens {list(sampled_token_ids.shape)} do not fit {sampled_p.describe()}"
+                )
+            if width == sampled_p.shape[1] and sampled_token_ids.is_contiguous():
+                sampled = sampled_token_ids
+            else:
+                # Pad a plain-sampler [N, 1] result to the fixed width; the padding is never read
+                # (the post-update reads num_sampled columns).
+                sampled = alloc_payload(sampled_p, sampled_token_ids.device, fill=-1)
+                sampled[:, :width].copy_(sampled_token_ids)
+            counts = alloc_payload(counts_p, num_sampled.device, fill=0)
+            s_view, r_view = counts_views(counts, n)
+            s_view.copy_(num_sampled)
+            r_view.copy_(num_rejected)
+            self._post(step, sampled, sampled_p)
+            self._post(step, counts, counts_p)
+            for tensor in (sampled_token_ids, num_sampled, num_rejected):
+                tensor.record_stream(self.broadcast_stream)
+
+
+    def broadcast_drafts(self, draft_tokens: torch.Tensor) -> None:
+        """Last rank: the step's single draft broadcast, if its schedule has one."""
+        assert self.is_last_rank
+        step = self.exchange_step
+        sched = step.schedule if step is not None else None
+        if sched is None or not sched.posts:
+            return  # nothing was broadcast this step; the other ranks expect no drafts either
+        drafts_p = sched.drafts
+        if drafts_p is None:
+            if step.num_spec_tokens is None:
+                return
+            raise ExchangeError(
+                f"PP exchange step {step.index}: drafts broadcast but the schedule has none "
+                f"(num_spec_tokens={step.num_spec_tokens})"
+            )
+        with torch.cuda.stream(self.broadcast_stream):
+            self.broadcast_stream.wait_stream(self.main_stream)
+            tensor = draft_tokens
+            if tensor.dtype != torch.int64:
+                tensor = tensor.to(torch.int64)
+            if not tensor.is_contiguous() or not is_aligned(tensor):
+                tensor = tensor.contiguous().clone()
+            self._post(step, tensor, drafts_p)
+            draft_tokens.record_stream(self.broadcast_stream)
+
+
+    def receive(self, input_batch: Any, recv_drafts: bool) -> bool:
+        """Non-last rank: post the receives of the step's schedule; returns True iff every row of
+        the batch needs its sampled output (same contract as vLLM's ``PPHandler.receive``)."""
+        assert not self.is_last_rank
+        from vllm.v1.worker.gpu.pp_utils import PendingRecv
+
+        step = self._current_step(1 if recv_drafts else 0)
+        if (step.num_spec_tokens > 0) != bool(recv_drafts):
+            raise ExchangeError(
+                f"PP exchange step {step.index}: recv_drafts={recv_drafts} but the step schedules "
+                f"{step.num_spec_tokens} draft tokens"
+            )
+        sched = step.schedule = schedule_for(self, input_batch, step.num_spec_tokens)
+        if not sched.posts:
+            return False  # this step's ring slot stays None
+
+        gen_at_receive_np = self.req_idx_gen_np[input_batch.idx_mapping_np]
+        n = sched.num_reqs
+        with torch.cuda.stream(self.broadcast_stream):
+            self.broadcast_stream.wait_stream(self.main_stream)
+            buffers = {p.name: alloc_payload(p, self.device) for p in sched.payloads}
+            for p in sched.payloads:
+                self._post(step, buffers[p.name], p)
+            event = self.broadcast_stream.record_event()
+            for t in buffers.values():
+                t.record_stream(self.main_stream)
+        num_sampled, num_rejected = counts_views(buffers[COUNTS], n)
+        self.queue[-1] = PendingRecv(
+            event,
+            buffers[SAMPLED],
+            num_sampled,
+            num_rejected,
+            input_batch.idx_mapping,
+            input_batch.idx_mapping_np,
+            sched.need_sampled_mask,
+            gen_at_receive_np,
+            buffers.get(DRAFTS),
+        )
+        return sched.all_rows_need_sampled
+
+
+def prewarm_deferred_post_update(model_runner: Any, num_reqs: int = 3) -> int:
+    """Non-last ranks: compile the deferred post-update (plain and draft-adopting variants)
+    now, on buffers laid out exactly as :func:`receive` lays them out, with every row masked
+    (idx -1) so no request state changes. Returns the number of variants run."""
+    handler = model_runner.pp_handler
+    if handler is None or handler.is_last_rank:
+        return 0
+    spec: ExchangeSpec = handler.exchange_spec
+    num_reqs = max(1, min(num_reqs, model_runner.max_num_reqs))
+    device = handler.device
+    variants = [False, True] if spec.num_speculative_steps > 0 else [False]
+    for with_drafts in variants:
+        fake = _MaskedBatch(num_reqs)
+        sched = step_schedule(spec, fake, 1 if with_drafts else 0, enabled=True)
+        buffers = {p.name: alloc_payload(p, device, fill=0) for p in sched.payloads}
+        num_sampled, num_rejected = counts_views(buffers[COUNTS], num_reqs)
+        idx_mapping = torch.full((num_reqs,), -1, dtype=torch.int64, device=device)
+        model_runner.postprocess_sampled(
+            idx_mapping=idx_mapping,
+            sampled_tokens=buffers[SAMPLED],
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+            draft_tokens=buffers.get(DRAFTS),
+        )
+    if torch.device(device).type != "cpu":
+        torch.accelerator.synchronize()
+    return len(variants)
+
+
+class _MaskedBatch:
+    """A batch of decodes that all need their sampled output (for the pre-warm schedule)."""
+
+    def __init__(self, n: int) -> None:
+        self.num_reqs = n
+        self.num_computed_tokens_np = np.full(n, 8, dtype=np.int32)
+        self.num_scheduled_tokens = np.ones(n, dtype=np.int32)
+        self.prefill_len_np = np.full(n, 4, dtype=np.int32)
+        self.max_seq_len_np = None
+        self.is_prefilling_np = np.zeros(n, dtype=bool)
+
+
+def dspark_pp_handler_class(pp_handler_cls: type) -> type:
+    """``class DSparkPPHandler(DSparkExchange, PPHandler)`` for vLLM's ``PPHandler`` class
+    (built when pp_utils is imported: this module does not import vLLM's GPU worker modules)."""
+    if issubclass(pp_handler_cls, DSparkExchange):
+        return pp_handler_cls
+    return type(
+        "DSparkPPHandler",
+        (DSparkExchange, pp_handler_cls),
+        {"__module__": __name__, "__doc__": "vLLM's PPHandler with the DSpark PP token exchange."},
+    )
+
+
+def vllm_pp_handler_class(cls: type) -> type:
+    """vLLM's own ``PPHandler`` under a ``DSparkPPHandler`` (or ``cls`` itself)."""
+    return next((b for b in cls.__mro__ if b.__name__ == "PPHandler"), cls)
