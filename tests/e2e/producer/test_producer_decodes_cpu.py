@@ -20,33 +20,21 @@ from pathlib import Path
 
 import pytest
 from support.e2e import run_generate
+from support.engines import RANDOM_MAX_TOKENS, RANDOM_PROMPTS
 
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).resolve().parent
 
-WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
-PROMPTS = [" ".join((WORDS * 4)[i : i + 20 + 5 * i]) for i in range(3)]
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from vllm_dspark_pp.tiny_models import make_tiny_models
-
-    return make_tiny_models(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def plain(tiny, e2e_timeout_s):
-    return run_generate(
-        {"model": tiny.target}, PROMPTS, timeout_s=e2e_timeout_s,
-        sampling={"max_tokens": MAX_TOKENS, "ignore_eos": True},
-    )
+MAX_TOKENS = RANDOM_MAX_TOKENS  # the shared plain run's (tests/support/engines.py)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_producer_decodes_without_drafts(tiny, plain, tmp_path, e2e_timeout_s, async_scheduling):
+def test_producer_decodes_without_drafts(
+    tiny_models, random_reference, tmp_path, e2e_timeout_s, async_scheduling
+):
+    """Against the shared PP=1 no-spec run of the random pair (same prompts, same length)."""
+    tiny, plain = tiny_models, random_reference
     store = tmp_path / "store"
     store.mkdir()
     kv = {
@@ -61,7 +49,7 @@ def test_producer_decodes_without_drafts(tiny, plain, tmp_path, e2e_timeout_s, a
             "speculative_config": {"method": "dspark", "model": tiny.draft},
             "kv_transfer_config": kv,
         },
-        PROMPTS,
+        RANDOM_PROMPTS,
         timeout_s=e2e_timeout_s,
         sampling={"max_tokens": MAX_TOKENS, "ignore_eos": True},
         async_scheduling=async_scheduling,
