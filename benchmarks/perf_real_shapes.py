@@ -512,7 +512,7 @@ def main(argv=None) -> int:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     meta = {
         "shape": a.shape,
-        "shape_config": SHAPES[a.shape].__dict__ if a.shape in SHAPES else "tiny pair",
+        "shape_config": SHAPES[a.shape].__dict__ if a.shape in SHAPES else _tiny_shape(paths),
         "k": k,
         "acceptance_lengths": als,
         "concurrency": concurrency,
@@ -560,6 +560,14 @@ def main(argv=None) -> int:
     log(f"wrote {res_path} ({len(result['runs'])} runs) in {result['wall_s']} s")
     print(summary_table(result), flush=True)
     return 0 if result["rows"] else 1
+
+
+def _tiny_shape(paths: ShapePaths) -> dict:
+    t = json.loads((Path(paths.target) / "config.json").read_text())
+    d = json.loads((Path(paths.draft) / "config.json").read_text())
+    return {"name": "tiny", "hidden_size": t["hidden_size"], "num_layers": t["num_hidden_layers"],
+            "vocab_size": t["vocab_size"], "draft_layers": d["num_hidden_layers"],
+            "target_layer_ids": d["target_layer_ids"], "markov_rank": d["markov_rank"]}
 
 
 def _versions() -> dict:
