@@ -214,15 +214,16 @@ def _set_acceptance_length(runner, length: float) -> dict:
 
     rs = getattr(runner, "rejection_sampler", None)
     rates_t = getattr(rs, "synthetic_conditional_rates", None)
-    if rates_t is None:
-        raise RuntimeError("this engine has no synthetic rejection sampler")
+    if rates_t is None:  # not the sampling PP stage, or not a synthetic engine
+        return {"applied": False}
     n = int(rates_t.numel())
     rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(n, None, float(length))
     cond = unconditional_to_conditional_rates(rates)
     import torch
 
     rates_t.copy_(torch.tensor(cond, dtype=rates_t.dtype, device=rates_t.device))
-    return {"acceptance_length": length, "unconditional_rates": rates, "conditional_rates": cond}
+    return {"applied": True, "acceptance_length": length, "unconditional_rates": rates,
+            "conditional_rates": cond}
 
 
 def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:

@@ -216,7 +216,8 @@ def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
-    steps = llm.collective_rpc("dspark_bench_ctl", args=("collect",))[0]
+    per_worker = llm.collective_rpc("dspark_bench_ctl", args=("collect",))
+    steps = per_worker[-1]  # the last PP stage samples and drafts
     after = _spec_counters(llm)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     ttfts, tpots = [], []
@@ -247,6 +248,8 @@ def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
         "step_ms": main.get("step_ms"),
         "step_num_reqs": (steps.get("summary") or {}).get("main_num_reqs"),
         "step_summary": steps.get("summary"),
+        "step_summary_per_worker": [w.get("summary") for w in per_worker]
+        if len(per_worker) > 1 else None,
     }
 
 
@@ -259,6 +262,24 @@ def _shutdown(llm) -> None:
     t.join(30)
     del llm
     gc.collect()
+    _wait_gpu_released()
+
+
+def _wait_gpu_released(limit_s: float = 60.0, below_mib: int = 4096) -> None:
+    """Wait until the finished engine's processes gave the GPU memory back (nvidia-smi; this
+    process never initialises CUDA, so vLLM keeps forking its engine core)."""
+    t_end = time.monotonic() + limit_s
+    while time.monotonic() < t_end:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                                  "--format=csv,noheader,nounits"], capture_output=True,
+                                 text=True, timeout=10).stdout
+            used = [int(x) for x in out.split() if x.strip().isdigit()]
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            return  # no nvidia-smi (CPU dry run)
+        if not used or max(used) < below_mib:
+            return
+        time.sleep(1)
 
 
 def child_main(spec_path: str) -> int:
@@ -293,7 +314,7 @@ def child_main(spec_path: str) -> int:
         start_s = time.monotonic() - t0
         emit({"type": "engine", "engine": name, "plugin": plugin, "start_s": round(start_s, 1)})
         try:
-            mem = llm.collective_rpc("dspark_bench_ctl", args=("memory",))[0]
+            mem = llm.collective_rpc("dspark_bench_ctl", args=("memory",))[-1]
             emit({"type": "memory", "engine": f"{name}/{plugin}", **mem})
             if phase.get("plan"):
                 emit({"type": "plan", **_plan_prediction(phase["plan"])})
@@ -310,8 +331,10 @@ def child_main(spec_path: str) -> int:
                 for rep in range(a["repeats"]):
                     for al in als:
                         if al is not None:
-                            llm.collective_rpc("dspark_bench_ctl",
-                                               args=("set_acceptance_length", al))
+                            got = llm.collective_rpc("dspark_bench_ctl",
+                                                     args=("set_acceptance_length", al))
+                            if not any(g.get("applied") for g in got):
+                                raise RuntimeError(f"no worker switched to AL {al}: {got}")
                         for c in a["concurrency"]:
                             if left() < phase.get("run_reserve_s", 10):
                                 emit({"type": "skip", "what": f"{name}/{plugin} rep {rep} AL {al} "
@@ -510,6 +533,9 @@ def main(argv=None) -> int:
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if a.pipeline_parallel_size > 1:  # several GPUs of one host: no NVLink multicast
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     meta = {
         "shape": a.shape,
         "shape_config": SHAPES[a.shape].__dict__ if a.shape in SHAPES else _tiny_shape(paths),
@@ -548,7 +574,7 @@ def main(argv=None) -> int:
         spec = {"plugin": plugin, "phases": phases, "records": str(records),
                 "deadline_unix": child_deadline, "args": run_args}
         # Hard limit: the child's own deadline plus grace for an engine start in flight.
-        statuses[plugin] = run_child(spec, work, cenv, max(left + 60, 60), log_path, records)
+        statuses[plugin] = run_child(spec, work, cenv, max(left + 30, 60), log_path, records)
         log(f"child plugin={plugin}: {statuses[plugin]}")
     recs = [json.loads(x) for x in records.read_text().splitlines() if x.strip()] \
         if records.exists() else []

@@ -134,6 +134,18 @@ def shape_markdown(res: dict) -> str:
     return "\n".join(parts)
 
 
+def fill_between(path: Path, marker: str, text: str) -> None:
+    """Replace what lies between ``<!-- BEGIN marker -->`` and ``<!-- END marker -->`` in
+    ``path`` (both lines kept); raises if the markers are missing."""
+    begin, end = f"<!-- BEGIN {marker} -->", f"<!-- END {marker} -->"
+    doc = path.read_text()
+    if begin not in doc or end not in doc:
+        raise ValueError(f"{path} has no {begin} ... {end} block")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text.rstrip()}\n{end}{tail}")
+
+
 def plot(res: dict, png: Path) -> str:
     try:
         import matplotlib
@@ -174,15 +186,24 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+")
     ap.add_argument("--out-dir", type=Path, default=None, help="PNG directory")
     ap.add_argument("--md", type=Path, default=None)
+    ap.add_argument("--fill", type=Path, default=None,
+                    help="write the tables (and PNG links) into this file's GENERATED block")
     a = ap.parse_args(argv)
     results = load(a.results)
-    md = "\n\n".join(shape_markdown(r) for r in results)
-    if a.out_dir:
-        for r in results:
-            print(plot(r, a.out_dir / f"perf_{r.get('shape')}.png"))
+    parts = []
+    for r in results:
+        part = shape_markdown(r)
+        if a.out_dir:
+            png = a.out_dir / f"perf_{r.get('shape')}.png"
+            print(plot(r, png))
+            part += f"\n\n![{r.get('shape')}: throughput and TPOT]({png.name})"
+        parts.append(part)
+    md = "\n\n".join(parts)
     if a.md:
         a.md.parent.mkdir(parents=True, exist_ok=True)
         a.md.write_text(md + "\n")
+    if a.fill:
+        fill_between(a.fill, "GENERATED", md)
     print(md)
     return 0 if results else 1
 

@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bcast-us", type=float, default=20.0)
     ap.add_argument("--md", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--fill", type=Path, default=None,
+                    help="write into this file's PROJECTION block (docs/performance-bound.md)")
     a = ap.parse_args(argv)
     res = json.loads(Path(a.result).read_text())
     p = project(res, a.link_gbps, a.bcast_us)
@@ -168,6 +170,10 @@ def main(argv=None) -> int:
         a.md.write_text(md + "\n")
     if a.json:
         a.json.write_text(json.dumps(p, indent=1) + "\n")
+    if a.fill:
+        from plot_perf import fill_between
+
+        fill_between(a.fill, "PROJECTION", md)
     print(md)
     return 0 if p["rows"] else 1
 

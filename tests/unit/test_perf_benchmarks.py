@@ -194,3 +194,16 @@ def test_hook_distribution_registers_the_bench_plugin(tmp_path):
                           env={"PYTHONPATH": f"{root}:{BENCH}", "PATH": "/usr/bin:/bin"},
                           timeout=60)
     assert "dspark_bench" in proc.stdout, proc.stderr
+
+
+def test_fill_replaces_only_the_generated_block(tmp_path):
+    doc = tmp_path / "performance.md"
+    doc.write_text("# T\nkeep\n<!-- BEGIN GENERATED -->\nold\n<!-- END GENERATED -->\ntail\n")
+    plot_perf.fill_between(doc, "GENERATED", "new table\n")
+    assert doc.read_text() == ("# T\nkeep\n<!-- BEGIN GENERATED -->\nnew table\n"
+                               "<!-- END GENERATED -->\ntail\n")
+    with pytest.raises(ValueError):
+        plot_perf.fill_between(doc, "PROJECTION", "x")
+    # the committed docs carry the blocks the scripts fill
+    assert "<!-- BEGIN GENERATED -->" in (REPO / "docs/results/performance.md").read_text()
+    assert "<!-- BEGIN PROJECTION -->" in (REPO / "docs/performance-bound.md").read_text()
