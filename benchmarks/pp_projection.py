@@ -29,7 +29,8 @@ holds ~2x the KV cache, so it can run the doubled batch: with two waves in fligh
 C each, vLLM's ``max_num_seqs`` x pipeline depth) the per-wave step is
 ``max(t_target/2 + t_x, t_target/2 + t_rest + t_draft + t_tok)`` and the aggregate throughput is
 ``2 C tau / (2 max(...))`` = ``C tau / max(...)`` per wave pair. The overtaking concurrency is
-the smallest C where PP=2 (two waves of C) beats PP=1 at 2C (if measured; otherwise PP=1 at C).
+the smallest C where PP=2 (two waves of C) beats PP=1 serving 2C (measured, or interpolated in
+log2 C between measured points; never extrapolated past the largest measured C).
 This is a projection, labelled as such in the docs; the several-GPU run checks it.
 """
 
@@ -56,6 +57,21 @@ def token_exchange_bytes(n: int, k: int) -> dict:
     stock = n * (k + 1) * 8 + 2 * n * 4 + n * k * 8
     ours = n * (k + 1) * 8 + 2 * counts_row_len(n) * 4 + n * k * 8
     return {"stock": stock, "ours": ours}
+
+
+def pp1_at(rows_by_c: dict, c: int) -> float | None:
+    """PP=1 (model) tok/s at concurrency ``c``: measured, or interpolated in log2(C) between
+    the two measured neighbours; None outside the measured range (no extrapolation)."""
+    import math
+
+    if c in rows_by_c:
+        return rows_by_c[c]["pp1_tok_s_model"]
+    lo = max((x for x in rows_by_c if x < c), default=None)
+    hi = min((x for x in rows_by_c if x > c), default=None)
+    if lo is None or hi is None:
+        return None
+    w = (math.log2(c) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return (1 - w) * rows_by_c[lo]["pp1_tok_s_model"] + w * rows_by_c[hi]["pp1_tok_s_model"]
 
 
 def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict:
@@ -97,14 +113,14 @@ def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict
             "pp2_two_waves_tok_s": 2 * c * tau / (2 * two_wave) * 1e3,
             "bubble_ms": bubble, "bubble_share_one_wave": bubble / t_pp2,
         })
-    # where PP=2 (two waves of C on 2x memory) overtakes PP=1 at 2C (or at C when 2C is absent)
+    # where PP=2 (two waves of C on 2x memory) overtakes PP=1 serving the same 2C requests
     overtake = {}
     for al in sorted({r["acceptance_length"] for r in out_rows}, key=lambda x: x or 0):
         rs = {r["concurrency"]: r for r in out_rows if r["acceptance_length"] == al}
         found = None
         for c in sorted(rs):
-            ref = rs.get(2 * c, rs[c])
-            if rs[c]["pp2_two_waves_tok_s"] > ref["pp1_tok_s_model"]:
+            ref = pp1_at(rs, 2 * c)
+            if ref is not None and rs[c]["pp2_two_waves_tok_s"] > ref:
                 found = c
                 break
         overtake[str(al)] = found

@@ -207,3 +207,11 @@ def test_fill_replaces_only_the_generated_block(tmp_path):
     # the committed docs carry the blocks the scripts fill
     assert "<!-- BEGIN GENERATED -->" in (REPO / "docs/results/performance.md").read_text()
     assert "<!-- BEGIN PROJECTION -->" in (REPO / "docs/performance-bound.md").read_text()
+
+
+def test_pp1_reference_is_interpolated_never_extrapolated():
+    rows = {c: {"pp1_tok_s_model": v} for c, v in ((1, 100.0), (4, 300.0), (16, 700.0))}
+    assert pp_projection.pp1_at(rows, 4) == 300.0
+    assert pp_projection.pp1_at(rows, 2) == pytest.approx(200.0)  # halfway in log2(C)
+    assert pp_projection.pp1_at(rows, 8) == pytest.approx(500.0)
+    assert pp_projection.pp1_at(rows, 32) is None
