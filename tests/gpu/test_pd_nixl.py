@@ -19,7 +19,9 @@ the corrupted draft context KV lowers acceptance by more than 10 points (so the 
 can fail) while the output stays the same (lossless).
 
 Run (GPU machine, kit booted with the ``nixl`` group):
-``DSPARK_PP_TEST_DEVICE=gpu DSPARK_NIXL_OUT=$OUT/nixl python3 -m pytest tests/gpu/test_pd_nixl.py -v``
+``DSPARK_GPU_NIXL=1 DSPARK_PP_TEST_DEVICE=gpu DSPARK_NIXL_OUT=$OUT/nixl python3 -m pytest
+tests/gpu/test_pd_nixl.py -v -s`` (without ``DSPARK_GPU_NIXL=1``, e.g. in the whole-suite run of
+tools/gpu/run_gpu_suite.sh, every test here is skipped saying so).
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ import pytest
 from gpu_common import make_prompts, require_cuda
 from gpu_parity import acceptance_close, acceptance_rate, compare_tokens
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(255)]
 
 LABELS = ("trained", "qwen3")
-READY_BUDGET_S = float(os.environ.get("DSPARK_NIXL_READY_S", "190"))
+READY_BUDGET_S = float(os.environ.get("DSPARK_NIXL_READY_S", "170"))
 CONTROL_DROP_POINTS = 10.0
 
 
@@ -52,6 +54,9 @@ def _common(dtype: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     require_cuda()
+    if os.environ.get("DSPARK_GPU_NIXL") != "1":
+        pytest.skip("the NIXL PD run is its own GPU command (7 servers): set DSPARK_GPU_NIXL=1; "
+                    "NIXL PD NOT run")
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not importable: boot the kit with its `nixl` group "
                     "(prepare.sh ... nixl); NIXL PD NOT run")
