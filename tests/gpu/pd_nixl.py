@@ -301,8 +301,11 @@ def summary(results: dict) -> str:
         if not isinstance(r, dict):
             continue
         if "error" in r:
+            first = r["error"].splitlines()[0][:120]
+            cause = [ln for log in r.get("logs", {}).values() for ln in log["failure_lines"]]
             rows.append(f"{label:<8} {'(run)':<14} {'NO':<4} {'':>8} {'':>7} {'':>9}  "
-                        f"failed at {r.get('step')!r}: {r['error'][:120]}")
+                        f"failed at {r.get('step')!r}: {first}"
+                        + (f" | last log line: {cause[-1][-200:]}" if cause else ""))
         for p in ("aggregated", "pd", "control"):
             x = r.get(p)
             if not x:
