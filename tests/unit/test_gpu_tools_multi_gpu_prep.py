@@ -3,30 +3,19 @@
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from support.scripts import load_script
 
 from vllm_dspark_pp.dev import multi_gpu as mg_common
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_script(rel: str):
-    """Import a script by its path (benchmarks/ and tests/multi_gpu/ are not packages)."""
-    path = ROOT / rel
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mod  # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-plot_serve = _load_script("benchmarks/plot_serve.py")
+plot_serve = load_script("benchmarks/plot_serve.py")
 
 
 def test_report_prints_the_table_last_and_fails_on_any_failure(tmp_path, capsys):
@@ -77,13 +66,13 @@ def test_guard_passes_when_nothing_was_called_and_flags_nccl_errors_in_logs(tmp_
 
 
 def test_mismatch_hook_compiles():
-    r = _load_script("tests/multi_gpu/run_pp2_aggregated.py")
+    r = load_script("tests/multi_gpu/run_pp2_aggregated.py")
 
     compile(r.SITECUSTOMIZE, "sitecustomize.py", "exec")
 
 
 def test_serving_tables(tmp_path, capsys):
-    serve_pp = _load_script("benchmarks/serve_pp.py")
+    serve_pp = load_script("benchmarks/serve_pp.py")
 
     rows = [
         {"config": "pp2_dspark", "model_size": "tiny", "concurrency": c, "output_throughput": 100.0 * c,
