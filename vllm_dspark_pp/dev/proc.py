@@ -54,26 +54,29 @@ def start_in_session(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
     return proc
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def kill_group(proc: subprocess.Popen, grace_s: float = 0.0, settle_s: float = 10.0) -> None:
     """End the child's whole process group: SIGTERM first when ``grace_s`` > 0, then SIGKILL;
     reap the child and wait (up to ``settle_s``) until no member of the group still runs."""
     if grace_s > 0 and proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # stragglers (engine core, workers) die with the group even if the leader exited
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=settle_s)
-    except subprocess.TimeoutExpired:
-        pass
+        _signal_group(proc.pid, signal.SIGTERM)
+        _wait(proc, grace_s)
+    # stragglers (engine core, workers) die with the group even if the leader exited
+    _signal_group(proc.pid, signal.SIGKILL)
+    _wait(proc, settle_s)
     deadline = time.monotonic() + settle_s
     while live_group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)

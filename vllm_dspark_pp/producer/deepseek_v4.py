@@ -28,6 +28,7 @@ from vllm_dspark_pp.producer.drafter import (
     platform_module,
     refuse_platform,
     refusing,
+    weight_filter,
 )
 
 if TYPE_CHECKING:
@@ -48,14 +49,8 @@ _DSV4_KEEP = re.compile(
 )
 
 
-def is_dsv4_context_kv_weight(name: str) -> bool:
-    """Whether a DeepSeek-V4 checkpoint tensor feeds the context-only drafter."""
-    return _DSV4_KEEP.match(name) is not None
-
-
-
-def dsv4_skipped_weight_names(names: Iterable[str]) -> list[str]:
-    return [n for n in names if not is_dsv4_context_kv_weight(n)]
+#: Whether a DeepSeek-V4 checkpoint tensor feeds the context-only drafter; the rest.
+is_dsv4_context_kv_weight, dsv4_skipped_weight_names = weight_filter(_DSV4_KEEP)
 
 
 

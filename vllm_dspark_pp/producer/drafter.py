@@ -12,6 +12,8 @@ architecture is refused at start on a prefill-only producer (:func:`unsupported_
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -123,6 +125,21 @@ def check_draft_supported(spec_config: SpeculativeConfig) -> None:
         raise NotImplementedError(problem)
 
 
+
+
+def weight_filter(
+    keep: re.Pattern[str],
+) -> tuple[Callable[[str], bool], Callable[[Iterable[str]], list[str]]]:
+    """``(is_kept(name), skipped(names))`` for a family's pattern of the checkpoint tensors its
+    context-only drafter loads."""
+
+    def is_kept(name: str) -> bool:
+        return keep.match(name) is not None
+
+    def skipped(names: Iterable[str]) -> list[str]:
+        return [n for n in names if keep.match(n) is None]
+
+    return is_kept, skipped
 
 
 def is_context_kv_only(model: Any) -> bool:

@@ -25,6 +25,7 @@ from vllm_dspark_pp.producer.drafter import (
     platform_module,
     refuse_platform,
     refusing,
+    weight_filter,
 )
 
 if TYPE_CHECKING:
@@ -44,14 +45,8 @@ _K3_KEEP = re.compile(
 )
 
 
-def is_k3_context_kv_weight(name: str) -> bool:
-    """Whether a Kimi-K3 DSpark checkpoint tensor feeds the context-only drafter."""
-    return _K3_KEEP.match(name) is not None
-
-
-
-def k3_skipped_weight_names(names: Iterable[str]) -> list[str]:
-    return [n for n in names if not is_k3_context_kv_weight(n)]
+#: Whether a Kimi-K3 DSpark checkpoint tensor feeds the context-only drafter; the rest.
+is_k3_context_kv_weight, k3_skipped_weight_names = weight_filter(_K3_KEEP)
 
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer.drafter import RefuseDrafting, _refuse, refusing
+from vllm_dspark_pp.producer.drafter import RefuseDrafting, _refuse, refusing, weight_filter
 
 if TYPE_CHECKING:
     import torch
@@ -43,13 +43,8 @@ _KEEP = re.compile(
 )
 
 
-def is_context_kv_weight(name: str) -> bool:
-    """Whether a Qwen3 DSpark checkpoint tensor is needed by the context-only drafter."""
-    return _KEEP.match(name) is not None
-
-
-def skipped_weight_names(names: Iterable[str]) -> list[str]:
-    return [n for n in names if not is_context_kv_weight(n)]
+#: Whether a Qwen3 DSpark checkpoint tensor is needed by the context-only drafter; the rest.
+is_context_kv_weight, skipped_weight_names = weight_filter(_KEEP)
 
 
 # --------------------------------------------------------------------------- Qwen3 model
