@@ -180,8 +180,12 @@ def summarize_steps(steps: list[dict]) -> dict:
         for n, ss in sorted(by_n.items())
     }
     main = max(per_n, key=lambda n: (per_n[n]["steps"], n)) if per_n else None
-    return {"per_num_reqs": {str(n): v for n, v in per_n.items()}, "main_num_reqs": main,
-            "main": per_n.get(main) if main is not None else None, "total_steps": len(steps)}
+    return {
+        "per_num_reqs": {str(n): v for n, v in per_n.items()},
+        "main_num_reqs": main,
+        "main": per_n.get(main) if main is not None else None,
+        "total_steps": len(steps),
+    }
 
 
 def _resolve() -> list[dict]:
@@ -222,8 +226,12 @@ def _set_acceptance_length(runner, length: float) -> dict:
     import torch
 
     rates_t.copy_(torch.tensor(cond, dtype=rates_t.dtype, device=rates_t.device))
-    return {"applied": True, "acceptance_length": length, "unconditional_rates": rates,
-            "conditional_rates": cond}
+    return {
+        "applied": True,
+        "acceptance_length": length,
+        "unconditional_rates": rates,
+        "conditional_rates": cond,
+    }
 
 
 def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:

@@ -54,8 +54,13 @@ def ours_payloads(n: int, k: int) -> list[tuple[str, tuple, str]]:
     from vllm_dspark_pp.protocol.schedule import ExchangeSpec, step_schedule
 
     batch = SimpleNamespace(
-        num_reqs=n, num_computed_tokens_np=np.full(n, 200), num_scheduled_tokens=np.full(n, k + 1),
-        prefill_len_np=np.full(n, 128), max_seq_len_np=None, is_prefilling_np=np.zeros(n, bool))
+        num_reqs=n,
+        num_computed_tokens_np=np.full(n, 200),
+        num_scheduled_tokens=np.full(n, k + 1),
+        prefill_len_np=np.full(n, 128),
+        max_seq_len_np=None,
+        is_prefilling_np=np.zeros(n, bool),
+    )
     sched = step_schedule(ExchangeSpec(k), batch, num_spec_tokens=k)
     return [(p.name, p.shape, p.dtype) for p in sched.payloads]
 
@@ -118,11 +123,18 @@ def _worker(rank: int, world: int, init: str, ns: list[int], k: int, iters: int,
         if rank != src:
             for variant, pays in variants.items():
                 ts = sorted(times[variant])
-                res.append({"variant": variant, "N": n, "k": k,
-                            "bytes": payload_bytes(pays), "broadcasts": len(pays),
-                            "misaligned_rows": misaligned_rows(pays),
-                            "us_median": 1e6 * statistics.median(ts),
-                            "us_p90": 1e6 * ts[int(0.9 * (len(ts) - 1))]})
+                res.append(
+                    {
+                        "variant": variant,
+                        "N": n,
+                        "k": k,
+                        "bytes": payload_bytes(pays),
+                        "broadcasts": len(pays),
+                        "misaligned_rows": misaligned_rows(pays),
+                        "us_median": 1e6 * statistics.median(ts),
+                        "us_p90": 1e6 * ts[int(0.9 * (len(ts) - 1))],
+                    }
+                )
     if rank != src:
         q.put(res)
     dist.barrier()
@@ -153,14 +165,19 @@ def run(ns: list[int], k: int, iters: int) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     by = {(r["N"], r["variant"]): r for r in rows}
-    lines = ["| N | stock bytes | ours bytes | stock misaligned rows | ours misaligned rows | "
-             "stock us/step | ours us/step |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| N | stock bytes | ours bytes | stock misaligned rows | ours misaligned rows | "
+        "stock us/step | ours us/step |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in sorted({r["N"] for r in rows}):
         s, o = by.get((n, "stock")), by.get((n, "ours"))
         if not s or not o:
             continue
-        lines.append(f"| {n} | {s['bytes']} | {o['bytes']} | {s['misaligned_rows']} | "
-                     f"{o['misaligned_rows']} | {s['us_median']:.0f} | {o['us_median']:.0f} |")
+        lines.append(
+            f"| {n} | {s['bytes']} | {o['bytes']} | {s['misaligned_rows']} | "
+            f"{o['misaligned_rows']} | {s['us_median']:.0f} | {o['us_median']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -176,8 +193,13 @@ def main(argv=None) -> int:
     print(f"[exchange_gloo] N={ns} k={a.k} iters={a.iters} (2 processes, gloo)", flush=True)
     rows = run(ns, a.k, a.iters)
     md = markdown(rows)
-    result = {"k": a.k, "iters": a.iters, "backend": "gloo (CPU, loopback)", "rows": rows,
-              "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    result = {
+        "k": a.k,
+        "iters": a.iters,
+        "backend": "gloo (CPU, loopback)",
+        "rows": rows,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -70,8 +70,9 @@ def log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------- pure helpers
-def request_latencies(arrival: float, first_ts: float, last_ts: float, num_gen: int,
-                      first_latency: float) -> tuple[float, float | None]:
+def request_latencies(
+    arrival: float, first_ts: float, last_ts: float, num_gen: int, first_latency: float
+) -> tuple[float, float | None]:
     """(TTFT s, TPOT s) of one finished request from vLLM's RequestStateStats fields: TTFT is
     vLLM's ``first_token_latency``; TPOT the mean gap after the first token."""
     tpot = (last_ts - first_ts) / (num_gen - 1) if num_gen > 1 else None
@@ -92,8 +93,9 @@ def aggregate_runs(records: list[dict]) -> list[dict]:
         return statistics.median(xs) if xs else None
 
     rows = []
-    for (engine, plugin, al, c), rs in sorted(groups.items(), key=lambda kv: (
-            kv[0][0], kv[0][1], kv[0][2] or 0, kv[0][3])):
+    for (engine, plugin, al, c), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0, kv[0][3])
+    ):
         rows.append(
             {
                 "engine": engine,
@@ -116,17 +118,26 @@ def aggregate_runs(records: list[dict]) -> list[dict]:
 
 def plugin_ratios(rows: list[dict]) -> list[dict]:
     """Plugin on / off output tok/s at every (acceptance length, concurrency) both measured."""
-    on = {(r["acceptance_length"], r["concurrency"]): r for r in rows
-          if r["engine"] == "dspark" and r["plugin"] == "on"}
+    on = {
+        (r["acceptance_length"], r["concurrency"]): r
+        for r in rows
+        if r["engine"] == "dspark" and r["plugin"] == "on"
+    }
     out = []
     for r in rows:
         if r["engine"] != "dspark" or r["plugin"] != "off":
             continue
         key = (r["acceptance_length"], r["concurrency"])
         if key in on and r["output_tok_s"]:
-            out.append({"acceptance_length": key[0], "concurrency": key[1],
-                        "on_tok_s": on[key]["output_tok_s"], "off_tok_s": r["output_tok_s"],
-                        "ratio": on[key]["output_tok_s"] / r["output_tok_s"]})
+            out.append(
+                {
+                    "acceptance_length": key[0],
+                    "concurrency": key[1],
+                    "on_tok_s": on[key]["output_tok_s"],
+                    "off_tok_s": r["output_tok_s"],
+                    "ratio": on[key]["output_tok_s"] / r["output_tok_s"],
+                }
+            )
     return out
 
 
@@ -138,8 +149,13 @@ def speedups(rows: list[dict]) -> list[dict]:
         if r["engine"] == "dspark" and r["plugin"] == "on" and r["concurrency"] in base:
             b = base[r["concurrency"]]["output_tok_s"]
             if b:
-                out.append({"acceptance_length": r["acceptance_length"],
-                            "concurrency": r["concurrency"], "speedup": r["output_tok_s"] / b})
+                out.append(
+                    {
+                        "acceptance_length": r["acceptance_length"],
+                        "concurrency": r["concurrency"],
+                        "speedup": r["output_tok_s"] / b,
+                    }
+                )
     return out
 
 
@@ -161,8 +177,10 @@ def build_result(meta: dict, records: list[dict]) -> dict:
 
 
 def summary_table(result: dict) -> str:
-    head = (f"{'engine':<7} {'plug':<4} {'AL':>5} {'C':>3} {'tok/s':>9} {'TPOT ms':>8} "
-            f"{'TTFT ms':>8} {'AL meas':>7} {'tgt ms':>7} {'dft ms':>7} {'n':>2}")
+    head = (
+        f"{'engine':<7} {'plug':<4} {'AL':>5} {'C':>3} {'tok/s':>9} {'TPOT ms':>8} "
+        f"{'TTFT ms':>8} {'AL meas':>7} {'tgt ms':>7} {'dft ms':>7} {'n':>2}"
+    )
     lines = [head, "-" * len(head)]
 
     def f(x, fmt):
@@ -176,12 +194,15 @@ def summary_table(result: dict) -> str:
             f"{f(r['target_ms'], '7.2f'):>7} {f(r['draft_ms'], '7.2f'):>7} {r['repeats']:>2}"
         )
     for p in result["plugin_ratio"]:
-        lines.append(f"plugin on/off AL={p['acceptance_length']} C={p['concurrency']}: "
-                     f"{p['ratio']:.3f}")
+        lines.append(
+            f"plugin on/off AL={p['acceptance_length']} C={p['concurrency']}: {p['ratio']:.3f}"
+        )
     for name, m in result["memory"].items():
-        d = (m.get("draft_load") or {})
-        lines.append(f"memory {name}: draft allocated {d.get('allocated_delta_bytes')} B, "
-                     f"own params {d.get('param_bytes_own')} B ({d.get('draft_class')})")
+        d = m.get("draft_load") or {}
+        lines.append(
+            f"memory {name}: draft allocated {d.get('allocated_delta_bytes')} B, "
+            f"own params {d.get('param_bytes_own')} B ({d.get('draft_class')})"
+        )
     for s in result["skipped"]:
         lines.append(f"SKIPPED {s.get('what')}: {s.get('why')}")
     for e in result["errors"]:
@@ -192,9 +213,11 @@ def summary_table(result: dict) -> str:
 # --------------------------------------------------------------------------- child
 def _spec_counters(llm) -> dict:
     out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-    names = {"vllm:spec_decode_num_drafts": "num_drafts",
-             "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+    names = {
+        "vllm:spec_decode_num_drafts": "num_drafts",
+        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    }
     for m in llm.get_metrics():
         if m.name in names and hasattr(m, "value"):
             out[names[m.name]] += int(m.value)
@@ -225,8 +248,13 @@ def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
         m = o.metrics
         if m is None:
             continue
-        ttft, tpot = request_latencies(m.arrival_time, m.first_token_ts, m.last_token_ts,
-                                       m.num_generation_tokens, m.first_token_latency)
+        ttft, tpot = request_latencies(
+            m.arrival_time,
+            m.first_token_ts,
+            m.last_token_ts,
+            m.num_generation_tokens,
+            m.first_token_latency,
+        )
         ttfts.append(ttft)
         if tpot is not None:
             tpots.append(tpot)
@@ -242,14 +270,16 @@ def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
         "tpot_ms_median": 1e3 * statistics.median(tpots) if tpots else None,
         "spec_counters": d,
         "measured_acceptance_length": (1 + d["num_accepted_tokens"] / d["num_drafts"])
-        if d["num_drafts"] else None,
+        if d["num_drafts"]
+        else None,
         "target_ms": main.get("target_ms"),
         "draft_ms": main.get("draft_ms"),
         "step_ms": main.get("step_ms"),
         "step_num_reqs": (steps.get("summary") or {}).get("main_num_reqs"),
         "step_summary": steps.get("summary"),
         "step_summary_per_worker": [w.get("summary") for w in per_worker]
-        if len(per_worker) > 1 else None,
+        if len(per_worker) > 1
+        else None,
     }
 
 
@@ -271,9 +301,12 @@ def _wait_gpu_released(limit_s: float = 60.0, below_mib: int = 4096) -> None:
     t_end = time.monotonic() + limit_s
     while time.monotonic() < t_end:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                                  "--format=csv,noheader,nounits"], capture_output=True,
-                                 text=True, timeout=10).stdout
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
             used = [int(x) for x in out.split() if x.strip().isdigit()]
         except (OSError, subprocess.TimeoutExpired, ValueError):
             return  # no nvidia-smi (CPU dry run)
@@ -301,15 +334,25 @@ def child_main(spec_path: str) -> int:
     for phase in spec["phases"]:
         name, plugin = phase["engine"], spec["plugin"]
         if left() < phase.get("min_s", 60):
-            emit({"type": "skip", "what": f"{name} engine (plugin {plugin})",
-                  "why": f"budget: {left():.0f} s left"})
+            emit(
+                {
+                    "type": "skip",
+                    "what": f"{name} engine (plugin {plugin})",
+                    "why": f"budget: {left():.0f} s left",
+                }
+            )
             continue
         t0 = time.monotonic()
         try:
             llm = LLM(**{"disable_log_stats": False, **phase["llm"]})
         except Exception as e:  # noqa: BLE001
-            emit({"type": "error", "what": f"{name} engine start (plugin {plugin})",
-                  "error": f"{type(e).__name__}: {e}"})
+            emit(
+                {
+                    "type": "error",
+                    "what": f"{name} engine start (plugin {plugin})",
+                    "error": f"{type(e).__name__}: {e}",
+                }
+            )
             continue
         start_s = time.monotonic() - t0
         emit({"type": "engine", "engine": name, "plugin": plugin, "start_s": round(start_s, 1)})
@@ -319,32 +362,49 @@ def child_main(spec_path: str) -> int:
             if phase.get("plan"):
                 emit({"type": "plan", **_plan_prediction(phase["plan"])})
             if phase.get("runs", True):
-                sp = SamplingParams(temperature=0.0, max_tokens=a["output_len"], ignore_eos=True,
-                                    detokenize=False)
-                warm = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
-                                      detokenize=False)
-                llm.generate(_prompts(max(a["concurrency"]), a["input_len"], a["vocab"], 1),
-                             warm, use_tqdm=False)
+                sp = SamplingParams(
+                    temperature=0.0, max_tokens=a["output_len"], ignore_eos=True, detokenize=False
+                )
+                warm = SamplingParams(
+                    temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False
+                )
+                llm.generate(
+                    _prompts(max(a["concurrency"]), a["input_len"], a["vocab"], 1),
+                    warm,
+                    use_tqdm=False,
+                )
                 als = phase.get("acceptance_lengths") or [None]
                 seed = 100
                 stop = False
                 for rep in range(a["repeats"]):
                     for al in als:
                         if al is not None:
-                            got = llm.collective_rpc("dspark_bench_ctl",
-                                                     args=("set_acceptance_length", al))
+                            got = llm.collective_rpc(
+                                "dspark_bench_ctl", args=("set_acceptance_length", al)
+                            )
                             if not any(g.get("applied") for g in got):
                                 raise RuntimeError(f"no worker switched to AL {al}: {got}")
                         for c in a["concurrency"]:
                             if left() < phase.get("run_reserve_s", 10):
-                                emit({"type": "skip", "what": f"{name}/{plugin} rep {rep} AL {al} "
-                                      f"C {c} and later", "why": f"budget: {left():.0f} s left"})
+                                emit(
+                                    {
+                                        "type": "skip",
+                                        "what": f"{name}/{plugin} rep {rep} AL {al} "
+                                        f"C {c} and later",
+                                        "why": f"budget: {left():.0f} s left",
+                                    }
+                                )
                                 stop = True
                                 break
                             seed += 1
                             r = _one_run(llm, sp, c, a, seed)
-                            r.update(type="run", engine=name, plugin=plugin,
-                                     acceptance_length=al, repeat=rep)
+                            r.update(
+                                type="run",
+                                engine=name,
+                                plugin=plugin,
+                                acceptance_length=al,
+                                repeat=rep,
+                            )
                             emit(r)
                         if stop:
                             break
@@ -353,8 +413,14 @@ def child_main(spec_path: str) -> int:
         except Exception as e:  # noqa: BLE001
             import traceback
 
-            emit({"type": "error", "what": f"{name} runs (plugin {plugin})",
-                  "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]})
+            emit(
+                {
+                    "type": "error",
+                    "what": f"{name} runs (plugin {plugin})",
+                    "error": f"{type(e).__name__}: {e}",
+                    "trace": traceback.format_exc()[-3000:],
+                }
+            )
         finally:
             _shutdown(llm)
     os._exit(0)  # do not linger in vLLM's atexit handlers
@@ -366,11 +432,18 @@ def _plan_prediction(p: dict) -> dict:
 
     out = {}
     for role in ("kv_both", "kv_producer"):
-        kvt = {"kv_connector": "DSparkDraftKVFileConnector",
-               "kv_connector_module_path": "dspark_pp_draft_kv_connector", "kv_role": role,
-               "kv_connector_extra_config": {"shared_storage_path": p["store"]}}
-        plan = make_plan(p["target"], speculative_config=p["speculative_config"],
-                         kv_transfer_config=kvt, extra_engine_args={"max_model_len": 1024})
+        kvt = {
+            "kv_connector": "DSparkDraftKVFileConnector",
+            "kv_connector_module_path": "dspark_pp_draft_kv_connector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": p["store"]},
+        }
+        plan = make_plan(
+            p["target"],
+            speculative_config=p["speculative_config"],
+            kv_transfer_config=kvt,
+            extra_engine_args={"max_model_len": 1024},
+        )
         out[role] = plan.extra
     return out
 
@@ -383,19 +456,25 @@ def make_hook_dist(root: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "METADATA").write_text("Metadata-Version: 2.1\nName: dspark-bench-hooks\nVersion: 0.0\n")
     (d / "entry_points.txt").write_text(
-        f"[vllm.general_plugins]\n{BENCH_PLUGIN} = dspark_bench_hooks:register\n")
+        f"[vllm.general_plugins]\n{BENCH_PLUGIN} = dspark_bench_hooks:register\n"
+    )
     return root
 
 
-def run_child(spec: dict, work: Path, env: dict, timeout_s: float, log_path: Path,
-              records: Path) -> str:
+def run_child(
+    spec: dict, work: Path, env: dict, timeout_s: float, log_path: Path, records: Path
+) -> str:
     spec_path = work / f"child_{spec['plugin']}_{int(time.time() * 1000)}.json"
     spec_path.write_text(json.dumps(spec))
     seen = records.read_text().count("\n") if records.exists() else 0
     with log_path.open("ab") as logf:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_child",
-                                 str(spec_path)], env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--_child", str(spec_path)],
+            env=env,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         t_end = time.monotonic() + timeout_s
         status = "ok"
         try:
@@ -429,10 +508,12 @@ def _progress(records: Path, seen: int) -> int:
         t = r.get("type")
         if t == "run":
             al = r.get("acceptance_length")
-            log(f"{r['engine']}/{r['plugin']} AL={al} C={r['concurrency']} rep={r['repeat']}: "
+            log(
+                f"{r['engine']}/{r['plugin']} AL={al} C={r['concurrency']} rep={r['repeat']}: "
                 f"{(r['output_tok_s'] or 0):.1f} tok/s, TPOT {r['tpot_ms_mean']}, "
                 f"AL meas {r['measured_acceptance_length']}, target {r['target_ms']} ms, "
-                f"draft {r['draft_ms']} ms")
+                f"draft {r['draft_ms']} ms"
+            )
         elif t == "engine":
             log(f"engine {r['engine']} (plugin {r['plugin']}) up in {r['start_s']} s")
         elif t in ("skip", "error"):
@@ -453,13 +534,17 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=480.0)
-    ap.add_argument("--reserve-s", type=float, default=150.0,
-                    help="budget kept for the plugin-off child")
+    ap.add_argument(
+        "--reserve-s", type=float, default=150.0, help="budget kept for the plugin-off child"
+    )
     ap.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (CPU dry runs)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--phases", default="dspark,producer,nospec,off",
-                    help="which parts to run, in this order within the plugin-on child")
+    ap.add_argument(
+        "--phases",
+        default="dspark,producer,nospec,off",
+        help="which parts to run, in this order within the plugin-on child",
+    )
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
@@ -487,9 +572,11 @@ def main(argv=None) -> int:
         vocab = SHAPES[a.shape].vocab_size
     concurrency = [int(x) for x in a.concurrency.split(",") if x]
     als = [float(x) for x in a.acceptance_lengths.split(",") if x]
-    common = dict(max_model_len=max(1024, a.input_len + a.output_len + 64),
-                  max_num_seqs=max(concurrency),
-                  pipeline_parallel_size=a.pipeline_parallel_size)
+    common = dict(
+        max_model_len=max(1024, a.input_len + a.output_len + 64),
+        max_num_seqs=max(concurrency),
+        pipeline_parallel_size=a.pipeline_parallel_size,
+    )
     if a.eager:
         common.update(enforce_eager=True, dtype="float32")
     else:
@@ -499,37 +586,64 @@ def main(argv=None) -> int:
     nospec_llm = engine_kwargs(paths, spec=False, **common)
     store = work / "producer-kv"
     store.mkdir()
-    kvt = {"kv_connector": "DSparkDraftKVFileConnector",
-           "kv_connector_module_path": "dspark_pp_draft_kv_connector", "kv_role": "kv_producer",
-           "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    kvt = {
+        "kv_connector": "DSparkDraftKVFileConnector",
+        "kv_connector_module_path": "dspark_pp_draft_kv_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
     prod_common = dict(common, enforce_eager=True)
     if not a.eager:
         prod_common["gpu_memory_utilization"] = 0.35
-    producer_llm = engine_kwargs(paths, spec=True, k=k, kv_transfer_config=kvt,
-                                 **{kk: v for kk, v in prod_common.items()})
-    plan_req = {"target": paths.target, "store": str(store),
-                "speculative_config": {"method": "dspark", "model": paths.draft,
-                                       "num_speculative_tokens": k}}
-    run_args = {"concurrency": concurrency, "input_len": a.input_len, "output_len": a.output_len,
-                "repeats": a.repeats, "vocab": vocab}
+    producer_llm = engine_kwargs(
+        paths, spec=True, k=k, kv_transfer_config=kvt, **{kk: v for kk, v in prod_common.items()}
+    )
+    plan_req = {
+        "target": paths.target,
+        "store": str(store),
+        "speculative_config": {
+            "method": "dspark",
+            "model": paths.draft,
+            "num_speculative_tokens": k,
+        },
+    }
+    run_args = {
+        "concurrency": concurrency,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "repeats": a.repeats,
+        "vocab": vocab,
+    }
     phases_on = []
     wanted = [p.strip() for p in a.phases.split(",") if p.strip()]
     for p in wanted:
         if p == "dspark":
-            phases_on.append({"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als,
-                              "min_s": 60})
+            phases_on.append(
+                {"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als, "min_s": 60}
+            )
         elif p == "producer":
-            phases_on.append({"engine": "producer", "llm": producer_llm, "runs": False,
-                              "plan": plan_req, "min_s": 40})
+            phases_on.append(
+                {
+                    "engine": "producer",
+                    "llm": producer_llm,
+                    "runs": False,
+                    "plan": plan_req,
+                    "min_s": 40,
+                }
+            )
         elif p == "nospec":
             phases_on.append({"engine": "nospec", "llm": nospec_llm, "min_s": 60})
-    phases_off = ([{"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als, "min_s": 60}]
-                  if "off" in wanted else [])
+    phases_off = (
+        [{"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als, "min_s": 60}]
+        if "off" in wanted
+        else []
+    )
 
     hooks_root = make_hook_dist(work / "hooks")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE), str(hooks_root), str(REPO), str(CONNECTOR_DIR), env.get("PYTHONPATH", "")])
+        [str(HERE), str(hooks_root), str(REPO), str(CONNECTOR_DIR), env.get("PYTHONPATH", "")]
+    )
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -557,8 +671,14 @@ def main(argv=None) -> int:
 
     children = []
     if phases_on:
-        children.append(("on", phases_on, f"{PLUGIN},{BENCH_PLUGIN}",
-                         deadline - (a.reserve_s if phases_off else 0)))
+        children.append(
+            (
+                "on",
+                phases_on,
+                f"{PLUGIN},{BENCH_PLUGIN}",
+                deadline - (a.reserve_s if phases_off else 0),
+            )
+        )
     if phases_off:
         children.append(("off", phases_off, BENCH_PLUGIN, deadline))
     statuses = {}
@@ -567,17 +687,33 @@ def main(argv=None) -> int:
         log(f"child plugin={plugin}: phases {[p['engine'] for p in phases]}, {left:.0f} s")
         if left < 30:
             with records.open("a") as f:
-                f.write(json.dumps({"type": "skip", "what": f"child plugin {plugin}",
-                                    "why": f"budget: {left:.0f} s left"}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "type": "skip",
+                            "what": f"child plugin {plugin}",
+                            "why": f"budget: {left:.0f} s left",
+                        }
+                    )
+                    + "\n"
+                )
             continue
         cenv = dict(env, VLLM_PLUGINS=plugins_env)
-        spec = {"plugin": plugin, "phases": phases, "records": str(records),
-                "deadline_unix": child_deadline, "args": run_args}
+        spec = {
+            "plugin": plugin,
+            "phases": phases,
+            "records": str(records),
+            "deadline_unix": child_deadline,
+            "args": run_args,
+        }
         # Hard limit: the child's own deadline plus grace for an engine start in flight.
         statuses[plugin] = run_child(spec, work, cenv, max(left + 30, 60), log_path, records)
         log(f"child plugin={plugin}: {statuses[plugin]}")
-    recs = [json.loads(x) for x in records.read_text().splitlines() if x.strip()] \
-        if records.exists() else []
+    recs = (
+        [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
+        if records.exists()
+        else []
+    )
     result = build_result(meta, recs)
     result["child_status"] = statuses
     result["wall_s"] = round(time.time() - t_start, 1)
@@ -591,9 +727,15 @@ def main(argv=None) -> int:
 def _tiny_shape(paths: ShapePaths) -> dict:
     t = json.loads((Path(paths.target) / "config.json").read_text())
     d = json.loads((Path(paths.draft) / "config.json").read_text())
-    return {"name": "tiny", "hidden_size": t["hidden_size"], "num_layers": t["num_hidden_layers"],
-            "vocab_size": t["vocab_size"], "draft_layers": d["num_hidden_layers"],
-            "target_layer_ids": d["target_layer_ids"], "markov_rank": d["markov_rank"]}
+    return {
+        "name": "tiny",
+        "hidden_size": t["hidden_size"],
+        "num_layers": t["num_hidden_layers"],
+        "vocab_size": t["vocab_size"],
+        "draft_layers": d["num_hidden_layers"],
+        "target_layer_ids": d["target_layer_ids"],
+        "markov_rank": d["markov_rank"],
+    }
 
 
 def _versions() -> dict:
@@ -606,9 +748,19 @@ def _versions() -> dict:
         except PackageNotFoundError:
             out[f"{pkg}_version"] = None
     try:
-        out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                     "--format=csv,noheader"], capture_output=True, text=True,
-                                    timeout=20).stdout.strip() or None
+        out["gpu"] = (
+            subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,memory.total,driver_version",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.TimeoutExpired):
         out["gpu"] = None
     return out

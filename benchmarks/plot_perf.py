@@ -57,11 +57,17 @@ def throughput_table(res: dict) -> str:
 
 
 def ratio_table(res: dict) -> str:
-    lines = ["| AL | C | plugin on tok/s | plugin off tok/s | on/off |", "|---:|---:|---:|---:|---:|"]
-    for p in sorted(res.get("plugin_ratio", []),
-                    key=lambda p: (p["acceptance_length"], p["concurrency"])):
-        lines.append(f"| {p['acceptance_length']:g} | {p['concurrency']} | {p['on_tok_s']:.1f} | "
-                     f"{p['off_tok_s']:.1f} | {p['ratio']:.3f} |")
+    lines = [
+        "| AL | C | plugin on tok/s | plugin off tok/s | on/off |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for p in sorted(
+        res.get("plugin_ratio", []), key=lambda p: (p["acceptance_length"], p["concurrency"])
+    ):
+        lines.append(
+            f"| {p['acceptance_length']:g} | {p['concurrency']} | {p['on_tok_s']:.1f} | "
+            f"{p['off_tok_s']:.1f} | {p['ratio']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -74,28 +80,36 @@ def step_table(res: dict) -> str:
         if r["engine"] == "dspark" and r["plugin"] != "on":
             continue
         share = (r["draft_ms"] / r["step_ms"]) if r.get("draft_ms") and r.get("step_ms") else None
-        lines.append(f"| {_label(r)} | {r['concurrency']} | {_f(r['target_ms'], '.3f')} | "
-                     f"{_f(r['draft_ms'], '.3f')} | {_f(r['step_ms'], '.3f')} | "
-                     f"{_f(share * 100 if share is not None else None, '.1f')}{'%' if share else ''} |")
+        lines.append(
+            f"| {_label(r)} | {r['concurrency']} | {_f(r['target_ms'], '.3f')} | "
+            f"{_f(r['draft_ms'], '.3f')} | {_f(r['step_ms'], '.3f')} | "
+            f"{_f(share * 100 if share is not None else None, '.1f')}{'%' if share else ''} |"
+        )
     return "\n".join(lines)
 
 
 def memory_table(res: dict) -> str:
     mem = res.get("memory") or {}
     plan = res.get("plan") or {}
-    lines = ["| drafter | allocator delta at load | peak during load | own parameters | "
-             "plan predicts |", "|---|---:|---:|---:|---|"]
-    for key, label, role in (("dspark/on", "full DSpark drafter", "kv_both"),
-                             ("producer/on", "context-KV-only drafter (producer)", "kv_producer")):
+    lines = [
+        "| drafter | allocator delta at load | peak during load | own parameters | plan predicts |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for key, label, role in (
+        ("dspark/on", "full DSpark drafter", "kv_both"),
+        ("producer/on", "context-KV-only drafter (producer)", "kv_producer"),
+    ):
         d = (mem.get(key) or {}).get("draft_load") or {}
         pred = ((plan.get(role) or {}).get("draft bytes")) or "-"
 
         def mib(x):
             return "-" if x is None else f"{x / MIB:.1f} MiB"
 
-        lines.append(f"| {label} | {mib(d.get('allocated_delta_bytes'))} | "
-                     f"{mib(d.get('peak_delta_bytes'))} | {mib(d.get('param_bytes_own'))} | "
-                     f"{pred} |")
+        lines.append(
+            f"| {label} | {mib(d.get('allocated_delta_bytes'))} | "
+            f"{mib(d.get('peak_delta_bytes'))} | {mib(d.get('param_bytes_own'))} | "
+            f"{pred} |"
+        )
     return "\n".join(lines)
 
 
@@ -125,8 +139,11 @@ def shape_markdown(res: dict) -> str:
     ]
     engines = res.get("engines") or []
     if engines:
-        parts += ["", "Engine start-up: " + ", ".join(
-            f"{e['engine']}/{e['plugin']} {e['start_s']} s" for e in engines)]
+        parts += [
+            "",
+            "Engine start-up: "
+            + ", ".join(f"{e['engine']}/{e['plugin']} {e['start_s']} s" for e in engines),
+        ]
     notes = [f"skipped: {s.get('what')} ({s.get('why')})" for s in res.get("skipped", [])]
     notes += [f"error: {e.get('what')}: {str(e.get('error'))[:300]}" for e in res.get("errors", [])]
     if notes:
@@ -186,8 +203,12 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+")
     ap.add_argument("--out-dir", type=Path, default=None, help="PNG directory")
     ap.add_argument("--md", type=Path, default=None)
-    ap.add_argument("--fill", type=Path, default=None,
-                    help="write the tables (and PNG links) into this file's GENERATED block")
+    ap.add_argument(
+        "--fill",
+        type=Path,
+        default=None,
+        help="write the tables (and PNG links) into this file's GENERATED block",
+    )
     a = ap.parse_args(argv)
     results = load(a.results)
     parts = []

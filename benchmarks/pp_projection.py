@@ -82,8 +82,11 @@ def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict
     hidden = int(shape.get("hidden_size", 4096))
     taps = list(shape.get("target_layer_ids", (1, 9, 17, 25, 33)))
     n_taps0 = pp2_stage0_taps(taps, num_layers)
-    rows_pp1 = {(r["acceptance_length"], r["concurrency"]): r for r in res["rows"]
-                if r["engine"] == "dspark" and r["plugin"] == "on"}
+    rows_pp1 = {
+        (r["acceptance_length"], r["concurrency"]): r
+        for r in res["rows"]
+        if r["engine"] == "dspark" and r["plugin"] == "on"
+    }
     out_rows = []
     for (al, c), r in sorted(rows_pp1.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
         if r.get("target_ms") is None or r.get("step_ms") is None:
@@ -101,18 +104,28 @@ def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict
         t_pp2 = t_target + t_x + t_rest + t_draft + t_tok
         bubble = t_rest + t_draft + t_tok
         two_wave = max(t_target / 2 + t_x, t_target / 2 + t_rest + t_draft + t_tok)
-        out_rows.append({
-            "acceptance_length": al, "concurrency": c, "tau": tau,
-            "target_ms": t_target, "target_ms_per_layer": t_target / num_layers,
-            "draft_ms": t_draft, "rest_ms": t_rest, "t_x_ms": t_x, "t_tok_ms": t_tok,
-            "activation_bytes": act_bytes, "token_bytes_stock": tb["stock"],
-            "token_bytes_ours": tb["ours"],
-            "pp1_tok_s_model": c * tau / t_pp1 * 1e3,
-            "pp1_tok_s_measured": r.get("output_tok_s"),
-            "pp2_one_wave_tok_s": c * tau / t_pp2 * 1e3,
-            "pp2_two_waves_tok_s": 2 * c * tau / (2 * two_wave) * 1e3,
-            "bubble_ms": bubble, "bubble_share_one_wave": bubble / t_pp2,
-        })
+        out_rows.append(
+            {
+                "acceptance_length": al,
+                "concurrency": c,
+                "tau": tau,
+                "target_ms": t_target,
+                "target_ms_per_layer": t_target / num_layers,
+                "draft_ms": t_draft,
+                "rest_ms": t_rest,
+                "t_x_ms": t_x,
+                "t_tok_ms": t_tok,
+                "activation_bytes": act_bytes,
+                "token_bytes_stock": tb["stock"],
+                "token_bytes_ours": tb["ours"],
+                "pp1_tok_s_model": c * tau / t_pp1 * 1e3,
+                "pp1_tok_s_measured": r.get("output_tok_s"),
+                "pp2_one_wave_tok_s": c * tau / t_pp2 * 1e3,
+                "pp2_two_waves_tok_s": 2 * c * tau / (2 * two_wave) * 1e3,
+                "bubble_ms": bubble,
+                "bubble_share_one_wave": bubble / t_pp2,
+            }
+        )
     # where PP=2 (two waves of C on 2x memory) overtakes PP=1 serving the same 2C requests
     overtake = {}
     for al in sorted({r["acceptance_length"] for r in out_rows}, key=lambda x: x or 0):
@@ -124,9 +137,16 @@ def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict
                 found = c
                 break
         overtake[str(al)] = found
-    return {"shape": res.get("shape"), "k": k, "num_layers": num_layers,
-            "stage0_taps": n_taps0, "link_gbps": link_gbps, "bcast_us": bcast_us,
-            "rows": out_rows, "overtake_concurrency": overtake}
+    return {
+        "shape": res.get("shape"),
+        "k": k,
+        "num_layers": num_layers,
+        "stage0_taps": n_taps0,
+        "link_gbps": link_gbps,
+        "bcast_us": bcast_us,
+        "rows": out_rows,
+        "overtake_concurrency": overtake,
+    }
 
 
 def markdown(p: dict, gloo: dict | None = None) -> str:
@@ -148,18 +168,35 @@ def markdown(p: dict, gloo: dict | None = None) -> str:
             f"{r['rest_ms']:.2f} | {r['t_x_ms']:.3f} + {r['t_tok_ms']:.3f} | "
             f"{r['pp1_tok_s_model']:.0f} / {meas if meas is None else round(meas)} | "
             f"{r['pp2_one_wave_tok_s']:.0f} | {r['pp2_two_waves_tok_s']:.0f} | "
-            f"{r['bubble_ms']:.2f} ({100 * r['bubble_share_one_wave']:.0f}%) |")
-    lines += ["", "PP=2 (two waves on 2x memory) overtakes PP=1 at: " + ", ".join(
-        f"AL {al}: C={c if c is not None else 'not within the measured range'}"
-        for al, c in p["overtake_concurrency"].items())]
-    lines += ["", "Token exchange bytes per step (k=7): " + ", ".join(
-        f"N={n}: stock {token_exchange_bytes(n, p['k'])['stock']} B, ours "
-        f"{token_exchange_bytes(n, p['k'])['ours']} B" for n in (1, 4, 16, 32, 64))]
+            f"{r['bubble_ms']:.2f} ({100 * r['bubble_share_one_wave']:.0f}%) |"
+        )
+    lines += [
+        "",
+        "PP=2 (two waves on 2x memory) overtakes PP=1 at: "
+        + ", ".join(
+            f"AL {al}: C={c if c is not None else 'not within the measured range'}"
+            for al, c in p["overtake_concurrency"].items()
+        ),
+    ]
+    lines += [
+        "",
+        "Token exchange bytes per step (k=7): "
+        + ", ".join(
+            f"N={n}: stock {token_exchange_bytes(n, p['k'])['stock']} B, ours "
+            f"{token_exchange_bytes(n, p['k'])['ours']} B"
+            for n in (1, 4, 16, 32, 64)
+        ),
+    ]
     if gloo:
         from exchange_gloo import markdown as gloo_md
 
-        lines += ["", f"Exchange over gloo (CPU, {gloo.get('date_utc')} UTC, "
-                  f"{gloo.get('iters')} steps each):", "", gloo_md(gloo["rows"])]
+        lines += [
+            "",
+            f"Exchange over gloo (CPU, {gloo.get('date_utc')} UTC, "
+            f"{gloo.get('iters')} steps each):",
+            "",
+            gloo_md(gloo["rows"]),
+        ]
     return "\n".join(lines)
 
 
@@ -175,8 +212,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bcast-us", type=float, default=20.0)
     ap.add_argument("--md", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--fill", type=Path, default=None,
-                    help="write into this file's PROJECTION block (docs/performance-bound.md)")
+    ap.add_argument(
+        "--fill",
+        type=Path,
+        default=None,
+        help="write into this file's PROJECTION block (docs/performance-bound.md)",
+    )
     a = ap.parse_args(argv)
     res = json.loads(Path(a.result).read_text())
     p = project(res, a.link_gbps, a.bcast_us)

@@ -49,15 +49,19 @@ def main() -> int:
     table = rows()
     comp = table[0][1]["components"]
     if args.markdown:
-        print("| markov rank | full drafter (own embed + LM head) | full, embed/LM head shared "
-              "with target | context-KV-only | saved vs shared-full |")
+        print(
+            "| markov rank | full drafter (own embed + LM head) | full, embed/LM head shared "
+            "with target | context-KV-only | saved vs shared-full |"
+        )
         print("|---:|---:|---:|---:|---:|")
         for r, full, ctx in table:
             shared_full = full["full_bytes_excluding_shared"]
-            print(f"| {r} | {full['full_bytes'] / GIB:.3f} GiB | {shared_full / GIB:.3f} GiB | "
-                  f"{ctx['context_only_bytes'] / GIB:.3f} GiB | "
-                  f"{(shared_full - ctx['context_only_bytes']) / GIB:.3f} GiB "
-                  f"({100 * (1 - ctx['context_only_bytes'] / shared_full):.1f}%) |")
+            print(
+                f"| {r} | {full['full_bytes'] / GIB:.3f} GiB | {shared_full / GIB:.3f} GiB | "
+                f"{ctx['context_only_bytes'] / GIB:.3f} GiB | "
+                f"{(shared_full - ctx['context_only_bytes']) / GIB:.3f} GiB "
+                f"({100 * (1 - ctx['context_only_bytes'] / shared_full):.1f}%) |"
+            )
         print()
         print("| component (rank 0) | bytes | context-only keeps it |")
         print("|---|---:|:---:|")
@@ -66,9 +70,11 @@ def main() -> int:
             print(f"| {k} | {v:,} | {'yes' if k in keep else 'no'} |")
     else:
         for r, full, ctx in table:
-            print(f"markov_rank={r}: full={full['full_bytes']:,} B "
-                  f"(shared embed/LM head: {full['full_bytes_excluding_shared']:,} B), "
-                  f"context-only={ctx['context_only_bytes']:,} B")
+            print(
+                f"markov_rank={r}: full={full['full_bytes']:,} B "
+                f"(shared embed/LM head: {full['full_bytes_excluding_shared']:,} B), "
+                f"context-only={ctx['context_only_bytes']:,} B"
+            )
     return 0
 
 

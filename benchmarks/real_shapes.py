@@ -79,14 +79,29 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {
     "qwen3-8b": Shape(
-        "qwen3-8b", hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-        num_kv_heads=8, head_dim=128, tie_word_embeddings=False,
-        sources=("Qwen/Qwen3-8B config.json", "deepseek-ai/dspark_qwen3_8b_block7 via "
-                 "NVIDIA-NeMo/RL docs/guides/dflash-dspark-speculative-decoding.md"),
+        "qwen3-8b",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        sources=(
+            "Qwen/Qwen3-8B config.json",
+            "deepseek-ai/dspark_qwen3_8b_block7 via "
+            "NVIDIA-NeMo/RL docs/guides/dflash-dspark-speculative-decoding.md",
+        ),
     ),
     "qwen3-4b": Shape(
-        "qwen3-4b", hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
-        num_kv_heads=8, head_dim=128, tie_word_embeddings=True,
+        "qwen3-4b",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
         sources=("Qwen/Qwen3-4B config.json", "huggingface.co/alice1001/dspark_qwen3_4b_block7"),
     ),
 }

@@ -45,16 +45,30 @@ CONFIGS = {
     "pp2_plain": {"pp": 2, "tp": 1, "spec": False},
     "tp2_dspark": {"pp": 1, "tp": 2, "spec": True},
 }
-WIDE = dict(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128)
+WIDE = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+)
 
 
 def make_models(size: str, root: Path):
     from vllm_dspark_pp.tiny_models import make_tiny_models
 
     if size == "tiny":
-        return make_tiny_models(root, seed=0, dtype="bfloat16", hidden_size=128, intermediate_size=256, head_dim=64)
+        return make_tiny_models(
+            root, seed=0, dtype="bfloat16", hidden_size=128, intermediate_size=256, head_dim=64
+        )
     return make_tiny_models(
-        root, seed=0, dtype="bfloat16", target_layer_ids=(1, 13, 26), max_position_embeddings=4096, **WIDE
+        root,
+        seed=0,
+        dtype="bfloat16",
+        target_layer_ids=(1, 13, 26),
+        max_position_embeddings=4096,
+        **WIDE,
     )
 
 
@@ -78,7 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,4,16,32,64")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--budget-s", type=float, default=540, help="stop starting new levels after this")
+    ap.add_argument(
+        "--budget-s", type=float, default=540, help="stop starting new levels after this"
+    )
     a = ap.parse_args(argv)
     out = Path(a.out)
     tag = f"{a.config}_{a.model_size}"
@@ -89,7 +105,12 @@ def main(argv=None) -> int:
         rep.add("GPUs", "FAIL", f"needs {cfg['pp'] * cfg['tp']}, found {n_gpu}")
         return rep.finish()
     guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", **guard.env()}
+    env = {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        **guard.env(),
+    }
     pair = make_models(a.model_size, Path(tempfile.mkdtemp(prefix="dspark-bench-models-")))
     args = [
         "--dtype", "bfloat16", "--max-model-len", str(a.input_len + a.output_len + 64), "--max-num-seqs", "64",
@@ -120,14 +141,24 @@ def main(argv=None) -> int:
                 "--percentile-metrics", "ttft,tpot,itl",
                 "--save-result", "--result-dir", str(res_dir), "--result-filename", "r.json",
             ]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, **env})
-            rep.log(f"bench c={c} rc={proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-800:]}")
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=240, env={**os.environ, **env}
+            )
+            rep.log(
+                f"bench c={c} rc={proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-800:]}"
+            )
             if proc.returncode != 0 or not (res_dir / "r.json").exists():
                 rep.add(f"concurrency {c}", "FAIL", f"bench serve rc={proc.returncode}")
                 continue
             r = json.loads((res_dir / "r.json").read_text())
-            d = counter_delta(before, spec_counters(parse_prometheus(http_text(srv.url + "/metrics"))))
-            acc = 100.0 * d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
+            d = counter_delta(
+                before, spec_counters(parse_prometheus(http_text(srv.url + "/metrics")))
+            )
+            acc = (
+                100.0 * d["num_accepted_tokens"] / d["num_draft_tokens"]
+                if d["num_draft_tokens"]
+                else None
+            )
             row = {
                 "config": a.config,
                 "model_size": a.model_size,
@@ -141,7 +172,11 @@ def main(argv=None) -> int:
                 "spec_counters": d,
             }
             rows.append(row)
-            rep.add(f"concurrency {c}", "PASS", f"{row['output_throughput']:.0f} tok/s, TPOT {row['mean_tpot_ms']:.2f} ms, acc {acc}")
+            rep.add(
+                f"concurrency {c}",
+                "PASS",
+                f"{row['output_throughput']:.0f} tok/s, TPOT {row['mean_tpot_ms']:.2f} ms, acc {acc}",
+            )
     except (GPUCaseFailure, subprocess.TimeoutExpired, OSError) as e:
         rep.add("server / benchmark", "FAIL", str(e).splitlines()[0][:200])
         srv.save_log("bench")

@@ -46,26 +46,48 @@ def run_one(args, spec: bool) -> dict:
     from vllm_dspark_pp.dev.engine import child_env, run_engine
 
     prompts, _ = _prompts(args.num_prompts)
-    llm = {"model": os.path.join(args.pair, "target"), "dtype": args.dtype,
-           "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-           "enforce_eager": True, "pipeline_parallel_size": args.pp, "seed": 0}
+    llm = {
+        "model": os.path.join(args.pair, "target"),
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "enforce_eager": True,
+        "pipeline_parallel_size": args.pp,
+        "seed": 0,
+    }
     if spec:
-        llm["speculative_config"] = {"method": "dspark", "num_speculative_tokens": args.k,
-                                     "model": os.path.join(args.pair, "dspark-draft")}
-    job = {"name": "tiny-pair-acceptance", "llm": llm, "waves": [prompts],
-           "sampling": {"max_tokens": args.max_tokens, "ignore_eos": False}}
-    print(f"[tiny_pair_acceptance] running {f'DSpark k={args.k}' if spec else 'no speculation'} "
-          f"on {args.num_prompts} prompts ...", flush=True)
+        llm["speculative_config"] = {
+            "method": "dspark",
+            "num_speculative_tokens": args.k,
+            "model": os.path.join(args.pair, "dspark-draft"),
+        }
+    job = {
+        "name": "tiny-pair-acceptance",
+        "llm": llm,
+        "waves": [prompts],
+        "sampling": {"max_tokens": args.max_tokens, "ignore_eos": False},
+    }
+    print(
+        f"[tiny_pair_acceptance] running {f'DSpark k={args.k}' if spec else 'no speculation'} "
+        f"on {args.num_prompts} prompts ...",
+        flush=True,
+    )
     run = run_engine(job, timeout_s=args.timeout, env=child_env({}))
     if run.timed_out:
-        raise SystemExit(f"vLLM run timed out after {args.timeout}s in phase {run.phase!r} and was "
-                         "killed (raise --timeout)")
+        raise SystemExit(
+            f"vLLM run timed out after {args.timeout}s in phase {run.phase!r} and was "
+            "killed (raise --timeout)"
+        )
     if not run.ok:
         sys.stderr.write(run.log_text[-8000:])
         raise SystemExit(f"vLLM run failed in phase {run.phase!r}: {run.result.get('error')}")
     wave = run.result["waves"][0]
-    return {"tokens": wave["tokens"], "texts": wave["texts"], "metrics": wave["metrics"],
-            "generate_s": run.result.get("generate_s", 0.0)}
+    return {
+        "tokens": wave["tokens"],
+        "texts": wave["texts"],
+        "metrics": wave["metrics"],
+        "generate_s": run.result.get("generate_s", 0.0),
+    }
 
 
 def main() -> int:
@@ -90,17 +112,28 @@ def main() -> int:
     acc_len = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else float("nan")
     per_pos = [a / drafts for a in m.get("accepted_per_pos", [])] if drafts else []
     same = sum(a == b for a, b in zip(base["tokens"], spec["tokens"], strict=True))
-    acc_base = sum(answer_value(t) == v for t, v in zip(base["texts"], values, strict=True)) / len(values)
-    acc_spec = sum(answer_value(t) == v for t, v in zip(spec["texts"], values, strict=True)) / len(values)
+    acc_base = sum(answer_value(t) == v for t, v in zip(base["texts"], values, strict=True)) / len(
+        values
+    )
+    acc_spec = sum(answer_value(t) == v for t, v in zip(spec["texts"], values, strict=True)) / len(
+        values
+    )
     result = {
         "pair": os.path.relpath(args.pair, REPO) if args.pair.startswith(REPO) else args.pair,
-        "num_prompts": args.num_prompts, "k": args.k, "pp": args.pp, "dtype": args.dtype,
-        "mean_acceptance_length": acc_len, "per_position_acceptance": per_pos,
-        "num_drafts": drafts, "num_draft_tokens": m.get("num_draft_tokens", 0),
+        "num_prompts": args.num_prompts,
+        "k": args.k,
+        "pp": args.pp,
+        "dtype": args.dtype,
+        "mean_acceptance_length": acc_len,
+        "per_position_acceptance": per_pos,
+        "num_drafts": drafts,
+        "num_draft_tokens": m.get("num_draft_tokens", 0),
         "num_accepted_tokens": m.get("num_accepted_tokens", 0),
         "lossless_identical_outputs": f"{same}/{len(values)}",
-        "accuracy_no_spec": acc_base, "accuracy_dspark": acc_spec,
-        "generate_s_no_spec": round(base["generate_s"], 2), "generate_s_dspark": round(spec["generate_s"], 2),
+        "accuracy_no_spec": acc_base,
+        "accuracy_dspark": acc_spec,
+        "generate_s_no_spec": round(base["generate_s"], 2),
+        "generate_s_dspark": round(spec["generate_s"], 2),
         "output_tokens": sum(len(t) for t in spec["tokens"]),
     }
     print(json.dumps(result, indent=2))
@@ -108,7 +141,10 @@ def main() -> int:
         with open(args.out_json, "w") as f:
             json.dump(result, f, indent=2)
     if same != len(values):
-        print("[tiny_pair_acceptance] LOSSLESS CHECK FAILED: speculative outputs differ", file=sys.stderr)
+        print(
+            "[tiny_pair_acceptance] LOSSLESS CHECK FAILED: speculative outputs differ",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -105,7 +105,9 @@ def _vocab_words(vocab_size: int) -> list[str]:
             seen.add(w)
             words.append(w)
     if len(words) > vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the built-in corpus ({len(words)})")
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the built-in corpus ({len(words)})"
+        )
     words += [f"tok{i}" for i in range(len(words), vocab_size)]
     return words
 
@@ -135,7 +137,12 @@ def _write_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
     _write_json(out / "tokenizer_config.json", tok_cfg)
     _write_json(
         out / "special_tokens_map.json",
-        {"pad_token": "<|pad|>", "unk_token": "<|unk|>", "eos_token": "<|endoftext|>", "mask_token": "<|mask|>"},
+        {
+            "pad_token": "<|pad|>",
+            "unk_token": "<|unk|>",
+            "eos_token": "<|endoftext|>",
+            "mask_token": "<|mask|>",
+        },
     )
     return ids
 

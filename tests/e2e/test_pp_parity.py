@@ -48,7 +48,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.quick
-def test_pp2_dspark_sync_without_chunked_prefill_is_lossless(random_reference, random_pp2_unchunked):
+def test_pp2_dspark_sync_without_chunked_prefill_is_lossless(
+    random_reference, random_pp2_unchunked
+):
     """The developer loop's PP=2 check: a real PP=2 DSpark generation under synchronous
     scheduling gives exactly the PP=1 no-spec tokens."""
     res = random_pp2_unchunked
@@ -88,7 +90,9 @@ def test_pair_pp1_dspark_is_lossless_and_accepts(pair_reference, pair_pp1):
     # ... and informative counters: some drafts are rejected, at more than one position > 0
     # (accepted counts per position drop there), so a shifted or lost draft would show.
     drops = [i for i in range(1, k) if per_pos[i] < per_pos[i - 1]]
-    assert len(drops) >= 2, f"acceptance is not informative enough for a parity check: {describe(m)}"
+    assert len(drops) >= 2, (
+        f"acceptance is not informative enough for a parity check: {describe(m)}"
+    )
     assert all(len(t) < PAIR_MAX_TOKENS for t in pair_pp1.tokens)
 
 

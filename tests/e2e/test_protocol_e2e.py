@@ -32,7 +32,11 @@ def test_pp2_dspark_async_fixed_graph_batch_with_an_abort_is_lossless(
         e2e_timeout_s,
         pp=2,
         spec=False,
-        extra={"speculative_config": spec, "enable_chunked_prefill": True, "max_num_batched_tokens": 32},
+        extra={
+            "speculative_config": spec,
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": 32,
+        },
         async_scheduling=True,
         abort={"index": ABORTED, "after_tokens": 5},
     )
@@ -41,7 +45,10 @@ def test_pp2_dspark_async_fixed_graph_batch_with_an_abort_is_lossless(
     assert res.aborted
     for i, (ref_t, got_t) in enumerate(zip(random_reference.tokens, res.tokens, strict=True)):
         if i == ABORTED:
-            assert 5 <= len(got_t) < RANDOM_MAX_TOKENS and got_t == ref_t[: len(got_t)], (ref_t, got_t)
+            assert 5 <= len(got_t) < RANDOM_MAX_TOKENS and got_t == ref_t[: len(got_t)], (
+                ref_t,
+                got_t,
+            )
             assert res.finish_reasons[i] == "abort"
         else:
             assert got_t == ref_t, f"prompt {i} differs from PP=1 no-spec (another was aborted)"

@@ -69,9 +69,11 @@ def base_cfg():
     args = EngineArgs(
         model=TARGET_DIR,
         speculative_config={"method": "dspark", "model": DRAFT_DIR},
-        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
-                                            kv_role="kv_producer"),
-        dtype="bfloat16", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512,
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"),
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
         enforce_eager=True,
     )
     return args.create_engine_config()
@@ -92,8 +94,9 @@ def _dist():
         if ps._EP is None:
             # the tiny Qwen3 config the engine config came from is dense, so vLLM made no EP
             # group; the DeepSeek-V4 MoE layers of the full drafter need one (world of 1)
-            ps._EP = ps.init_model_parallel_group([[0]], get_world_group().local_rank, BACKEND,
-                                                  group_name="ep")
+            ps._EP = ps.init_model_parallel_group(
+                [[0]], get_world_group().local_rank, BACKEND, group_name="ep"
+            )
     from vllm.v1.worker.workspace import init_workspace_manager
 
     init_workspace_manager(DEV)
@@ -130,8 +133,13 @@ def _k3_target():
     import copy
 
     t = copy.copy(base_cfg.model_config.hf_config)
-    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
-                 "q_lora_rank"):
+    for name in (
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "kv_lora_rank",
+        "q_lora_rank",
+    ):
         setattr(t, name, getattr(DRAFT, name))
     return t
 
@@ -171,10 +179,31 @@ def _tree():
         "context_only": sum(p.numel() * p.element_size() for p in ctx.parameters()),
     }
     assert set(c_names) <= f_names, sorted(set(c_names) - f_names)
-    banned = ("embed", "lm_head", "markov", "confidence", "ffn", "mlp", "wq_", "wo_", "q_norm",
-              "q_a_", "q_b_", "kv_b_proj", "o_proj", "fused_qkv_a_proj", "fused_wqa_wkv",
-              "hc_", "final_norm", "model.norm.", "input_layernorm", "post_attention_layernorm",
-              "attn_norm", "ffn_norm", "attn_sink")
+    banned = (
+        "embed",
+        "lm_head",
+        "markov",
+        "confidence",
+        "ffn",
+        "mlp",
+        "wq_",
+        "wo_",
+        "q_norm",
+        "q_a_",
+        "q_b_",
+        "kv_b_proj",
+        "o_proj",
+        "fused_qkv_a_proj",
+        "fused_wqa_wkv",
+        "hc_",
+        "final_norm",
+        "model.norm.",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "attn_norm",
+        "ffn_norm",
+        "attn_sink",
+    )
     bad = [n for n in c_names if any(b in n for b in banned)]
     assert not bad, bad
     assert drafter.is_context_kv_only(ctx) and not drafter.is_context_kv_only(full)
@@ -183,14 +212,19 @@ def _tree():
 @step("kv_layer_names_and_specs_equal")
 def _specs():
     names = full.get_draft_kv_cache_layer_names()
-    assert names == ctx.get_draft_kv_cache_layer_names(), (names,
-                                                           ctx.get_draft_kv_cache_layer_names())
+    assert names == ctx.get_draft_kv_cache_layer_names(), (
+        names,
+        ctx.get_draft_kv_cache_layer_names(),
+    )
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     # the attention-like layers vLLM derives KV-cache specs from (attn_utils.get_kv_cache_spec);
     # the full DeepSeek-V4 drafter also registers its MoE experts, which hold no KV
-    f_layers = {n: m for n, m in fcfg.compilation_config.static_forward_context.items()
-                if isinstance(m, AttentionLayerBase)}
+    f_layers = {
+        n: m
+        for n, m in fcfg.compilation_config.static_forward_context.items()
+        if isinstance(m, AttentionLayerBase)
+    }
     c_layers = dict(ccfg.compilation_config.static_forward_context)
     assert all(isinstance(m, AttentionLayerBase) for m in c_layers.values())
     assert sorted(f_layers) == sorted(c_layers), (sorted(f_layers), sorted(c_layers))
@@ -209,8 +243,11 @@ def _specs():
 @step("skipped_weights")
 def _skipped():
     names = sorted(SHAPES)
-    filt = (deepseek_v4.is_dsv4_context_kv_weight if FAMILY == "dsv4"
-            else kimi_k3.is_k3_context_kv_weight)
+    filt = (
+        deepseek_v4.is_dsv4_context_kv_weight
+        if FAMILY == "dsv4"
+        else kimi_k3.is_k3_context_kv_weight
+    )
     kept = {n for n in names if filt(n)}
     assert kept == CONTEXT_NAMES, sorted(kept ^ CONTEXT_NAMES)
     report["facts"]["skipped_weights"] = sorted(set(names) - kept)
@@ -218,7 +255,9 @@ def _skipped():
 
 CKPT = tiny.make_checkpoint(
     {n: s for n, s in SHAPES.items() if n in CONTEXT_NAMES or FAMILY == "k3"},
-    seed=7, dtype=BF16, device=DEV,
+    seed=7,
+    dtype=BF16,
+    device=DEV,
 )
 
 
@@ -240,8 +279,11 @@ def _load():
     assert sorted(c_loaded) == sorted(n for n, _ in ctx.named_parameters())
     if FAMILY == "k3":
         assert f_loaded == {n for n, _ in full.named_parameters()}, "full K3 did not load all"
-    pw, cw = (("context_wkv_proj", "context_wkv_proj") if FAMILY == "dsv4"
-              else ("context_kv_proj", "context_kv_proj"))
+    pw, cw = (
+        ("context_wkv_proj", "context_wkv_proj")
+        if FAMILY == "dsv4"
+        else ("context_kv_proj", "context_kv_proj")
+    )
     assert torch.equal(getattr(full.model, pw).weight, getattr(ctx.model, cw).weight)
     _post_load(full)
     _post_load(ctx)
@@ -251,8 +293,11 @@ def _load():
 def _written():
     n_tok, n_blocks = 37, 4
     g = torch.Generator(device="cpu").manual_seed(11)
-    in_dim = (DRAFT.hidden_size * len(DRAFT.dspark_target_layer_ids) if FAMILY == "dsv4"
-              else DRAFT.target_hidden_size * DRAFT.num_target_layers)
+    in_dim = (
+        DRAFT.hidden_size * len(DRAFT.dspark_target_layer_ids)
+        if FAMILY == "dsv4"
+        else DRAFT.target_hidden_size * DRAFT.num_target_layers
+    )
     aux = (torch.randn(n_tok, in_dim, generator=g) * 0.5).to(BF16).to(DEV)
     positions = torch.arange(3, 3 + n_tok, device=DEV)
 
@@ -262,8 +307,12 @@ def _written():
             layers = vcfg.compilation_config.static_forward_context
             for name in model.get_draft_kv_cache_layer_names():
                 spec = layers[name].get_kv_cache_spec(vcfg)
-                cache = torch.zeros(n_blocks, spec.page_size_bytes // spec.dtype.itemsize,
-                                    dtype=spec.dtype, device=DEV)
+                cache = torch.zeros(
+                    n_blocks,
+                    spec.page_size_bytes // spec.dtype.itemsize,
+                    dtype=spec.dtype,
+                    device=DEV,
+                )
                 layers[name].kv_cache = cache
                 caches.append(cache)
             block = 64
@@ -271,8 +320,9 @@ def _written():
             block = vcfg.cache_config.block_size
             width = DRAFT.kv_lora_rank + DRAFT.qk_rope_head_dim
             for layer in model.model.layers:
-                layer.self_attn.kv_cache = torch.zeros(n_blocks, block, width, dtype=BF16,
-                                                       device=DEV)
+                layer.self_attn.kv_cache = torch.zeros(
+                    n_blocks, block, width, dtype=BF16, device=DEV
+                )
                 caches.append(layer.self_attn.kv_cache)
         slots = torch.randperm(n_blocks * block, generator=g)[:n_tok].to(DEV)
         with set_current_vllm_config(vcfg):
@@ -289,14 +339,18 @@ def _written():
     for i, (f, c) in enumerate(zip(f_caches, c_caches, strict=True)):
         assert f.view(torch.uint8).any(), f"layer {i}: the full drafter wrote nothing"
         assert torch.equal(f.view(torch.uint8), c.view(torch.uint8)), f"layer {i} differs"
-    report["facts"]["compared_cache_bytes"] = [int(f.numel() * f.element_size())
-                                               for f in f_caches]
+    report["facts"]["compared_cache_bytes"] = [int(f.numel() * f.element_size()) for f in f_caches]
 
 
 @step("drafting_refused")
 def _refused():
-    for call in ("forward", "compute_logits", "markov_embed", "compute_confidence",
-                 "embed_input_ids"):
+    for call in (
+        "forward",
+        "compute_logits",
+        "markov_embed",
+        "compute_confidence",
+        "embed_input_ids",
+    ):
         try:
             getattr(ctx, call)(torch.zeros(1, dtype=torch.long, device=DEV))
         except drafter.ContextOnlyDrafterError:

@@ -112,7 +112,11 @@ def gpu_jobs(gpu_models, gpu_waves):
         "spec_graphs",
         run_llm,
         "spec_graphs",
-        {"model": target, "speculative_config": spec_config(gpu_models), "compilation_config": GRAPH_COMPILATION_CONFIG},
+        {
+            "model": target,
+            "speculative_config": spec_config(gpu_models),
+            "compilation_config": GRAPH_COMPILATION_CONFIG,
+        },
         gpu_waves,
         timeout_s=TIMEOUTS["graphs"],
         sampling=sampling,
@@ -156,7 +160,10 @@ def gpu_jobs(gpu_models, gpu_waves):
         common += ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
     if DRYRUN_CPU:
         for name in ("pair_baseline", "pair_spec", "pd"):
-            jobs.skip(name, "DSPARK_GPU_DRYRUN_CPU=1: no PD (nor its trained-pair references) on the CPU dry run")
+            jobs.skip(
+                name,
+                "DSPARK_GPU_DRYRUN_CPU=1: no PD (nor its trained-pair references) on the CPU dry run",
+            )
         yield jobs
         jobs.shutdown()
         return
@@ -196,7 +203,12 @@ def gpu_jobs(gpu_models, gpu_waves):
         "pair_spec_sync",
         run_llm,
         "pair_spec_sync",
-        {**pair_llm, **mode, "speculative_config": tiny_pair.spec_config(), "async_scheduling": False},
+        {
+            **pair_llm,
+            **mode,
+            "speculative_config": tiny_pair.spec_config(),
+            "async_scheduling": False,
+        },
         pair_waves,
         timeout_s=TIMEOUTS["eager" if PD_EAGER else "graphs"],
         sampling=PAIR_SAMPLING,

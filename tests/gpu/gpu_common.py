@@ -28,7 +28,12 @@ CPU_DRYRUN_ENV = {**CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
 if DRYRUN_CPU:  # the CPU is far slower: short outputs, long deadlines
     MAX_TOKENS = 8
     TIMEOUTS = {k: 3 * v for k, v in TIMEOUTS.items()}
-CPU_DRYRUN_LLM = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": None, "gpu_memory_utilization": None}
+CPU_DRYRUN_LLM = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": None,
+    "gpu_memory_utilization": None,
+}
 
 # The trained tiny pair (models/tiny-pair, docs/tiny-pair.md) for the PD acceptance comparison: the
 # random pair above accepts only at draft position 0, so its decoder-vs-aggregated acceptance
@@ -46,7 +51,10 @@ def cuda_status() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001
         return False, f"torch not importable: {e}"
     if not torch.cuda.is_available():
-        return False, "torch.cuda.is_available() is False (no GPU, or CUDA_VISIBLE_DEVICES hides it)"
+        return (
+            False,
+            "torch.cuda.is_available() is False (no GPU, or CUDA_VISIBLE_DEVICES hides it)",
+        )
     return True, torch.cuda.get_device_name(0)
 
 
@@ -63,7 +71,10 @@ def make_prompts(seed: int = 1234, sizes=WAVE_SIZES, vocab: int = 512) -> list[l
     import random
 
     rng = random.Random(seed)
-    return [[[rng.randrange(4, vocab) for _ in range(rng.randrange(6, 41))] for _ in range(n)] for n in sizes]
+    return [
+        [[rng.randrange(4, vocab) for _ in range(rng.randrange(6, 41))] for _ in range(n)]
+        for n in sizes
+    ]
 
 
 def pair_prompts(n: int = PAIR_NUM_PROMPTS) -> list[list[int]]:
@@ -95,8 +106,11 @@ class Jobs:
 
     def submit(self, name: str, fn, *args, **kwargs) -> None:
         if self._only is not None and name not in self._only:
-            self.skip(name, f"job {name!r} not selected by DSPARK_GPU_JOBS={','.join(sorted(self._only))}")
+            self.skip(
+                name, f"job {name!r} not selected by DSPARK_GPU_JOBS={','.join(sorted(self._only))}"
+            )
             return
+
         def run():
             self._started[name] = time.monotonic()
             try:
@@ -128,5 +142,3 @@ def spec_config(models, **extra) -> dict:
     cfg = {"method": "dspark", "model": models.draft}
     cfg.update(extra)
     return cfg
-
-

@@ -47,9 +47,18 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CHILD = HERE / "_context_kv_mla_child.py"
 TIMEOUT_S = 240
-STEPS = ["engine_config", "distributed_init", "build_full", "route_and_build_context_only",
-         "context_only_tree", "kv_layer_names_and_specs_equal", "skipped_weights",
-         "load_weights", "context_kv_written_equal", "drafting_refused"]
+STEPS = [
+    "engine_config",
+    "distributed_init",
+    "build_full",
+    "route_and_build_context_only",
+    "context_only_tree",
+    "kv_layer_names_and_specs_equal",
+    "skipped_weights",
+    "load_weights",
+    "context_kv_written_equal",
+    "drafting_refused",
+]
 
 
 def _cuda_available() -> bool:
@@ -105,8 +114,12 @@ def test_deepseek_v4_context_only_drafter_on_gpu(tiny, tmp_path):
     assert facts["kv_layers"] == ["model.layers.2.attn.swa_cache", "model.layers.3.attn.swa_cache"]
     assert facts["specs"]["model.layers.2.attn"] == "None"
     assert facts["context_params"] == [
-        "model.context_wkv_proj.weight", "model.layers.0.attn.kv_norm.weight",
-        "model.layers.1.attn.kv_norm.weight", "model.main_norm.weight", "model.main_proj.weight"]
+        "model.context_wkv_proj.weight",
+        "model.layers.0.attn.kv_norm.weight",
+        "model.layers.1.attn.kv_norm.weight",
+        "model.main_norm.weight",
+        "model.main_proj.weight",
+    ]
 
 
 @needs_cuda
@@ -116,6 +129,9 @@ def test_kimi_k3_context_only_drafter_on_gpu(tiny, tmp_path):
     assert facts["context_class"] == "K3DSparkContextKVForCausalLM"
     assert facts["kv_layers"] == ["model.layers.6.self_attn", "model.layers.7.self_attn"]
     assert facts["context_params"] == [
-        "model.context_kv_proj.weight", "model.context_norm.weight", "model.context_proj.weight",
+        "model.context_kv_proj.weight",
+        "model.context_norm.weight",
+        "model.context_proj.weight",
         "model.layers.0.self_attn.kv_a_layernorm.weight",
-        "model.layers.1.self_attn.kv_a_layernorm.weight"]
+        "model.layers.1.self_attn.kv_a_layernorm.weight",
+    ]

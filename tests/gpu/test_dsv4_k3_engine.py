@@ -35,8 +35,12 @@ FAMILIES = ("k3", "dsv4")
 K = 4
 MAX_TOKENS = 24
 TIMEOUT_S = float(os.environ.get("DSPARK_DSV4K3_TIMEOUT_S", "250"))
-LLM_BASE = {"max_model_len": 256, "gpu_memory_utilization": 0.06,
-            "kv_cache_memory_bytes": 256 << 20, "load_format": "dummy"}
+LLM_BASE = {
+    "max_model_len": 256,
+    "gpu_memory_utilization": 0.06,
+    "kv_cache_memory_bytes": 256 << 20,
+    "load_format": "dummy",
+}
 SUMMARY: dict[str, dict] = {}
 
 
@@ -78,26 +82,81 @@ def jobs(tmp_path_factory):
     j._pool._max_workers = 16  # every engine at once (each ~0.06 of the GPU)
     for fam, pair in pairs.items():
         spec = pair.speculative_config(K)
-        j.submit(f"{fam}_base", run_llm, f"{fam}_base", {**LLM_BASE, "model": pair.target,
-                 "enforce_eager": True}, waves, timeout_s=TIMEOUT_S, sampling=sampling, logprobs=2)
-        j.submit(f"{fam}_graphs", run_llm, f"{fam}_graphs", {**LLM_BASE, "model": pair.target,
-                 "speculative_config": spec, "compilation_config": GRAPH_COMPILATION_CONFIG},
-                 waves, timeout_s=TIMEOUT_S, sampling=sampling)
-        j.submit(f"{fam}_eager", run_llm, f"{fam}_eager", {**LLM_BASE, "model": pair.target,
-                 "speculative_config": spec, "enforce_eager": True},
-                 waves, timeout_s=TIMEOUT_S, sampling=sampling)
-        common = ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
-                  "--seed", "0", "--load-format", "dummy", "--gpu-memory-utilization", "0.06",
-                  "--kv-cache-memory-bytes", str(256 << 20),
-                  "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
+        j.submit(
+            f"{fam}_base",
+            run_llm,
+            f"{fam}_base",
+            {**LLM_BASE, "model": pair.target, "enforce_eager": True},
+            waves,
+            timeout_s=TIMEOUT_S,
+            sampling=sampling,
+            logprobs=2,
+        )
+        j.submit(
+            f"{fam}_graphs",
+            run_llm,
+            f"{fam}_graphs",
+            {
+                **LLM_BASE,
+                "model": pair.target,
+                "speculative_config": spec,
+                "compilation_config": GRAPH_COMPILATION_CONFIG,
+            },
+            waves,
+            timeout_s=TIMEOUT_S,
+            sampling=sampling,
+        )
+        j.submit(
+            f"{fam}_eager",
+            run_llm,
+            f"{fam}_eager",
+            {**LLM_BASE, "model": pair.target, "speculative_config": spec, "enforce_eager": True},
+            waves,
+            timeout_s=TIMEOUT_S,
+            sampling=sampling,
+        )
+        common = [
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "0",
+            "--load-format",
+            "dummy",
+            "--gpu-memory-utilization",
+            "0.06",
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
+            "--compilation-config",
+            json.dumps(GRAPH_COMPILATION_CONFIG),
+        ]
         prompts = waves[-1]  # the 7-request wave, concurrently
-        j.submit(f"{fam}_pd", run_pd, pair.target, spec, prompts, timeout_s=TIMEOUT_S,
-                 common_args=common, max_tokens=MAX_TOKENS)
+        j.submit(
+            f"{fam}_pd",
+            run_pd,
+            pair.target,
+            spec,
+            prompts,
+            timeout_s=TIMEOUT_S,
+            common_args=common,
+            max_tokens=MAX_TOKENS,
+        )
         if fam == "k3":  # the DeepSeek-V4 draft lives in the target checkpoint: no separate copy
             bad = {**spec, "model": _control_draft(pair, tmp)}
-            j.submit(f"{fam}_pd_control", run_pd, pair.target, spec, prompts, timeout_s=TIMEOUT_S,
-                     common_args=common, max_tokens=MAX_TOKENS,
-                     prefill_args=["--speculative-config", json.dumps(bad)])
+            j.submit(
+                f"{fam}_pd_control",
+                run_pd,
+                pair.target,
+                spec,
+                prompts,
+                timeout_s=TIMEOUT_S,
+                common_args=common,
+                max_tokens=MAX_TOKENS,
+                prefill_args=["--speculative-config", json.dumps(bad)],
+            )
     yield j
     j.shutdown()
     print("\n=== DSV4/K3 SUMMARY ===")
@@ -123,14 +182,19 @@ def test_aggregated_greedy_parity_graphs_and_eager(jobs, fam):
         rep = compare_tokens(ref_tokens, run.tokens, ref_lp)
         m = run.metrics()
         per_pos = [w["metrics"].get("accepted_per_pos") for w in run.waves]
-        rows[mode] = {"parity": rep.describe() if hasattr(rep, "describe") else str(rep),
-                      "acceptance_pct": round(acceptance_rate(m), 2), **m,
-                      "accepted_per_pos_by_wave": per_pos, "startup_s": run.startup_s}
+        rows[mode] = {
+            "parity": rep.describe() if hasattr(rep, "describe") else str(rep),
+            "acceptance_pct": round(acceptance_rate(m), 2),
+            **m,
+            "accepted_per_pos_by_wave": per_pos,
+            "startup_s": run.startup_s,
+        }
         print(f"[{fam}/{mode}] {rows[mode]}")
         assert rep.ok, f"[{fam}/{mode}] greedy output differs from no-spec: {rep}"
     SUMMARY[f"{fam}_aggregated"] = rows
-    ok, desc = acceptance_close(jobs.result(f"{fam}_graphs").metrics(),
-                                jobs.result(f"{fam}_eager").metrics())
+    ok, desc = acceptance_close(
+        jobs.result(f"{fam}_graphs").metrics(), jobs.result(f"{fam}_eager").metrics()
+    )
     SUMMARY[f"{fam}_aggregated"]["graphs_vs_eager"] = desc
     assert ok, f"[{fam}] CUDA graphs vs eager: {desc}"
 
@@ -152,12 +216,16 @@ def test_k3_finite_logits_and_nonzero_acceptance(jobs):
 def test_pd_over_mooncake(jobs, fam):
     pd = jobs.result(f"{fam}_pd")
     agg = jobs.result(f"{fam}_graphs")
-    row = {k: pd[k] for k in ("decoder_spec", "prefill_spec", "decoder_kv",
-                              "prefill_log_markers", "timings")}
+    row = {
+        k: pd[k]
+        for k in ("decoder_spec", "prefill_spec", "decoder_kv", "prefill_log_markers", "timings")
+    }
     SUMMARY[f"{fam}_pd"] = row
     print(f"[{fam}/pd] {json.dumps(row, default=str)}")
     markers = pd["prefill_log_markers"]
-    assert markers and all(markers.values()), f"prefiller did not build the context-KV-only drafter: {markers}"
+    assert markers and all(markers.values()), (
+        f"prefiller did not build the context-KV-only drafter: {markers}"
+    )
     assert pd["prefill_spec"]["num_draft_tokens"] == 0, pd["prefill_spec"]
     assert pd["decoder_kv"].get("vllm:external_prefix_cache_hits_total", 0) > 0, pd["decoder_kv"]
     ref = agg.waves[-1]
@@ -172,11 +240,16 @@ def test_k3_pd_corrupted_draft_kv_control(jobs):
     good = jobs.result("k3_pd")["decoder_spec"]
     bad_pd = jobs.result("k3_pd_control")
     bad = bad_pd["decoder_spec"]
-    SUMMARY["k3_pd_control"] = {"good": good, "corrupted": bad,
-                                "good_pct": acceptance_rate(good), "bad_pct": acceptance_rate(bad)}
+    SUMMARY["k3_pd_control"] = {
+        "good": good,
+        "corrupted": bad,
+        "good_pct": acceptance_rate(good),
+        "bad_pct": acceptance_rate(bad),
+    }
     print(f"[k3/pd control] good {good} corrupted {bad}")
     assert bad["num_draft_tokens"] > 0, bad
     assert acceptance_rate(bad) < acceptance_rate(good) - 2.0, (
         "corrupting the draft context KV (prefiller RoPE base 7 instead of the draft's) did not "
         "lower the decoder's acceptance by more than 2 points: with dummy (+-1e-3) weights the "
-        f"draft's context barely matters, so this control cannot fail the PD check: {good} vs {bad}")
+        f"draft's context barely matters, so this control cannot fail the PD check: {good} vs {bad}"
+    )

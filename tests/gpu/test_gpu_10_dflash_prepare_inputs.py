@@ -29,7 +29,9 @@ def test_prepare_inputs_matches_reference_with_padding_rows_poisoned(num_reqs, s
 
     problems = []
     for seed in range(3):
-        case = ref.make_case(1000 * num_reqs + seed, num_reqs, sample_from_anchor=sample_from_anchor)
+        case = ref.make_case(
+            1000 * num_reqs + seed, num_reqs, sample_from_anchor=sample_from_anchor
+        )
         problems += [f"{case.describe()}: {p}" for p in ref.check_case(case, "cuda")]
     assert not problems, "\n".join(problems[:20])
 
@@ -40,6 +42,8 @@ def test_padding_reaches_the_end_of_large_buffers(num_reqs):
     _cuda_or_skip()
     from support import dflash_prepare_ref as ref
 
-    case = ref.make_case(77 + num_reqs, num_reqs, max_num_tokens=8192, max_num_reqs=64, block_size=32)
+    case = ref.make_case(
+        77 + num_reqs, num_reqs, max_num_tokens=8192, max_num_reqs=64, block_size=32
+    )
     problems = ref.check_case(case, "cuda")
     assert not problems, case.describe() + "\n" + "\n".join(problems[:20])

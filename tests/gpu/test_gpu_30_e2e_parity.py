@@ -45,14 +45,18 @@ def _check_parity(gpu_jobs, name: str):
     print(f"{name} vs baseline: {rep.describe()}")
     assert rep.ok, f"{name}: greedy output differs from the non-speculative run:\n{rep.describe()}"
     m = run.metrics()
-    assert m["num_draft_tokens"] > 0, f"{name}: no draft tokens at all ({m}): speculation did not run"
+    assert m["num_draft_tokens"] > 0, (
+        f"{name}: no draft tokens at all ({m}): speculation did not run"
+    )
     return base, run
 
 
 def test_dspark_with_cuda_graphs_matches_plain_greedy(gpu_jobs):
     _, run = _check_parity(gpu_jobs, "spec_graphs")
     cfg = run.config
-    assert not cfg["enforce_eager"] and cfg["cudagraph_mode"] != "NONE", f"graphs were not on: {cfg}"
+    assert not cfg["enforce_eager"] and cfg["cudagraph_mode"] != "NONE", (
+        f"graphs were not on: {cfg}"
+    )
     sizes = cfg.get("decode_cudagraph_capture_request_sizes")
     assert sizes == [4, 8], f"decode graphs for 4 and 8 requests expected, config says {sizes}"
 

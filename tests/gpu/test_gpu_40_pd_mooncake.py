@@ -38,7 +38,10 @@ MODES = ("async", "sync")
 def pd(gpu_jobs):
     res = gpu_jobs.result("pd")
     for mode, r in res.items():
-        print(f"PD result ({mode}):", json.dumps({k: v for k, v in r.items() if k != "tokens"}, indent=1, default=str))
+        print(
+            f"PD result ({mode}):",
+            json.dumps({k: v for k, v in r.items() if k != "tokens"}, indent=1, default=str),
+        )
     return res
 
 
@@ -73,7 +76,9 @@ def test_decoder_received_the_prompt_kv_over_mooncake(pd, mode):
         "the decoder reports no external prefix-cache hits: it recomputed the prompts instead of "
         f"pulling them from the prefiller ({kv})"
     )
-    failed = kv.get("vllm:mooncake_num_failed_transfers_total", 0) + kv.get("vllm:mooncake_num_failed_recvs_total", 0)
+    failed = kv.get("vllm:mooncake_num_failed_transfers_total", 0) + kv.get(
+        "vllm:mooncake_num_failed_recvs_total", 0
+    )
     assert failed == 0, f"Mooncake reports failed transfers: {kv}"
 
 
@@ -111,12 +116,22 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd, gpu_jobs, mod
     )
     print(f"decoder {dec} vs aggregated {agg.name} {ref}: {desc}")
     print(f"prefiller spec counters (delta): {pd[mode]['prefill_spec']}")
-    assert ok, f"decoder acceptance {acceptance_rate(dec):.2f}% vs aggregated {acceptance_rate(ref):.2f}%: {desc}"
+    assert ok, (
+        f"decoder acceptance {acceptance_rate(dec):.2f}% vs aggregated {acceptance_rate(ref):.2f}%: {desc}"
+    )
     # The decoder must not draft work it throws away: as many drafts as the aggregated engine.
     assert _within(dec["num_drafts"], ref["num_drafts"], ref["num_drafts"]), (
         f"decoder made {dec['num_drafts']} drafts, the aggregated engine {ref['num_drafts']}"
     )
     dpp, rpp = dec.get("accepted_per_pos") or [], ref.get("accepted_per_pos") or []
-    assert len(dpp) == len(rpp) > 0, f"per-position counters missing: decoder {dpp}, aggregated {rpp}"
-    bad = [i for i, (x, y) in enumerate(zip(dpp, rpp, strict=True)) if not _within(x, y, ref["num_drafts"])]
-    assert not bad, f"accepted per position differ beyond 2 points at {bad}: decoder {dpp} vs aggregated {rpp}"
+    assert len(dpp) == len(rpp) > 0, (
+        f"per-position counters missing: decoder {dpp}, aggregated {rpp}"
+    )
+    bad = [
+        i
+        for i, (x, y) in enumerate(zip(dpp, rpp, strict=True))
+        if not _within(x, y, ref["num_drafts"])
+    ]
+    assert not bad, (
+        f"accepted per position differ beyond 2 points at {bad}: decoder {dpp} vs aggregated {rpp}"
+    )

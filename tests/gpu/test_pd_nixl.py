@@ -55,11 +55,15 @@ def _common(dtype: str) -> list[str]:
 def runs(tmp_path_factory):
     require_cuda()
     if os.environ.get("DSPARK_GPU_NIXL") != "1":
-        pytest.skip("the NIXL PD run is its own GPU command (7 servers): set DSPARK_GPU_NIXL=1; "
-                    "NIXL PD NOT run")
+        pytest.skip(
+            "the NIXL PD run is its own GPU command (7 servers): set DSPARK_GPU_NIXL=1; "
+            "NIXL PD NOT run"
+        )
     if importlib.util.find_spec("nixl") is None:
-        pytest.fail("nixl is not importable: boot the kit with its `nixl` group "
-                    "(prepare.sh ... nixl); NIXL PD NOT run")
+        pytest.fail(
+            "nixl is not importable: boot the kit with its `nixl` group "
+            "(prepare.sh ... nixl); NIXL PD NOT run"
+        )
     from support import tiny_pair
     from support.pd_nixl import corrupt_draft, run_nixl_pd, summary, write_artifacts
 
@@ -75,25 +79,37 @@ def runs(tmp_path_factory):
     logs: dict[str, str] = {}
     jobs = {
         "trained": dict(
-            model=tiny_pair.TARGET, spec=tiny_pair.spec_config(),
-            prompts=tiny_pair.heldout_prompts(7), common_args=_common("float32"),
-            max_tokens=64, ignore_eos=False, control_draft=bad_draft, decoder_only_case=True,
+            model=tiny_pair.TARGET,
+            spec=tiny_pair.spec_config(),
+            prompts=tiny_pair.heldout_prompts(7),
+            common_args=_common("float32"),
+            max_tokens=64,
+            ignore_eos=False,
+            control_draft=bad_draft,
+            decoder_only_case=True,
         ),
         "qwen3": dict(
-            model=rnd.target, spec={"method": "dspark", "model": rnd.draft},
-            prompts=make_prompts(sizes=(7,))[0], common_args=_common("float32"),
-            max_tokens=32, ignore_eos=True,
+            model=rnd.target,
+            spec={"method": "dspark", "model": rnd.draft},
+            prompts=make_prompts(sizes=(7,))[0],
+            common_args=_common("float32"),
+            max_tokens=32,
+            ignore_eos=True,
         ),
     }
     with ThreadPoolExecutor(max_workers=len(jobs)) as ex:
-        futs = {k: ex.submit(run_nixl_pd, k, deadline=deadline, logs=logs, **v)
-                for k, v in jobs.items()}
+        futs = {
+            k: ex.submit(run_nixl_pd, k, deadline=deadline, logs=logs, **v) for k, v in jobs.items()
+        }
         results = {k: f.result() for k, f in futs.items()}
-    write_artifacts(os.environ.get("DSPARK_NIXL_OUT") or os.environ.get("DSPARK_GPU_ARTIFACTS"),
-                    results, logs)
+    write_artifacts(
+        os.environ.get("DSPARK_NIXL_OUT") or os.environ.get("DSPARK_GPU_ARTIFACTS"), results, logs
+    )
     for k, r in results.items():
-        print(f"NIXL result ({k}):", json.dumps({x: y for x, y in r.items() if x != "logs"},
-                                                 default=str)[:6000])
+        print(
+            f"NIXL result ({k}):",
+            json.dumps({x: y for x, y in r.items() if x != "logs"}, default=str)[:6000],
+        )
     print(summary(results))
     return results
 
@@ -102,8 +118,10 @@ def _ran(runs, label, what="pd"):
     r = runs[label]
     if "error" in r or what not in r:
         lines = [ln for log in r.get("logs", {}).values() for ln in log["failure_lines"]]
-        pytest.fail(f"[{label}] NIXL run stopped at step {r.get('step')!r}: {r.get('error')}\n"
-                    "server log lines:\n" + "\n".join(lines[-30:]))
+        pytest.fail(
+            f"[{label}] NIXL run stopped at step {r.get('step')!r}: {r.get('error')}\n"
+            "server log lines:\n" + "\n".join(lines[-30:])
+        )
     return r
 
 
@@ -113,8 +131,10 @@ def test_pd_requests_went_through_nixl(runs, label):
     pd = r["pd"]
     assert not pd["errors"], (
         f"PD requests failed over NIXL (UCX env {r['ucx_env']}): {pd['errors'][:2]}\n"
-        "decoder log: " + "\n".join(r["logs"]["decoder"]["failure_lines"][-15:])
-        + "\nproducer log: " + "\n".join(r["logs"]["producer"]["failure_lines"][-15:])
+        "decoder log: "
+        + "\n".join(r["logs"]["decoder"]["failure_lines"][-15:])
+        + "\nproducer log: "
+        + "\n".join(r["logs"]["producer"]["failure_lines"][-15:])
     )
     st = pd["proxy"]
     assert st["requests"] == st["prefill_ok"] == st["decode_ok"] == len(pd["tokens"]), st
@@ -177,9 +197,11 @@ def test_pd_greedy_output_equals_aggregated(runs, label):
 def test_pd_acceptance_within_2_points_of_aggregated(runs, label):
     r = _ran(runs, label)
     ok, desc = acceptance_close(r["pd"]["spec"], r["aggregated"]["spec"])
-    print(f"[{label}] NIXL PD acceptance: decoder {acceptance_rate(r['pd']['spec']):.1f}% vs "
-          f"aggregated {acceptance_rate(r['aggregated']['spec']):.1f}% ({desc}); "
-          f"drafts {r['pd']['spec']['num_drafts']} vs {r['aggregated']['spec']['num_drafts']}")
+    print(
+        f"[{label}] NIXL PD acceptance: decoder {acceptance_rate(r['pd']['spec']):.1f}% vs "
+        f"aggregated {acceptance_rate(r['aggregated']['spec']):.1f}% ({desc}); "
+        f"drafts {r['pd']['spec']['num_drafts']} vs {r['aggregated']['spec']['num_drafts']}"
+    )
     assert ok, desc
 
 
@@ -189,8 +211,10 @@ def test_corrupted_draft_kv_lowers_acceptance(runs):
     assert not ctl["errors"], ctl["errors"][:2]
     assert ctl["kv"].get("vllm:external_prefix_cache_hits_total", 0) > 0, ctl["kv"]
     a_pd, a_ctl = acceptance_rate(pd["spec"]), acceptance_rate(ctl["spec"])
-    print(f"control: corrupted draft context KV -> acceptance {a_ctl:.1f}% "
-          f"({ctl['spec']}) vs clean PD {a_pd:.1f}% ({pd['spec']})")
+    print(
+        f"control: corrupted draft context KV -> acceptance {a_ctl:.1f}% "
+        f"({ctl['spec']}) vs clean PD {a_pd:.1f}% ({pd['spec']})"
+    )
     assert a_ctl < a_pd - CONTROL_DROP_POINTS, (a_ctl, a_pd)
     rep = compare_tokens(agg["tokens"], ctl["tokens"])
     print(f"control vs aggregated tokens: {rep.describe()}")

@@ -42,6 +42,7 @@ WORDS = (
 ).split()
 PROMPTS = [" ".join((WORDS * 8)[i : i + 70 + 9 * i]) for i in range(3)]
 
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -57,8 +58,14 @@ needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU"
 def _run(tmp: Path, name: str, llm: dict, max_tokens: int, env: dict | None = None) -> dict:
     """One engine through the shared runner (own process group, hard deadline)."""
     env = {**(env or {}), "PYTHONPATH": str(CONNECTOR_DIR)}
-    res = run_llm(name, {"disable_log_stats": False, **llm}, [PROMPTS], timeout_s=TIMEOUT_S,
-                  sampling={"max_tokens": max_tokens, "ignore_eos": True}, env=env)
+    res = run_llm(
+        name,
+        {"disable_log_stats": False, **llm},
+        [PROMPTS],
+        timeout_s=TIMEOUT_S,
+        sampling={"max_tokens": max_tokens, "ignore_eos": True},
+        env=env,
+    )
     return {"tokens": res.tokens, "metrics": res.metrics(), "log": res.log_text}
 
 
@@ -102,8 +109,11 @@ def test_materialize_context_kv_writes_full_drafter_kv(tiny, tmp_path):
     assert builds["kv_both"] == [] and len(builds["kv_producer"]) == 1, builds
 
     def load(store):
-        return {(d.name, f.name): st.load_file(str(f))["kv_cache"]
-                for d in store.iterdir() for f in d.iterdir()}
+        return {
+            (d.name, f.name): st.load_file(str(f))["kv_cache"]
+            for d in store.iterdir()
+            for f in d.iterdir()
+        }
 
     ref, ctx = load(stores["kv_both"]), load(stores["kv_producer"])
     assert ref and set(ref) == set(ctx)
@@ -116,16 +126,26 @@ def test_materialize_context_kv_writes_full_drafter_kv(tiny, tmp_path):
 
 @needs_cuda
 def test_producer_decodes_like_a_plain_engine(tiny, tmp_path):
-    common = {"model": tiny.target, "dtype": "bfloat16", "max_model_len": 512,
-              "gpu_memory_utilization": 0.3, "seed": 0, "enforce_eager": True}
+    common = {
+        "model": tiny.target,
+        "dtype": "bfloat16",
+        "max_model_len": 512,
+        "gpu_memory_utilization": 0.3,
+        "seed": 0,
+        "enforce_eager": True,
+    }
     plain = _run(tmp_path, "plain", common, 16)
     store = tmp_path / "store"
     store.mkdir()
     prod = _run(
         tmp_path,
         "producer_decoding",
-        dict(common, speculative_config={"method": "dspark", "model": tiny.draft},
-             kv_transfer_config=_kv("kv_producer", store), async_scheduling=True),
+        dict(
+            common,
+            speculative_config={"method": "dspark", "model": tiny.draft},
+            kv_transfer_config=_kv("kv_producer", store),
+            async_scheduling=True,
+        ),
         16,
     )
     print("plain:", plain["tokens"], "\nproducer:", prod["tokens"], "\nmetrics:", prod["metrics"])

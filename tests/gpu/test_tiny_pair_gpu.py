@@ -19,11 +19,25 @@ PAIR = os.path.join(REPO, "models", "tiny-pair")
 @pytest.mark.timeout(1500)
 def test_tiny_pair_gpu_lossless_and_acceptance(tmp_path):
     if not os.path.exists(os.path.join(PAIR, "dspark-draft", "model.safetensors")):
-        pytest.skip("the trained tiny pair is not committed under models/tiny-pair yet (docs/tiny-pair.md)")
+        pytest.skip(
+            "the trained tiny pair is not committed under models/tiny-pair yet (docs/tiny-pair.md)"
+        )
     out = tmp_path / "acc.json"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "tiny_pair_acceptance.py"),
-                           "--num-prompts", "64", "--out-json", str(out), "--timeout", "600"],
-                          capture_output=True, text=True, timeout=1400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "tiny_pair_acceptance.py"),
+            "--num-prompts",
+            "64",
+            "--out-json",
+            str(out),
+            "--timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(out.read_text())
     assert res["lossless_identical_outputs"] == "64/64"

@@ -46,15 +46,35 @@ def main(argv=None) -> int:
         rep.add("needs >= 2 GPUs", "FAIL", f"found {n_gpu}")
         return rep.finish()
     guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", **guard.env()}
+    env = {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        **guard.env(),
+    }
     pair = random_pair(Path(tempfile.mkdtemp(prefix="dspark-mg-models-")))
     spec = {"method": "dspark", "model": pair.draft}
     prompts = waves()[-1]
     logs: list[str] = []
     on_gpu0 = {**env, "CUDA_VISIBLE_DEVICES": "0"}
     try:
-        base = run_llm("pp1_plain", {"model": pair.target}, [prompts], timeout_s=240, sampling={"max_tokens": MAX_TOKENS}, logprobs=2, env=on_gpu0)
-        agg = run_llm("pp1_dspark", {"model": pair.target, "speculative_config": spec}, [prompts], timeout_s=240, sampling={"max_tokens": MAX_TOKENS}, env=on_gpu0)
+        base = run_llm(
+            "pp1_plain",
+            {"model": pair.target},
+            [prompts],
+            timeout_s=240,
+            sampling={"max_tokens": MAX_TOKENS},
+            logprobs=2,
+            env=on_gpu0,
+        )
+        agg = run_llm(
+            "pp1_dspark",
+            {"model": pair.target, "speculative_config": spec},
+            [prompts],
+            timeout_s=240,
+            sampling={"max_tokens": MAX_TOKENS},
+            env=on_gpu0,
+        )
         logs += [base.log_tail, agg.log_tail]
     except GPUCaseFailure as e:
         rep.add("PP=1 aggregated references", "FAIL", str(e).splitlines()[0])
@@ -83,7 +103,9 @@ def main(argv=None) -> int:
         rep.add("PD PP=2 producer -> PP=1 decoder", "FAIL", str(e).splitlines()[0])
         guard.check(rep, logs + [str(e)])
         return rep.finish()
-    rep.log("PD result: " + json.dumps({k: v for k, v in res.items() if k != "tokens"}, default=str))
+    rep.log(
+        "PD result: " + json.dumps({k: v for k, v in res.items() if k != "tokens"}, default=str)
+    )
     st = res["proxy"]
     rep.add(
         "every request: prefill then decode",
@@ -91,11 +113,19 @@ def main(argv=None) -> int:
         json.dumps(st)[:150],
     )
     hits = res["decoder_kv"].get("vllm:external_prefix_cache_hits_total", 0)
-    rep.add("decoder pulled the prompt KV over Mooncake TCP", "PASS" if hits > 0 else "FAIL", f"external prefix-cache hits {hits:.0f} tokens")
+    rep.add(
+        "decoder pulled the prompt KV over Mooncake TCP",
+        "PASS" if hits > 0 else "FAIL",
+        f"external prefix-cache hits {hits:.0f} tokens",
+    )
     p1 = compare_tokens(base.tokens, res["tokens"], base.logprobs)
     rep.add("PD greedy = PP=1 plain", "PASS" if p1.ok else "FAIL", p1.describe().splitlines()[0])
     p2 = compare_tokens(agg.tokens, res["tokens"], base.logprobs)
-    rep.add("PD greedy = PP=1 DSpark aggregated", "PASS" if p2.ok else "FAIL", p2.describe().splitlines()[0])
+    rep.add(
+        "PD greedy = PP=1 DSpark aggregated",
+        "PASS" if p2.ok else "FAIL",
+        p2.describe().splitlines()[0],
+    )
     ok, desc = acceptance_close(res["decoder_spec"], agg.metrics())
     rep.add("decoder acceptance = aggregated (2 points)", "PASS" if ok else "FAIL", desc)
     guard.check(rep, logs)

@@ -43,7 +43,7 @@ MAX_TOKENS = 48
 
 # A stage-1 rank that lies about the protocol: loaded by every process of the child through
 # PYTHONPATH; it only acts on the PP rank named by DSPARK_TEST_MISMATCH_RANK.
-SITECUSTOMIZE = r'''
+SITECUSTOMIZE = r"""
 import importlib.abc, importlib.machinery, os, sys
 
 _RANK = int(os.environ.get("DSPARK_TEST_MISMATCH_RANK", "-1"))
@@ -86,20 +86,25 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if _RANK >= 0:
     sys.meta_path.insert(0, _Finder())
-'''
+"""
 
 
 def waves(vocab: int = 512):
     import random
 
     rng = random.Random(WAVES_SEED)
-    return [[[rng.randrange(4, vocab) for _ in range(rng.randrange(6, 41))] for _ in range(n)] for n in (3, 7)]
+    return [
+        [[rng.randrange(4, vocab) for _ in range(rng.randrange(6, 41))] for _ in range(n)]
+        for n in (3, 7)
+    ]
 
 
 def random_pair(root: Path):
     from vllm_dspark_pp.tiny_models import make_tiny_models
 
-    return make_tiny_models(root, seed=0, dtype="bfloat16", hidden_size=128, intermediate_size=256, head_dim=64)
+    return make_tiny_models(
+        root, seed=0, dtype="bfloat16", hidden_size=128, intermediate_size=256, head_dim=64
+    )
 
 
 def last_log_line(text: str) -> str:
@@ -112,7 +117,9 @@ def last_log_line(text: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/dspark-mg-out"))
-    ap.add_argument("--trained-pair", default=None, help="dir with target/ and draft/ of the trained tiny pair")
+    ap.add_argument(
+        "--trained-pair", default=None, help="dir with target/ and draft/ of the trained tiny pair"
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
         "--part",
@@ -130,7 +137,12 @@ def main(argv=None) -> int:
         rep.add("needs >= 2 GPUs", "FAIL", f"found {n_gpu}")
         return rep.finish()
     guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", **guard.env()}
+    env = {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        **guard.env(),
+    }
     # the runs here are sequential: one shared torch.compile cache keeps the repeats inside the budget
     env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="dspark-mg-vllm-cache-")
     rep.log(f"NCCL guard: {len(guard.symbols)} symbols, so={guard.so}, problem={guard.problem}")
@@ -140,7 +152,9 @@ def main(argv=None) -> int:
     pairs = {"random": random_pair(Path(tempfile.mkdtemp(prefix="dspark-mg-models-")))}
     if a.trained_pair:
         tp = Path(a.trained_pair)
-        pairs["trained"] = type("P", (), {"target": str(tp / "target"), "draft": str(tp / "draft")})()
+        pairs["trained"] = type(
+            "P", (), {"target": str(tp / "target"), "draft": str(tp / "draft")}
+        )()
     else:
         rep.add("trained tiny pair", "SKIP", "no --trained-pair DIR given")
     w = waves()
@@ -149,7 +163,9 @@ def main(argv=None) -> int:
     base_kw = {"distributed_executor_backend": "mp", "gpu_memory_utilization": 0.3}
 
     def run(name, cfg, timeout=300, **kw):
-        r = run_llm(name, {**base_kw, **cfg}, w, timeout_s=timeout, sampling=sampling, env=env, **kw)
+        r = run_llm(
+            name, {**base_kw, **cfg}, w, timeout_s=timeout, sampling=sampling, env=env, **kw
+        )
         logs.append(r.log_tail)
         rep.log(f"{name}: startup {r.startup_s:.0f} s, wall {r.wall_s:.0f} s, spec {r.metrics()}")
         return r
@@ -158,7 +174,9 @@ def main(argv=None) -> int:
         spec = {"method": "dspark", "model": pair.draft}
         try:
             ref = run(f"{pname}_pp1_plain", {"model": pair.target}, logprobs=2)
-            ref_spec = run(f"{pname}_pp1_dspark", {"model": pair.target, "speculative_config": spec})
+            ref_spec = run(
+                f"{pname}_pp1_dspark", {"model": pair.target, "speculative_config": spec}
+            )
         except GPUCaseFailure as e:
             rep.add(f"{pname}: PP=1 references", "FAIL", str(e).splitlines()[0])
             logs.append(str(e))
@@ -170,7 +188,10 @@ def main(argv=None) -> int:
             rep.add(f"{pname}: PP=2 x TP=2", "SKIP", f"needs 4 GPUs, found {n_gpu}")
         for lname, par in layouts:
             try:
-                r = run(f"{pname}_{lname}_dspark", {"model": pair.target, "speculative_config": spec, **par})
+                r = run(
+                    f"{pname}_{lname}_dspark",
+                    {"model": pair.target, "speculative_config": spec, **par},
+                )
             except GPUCaseFailure as e:
                 rep.add(f"{pname}: {lname} DSpark runs", "FAIL", str(e).splitlines()[0])
                 logs.append(str(e))
@@ -183,7 +204,11 @@ def main(argv=None) -> int:
             )
             ok, desc = acceptance_close(r.metrics(), ref_spec.metrics())
             exact = r.metrics() == ref_spec.metrics()
-            rep.add(f"{pname}: {lname} acceptance = PP=1 DSpark", "PASS" if ok else "FAIL", f"exact={exact}; {desc}")
+            rep.add(
+                f"{pname}: {lname} acceptance = PP=1 DSpark",
+                "PASS" if ok else "FAIL",
+                f"exact={exact}; {desc}",
+            )
 
     # start-up / warm-up repeated: a hang is a failure with the phase and last log line
     pair = pairs["random"]
@@ -194,7 +219,11 @@ def main(argv=None) -> int:
         return rep.finish()
     for i in range(a.repeats):
         try:
-            run(f"repeat{i}_pp2", {"model": pair.target, "speculative_config": spec, "pipeline_parallel_size": 2}, timeout=150)
+            run(
+                f"repeat{i}_pp2",
+                {"model": pair.target, "speculative_config": spec, "pipeline_parallel_size": 2},
+                timeout=150,
+            )
         except GPUCaseFailure as e:
             text = str(e)
             logs.append(text)
@@ -207,7 +236,11 @@ def main(argv=None) -> int:
 
     # handshake: a mismatched rank must make start-up fail quickly with the handshake's message
     if importlib.util.find_spec("vllm_dspark_pp.protocol.handshake") is None:
-        rep.add("handshake rejects a mismatched rank", "SKIP", "vllm_dspark_pp.protocol.handshake missing (protocol branch)")
+        rep.add(
+            "handshake rejects a mismatched rank",
+            "SKIP",
+            "vllm_dspark_pp.protocol.handshake missing (protocol branch)",
+        )
     else:
         hook = Path(tempfile.mkdtemp(prefix="dspark-mismatch-"))
         (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -215,18 +248,33 @@ def main(argv=None) -> int:
             **env,
             "DSPARK_TEST_MISMATCH_RANK": "1",
             "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S": "30",
-            "PYTHONPATH": os.pathsep.join([str(hook), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join(
+                [
+                    str(hook),
+                    str(Path(__file__).resolve().parents[2]),
+                    os.environ.get("PYTHONPATH", ""),
+                ]
+            ),
         }
         try:
             run_llm(
                 "handshake_mismatch",
-                {**base_kw, "model": pair.target, "speculative_config": spec, "pipeline_parallel_size": 2},
+                {
+                    **base_kw,
+                    "model": pair.target,
+                    "speculative_config": spec,
+                    "pipeline_parallel_size": 2,
+                },
                 w[:1],
                 timeout_s=150,
                 sampling=sampling,
                 env=bad_env,
             )
-            rep.add("handshake rejects a mismatched rank", "FAIL", "the engine started and generated anyway")
+            rep.add(
+                "handshake rejects a mismatched rank",
+                "FAIL",
+                "the engine started and generated anyway",
+            )
         except GPUCaseFailure as e:
             text = str(e)
             hung = "HUNG" in text.splitlines()[0]
@@ -235,7 +283,11 @@ def main(argv=None) -> int:
                 "handshake rejects a mismatched rank",
                 "PASS" if (named and not hung) else "FAIL",
                 ("hung instead of failing: " if hung else "")
-                + ("HandshakeError naming 'protocol'" if named else f"failed without the handshake's message: {last_log_line(text)}"),
+                + (
+                    "HandshakeError naming 'protocol'"
+                    if named
+                    else f"failed without the handshake's message: {last_log_line(text)}"
+                ),
             )
     guard.check(rep, logs)
     return rep.finish()

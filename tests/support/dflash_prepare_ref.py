@@ -264,7 +264,11 @@ def run_kernel(case: Case, poison_set: int, device: str) -> dict[str, torch.Tens
 
     buf = {k: v.to(device) for k, v in _buffers(case, poison_set).items()}
     ib = InputBuffers(case.max_num_reqs, case.max_num_tokens, torch.device(device))
-    ib.input_ids, ib.positions, ib.is_padding = buf["input_ids"], buf["positions"], buf["is_padding"]
+    ib.input_ids, ib.positions, ib.is_padding = (
+        buf["input_ids"],
+        buf["positions"],
+        buf["is_padding"],
+    )
     ib.query_start_loc, ib.seq_lens = buf["query_start_loc"], buf["seq_lens"]
     inp = case.inputs
     batch = SimpleNamespace(
@@ -317,7 +321,9 @@ def compare(case: Case, got: dict, want: dict) -> list[str]:
     for name in OUTPUTS:
         g, w = got[name], want[name]
         if g.dtype != w.dtype or g.shape != w.shape:
-            problems.append(f"{name}: dtype/shape {g.dtype}{tuple(g.shape)} != {w.dtype}{tuple(w.shape)}")
+            problems.append(
+                f"{name}: dtype/shape {g.dtype}{tuple(g.shape)} != {w.dtype}{tuple(w.shape)}"
+            )
             continue
         bad = (g != w).nonzero().flatten().tolist()
         if not bad:
@@ -346,7 +352,9 @@ def check_case(case: Case, device: str) -> list[str]:
     """Run both poison sets; return all mismatches (empty list = pass)."""
     from vllm.v1.attention.backends.utils import PAD_SLOT_ID as VLLM_PAD
 
-    assert VLLM_PAD == PAD_SLOT_ID, f"vLLM PAD_SLOT_ID is {VLLM_PAD}, reference assumes {PAD_SLOT_ID}"
+    assert VLLM_PAD == PAD_SLOT_ID, (
+        f"vLLM PAD_SLOT_ID is {VLLM_PAD}, reference assumes {PAD_SLOT_ID}"
+    )
     problems = []
     for ps in range(len(POISONS)):
         got = run_kernel(case, ps, device)

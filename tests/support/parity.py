@@ -54,11 +54,14 @@ class ParityReport:
         return not self.length_problems and not self.mismatches
 
     def describe(self) -> str:
-        head = (
-            f"{self.num_requests} requests, {self.num_tokens} tokens: "
-            + ("identical" if self.identical else "OK (near-ties only)" if self.ok else "MISMATCH")
+        head = f"{self.num_requests} requests, {self.num_tokens} tokens: " + (
+            "identical" if self.identical else "OK (near-ties only)" if self.ok else "MISMATCH"
         )
-        lines = [head] + [f"  {m.describe()}" for m in self.mismatches] + [f"  {p}" for p in self.length_problems]
+        lines = (
+            [head]
+            + [f"  {m.describe()}" for m in self.mismatches]
+            + [f"  {p}" for p in self.length_problems]
+        )
         return "\n".join(lines)
 
 
@@ -86,7 +89,9 @@ def compare_tokens(
         first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if first is None:
             if len(a) != len(b):
-                problems.append(f"request {r}: length {len(a)} vs {len(b)} with equal common prefix")
+                problems.append(
+                    f"request {r}: length {len(a)} vs {len(b)} with equal common prefix"
+                )
             continue
         pos = None
         if ref_logprobs is not None and r < len(ref_logprobs) and ref_logprobs[r] is not None:

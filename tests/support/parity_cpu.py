@@ -21,11 +21,15 @@ def explain_mismatch(ref, got) -> str:
             top = sorted(ref.logprobs[i][pos].items(), key=lambda kv: -kv[1])[:2]
             if len(top) == 2:
                 gap = top[0][1] - top[1][1]
-                kind = "NEAR-TIE (numerical noise)" if gap < NEAR_TIE else "not a near-tie (a real bug)"
+                kind = (
+                    "NEAR-TIE (numerical noise)"
+                    if gap < NEAR_TIE
+                    else "not a near-tie (a real bug)"
+                )
                 note = f"; reference top-2 {top} gap {gap:.2e}: {kind}"
         lines.append(
             f"prompt {i}: first difference at output position {pos}: "
-            f"ref {a[pos:pos + 4]} got {b[pos:pos + 4]}{note}"
+            f"ref {a[pos : pos + 4]} got {b[pos : pos + 4]}{note}"
         )
     return "\n".join(lines)
 

@@ -77,8 +77,14 @@ def nixl_kv_config(role: str, engine_id: str | None = None, enforce_compat: bool
     return cfg
 
 
-def nixl_server(name: str, model: str, common_args: list[str], spec: dict | None, kv: dict,
-                extra_args: list[str] = ()) -> Server:
+def nixl_server(
+    name: str,
+    model: str,
+    common_args: list[str],
+    spec: dict | None,
+    kv: dict,
+    extra_args: list[str] = (),
+) -> Server:
     """A ``vllm serve`` with a NIXL connector, its own side-channel port and UCX settings."""
     args = [*common_args]
     if spec:
@@ -121,17 +127,27 @@ def _metrics(server: Server) -> dict[str, float]:
 
 
 def _kv_view(m: dict[str, float]) -> dict[str, float]:
-    keep = ("vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
-            "vllm:prompt_tokens_total")
+    keep = (
+        "vllm:external_prefix_cache_hits_total",
+        "vllm:external_prefix_cache_queries_total",
+        "vllm:prompt_tokens_total",
+    )
     out = {k: m.get(k, 0.0) for k in keep}
     out.update({k: v for k, v in m.items() if "nixl" in k.lower() and "{" not in k})
     return out
 
 
-def _complete(url: str, model: str, ids: list[int], max_tokens: int, ignore_eos: bool,
-              timeout: float) -> dict:
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": ignore_eos, "return_token_ids": True}
+def _complete(
+    url: str, model: str, ids: list[int], max_tokens: int, ignore_eos: bool, timeout: float
+) -> dict:
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+        "return_token_ids": True,
+    }
     try:
         out = http_json(url + "/v1/completions", body, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - a failed request is a result here
@@ -147,9 +163,12 @@ def _pass(target_url: str, model: str, prompts, max_tokens, ignore_eos, timeout,
     """Send the prompts concurrently to ``target_url``; spec/KV counter deltas of ``server``."""
     before = _metrics(server)
     with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as ex:
-        answers = list(ex.map(
-            lambda ids: _complete(target_url, model, ids, max_tokens, ignore_eos, timeout), prompts
-        ))
+        answers = list(
+            ex.map(
+                lambda ids: _complete(target_url, model, ids, max_tokens, ignore_eos, timeout),
+                prompts,
+            )
+        )
     time.sleep(1.5)  # counters are published with the next stats interval
     after = _metrics(server)
     kv_b, kv_a = _kv_view(before), _kv_view(after)
@@ -190,25 +209,47 @@ def run_nixl_pd(
     ids = {k: f"dspark-nixl-{label}-{k}-{uuid.uuid4().hex[:6]}" for k in ("ctx", "plain", "bad")}
     dec_args = ["--no-enable-prefix-caching"]
     servers: dict[str, Server] = {
-        "decoder": nixl_server(f"{label}-decoder", model, common_args, spec,
-                               nixl_kv_config("kv_consumer"), dec_args),
-        "producer": nixl_server(f"{label}-producer", model, common_args, spec,
-                                nixl_kv_config("kv_producer", ids["ctx"])),
+        "decoder": nixl_server(
+            f"{label}-decoder", model, common_args, spec, nixl_kv_config("kv_consumer"), dec_args
+        ),
+        "producer": nixl_server(
+            f"{label}-producer", model, common_args, spec, nixl_kv_config("kv_producer", ids["ctx"])
+        ),
     }
     if decoder_only_case:
         servers["plain_producer"] = nixl_server(
-            f"{label}-plain-producer", model, common_args, None,
-            nixl_kv_config("kv_producer", ids["plain"]))
+            f"{label}-plain-producer",
+            model,
+            common_args,
+            None,
+            nixl_kv_config("kv_producer", ids["plain"]),
+        )
     if control_draft or decoder_only_case:
         servers["lax_decoder"] = nixl_server(
-            f"{label}-lax-decoder", model, common_args, spec,
-            nixl_kv_config("kv_consumer", enforce_compat=False), dec_args)
+            f"{label}-lax-decoder",
+            model,
+            common_args,
+            spec,
+            nixl_kv_config("kv_consumer", enforce_compat=False),
+            dec_args,
+        )
     if control_draft:
         servers["bad_producer"] = nixl_server(
-            f"{label}-bad-producer", model, common_args, {**spec, "model": control_draft},
-            nixl_kv_config("kv_producer", ids["bad"]))
-    res: dict = {"label": label, "model": model, "spec": spec, "ucx_env": ucx_env(),
-                 "engine_ids": ids, "step": "start", "t": {}}
+            f"{label}-bad-producer",
+            model,
+            common_args,
+            {**spec, "model": control_draft},
+            nixl_kv_config("kv_producer", ids["bad"]),
+        )
+    res: dict = {
+        "label": label,
+        "model": model,
+        "spec": spec,
+        "ucx_env": ucx_env(),
+        "engine_ids": ids,
+        "step": "start",
+        "t": {},
+    }
     t0 = time.monotonic()
     try:
         for s in servers.values():
@@ -217,30 +258,47 @@ def run_nixl_pd(
         with ThreadPoolExecutor(max_workers=len(servers)) as ex:
             list(ex.map(lambda s: s.wait_ready(deadline), servers.values()))
         res["t"]["ready_s"] = round(time.monotonic() - t0, 1)
-        print(f"[nixl {label}] {len(servers)} servers ready after {res['t']['ready_s']} s", flush=True)
+        print(
+            f"[nixl {label}] {len(servers)} servers ready after {res['t']['ready_s']} s", flush=True
+        )
         dec = servers["decoder"]
 
         def proxy(pre: str, decoder: str, eid: str) -> PDProxy:
             # NIXL needs no bootstrap: the prefiller's kv_transfer_params name its side channel.
-            return PDProxy(servers[pre].url, servers[decoder].url, "nixl:no-bootstrap", eid,
-                           timeout_s=request_timeout_s)
+            return PDProxy(
+                servers[pre].url,
+                servers[decoder].url,
+                "nixl:no-bootstrap",
+                eid,
+                timeout_s=request_timeout_s,
+            )
 
         res["step"] = "aggregated pass (decoder, no remote prefill)"
-        res["aggregated"] = _pass(dec.url, model, prompts, max_tokens, ignore_eos,
-                                  2 * request_timeout_s, dec)
+        res["aggregated"] = _pass(
+            dec.url, model, prompts, max_tokens, ignore_eos, 2 * request_timeout_s, dec
+        )
         res["step"] = "PD pass (prefill-only producer -> decoder)"
         p_before = _metrics(servers["producer"])
         with proxy("producer", "decoder", ids["ctx"]) as px:
-            res["pd"] = _pass(px.url, model, prompts, max_tokens, ignore_eos,
-                              2 * request_timeout_s + 10, dec)
+            res["pd"] = _pass(
+                px.url, model, prompts, max_tokens, ignore_eos, 2 * request_timeout_s + 10, dec
+            )
             res["pd"]["proxy"] = dict(px.stats)
         res["pd"]["producer_spec"] = counter_delta(
-            spec_counters(p_before), spec_counters(_metrics(servers["producer"])))
+            spec_counters(p_before), spec_counters(_metrics(servers["producer"]))
+        )
         if control_draft:
             res["step"] = "control pass (corrupted-draft producer -> lax decoder)"
             with proxy("bad_producer", "lax_decoder", ids["bad"]) as px:
-                res["control"] = _pass(px.url, model, prompts, max_tokens, ignore_eos,
-                                       2 * request_timeout_s + 10, servers["lax_decoder"])
+                res["control"] = _pass(
+                    px.url,
+                    model,
+                    prompts,
+                    max_tokens,
+                    ignore_eos,
+                    2 * request_timeout_s + 10,
+                    servers["lax_decoder"],
+                )
         if decoder_only_case:
             res["step"] = "decoder-only DSpark (plain producer -> decoders)"
             res["decoder_only"] = {}
@@ -267,13 +325,17 @@ def run_nixl_pd(
             }
             if logs is not None:
                 logs[f"{label}/{name}"] = text
-        print(f"[nixl {label}] finished at step {res['step']!r} after {res['t']['total_s']} s"
-              + (f": {res['error'][:300]}" if "error" in res else ""), flush=True)
+        print(
+            f"[nixl {label}] finished at step {res['step']!r} after {res['t']['total_s']} s"
+            + (f": {res['error'][:300]}" if "error" in res else ""),
+            flush=True,
+        )
     return res
 
 
-def write_artifacts(out_dir: str | None, results: dict, logs: dict[str, str],
-                    per_log: int = 400_000) -> None:
+def write_artifacts(
+    out_dir: str | None, results: dict, logs: dict[str, str], per_log: int = 400_000
+) -> None:
     """One JSON and one combined server log (the GPU machine returns at most 8 files)."""
     if not out_dir:
         return
@@ -289,16 +351,20 @@ def summary(results: dict) -> str:
     """The table printed last: one row per pair and pass."""
     from support.parity import acceptance_rate
 
-    rows = [f"{'pair':<8} {'pass':<14} {'ok':<4} {'accept%':>8} {'drafts':>7} {'ext hits':>9}  note"]
+    rows = [
+        f"{'pair':<8} {'pass':<14} {'ok':<4} {'accept%':>8} {'drafts':>7} {'ext hits':>9}  note"
+    ]
     for label, r in results.items():
         if not isinstance(r, dict):
             continue
         if "error" in r:
             first = r["error"].splitlines()[0][:120]
             cause = [ln for log in r.get("logs", {}).values() for ln in log["failure_lines"]]
-            rows.append(f"{label:<8} {'(run)':<14} {'NO':<4} {'':>8} {'':>7} {'':>9}  "
-                        f"failed at {r.get('step')!r}: {first}"
-                        + (f" | last log line: {cause[-1][-200:]}" if cause else ""))
+            rows.append(
+                f"{label:<8} {'(run)':<14} {'NO':<4} {'':>8} {'':>7} {'':>9}  "
+                f"failed at {r.get('step')!r}: {first}"
+                + (f" | last log line: {cause[-1][-200:]}" if cause else "")
+            )
         for p in ("aggregated", "pd", "control"):
             x = r.get(p)
             if not x:
@@ -311,11 +377,19 @@ def summary(results: dict) -> str:
                 + (f"{len(x['errors'])} errors: {x['errors'][0][:80]}" if x["errors"] else "")
             )
         for dname, x in (r.get("decoder_only") or {}).items():
-            line = next((ln for ln in x["log_lines"] if "hash mismatch" in ln
-                         or "First difference" in ln or "does not hold" in ln), "")
-            rows.append(f"{label:<8} {'dec-only/' + dname[:5]:<14} "
-                        f"{'fail' if 'error' in x['answer'] else 'ran':<4} {'':>8} {'':>7} "
-                        f"{'':>9}  {line[-160:]}")
+            line = next(
+                (
+                    ln
+                    for ln in x["log_lines"]
+                    if "hash mismatch" in ln or "First difference" in ln or "does not hold" in ln
+                ),
+                "",
+            )
+            rows.append(
+                f"{label:<8} {'dec-only/' + dname[:5]:<14} "
+                f"{'fail' if 'error' in x['answer'] else 'ran':<4} {'':>8} {'':>7} "
+                f"{'':>9}  {line[-160:]}"
+            )
     return "\n".join(rows)
 
 

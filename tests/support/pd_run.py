@@ -94,15 +94,35 @@ def run_pd(
     pre = Server(
         "prefill",
         model,
-        [*common_args, *spec, "--kv-transfer-config", json.dumps(mooncake_kv_config("kv_producer", engine_id)), *prefill_args],
-        env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport), "VLLM_PORT": str(free_port_block()), **(prefill_env or {})},
+        [
+            *common_args,
+            *spec,
+            "--kv-transfer-config",
+            json.dumps(mooncake_kv_config("kv_producer", engine_id)),
+            *prefill_args,
+        ],
+        env={
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport),
+            "VLLM_PORT": str(free_port_block()),
+            **(prefill_env or {}),
+        },
     )
     dec = Server(
         "decode",
         model,
-        [*common_args, *spec, "--kv-transfer-config", json.dumps(mooncake_kv_config("kv_consumer")), *decode_args],
+        [
+            *common_args,
+            *spec,
+            "--kv-transfer-config",
+            json.dumps(mooncake_kv_config("kv_consumer")),
+            *decode_args,
+        ],
         # its own (unused) bootstrap port, so nothing on the decode side can collide with the prefiller's
-        env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()), "VLLM_PORT": str(free_port_block()), **(decode_env or {})},
+        env={
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
+            "VLLM_PORT": str(free_port_block()),
+            **(decode_env or {}),
+        },
     )
     ok = False
     try:
@@ -140,7 +160,9 @@ def run_pd(
                     "ignore_eos": ignore_eos,
                     "return_token_ids": True,
                 }
-                out = http_json(proxy.url + "/v1/completions", body, timeout=2 * request_timeout_s + 10)
+                out = http_json(
+                    proxy.url + "/v1/completions", body, timeout=2 * request_timeout_s + 10
+                )
                 toks = out["choices"][0].get("token_ids")
                 if toks is None:
                     raise GPUCaseFailure(f"decoder answer has no token_ids: {str(out)[:400]}")
@@ -159,16 +181,20 @@ def run_pd(
             "tokens": tokens,
             "decoder_spec": counter_delta(spec_counters(dec_before), spec_counters(dec_after)),
             "prefill_spec": counter_delta(spec_counters(pre_before), spec_counters(pre_after)),
-            "decoder_kv": {k: v - _kv_counters(dec_before).get(k, 0.0) for k, v in _kv_counters(dec_after).items()},
-            "prefill_kv": {k: v - _kv_counters(pre_before).get(k, 0.0) for k, v in _kv_counters(pre_after).items()},
+            "decoder_kv": {
+                k: v - _kv_counters(dec_before).get(k, 0.0)
+                for k, v in _kv_counters(dec_after).items()
+            },
+            "prefill_kv": {
+                k: v - _kv_counters(pre_before).get(k, 0.0)
+                for k, v in _kv_counters(pre_after).items()
+            },
             "engine_id": seen_id,
             "configured_engine_id": engine_id,
             "proxy": stats,
             "timings": t.describe(),
             # What the prefiller's log says it built (patch log lines of vllm_dspark_pp).
-            "prefill_log_markers": {
-                marker: marker in pre.log_text() for marker in PREFILL_MARKERS
-            },
+            "prefill_log_markers": {marker: marker in pre.log_text() for marker in PREFILL_MARKERS},
         }
     except Exception as e:
         raise GPUCaseFailure(

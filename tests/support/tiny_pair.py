@@ -59,5 +59,7 @@ def _encoded_heldout(count: int) -> tuple[tuple[int, ...], ...]:
 def heldout_prompts(n: int, min_tokens: int = 0) -> list[list[int]]:
     out = [list(ids) for ids in _encoded_heldout(256) if len(ids) >= min_tokens][:n]
     if len(out) < n:
-        raise AssertionError(f"only {len(out)} held-out prompts have >= {min_tokens} tokens (wanted {n})")
+        raise AssertionError(
+            f"only {len(out)} held-out prompts have >= {min_tokens} tokens (wanted {n})"
+        )
     return out

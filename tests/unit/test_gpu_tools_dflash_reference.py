@@ -21,6 +21,7 @@ SUPPORT_DIR = Path(ref.__file__).resolve().parent
 
 pytestmark = pytest.mark.timeout(600)
 
+
 def test_vllm_kernel_under_the_triton_interpreter_matches_the_reference():
     code = textwrap.dedent(
         """
@@ -35,7 +36,17 @@ def test_vllm_kernel_under_the_triton_interpreter_matches_the_reference():
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **CPU_ENV, "PYTHONPATH": os.pathsep.join([str(SUPPORT_DIR.parent), os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True, timeout=540
+        [sys.executable, "-c", code],
+        env={
+            **os.environ,
+            **CPU_ENV,
+            "PYTHONPATH": os.pathsep.join(
+                [str(SUPPORT_DIR.parent), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0, out
@@ -70,7 +81,12 @@ def test_corrupted_padding_rows_are_caught():
 def test_reference_padding_layout():
     case = ref.make_case(9, 5, sample_from_anchor=False)
     w = _want(case)
-    n, Q, N, M = case.num_reqs, case.num_query_per_req, case.num_speculative_steps, case.max_num_reqs
+    n, Q, N, M = (
+        case.num_reqs,
+        case.num_query_per_req,
+        case.num_speculative_steps,
+        case.max_num_reqs,
+    )
     assert Q == N + 1  # DFlash layout: bonus + N masks
     assert w["is_padding"][: n * Q].logical_not().all() and w["is_padding"][n * Q :].all()
     assert (w["input_ids"][n * Q :] == 0).all() and (w["positions"][n * Q :] == 0).all()

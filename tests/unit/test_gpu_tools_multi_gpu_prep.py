@@ -22,7 +22,11 @@ def test_report_prints_the_table_last_and_fails_on_any_failure(tmp_path, capsys)
     rep = mg_common.Report("demo", tmp_path / "x.log")
     rep.add("random: pp2 DSpark greedy = PP=1 plain", "PASS", "7 requests, 336 tokens: identical")
     rep.add("PP=2 x TP=2", "SKIP", "needs 4 GPUs, found 2")
-    rep.add("no run reaches the kit's NCCL stubs", "FAIL", "stubbed functions called: ['ncclCommShrink']")
+    rep.add(
+        "no run reaches the kit's NCCL stubs",
+        "FAIL",
+        "stubbed functions called: ['ncclCommShrink']",
+    )
     rc = rep.finish()
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 1

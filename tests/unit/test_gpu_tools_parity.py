@@ -68,6 +68,11 @@ vllm:external_prefix_cache_hits_total{engine="1",model_name="m"} 4.0
     assert m["vllm:external_prefix_cache_hits_total"] == 100.0
     assert m['vllm:external_prefix_cache_hits_total{engine="1",model_name="m"}'] == 4.0
     c = metrics.spec_metrics_from_prometheus(m)
-    assert c == {"num_drafts": 12, "num_draft_tokens": 48, "num_accepted_tokens": 20, "accepted_per_pos": [12, 8]}
+    assert c == {
+        "num_drafts": 12,
+        "num_draft_tokens": 48,
+        "num_accepted_tokens": 20,
+        "accepted_per_pos": [12, 8],
+    }
     d = metrics.counter_delta({"num_drafts": 2, "accepted_per_pos": [2, 1]}, c)
     assert d["num_drafts"] == 10 and d["accepted_per_pos"] == [10, 7]

@@ -33,8 +33,14 @@ def test_server_command_and_environment(monkeypatch):
     monkeypatch.delenv("DSPARK_NIXL_UCX_TLS", raising=False)
     monkeypatch.delenv("DSPARK_NIXL_UCX_NET_DEVICES", raising=False)
     spec = {"method": "dspark", "model": "/d"}
-    s = pd_nixl.nixl_server("dec", "/m", ["--dtype", "float32"], spec,
-                            pd_nixl.nixl_kv_config("kv_consumer"), ["--no-enable-prefix-caching"])
+    s = pd_nixl.nixl_server(
+        "dec",
+        "/m",
+        ["--dtype", "float32"],
+        spec,
+        pd_nixl.nixl_kv_config("kv_consumer"),
+        ["--no-enable-prefix-caching"],
+    )
     cmd = s.command()
     assert cmd[cmd.index("--speculative-config") + 1] == json.dumps(spec)
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
@@ -69,9 +75,14 @@ def test_proxy_passes_the_prefillers_nixl_params_as_vllm_reads_them():
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
     from_prefill = {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4, 5]],
-        "remote_engine_id": "dspark-nixl-p", "remote_request_id": "cmpl-1",
-        "remote_host": "127.0.0.1", "remote_port": 5611, "tp_size": 1,
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[3, 4, 5]],
+        "remote_engine_id": "dspark-nixl-p",
+        "remote_request_id": "cmpl-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5611,
+        "tp_size": 1,
     }
     body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 8}
     pre = pd_proxy.prefill_request(body, "t-1")
@@ -94,12 +105,14 @@ def test_log_parsing_of_the_patch_messages():
         names, names[:4], remote_may_hold_more=False, num_target_layers=4, remote_engine_id="p"
     )
     paired = nixl_layers.PAIRED_LOG % ("p-1", 4, 2, "")  # the patch's log format
-    log = "\n".join([
-        "(EngineCore pid=1) INFO 12-03 [x.py:1] noise",
-        f"(EngineCore pid=1) INFO 12-03 [nixl.py:1] {paired}",
-        f"RuntimeError: {msg}",
-        "[1764] [host:1:0] ucp_worker.c:1 UCX  ERROR no transport",
-    ])
+    log = "\n".join(
+        [
+            "(EngineCore pid=1) INFO 12-03 [x.py:1] noise",
+            f"(EngineCore pid=1) INFO 12-03 [nixl.py:1] {paired}",
+            f"RuntimeError: {msg}",
+            "[1764] [host:1:0] ucp_worker.c:1 UCX  ERROR no transport",
+        ]
+    )
     lines = pd_nixl.failure_lines(log)
     assert len(lines) == 2 and "First difference at position 4" in lines[0]
     assert "UCX  ERROR" in lines[1]
@@ -111,10 +124,18 @@ def test_summary_and_cli(tmp_path, capsys):
     kv = {"vllm:external_prefix_cache_hits_total": 240.0}
     ok = {"tokens": [[1]], "errors": [], "spec": spec, "kv": kv}
     results = {
-        "trained": {"aggregated": ok, "pd": ok, "decoder_only": {"decoder": {
-            "answer": {"error": "HTTPError 500"},
-            "log_lines": ["RuntimeError: NIXL compatibility hash mismatch. Local: a, Remote: b."],
-        }}},
+        "trained": {
+            "aggregated": ok,
+            "pd": ok,
+            "decoder_only": {
+                "decoder": {
+                    "answer": {"error": "HTTPError 500"},
+                    "log_lines": [
+                        "RuntimeError: NIXL compatibility hash mismatch. Local: a, Remote: b."
+                    ],
+                }
+            },
+        },
         "qwen3": {"error": "GPUCaseFailure: server exited", "step": "wait for /health"},
     }
     table = pd_nixl.summary(results)

@@ -54,7 +54,9 @@ class Fake:
 
 
 def post(url, body, timeout=20):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -77,16 +79,29 @@ def fakes():
 
 
 def test_prefill_then_decode_with_the_mooncake_keys(fakes):
-    boot = fakes(lambda p, b: (200, {"0": {"engine_id": "eng-P", "worker_addr": {"0": {"0": "tcp://x:1"}}}}))
-    pre = fakes(lambda p, b: (200, {"choices": [{"text": "x", "token_ids": [9]}], "kv_transfer_params": None}))
+    boot = fakes(
+        lambda p, b: (200, {"0": {"engine_id": "eng-P", "worker_addr": {"0": {"0": "tcp://x:1"}}}})
+    )
+    pre = fakes(
+        lambda p, b: (
+            200,
+            {"choices": [{"text": "x", "token_ids": [9]}], "kv_transfer_params": None},
+        )
+    )
     dec = fakes(lambda p, b: (200, {"choices": [{"text": "abc", "token_ids": [1, 2, 3]}]}))
     with pd_proxy.PDProxy(pre.url, dec.url, boot.url) as proxy:
-        client = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "min_tokens": 2, "temperature": 0}
+        client = {
+            "model": "m",
+            "prompt": [5, 6, 7],
+            "max_tokens": 3,
+            "min_tokens": 2,
+            "temperature": 0,
+        }
         status, out = post(proxy.url + "/v1/completions", client)
         stats = dict(proxy.stats)
     assert status == 200 and out["choices"][0]["token_ids"] == [1, 2, 3]
-    (pp, pb), = pre.bodies
-    (dp, db), = dec.bodies
+    ((pp, pb),) = pre.bodies
+    ((dp, db),) = dec.bodies
     assert pp == dp == "/v1/completions"
     # prefiller: one token, no streaming, KV kept for a remote decoder
     assert pb["max_tokens"] == 1 and pb["stream"] is False and "min_tokens" not in pb
@@ -107,7 +122,12 @@ def test_prefill_then_decode_with_the_mooncake_keys(fakes):
 
 
 def test_each_request_gets_its_own_transfer_id_and_prefill_params_are_kept(fakes):
-    pre = fakes(lambda p, b: (200, {"choices": [{}], "kv_transfer_params": {"extra_key": 42, "remote_engine_id": None}}))
+    pre = fakes(
+        lambda p, b: (
+            200,
+            {"choices": [{}], "kv_transfer_params": {"extra_key": 42, "remote_engine_id": None}},
+        )
+    )
     dec = fakes(lambda p, b: (200, {"choices": [{"token_ids": [1]}]}))
     with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="given") as proxy:
         for _ in range(3):
@@ -139,7 +159,9 @@ def test_a_stuck_decoder_becomes_a_504_not_a_hang(fakes):
         return 200, {}
 
     dec = fakes(slow)
-    with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="e", timeout_s=1.0) as proxy:
+    with pd_proxy.PDProxy(
+        pre.url, dec.url, "http://127.0.0.1:1", engine_id="e", timeout_s=1.0
+    ) as proxy:
         t0 = time.monotonic()
         status, _ = post(proxy.url + "/v1/completions", {"prompt": [1]})
         took = time.monotonic() - t0

@@ -26,11 +26,20 @@ def test_table_from_junit_lists_every_outcome_and_exits_nonzero(tmp_path, capsys
     assert rc == 1
     assert out.read_text().strip() == text.strip()
     lines = text.strip().splitlines()
-    assert lines[-1] == "TOTAL 4 tests: failed 1 error 1 passed 1 skipped 1, wall 98 s (from junit.xml)"
+    assert (
+        lines[-1]
+        == "TOTAL 4 tests: failed 1 error 1 passed 1 skipped 1, wall 98 s (from junit.xml)"
+    )
     # failures first, with the first line of their message
-    assert lines[2].startswith("FAILED") and "greedy output differs" in lines[2] and "second line" not in lines[2]
+    assert (
+        lines[2].startswith("FAILED")
+        and "greedy output differs" in lines[2]
+        and "second line" not in lines[2]
+    )
     assert lines[3].startswith("ERROR") and "start servers" in lines[3]
-    assert lines[4].startswith("PASSED") and "test_environment_facts" in lines[4] and "3.2" in lines[4]
+    assert (
+        lines[4].startswith("PASSED") and "test_environment_facts" in lines[4] and "3.2" in lines[4]
+    )
     assert lines[5].startswith("SKIPPED") and "no project Triton kernels" in lines[5]
 
 

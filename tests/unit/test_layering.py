@@ -101,7 +101,7 @@ def test_no_import_cycles():
             if t == "vllm_dspark_pp" or m == "vllm_dspark_pp":
                 continue  # the package root (register) is the entry point, above everything
             if state.get(t) == 1:
-                cycles.append(stack[stack.index(t):] + [t] if t in stack else [m, t])
+                cycles.append(stack[stack.index(t) :] + [t] if t in stack else [m, t])
             elif state.get(t) is None:
                 visit(t, stack + [t])
         state[m] = 2

@@ -27,7 +27,11 @@ def test_same_wrap_twice_is_a_noop_and_different_wraps_compose():
     assert Owner.f(0) == 1
     assert wrap(Owner, "f", plus10, key="plus10") is True  # a second patch still applies
     assert Owner.f(0) == 11
-    assert is_patched(Owner, "f") and is_patched(Owner, "f", "plus1") and is_patched(Owner, "f", "plus10")
+    assert (
+        is_patched(Owner, "f")
+        and is_patched(Owner, "f", "plus1")
+        and is_patched(Owner, "f", "plus10")
+    )
     assert original(Owner, "f")(5) == 5
 
 

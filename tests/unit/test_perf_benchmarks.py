@@ -26,10 +26,21 @@ pp_projection = load_script("benchmarks/pp_projection.py")
 
 
 def _run(engine, plugin, al, c, rep, tok_s, tpot=5.0, ttft=20.0, tgt=4.0, dft=1.0, step=6.0):
-    return {"type": "run", "engine": engine, "plugin": plugin, "acceptance_length": al,
-            "concurrency": c, "repeat": rep, "output_tok_s": tok_s, "tpot_ms_mean": tpot,
-            "ttft_ms_mean": ttft, "measured_acceptance_length": al, "target_ms": tgt,
-            "draft_ms": dft if engine == "dspark" else None, "step_ms": step}
+    return {
+        "type": "run",
+        "engine": engine,
+        "plugin": plugin,
+        "acceptance_length": al,
+        "concurrency": c,
+        "repeat": rep,
+        "output_tok_s": tok_s,
+        "tpot_ms_mean": tpot,
+        "ttft_ms_mean": ttft,
+        "measured_acceptance_length": al,
+        "target_ms": tgt,
+        "draft_ms": dft if engine == "dspark" else None,
+        "step_ms": step,
+    }
 
 
 def _records():
@@ -39,19 +50,39 @@ def _records():
             recs.append(_run("nospec", "on", None, c, rep, 100.0 * c * scale, dft=None))
             recs.append(_run("dspark", "on", 3.99, c, rep, 300.0 * c * scale))
             recs.append(_run("dspark", "off", 3.99, c, rep, 303.0 * c * scale))
-    recs.append({"type": "memory", "engine": "dspark/on",
-                 "draft_load": {"allocated_delta_bytes": 3 * 2**30, "peak_delta_bytes": 5 * 2**30,
-                                "param_bytes_own": 2 * 2**30, "draft_class": "X"}})
-    recs.append({"type": "plan", "kv_both": {"draft bytes": "full drafter 1.00 MiB"},
-                 "kv_producer": {"draft bytes": "context-KV-only 0.10 MiB"}})
+    recs.append(
+        {
+            "type": "memory",
+            "engine": "dspark/on",
+            "draft_load": {
+                "allocated_delta_bytes": 3 * 2**30,
+                "peak_delta_bytes": 5 * 2**30,
+                "param_bytes_own": 2 * 2**30,
+                "draft_class": "X",
+            },
+        }
+    )
+    recs.append(
+        {
+            "type": "plan",
+            "kv_both": {"draft bytes": "full drafter 1.00 MiB"},
+            "kv_producer": {"draft bytes": "context-KV-only 0.10 MiB"},
+        }
+    )
     recs.append({"type": "skip", "what": "nospec rep 2 C 64", "why": "budget: 3 s left"})
     recs.append({"type": "engine", "engine": "dspark", "plugin": "on", "start_s": 61.0})
     return recs
 
 
 def _result():
-    meta = {"shape": "qwen3-8b", "shape_config": real_shapes.SHAPES["qwen3-8b"].__dict__,
-            "k": 7, "repeats": 3, "input_len": 128, "output_len": 512}
+    meta = {
+        "shape": "qwen3-8b",
+        "shape_config": real_shapes.SHAPES["qwen3-8b"].__dict__,
+        "k": 7,
+        "repeats": 3,
+        "input_len": 128,
+        "output_len": 512,
+    }
     return perf.build_result(meta, _records())
 
 
@@ -71,17 +102,21 @@ def test_aggregate_takes_medians_over_repeats_and_ratios_per_concurrency():
 
 
 def test_request_latencies_from_vllm_stats():
-    ttft, tpot = perf.request_latencies(arrival=0.0, first_ts=10.0, last_ts=15.11, num_gen=512,
-                                        first_latency=0.25)
+    ttft, tpot = perf.request_latencies(
+        arrival=0.0, first_ts=10.0, last_ts=15.11, num_gen=512, first_latency=0.25
+    )
     assert ttft == 0.25 and tpot == pytest.approx(5.11 / 511)
     assert perf.request_latencies(0.0, 1.0, 1.0, 1, 0.1)[1] is None
 
 
 def test_step_summary_groups_by_batch_size():
-    steps = [{"num_reqs": 4, "target_ms": t, "draft_ms": 1.0, "step_ms": t + 2, "num_tokens": 32}
-             for t in (3.0, 4.0, 5.0)]
-    steps.append({"num_reqs": 3, "target_ms": 9.0, "draft_ms": None, "step_ms": 10.0,
-                  "num_tokens": 24})
+    steps = [
+        {"num_reqs": 4, "target_ms": t, "draft_ms": 1.0, "step_ms": t + 2, "num_tokens": 32}
+        for t in (3.0, 4.0, 5.0)
+    ]
+    steps.append(
+        {"num_reqs": 3, "target_ms": 9.0, "draft_ms": None, "step_ms": 10.0, "num_tokens": 24}
+    )
     s = hooks.summarize_steps(steps)
     assert s["main_num_reqs"] == 4 and s["main"]["target_ms"] == 4.0
     assert s["per_num_reqs"]["3"]["draft_ms"] is None and s["total_steps"] == 4
@@ -96,7 +131,10 @@ def test_plot_writes_tables_and_png(tmp_path):
     md = md_path.read_text()
     assert "| DSpark k=7, AL 3.99 | 4 | 1200.0 | 3.00x |" in md
     assert "| 3.99 | 1 | 300.0 | 303.0 | 0.990 |" in md
-    assert "| full DSpark drafter | 3072.0 MiB | 5120.0 MiB | 2048.0 MiB | full drafter 1.00 MiB |" in md
+    assert (
+        "| full DSpark drafter | 3072.0 MiB | 5120.0 MiB | 2048.0 MiB | full drafter 1.00 MiB |"
+        in md
+    )
     assert "nospec rep 2 C 64" in md  # what was not measured is listed
     png = tmp_path / "perf_qwen3-8b.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -129,8 +167,10 @@ def test_exchange_payload_model_matches_the_schedule():
         assert exchange_gloo.misaligned_rows(stock) == (0 if n % 4 == 0 else 1)
     # stock vLLM narrows the sampled payload to one column when the batch carries no drafts
     assert exchange_gloo.stock_payloads(2, 7, with_drafts=False)[0][1] == (2, 1)
-    rows = [{"N": 4, "variant": v, "bytes": 512, "misaligned_rows": 0, "us_median": 3.0}
-            for v in ("stock", "ours")]
+    rows = [
+        {"N": 4, "variant": v, "bytes": 512, "misaligned_rows": 0, "us_median": 3.0}
+        for v in ("stock", "ours")
+    ]
     assert "| 4 | 512 | 512 | 0 | 0 | 3 | 3 |" in exchange_gloo.markdown(rows)
 
 
@@ -152,10 +192,16 @@ def test_shape_folders_carry_the_published_draft_shape(tmp_path):
 
 def test_real_shape_builds_vllm_engine_config(tmp_path):
     """vLLM 0.34.0 builds the Qwen3-8B-shaped pair (CPU platform, no weights)."""
-    code = ("import json,sys; sys.path.insert(0, sys.argv[1]); import real_shapes as r; "
-            "p = r.write_shape('qwen3-8b', sys.argv[2]); print(json.dumps(r.check_engine_config(p)))")
-    proc = subprocess.run([sys.executable, "-c", code, str(BENCH), str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
+    code = (
+        "import json,sys; sys.path.insert(0, sys.argv[1]); import real_shapes as r; "
+        "p = r.write_shape('qwen3-8b', sys.argv[2]); print(json.dumps(r.check_engine_config(p)))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(BENCH), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["draft_architecture"] == "Qwen3DSparkModel" and got["num_speculative_tokens"] == 7
@@ -181,8 +227,10 @@ def test_plan_draft_bytes_exclude_shared_embedding_and_count_the_fused_kv_copy(t
     import torch
     from safetensors.torch import save_file
 
-    save_file({"model.embed_tokens.weight": torch.zeros(2, 2), "lm_head.weight": torch.zeros(2, 2)},
-              str(Path(paths.draft) / "model.safetensors"))
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(2, 2), "lm_head.weight": torch.zeros(2, 2)},
+        str(Path(paths.draft) / "model.safetensors"),
+    )
     assert _checkpoint_ships(paths.draft) == (True, True)
 
 
@@ -190,11 +238,17 @@ def test_hook_distribution_registers_the_bench_plugin(tmp_path):
     root = perf.make_hook_dist(tmp_path)
     ep = (root / "dspark_bench_hooks-0.0.dist-info" / "entry_points.txt").read_text()
     assert "[vllm.general_plugins]" in ep and "dspark_bench = dspark_bench_hooks:register" in ep
-    code = ("from importlib.metadata import entry_points; "
-            "print(sorted(e.name for e in entry_points(group='vllm.general_plugins')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"PYTHONPATH": f"{root}:{BENCH}", "PATH": "/usr/bin:/bin"},
-                          timeout=60)
+    code = (
+        "from importlib.metadata import entry_points; "
+        "print(sorted(e.name for e in entry_points(group='vllm.general_plugins')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": f"{root}:{BENCH}", "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
     assert "dspark_bench" in proc.stdout, proc.stderr
 
 
@@ -202,8 +256,9 @@ def test_fill_replaces_only_the_generated_block(tmp_path):
     doc = tmp_path / "performance.md"
     doc.write_text("# T\nkeep\n<!-- BEGIN GENERATED -->\nold\n<!-- END GENERATED -->\ntail\n")
     plot_perf.fill_between(doc, "GENERATED", "new table\n")
-    assert doc.read_text() == ("# T\nkeep\n<!-- BEGIN GENERATED -->\nnew table\n"
-                               "<!-- END GENERATED -->\ntail\n")
+    assert doc.read_text() == (
+        "# T\nkeep\n<!-- BEGIN GENERATED -->\nnew table\n<!-- END GENERATED -->\ntail\n"
+    )
     with pytest.raises(ValueError):
         plot_perf.fill_between(doc, "PROJECTION", "x")
     # the committed docs carry the blocks the scripts fill

@@ -124,4 +124,6 @@ def test_plan_accepts_nixl_with_a_pp1_dspark_producer(tiny_models):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verdict     ACCEPTED" in proc.stdout
     assert "this role builds: context-KV-only drafter (prefill-only producer)" in proc.stdout
-    assert "nixl: NixlConnector with a DSpark prefill-only producer at PP=1: accepted" in proc.stdout
+    assert (
+        "nixl: NixlConnector with a DSpark prefill-only producer at PP=1: accepted" in proc.stdout
+    )

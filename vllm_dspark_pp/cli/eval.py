@@ -8,15 +8,26 @@ HELP = "Evaluation gates: `eval gsm8k --config tests/evals/gsm8k/configs/<name>.
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="eval_name", required=True)
-    g = sub.add_parser("gsm8k", help="GSM8K accuracy, invalid rate and DSpark acceptance for one YAML config")
+    g = sub.add_parser(
+        "gsm8k", help="GSM8K accuracy, invalid rate and DSpark acceptance for one YAML config"
+    )
     g.add_argument("--config", required=True, help="YAML under tests/evals/gsm8k/configs/")
-    g.add_argument("--server-url", default=None,
-                   help="OpenAI-compatible server (e.g. http://localhost:8000) instead of an offline LLM")
+    g.add_argument(
+        "--server-url",
+        default=None,
+        help="OpenAI-compatible server (e.g. http://localhost:8000) instead of an offline LLM",
+    )
     g.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
-    g.add_argument("--accuracy-min", type=float, default=None, help="override the config's threshold")
-    g.add_argument("--acceptance-length-min", type=float, default=None, help="override the config's threshold")
+    g.add_argument(
+        "--accuracy-min", type=float, default=None, help="override the config's threshold"
+    )
+    g.add_argument(
+        "--acceptance-length-min", type=float, default=None, help="override the config's threshold"
+    )
     g.add_argument("--out-json", default=None, help="write the full report (with completions) here")
-    g.add_argument("--results-md", default=None, help="append the result row to this markdown table")
+    g.add_argument(
+        "--results-md", default=None, help="append the result row to this markdown table"
+    )
 
 
 def run(args) -> int:

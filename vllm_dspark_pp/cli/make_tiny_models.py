@@ -18,7 +18,9 @@ def add_arguments(parser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="weight dtype: float32 for CPU parity runs (default), bfloat16 for GPUs",
     )
-    parser.add_argument("--num-layers", type=int, default=6, help="target decoder layers (default 6)")
+    parser.add_argument(
+        "--num-layers", type=int, default=6, help="target decoder layers (default 6)"
+    )
 
 
 def run(args) -> int:
@@ -29,6 +31,6 @@ def run(args) -> int:
     print(f"draft:  {paths.draft}")
     print(
         "try:    vllm-dspark-pp plan "
-        f"{paths.target} --speculative-config '{{\"method\": \"dspark\", \"model\": \"{paths.draft}\"}}' -pp 2"
+        f'{paths.target} --speculative-config \'{{"method": "dspark", "model": "{paths.draft}"}}\' -pp 2'
     )
     return 0

@@ -90,7 +90,9 @@ def run(args) -> int:
         if args.json:
             print(json.dumps({"accepted": False, "messages": [f"{type(exc).__name__}: {msg}"]}))
         else:
-            print(f"verdict     REJECTED by vLLM 0.34.0 + vllm-dspark-pp\n  - {type(exc).__name__}: {msg}")
+            print(
+                f"verdict     REJECTED by vLLM 0.34.0 + vllm-dspark-pp\n  - {type(exc).__name__}: {msg}"
+            )
         return 1
     print(plan.to_json() if args.json else format_plan(plan))
     sys.stdout.flush()

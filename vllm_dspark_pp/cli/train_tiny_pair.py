@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 NAME = "train-tiny-pair"
-HELP = ("Train the tiny Qwen3 target and its DSpark drafter on the seeded synthetic GSM8K-style corpus "
-        "and write both as vLLM-loadable model directories (see docs/tiny-pair.md).")
+HELP = (
+    "Train the tiny Qwen3 target and its DSpark drafter on the seeded synthetic GSM8K-style corpus "
+    "and write both as vLLM-loadable model directories (see docs/tiny-pair.md)."
+)
 
 
 def add_arguments(parser) -> None:

@@ -93,4 +93,3 @@ def run_engine(
         return EngineRun(result, log_text, timed_out, proc.returncode, round(wall, 2), proc.pid)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-

@@ -85,9 +85,7 @@ def _config_summary(llm) -> dict:
         "dtype": str(vc.model_config.dtype),
         "spec_method": sc.method if sc else None,
         "num_speculative_tokens": sc.num_speculative_tokens if sc else 0,
-        "additional_config": vc.additional_config
-        if isinstance(vc.additional_config, dict)
-        else {},
+        "additional_config": vc.additional_config if isinstance(vc.additional_config, dict) else {},
     }
 
 

@@ -61,7 +61,9 @@ def rows_from_junit(path: Path) -> list[Row]:
     return rows
 
 
-_LOG_LINE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR)\b|^(PASSED|FAILED|SKIPPED|ERROR)\s+(\S+::\S+)")
+_LOG_LINE = re.compile(
+    r"^(\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR)\b|^(PASSED|FAILED|SKIPPED|ERROR)\s+(\S+::\S+)"
+)
 
 
 def rows_from_log(path: Path) -> list[Row]:

@@ -161,16 +161,25 @@ def run_offline(cfg: EvalConfig, prompts: list[str]) -> dict:
     env = child_env({k: str(v) for k, v in cfg.env.items()})
     run = run_engine(spec, timeout_s=cfg.timeout_s, env=env, name=f"gsm8k-{cfg.name}")
     if run.timed_out:
-        raise RuntimeError(f"[{cfg.name}] vLLM run exceeded timeout_s={cfg.timeout_s} in phase "
-                           f"{run.phase!r} and was killed; raise it in {cfg.path or 'the config'} "
-                           f"if the machine is only slow\n{run.log_text[-4000:]}")
+        raise RuntimeError(
+            f"[{cfg.name}] vLLM run exceeded timeout_s={cfg.timeout_s} in phase "
+            f"{run.phase!r} and was killed; raise it in {cfg.path or 'the config'} "
+            f"if the machine is only slow\n{run.log_text[-4000:]}"
+        )
     if not run.ok:
-        raise RuntimeError(f"[{cfg.name}] vLLM run failed in phase {run.phase!r}: "
-                           f"{run.result.get('error')}\n{run.log_text[-4000:]}")
+        raise RuntimeError(
+            f"[{cfg.name}] vLLM run failed in phase {run.phase!r}: "
+            f"{run.result.get('error')}\n{run.log_text[-4000:]}"
+        )
     wave = run.result["waves"][0]
-    return {"texts": wave["texts"], "tokens": wave["tokens"], "metrics": wave["metrics"],
-            "config": run.result["config"], "load_s": run.result.get("startup_s", 0.0),
-            "generate_s": run.result.get("generate_s", 0.0)}
+    return {
+        "texts": wave["texts"],
+        "tokens": wave["tokens"],
+        "metrics": wave["metrics"],
+        "config": run.result["config"],
+        "load_s": run.result.get("startup_s", 0.0),
+        "generate_s": run.result.get("generate_s", 0.0),
+    }
 
 
 def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int = 16) -> dict:
@@ -192,9 +201,18 @@ def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int =
     before = spec_metrics_from_prometheus(get("/metrics"))
 
     def one(prompt):
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": 0,
-                           "stop": cfg.stop or None}).encode()
-        req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": cfg.max_tokens,
+                "temperature": 0,
+                "stop": cfg.stop or None,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            base + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=cfg.timeout_s) as r:
             return json.loads(r.read())["choices"][0]["text"]
 
@@ -203,7 +221,13 @@ def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int =
         texts = list(tqdm(ex.map(one, prompts), total=len(prompts), desc=f"gsm8k {cfg.name}"))
     gen_s = time.time() - t0
     after = spec_metrics_from_prometheus(get("/metrics"))
-    return {"texts": texts, "tokens": None, "metrics": counter_delta(before, after), "load_s": 0.0, "generate_s": gen_s}
+    return {
+        "texts": texts,
+        "tokens": None,
+        "metrics": counter_delta(before, after),
+        "load_s": 0.0,
+        "generate_s": gen_s,
+    }
 
 
 # ---------------------------------------------------------------- scoring and gating
@@ -223,7 +247,9 @@ def score(cfg: EvalConfig, rows: list[dict], res: dict) -> dict:
         "invalid_rate": invalid / max(1, len(rows)),
         "speculative": cfg.speculative,
         "mean_acceptance_length": (1 + m["num_accepted_tokens"] / drafts) if drafts else None,
-        "per_position_acceptance": [a / drafts for a in m.get("accepted_per_pos", [])] if drafts else [],
+        "per_position_acceptance": [a / drafts for a in m.get("accepted_per_pos", [])]
+        if drafts
+        else [],
         "num_drafts": drafts,
         "load_s": round(res.get("load_s", 0.0), 1),
         "generate_s": round(res.get("generate_s", 0.0), 1),
@@ -242,13 +268,17 @@ def check(report: dict) -> list[str]:
         fails.append(f"accuracy {report['accuracy']:.4f} < accuracy_min {report['accuracy_min']}")
     eq = report.get("accuracy_equals")
     if eq is not None and abs(report["accuracy"] - eq) > 1e-9:
-        fails.append(f"accuracy {report['accuracy']:.4f} != accuracy_equals {eq} (greedy speculative decoding "
-                     "must reproduce the non-speculative accuracy exactly)")
+        fails.append(
+            f"accuracy {report['accuracy']:.4f} != accuracy_equals {eq} (greedy speculative decoding "
+            "must reproduce the non-speculative accuracy exactly)"
+        )
     amin = report["acceptance_length_min"]
     if amin is not None:
         acc = report["mean_acceptance_length"]
         if acc is None:
-            fails.append(f"no speculative decoding metrics (mean acceptance length n/a) but acceptance_length_min {amin}")
+            fails.append(
+                f"no speculative decoding metrics (mean acceptance length n/a) but acceptance_length_min {amin}"
+            )
         elif acc < amin:
             fails.append(f"mean acceptance length {acc:.3f} < acceptance_length_min {amin}")
     return fails
@@ -291,6 +321,7 @@ RESULTS_HEADER = (
 def results_row(r: dict) -> str:
     acc_len = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.3f}"
     per = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
-    return (f"| {r['name']} | {r['accuracy']:.4f} | {r['invalid_rate']:.4f} | {acc_len} | {per} | "
-            f"{r['generate_s']} | {'yes' if r['passed'] else 'NO'} |\n")
-
+    return (
+        f"| {r['name']} | {r['accuracy']:.4f} | {r['invalid_rate']:.4f} | {acc_len} | {per} | "
+        f"{r['generate_s']} | {'yes' if r['passed'] else 'NO'} |\n"
+    )

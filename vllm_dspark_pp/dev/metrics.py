@@ -74,7 +74,9 @@ def spec_metrics_from_prometheus(page: str | dict[str, float]) -> dict:
             elif base == PER_POS and "position" in s.labels:
                 pos = int(s.labels["position"])
                 per_pos[pos] = per_pos.get(pos, 0) + int(s.value)
-    out["accepted_per_pos"] = [per_pos.get(i, 0) for i in range(max(per_pos) + 1)] if per_pos else []
+    out["accepted_per_pos"] = (
+        [per_pos.get(i, 0) for i in range(max(per_pos) + 1)] if per_pos else []
+    )
     return out
 
 

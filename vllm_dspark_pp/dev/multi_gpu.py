@@ -21,12 +21,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-NCCL_ERROR = re.compile(r"ncclInvalidUsage|NCCL error|invalid usage \(run with NCCL_DEBUG=WARN|ncclSystemError", re.I)
+NCCL_ERROR = re.compile(
+    r"ncclInvalidUsage|NCCL error|invalid usage \(run with NCCL_DEBUG=WARN|ncclSystemError", re.I
+)
 
 
 def gpu_count() -> int:
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
+        ).stdout
         return sum(1 for line in out.splitlines() if line.startswith("GPU "))
     except (OSError, subprocess.TimeoutExpired):
         return 0
@@ -119,7 +123,9 @@ class NcclStubGuard:
             shell=True, capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         sp = subprocess.run(
-            [sys.executable, "-c", "import site;print(site.getsitepackages()[0])"], capture_output=True, text=True
+            [sys.executable, "-c", "import site;print(site.getsitepackages()[0])"],
+            capture_output=True,
+            text=True,
         ).stdout.strip()
         have = subprocess.run(
             f"nm -D --defined-only {sp}/nvidia/nccl/lib/libnccl.so.2 | awk '{{print $3}}' | sort -u",
@@ -141,7 +147,11 @@ class NcclStubGuard:
         body = "".join(f'int {s}(void){{dspark_note("{s}"); return 5;}}\n' for s in self.symbols)
         src.write_text(LOUD_STUB_C + body)
         so = self.work_dir / "libnccl_stub_loud.so"
-        proc = subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(so), str(src)], capture_output=True, text=True)
+        proc = subprocess.run(
+            ["gcc", "-shared", "-fPIC", "-O2", "-o", str(so), str(src)],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             self.problem = f"gcc failed: {proc.stderr[-500:]}"
             return self
@@ -153,13 +163,21 @@ class NcclStubGuard:
         """Environment for a child: the loud stub replaces the kit's silent one in LD_PRELOAD."""
         if self.so is None:
             return {}
-        pre = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and "libnccl_stub" not in p]
+        pre = [
+            p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and "libnccl_stub" not in p
+        ]
         return {"LD_PRELOAD": ":".join([str(self.so), *pre]), "DSPARK_NCCL_STUB_LOG": str(self.log)}
 
     def calls(self) -> list[str]:
         if not self.log.exists():
             return []
-        return sorted({line.split()[1] for line in self.log.read_text().splitlines() if line.startswith("DSPARK_NCCL_STUB_CALLED")})
+        return sorted(
+            {
+                line.split()[1]
+                for line in self.log.read_text().splitlines()
+                if line.startswith("DSPARK_NCCL_STUB_CALLED")
+            }
+        )
 
     def check(self, report: Report, logs: list[str] = ()) -> None:
         if self.problem:
@@ -169,9 +187,13 @@ class NcclStubGuard:
         errors = sorted({m.group(0) for text in logs for m in NCCL_ERROR.finditer(text)})
         if called or errors:
             report.add(
-                "no run reaches the kit's NCCL stubs", "FAIL", f"stubbed functions called: {called}; NCCL errors in logs: {errors}"
+                "no run reaches the kit's NCCL stubs",
+                "FAIL",
+                f"stubbed functions called: {called}; NCCL errors in logs: {errors}",
             )
         else:
             report.add(
-                "no run reaches the kit's NCCL stubs", "PASS", f"{len(self.symbols)} stubbed symbols, none called, no NCCL errors"
+                "no run reaches the kit's NCCL stubs",
+                "PASS",
+                f"{len(self.symbols)} stubbed symbols, none called, no NCCL errors",
             )

@@ -53,7 +53,9 @@ def _post(url: str, body: dict, timeout: float) -> dict:
     except urllib.error.HTTPError as e:
         raise UpstreamError(e.code, e.read(), url) from e
     except (TimeoutError, urllib.error.URLError, OSError) as e:
-        raise UpstreamError(504, json.dumps({"error": f"{url}: {type(e).__name__}: {e}"}).encode(), url) from e
+        raise UpstreamError(
+            504, json.dumps({"error": f"{url}: {type(e).__name__}: {e}"}).encode(), url
+        ) from e
 
 
 def prefill_request(body: dict, transfer_id: str) -> dict:
@@ -97,7 +99,9 @@ def query_engine_id(bootstrap_addr: str, timeout: float = 5.0) -> str:
         data = json.loads(r.read().decode())
     ids = sorted({entry["engine_id"] for entry in data.values()})
     if len(ids) != 1:
-        raise RuntimeError(f"bootstrap {bootstrap_addr} lists engine ids {ids}, expected exactly one")
+        raise RuntimeError(
+            f"bootstrap {bootstrap_addr} lists engine ids {ids}, expected exactly one"
+        )
     return ids[0]
 
 
@@ -145,7 +149,9 @@ class PDProxy:
             self.stats["prefill_ok"] += 1
         d = _post(
             self.decode_url + path,
-            decode_request(body, tid, self.engine_id, self.bootstrap_addr, p.get("kv_transfer_params")),
+            decode_request(
+                body, tid, self.engine_id, self.bootstrap_addr, p.get("kv_transfer_params")
+            ),
             self.timeout_s,
         )
         with self._lock:
@@ -193,7 +199,9 @@ class PDProxy:
                 except Exception as e:  # noqa: BLE001 - the client must get an answer
                     with proxy._lock:
                         proxy.stats["errors"].append(f"{type(e).__name__}: {e}"[:300])
-                    return self._send(502, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                    return self._send(
+                        502, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+                    )
                 return self._send(200, json.dumps(out).encode())
 
         return Handler
@@ -226,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--timeout", type=float, default=120.0)
     a = ap.parse_args(argv)
-    proxy = PDProxy(a.prefill, a.decode, a.bootstrap, a.engine_id, timeout_s=a.timeout, host=a.host, port=a.port)
+    proxy = PDProxy(
+        a.prefill, a.decode, a.bootstrap, a.engine_id, timeout_s=a.timeout, host=a.host, port=a.port
+    )
     print(f"pd_proxy on {proxy.url}: {a.prefill} -> {a.decode}", flush=True)
     try:
         proxy._server.serve_forever()

@@ -27,11 +27,27 @@ def tiny_dsv4_config(*, gpu: bool = False) -> Any:
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
     dims = (
-        {"hidden_size": 256, "num_attention_heads": 64, "head_dim": 512, "q_lora_rank": 64,
-         "o_groups": 8, "o_lora_rank": 32, "sliding_window": 128, "max_position_embeddings": 1024}
-        if gpu else
-        {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 64, "q_lora_rank": 32,
-         "o_groups": 2, "o_lora_rank": 16, "sliding_window": 16, "max_position_embeddings": 256}
+        {
+            "hidden_size": 256,
+            "num_attention_heads": 64,
+            "head_dim": 512,
+            "q_lora_rank": 64,
+            "o_groups": 8,
+            "o_lora_rank": 32,
+            "sliding_window": 128,
+            "max_position_embeddings": 1024,
+        }
+        if gpu
+        else {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "head_dim": 64,
+            "q_lora_rank": 32,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "sliding_window": 16,
+            "max_position_embeddings": 256,
+        }
     )
     cfg = DeepseekV4Config(
         vocab_size=512,
@@ -73,53 +89,69 @@ def dsv4_checkpoint_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
         f"mtp.{n_layers - 1}.hc_head_fn": (hc, hc * h),
         f"mtp.{n_layers - 1}.hc_head_base": (hc,),
         f"mtp.{n_layers - 1}.hc_head_scale": (1,),
-        f"mtp.{n_layers - 1}.markov_head.markov_w1.weight": (cfg.vocab_size,
-                                                            cfg.dspark_markov_rank),
-        f"mtp.{n_layers - 1}.markov_head.markov_w2.weight": (cfg.vocab_size,
-                                                            cfg.dspark_markov_rank),
+        f"mtp.{n_layers - 1}.markov_head.markov_w1.weight": (
+            cfg.vocab_size,
+            cfg.dspark_markov_rank,
+        ),
+        f"mtp.{n_layers - 1}.markov_head.markov_w2.weight": (
+            cfg.vocab_size,
+            cfg.dspark_markov_rank,
+        ),
         f"mtp.{n_layers - 1}.confidence_head.proj.weight": (1, h + cfg.dspark_markov_rank),
         f"mtp.{n_layers - 1}.confidence_head.proj.bias": (1,),
     }
     for i in range(n_layers):
         p = f"mtp.{i}."
-        shapes.update({
-            p + "attn.wq_a.weight": (cfg.q_lora_rank, h),
-            p + "attn.wkv.weight": (hd, h),
-            p + "attn.q_norm.weight": (cfg.q_lora_rank,),
-            p + "attn.wq_b.weight": (n_heads * hd, cfg.q_lora_rank),
-            p + "attn.kv_norm.weight": (hd,),
-            p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, n_heads * hd // cfg.o_groups),
-            p + "attn.wo_b.weight": (h, cfg.o_groups * cfg.o_lora_rank),
-            p + "attn.attn_sink": (n_heads,),
-            p + "attn_norm.weight": (h,),
-            p + "ffn_norm.weight": (h,),
-            p + "hc_attn_fn": (mix, hc * h),
-            p + "hc_ffn_fn": (mix, hc * h),
-            p + "hc_attn_base": (mix,),
-            p + "hc_ffn_base": (mix,),
-            p + "hc_attn_scale": (3,),
-            p + "hc_ffn_scale": (3,),
-            p + "ffn.gate.weight": (cfg.n_routed_experts, h),
-            p + "ffn.gate.bias": (cfg.n_routed_experts,),
-            p + "ffn.shared_experts.w1.weight": (cfg.moe_intermediate_size, h),
-            p + "ffn.shared_experts.w2.weight": (h, cfg.moe_intermediate_size),
-            p + "ffn.shared_experts.w3.weight": (cfg.moe_intermediate_size, h),
-        })
+        shapes.update(
+            {
+                p + "attn.wq_a.weight": (cfg.q_lora_rank, h),
+                p + "attn.wkv.weight": (hd, h),
+                p + "attn.q_norm.weight": (cfg.q_lora_rank,),
+                p + "attn.wq_b.weight": (n_heads * hd, cfg.q_lora_rank),
+                p + "attn.kv_norm.weight": (hd,),
+                p + "attn.wo_a.weight": (
+                    cfg.o_groups * cfg.o_lora_rank,
+                    n_heads * hd // cfg.o_groups,
+                ),
+                p + "attn.wo_b.weight": (h, cfg.o_groups * cfg.o_lora_rank),
+                p + "attn.attn_sink": (n_heads,),
+                p + "attn_norm.weight": (h,),
+                p + "ffn_norm.weight": (h,),
+                p + "hc_attn_fn": (mix, hc * h),
+                p + "hc_ffn_fn": (mix, hc * h),
+                p + "hc_attn_base": (mix,),
+                p + "hc_ffn_base": (mix,),
+                p + "hc_attn_scale": (3,),
+                p + "hc_ffn_scale": (3,),
+                p + "ffn.gate.weight": (cfg.n_routed_experts, h),
+                p + "ffn.gate.bias": (cfg.n_routed_experts,),
+                p + "ffn.shared_experts.w1.weight": (cfg.moe_intermediate_size, h),
+                p + "ffn.shared_experts.w2.weight": (h, cfg.moe_intermediate_size),
+                p + "ffn.shared_experts.w3.weight": (cfg.moe_intermediate_size, h),
+            }
+        )
         for e in range(cfg.n_routed_experts):
-            shapes.update({
-                p + f"ffn.experts.{e}.w1.weight": (cfg.moe_intermediate_size, h),
-                p + f"ffn.experts.{e}.w2.weight": (h, cfg.moe_intermediate_size),
-                p + f"ffn.experts.{e}.w3.weight": (cfg.moe_intermediate_size, h),
-            })
+            shapes.update(
+                {
+                    p + f"ffn.experts.{e}.w1.weight": (cfg.moe_intermediate_size, h),
+                    p + f"ffn.experts.{e}.w2.weight": (h, cfg.moe_intermediate_size),
+                    p + f"ffn.experts.{e}.w3.weight": (cfg.moe_intermediate_size, h),
+                }
+            )
     return shapes
 
 
 #: The DeepSeek-V4 checkpoint tensors the context-only drafter loads (tiny config, 2 stages).
-DSV4_CONTEXT_NAMES = frozenset({
-    "mtp.0.main_proj.weight", "mtp.0.main_norm.weight",
-    "mtp.0.attn.wkv.weight", "mtp.1.attn.wkv.weight",
-    "mtp.0.attn.kv_norm.weight", "mtp.1.attn.kv_norm.weight",
-})
+DSV4_CONTEXT_NAMES = frozenset(
+    {
+        "mtp.0.main_proj.weight",
+        "mtp.0.main_norm.weight",
+        "mtp.0.attn.wkv.weight",
+        "mtp.1.attn.wkv.weight",
+        "mtp.0.attn.kv_norm.weight",
+        "mtp.1.attn.kv_norm.weight",
+    }
+)
 
 
 def tiny_k3_config(*, gpu: bool = False) -> Any:
@@ -131,13 +163,27 @@ def tiny_k3_config(*, gpu: bool = False) -> Any:
     from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
 
     dims = (
-        {"hidden_size": 256, "num_attention_heads": 16, "qk_nope_head_dim": 128,
-         "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": 64, "kv_lora_rank": 512,
-         "target_hidden_size": 256}
-        if gpu else
-        {"hidden_size": 64, "num_attention_heads": 4, "qk_nope_head_dim": 16,
-         "qk_rope_head_dim": 16, "v_head_dim": 16, "q_lora_rank": 32, "kv_lora_rank": 32,
-         "target_hidden_size": 64}
+        {
+            "hidden_size": 256,
+            "num_attention_heads": 16,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 512,
+            "target_hidden_size": 256,
+        }
+        if gpu
+        else {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 16,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "target_hidden_size": 64,
+        }
     )
     cfg = K3DSparkConfig(
         vocab_size=512,
@@ -169,35 +215,47 @@ def k3_checkpoint_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     }
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "self_attn.q_a_proj.weight": (cfg.q_lora_rank, h),
-            p + "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                                        h),
-            p + "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
-            p + "self_attn.q_b_proj.weight": (heads * qk, cfg.q_lora_rank),
-            p + "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-            p + "self_attn.kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                               cfg.kv_lora_rank),
-            p + "self_attn.o_proj.weight": (h, heads * cfg.v_head_dim),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_a_proj.weight": (cfg.q_lora_rank, h),
+                p + "self_attn.kv_a_proj_with_mqa.weight": (
+                    cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                    h,
+                ),
+                p + "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+                p + "self_attn.q_b_proj.weight": (heads * qk, cfg.q_lora_rank),
+                p + "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                p + "self_attn.kv_b_proj.weight": (
+                    heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                    cfg.kv_lora_rank,
+                ),
+                p + "self_attn.o_proj.weight": (h, heads * cfg.v_head_dim),
+                p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     return shapes
 
 
 #: The Kimi-K3 checkpoint tensors the context-only drafter loads (tiny config, 2 layers).
-K3_CONTEXT_NAMES = frozenset({
-    "context_proj.weight", "context_norm.weight",
-    "layers.0.self_attn.kv_a_proj_with_mqa.weight", "layers.1.self_attn.kv_a_proj_with_mqa.weight",
-    "layers.0.self_attn.kv_a_layernorm.weight", "layers.1.self_attn.kv_a_layernorm.weight",
-})
+K3_CONTEXT_NAMES = frozenset(
+    {
+        "context_proj.weight",
+        "context_norm.weight",
+        "layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "layers.1.self_attn.kv_a_proj_with_mqa.weight",
+        "layers.0.self_attn.kv_a_layernorm.weight",
+        "layers.1.self_attn.kv_a_layernorm.weight",
+    }
+)
 
 
-def make_checkpoint(shapes: dict[str, tuple[int, ...]], *, seed: int = 0, dtype: Any = None,
-                    device: Any = "cpu") -> dict[str, Any]:
+def make_checkpoint(
+    shapes: dict[str, tuple[int, ...]], *, seed: int = 0, dtype: Any = None, device: Any = "cpu"
+) -> dict[str, Any]:
     """Random tensors for ``shapes`` (norm weights near 1 so RMSNorm stays well scaled)."""
     import torch
 

@@ -37,19 +37,37 @@ class TinyPair:
     family: str
 
     def speculative_config(self, num_speculative_tokens: int = 4, **extra: Any) -> dict:
-        return {"method": "dspark", "model": self.draft,
-                "num_speculative_tokens": num_speculative_tokens, **extra}
+        return {
+            "method": "dspark",
+            "model": self.draft,
+            "num_speculative_tokens": num_speculative_tokens,
+            **extra,
+        }
 
 
 def k3_target_fields(*, gpu: bool = False, num_layers: int = 4) -> dict[str, Any]:
     """A tiny Kimi-K3 text config (``KimiLinearConfig`` fields): KDA on odd layers (1-based
     ``kda_layers``), NoPE MLA on the even ones, MoE from layer 1 on."""
     mla = (
-        {"hidden_size": 256, "num_attention_heads": 16, "qk_nope_head_dim": 128,
-         "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": 64, "kv_lora_rank": 512}
-        if gpu else
-        {"hidden_size": 64, "num_attention_heads": 4, "qk_nope_head_dim": 16,
-         "qk_rope_head_dim": 16, "v_head_dim": 16, "q_lora_rank": 32, "kv_lora_rank": 32}
+        {
+            "hidden_size": 256,
+            "num_attention_heads": 16,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 512,
+        }
+        if gpu
+        else {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 16,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+        }
     )
     kda_layers = [i + 1 for i in range(num_layers) if i % 2 == 0]
     return {
@@ -84,9 +102,16 @@ def k3_target_fields(*, gpu: bool = False, num_layers: int = 4) -> dict[str, Any
 def k3_draft_fields(*, gpu: bool = False, target_layers: int = 4) -> dict[str, Any]:
     cfg = tiny_mla_drafts.tiny_k3_config(gpu=gpu)
     out = cfg.to_dict()
-    out.update({"architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
-                "num_target_layers": 2, "target_layer_ids": [0, target_layers - 1],
-                "vocab_size": VOCAB, "torch_dtype": "bfloat16"})
+    out.update(
+        {
+            "architectures": ["K3DSparkModel"],
+            "model_type": "k3_dspark",
+            "num_target_layers": 2,
+            "target_layer_ids": [0, target_layers - 1],
+            "vocab_size": VOCAB,
+            "torch_dtype": "bfloat16",
+        }
+    )
     return out
 
 
@@ -107,8 +132,14 @@ def make_tiny_k3_pair(out: str | Path, *, gpu: bool = False, num_layers: int = 4
 def dsv4_fields(*, gpu: bool = True) -> dict[str, Any]:
     cfg = tiny_mla_drafts.tiny_dsv4_config(gpu=gpu)
     out = cfg.to_dict()
-    out.update({"architectures": ["DeepseekV4ForCausalLM"], "vocab_size": VOCAB,
-                "torch_dtype": "bfloat16", "eos_token_id": 2})
+    out.update(
+        {
+            "architectures": ["DeepseekV4ForCausalLM"],
+            "vocab_size": VOCAB,
+            "torch_dtype": "bfloat16",
+            "eos_token_id": 2,
+        }
+    )
     return out
 
 

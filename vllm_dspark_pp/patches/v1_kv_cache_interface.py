@@ -44,13 +44,16 @@ def mixes_non_causal_mla(specs: Iterable[Any]) -> bool:
     """Whether ``specs`` hold MLA specs both with and without ``non_causal_multi_token_decode``."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    flags = {bool(s.non_causal_multi_token_decode) for s in specs
-             if isinstance(s, MLAAttentionSpec)}
+    flags = {
+        bool(s.non_causal_multi_token_decode) for s in specs if isinstance(s, MLAAttentionSpec)
+    }
     return len(flags) > 1
 
 
-MESSAGE = ("vllm-dspark-pp: non-causal (DSpark draft) MLA layers do not share a KV cache group "
-           "with causal MLA layers (vLLM PR #56952)")
+MESSAGE = (
+    "vllm-dspark-pp: non-causal (DSpark draft) MLA layers do not share a KV cache group "
+    "with causal MLA layers (vLLM PR #56952)"
+)
 
 
 def _wrap_classmethod(owner: type, name: str, make) -> bool:

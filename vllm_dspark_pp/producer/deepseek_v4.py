@@ -53,7 +53,6 @@ _DSV4_KEEP = re.compile(
 is_dsv4_context_kv_weight, dsv4_skipped_weight_names = weight_filter(_DSV4_KEEP)
 
 
-
 # --------------------------------------------------------------------------- DeepSeek-V4
 def _build_dsv4_classes(module_name: str | None = None) -> type:
     """Define the DeepSeek-V4 context-only classes against vLLM's drafter module."""
@@ -118,7 +117,8 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
             # Same resolution (and the same cache_config write-back) as the full layer.
             self.kv_cache_dtype, self.kv_cache_torch_dtype = (
                 dsv4_attention._resolve_dsv4_kv_cache_dtype(
-                    bool(full_cls.use_fp8_ds_mla_layout), cache_config.cache_dtype,
+                    bool(full_cls.use_fp8_ds_mla_layout),
+                    cache_config.cache_dtype,
                     cache_config,
                 )
             )
@@ -132,11 +132,12 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
             )
             if self.kv_cache_torch_dtype == torch.float8_e4m3fn:
                 # The per-tensor FP8 insert reads these (FlashInfer classes set them to 1).
-                for name in ("_flashinfer_fp8_q_scale", "_flashinfer_fp8_q_scale_inv",
-                             "_flashinfer_fp8_kv_scale"):
-                    self.register_buffer(
-                        name, torch.ones(1, dtype=torch.float32), persistent=False
-                    )
+                for name in (
+                    "_flashinfer_fp8_q_scale",
+                    "_flashinfer_fp8_q_scale_inv",
+                    "_flashinfer_fp8_kv_scale",
+                ):
+                    self.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
             forward_context = vllm_config.compilation_config.static_forward_context
             if prefix in forward_context:
                 raise ValueError(f"Duplicate layer name: {prefix}")
@@ -171,11 +172,12 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
             self.num_hidden_layers = config.num_hidden_layers
             self.target_layer_ids = tuple(config.dspark_target_layer_ids)
             self.num_dspark_layers = getattr(config, "n_mtp_layers", None) or 3
-            linear = {"bias": False, "return_bias": False,
-                      "quant_config": vllm_config.quant_config}
+            linear = {"bias": False, "return_bias": False, "quant_config": vllm_config.quant_config}
             self.main_proj = ReplicatedLinear(
-                config.hidden_size * len(self.target_layer_ids), config.hidden_size,
-                prefix=maybe_prefix(prefix, "main_proj"), **linear,
+                config.hidden_size * len(self.target_layer_ids),
+                config.hidden_size,
+                prefix=maybe_prefix(prefix, "main_proj"),
+                **linear,
             )
             self.main_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             current = get_current_vllm_config()
@@ -186,8 +188,11 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
                 for i in range(self.num_dspark_layers)
             )
             self.context_wkv_proj = MergedColumnParallelLinear(
-                config.hidden_size, [config.head_dim] * self.num_dspark_layers,
-                prefix=maybe_prefix(prefix, "context_wkv_proj"), disable_tp=True, **linear,
+                config.hidden_size,
+                [config.head_dim] * self.num_dspark_layers,
+                prefix=maybe_prefix(prefix, "context_wkv_proj"),
+                disable_tp=True,
+                **linear,
             )
             self.confidence_head = None
 
@@ -243,7 +248,8 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
             logger.info(
                 "Context-KV-only DeepSeek-V4 DSpark drafter: loaded %d tensors, skipped %d "
                 "(embeddings, heads, MoE, query/output projections, hyper-connections).",
-                len(loaded), skipped,
+                len(loaded),
+                skipped,
             )
             return loaded
 
@@ -269,7 +275,6 @@ def _dsv4_param_name(name: str, n_layers: int) -> tuple[str | None, int | None]:
             return None, None
         return "model.context_wkv_proj." + rest.removeprefix("attn.wkv."), stage
     return None, None
-
 
 
 _CLASSES: dict[str | None, type] = {}

@@ -125,8 +125,6 @@ def check_draft_supported(spec_config: SpeculativeConfig) -> None:
         raise NotImplementedError(problem)
 
 
-
-
 def weight_filter(
     keep: re.Pattern[str],
 ) -> tuple[Callable[[str], bool], Callable[[Iterable[str]], list[str]]]:
@@ -164,4 +162,3 @@ def refuse_platform(family: str, module: Any, missing: str) -> NotImplementedErr
         "this family only on CUDA/ROCm, and the context-only build follows the CUDA one). "
         "Run this producer on NVIDIA GPUs or with kv_role='kv_both'."
     )
-

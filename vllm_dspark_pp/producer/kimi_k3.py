@@ -49,7 +49,6 @@ _K3_KEEP = re.compile(
 is_k3_context_kv_weight, k3_skipped_weight_names = weight_filter(_K3_KEEP)
 
 
-
 # --------------------------------------------------------------------------- Kimi-K3
 def _build_k3_classes(module_name: str | None = None) -> type:
     """Define the Kimi-K3 context-only classes against vLLM's drafter module."""
@@ -87,8 +86,9 @@ def _build_k3_classes(module_name: str | None = None) -> type:
         """The latent-KV-cache half of Kimi-K3's MultiHeadLatentAttention (draft layer):
         same layer name, backend, head size, cache dtype and quant scales; no projections."""
 
-        def __init__(self, *, config: Any, cache_config: Any, quant_config: Any,
-                     prefix: str) -> None:
+        def __init__(
+            self, *, config: Any, cache_config: Any, quant_config: Any, prefix: str
+        ) -> None:
             super().__init__()
             self.hidden_size = config.hidden_size
             self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -110,21 +110,35 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             self.kv_cache_dtype = cache_config.cache_dtype if cache_config else "auto"
             self.act_dtype = torch.get_default_dtype()
             self.attn_backend = get_attn_backend(
-                self.head_size, self.act_dtype, self.kv_cache_dtype, use_mla=True,
-                use_sparse=False, num_heads=self.num_local_heads,
+                self.head_size,
+                self.act_dtype,
+                self.kv_cache_dtype,
+                use_mla=True,
+                use_sparse=False,
+                num_heads=self.num_local_heads,
             )
             _init_kv_cache_quant(self, quant_config, prefix)
             # The backend's impl writes the cache on the per-layer insert path
             # (do_kv_cache_update); it is never asked to attend, so no kv_b_proj.
             self.impl = self.attn_backend.get_impl_cls()(
-                num_heads=self.num_local_heads, head_size=self.head_size, scale=self.scale,
-                num_kv_heads=1, alibi_slopes=None, sliding_window=None,
-                kv_cache_dtype=self.kv_cache_dtype, logits_soft_cap=None,
-                attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                num_heads=self.num_local_heads,
+                head_size=self.head_size,
+                scale=self.scale,
+                num_kv_heads=1,
+                alibi_slopes=None,
+                sliding_window=None,
+                kv_cache_dtype=self.kv_cache_dtype,
+                logits_soft_cap=None,
+                attn_type=AttentionType.DECODER,
+                kv_sharing_target_layer_name=None,
+                q_lora_rank=self.q_lora_rank,
+                kv_lora_rank=self.kv_lora_rank,
                 qk_nope_head_dim=self.qk_nope_head_dim,
-                qk_rope_head_dim=self.qk_rope_head_dim, qk_head_dim=self.qk_head_dim,
-                v_head_dim=self.v_head_dim, kv_b_proj=None, indexer=None,
+                qk_rope_head_dim=self.qk_rope_head_dim,
+                qk_head_dim=self.qk_head_dim,
+                v_head_dim=self.v_head_dim,
+                kv_b_proj=None,
+                indexer=None,
             )
             if getattr(self.impl, "dcp_world_size", -1) < 1:
                 self.impl.dcp_world_size = 1
@@ -138,10 +152,18 @@ def _build_k3_classes(module_name: str | None = None) -> type:
         def _make_rope(self, config: Any) -> Any:
             rope = dict(config.rope_parameters)
             if rope["rope_type"] != "default":
-                rope["rope_type"] = ("deepseek_llama_scaling"
-                                     if rope.get("attention_factor") == 1.0 else "deepseek_yarn")
-            emb = get_rope(self.qk_rope_head_dim, max_position=config.max_position_embeddings,
-                           rope_parameters=rope, is_neox_style=False, dtype=torch.float32)
+                rope["rope_type"] = (
+                    "deepseek_llama_scaling"
+                    if rope.get("attention_factor") == 1.0
+                    else "deepseek_yarn"
+                )
+            emb = get_rope(
+                self.qk_rope_head_dim,
+                max_position=config.max_position_embeddings,
+                rope_parameters=rope,
+                is_neox_style=False,
+                dtype=torch.float32,
+            )
             if rope["rope_type"] == "deepseek_yarn" and rope["factor"] > 1:
                 m = 0.1 * float(rope.get("mscale_all_dim", False)) * math.log(rope["factor"]) + 1
                 self.scale *= m * m
@@ -154,8 +176,11 @@ def _build_k3_classes(module_name: str | None = None) -> type:
 
         def process_weights_after_loading(self) -> None:
             """KV-cache scales only (the full layer also absorbs kv_b_proj, absent here)."""
-            method = (resolve_quant_method(self.quant_config, self, prefix=self.layer_name)
-                      if self.quant_config else None)
+            method = (
+                resolve_quant_method(self.quant_config, self, prefix=self.layer_name)
+                if self.quant_config
+                else None
+            )
             if not should_load_quant_weights(method):
                 set_default_quant_scales(self, register_buffer=False)
 
@@ -171,22 +196,25 @@ def _build_k3_classes(module_name: str | None = None) -> type:
     class K3DSparkContextKVModel(nn.Module):
         """context_proj/context_norm + context_kv_proj + per-layer latent KV cache."""
 
-        def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int,
-                     prefix: str) -> None:
+        def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int, prefix: str) -> None:
             super().__init__()
             spec = vllm_config.speculative_config
             assert spec is not None
             self.config = config = spec.draft_model_config.hf_config
             self.quant_config = get_draft_quant_config(vllm_config)
             self.context_proj = ReplicatedLinear(
-                config.target_hidden_size * config.num_target_layers, config.hidden_size,
-                bias=False, return_bias=False, quant_config=self.quant_config,
+                config.target_hidden_size * config.num_target_layers,
+                config.hidden_size,
+                bias=False,
+                return_bias=False,
+                quant_config=self.quant_config,
                 prefix=maybe_prefix(prefix, "context_proj"),
             )
             self.context_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.layers = nn.ModuleList(
                 K3DSparkContextKVLayer(
-                    config=config, cache_config=vllm_config.cache_config,
+                    config=config,
+                    cache_config=vllm_config.cache_config,
                     quant_config=self.quant_config,
                     prefix=maybe_prefix(prefix, f"layers.{start_layer_id + i}.self_attn"),
                 )
@@ -194,8 +222,11 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             )
             width = config.kv_lora_rank + config.qk_rope_head_dim
             self.context_kv_proj = MergedColumnParallelLinear(
-                config.hidden_size, [width] * config.num_hidden_layers,
-                bias=False, return_bias=False, quant_config=self.quant_config,
+                config.hidden_size,
+                [width] * config.num_hidden_layers,
+                bias=False,
+                return_bias=False,
+                quant_config=self.quant_config,
                 # the full drafter's prefix (its quant-config lookup name)
                 prefix=maybe_prefix(prefix, f"layers.{start_layer_id}.self_attn.fused_qkv_a_proj"),
                 disable_tp=True,
@@ -251,7 +282,8 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             logger.info(
                 "Context-KV-only Kimi-K3 DSpark drafter: loaded %d parameters, skipped %d "
                 "tensors (embeddings, heads, MLPs, query/output projections).",
-                len(loaded), counts["skipped"],
+                len(loaded),
+                counts["skipped"],
             )
             return loaded
 
@@ -266,7 +298,6 @@ def _build_k3_classes(module_name: str | None = None) -> type:
                     counts["skipped"] += 1
 
     return K3DSparkContextKVForCausalLM
-
 
 
 _CLASSES: dict[str | None, type] = {}

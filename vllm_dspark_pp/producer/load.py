@@ -70,7 +70,6 @@ def _drop_shared_modules(model: nn.Module) -> None:
             del owner._modules[attr]
 
 
-
 def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Module:
     """Build and load the context-KV-only drafter through vLLM's own DSpark loading path
     (``dspark/utils.py::load_dspark_model``: draft-local PP=1 config, attention backend,

@@ -89,8 +89,9 @@ def _build_qwen3_classes() -> tuple[type, type]:
     class Qwen3DSparkContextKVAttention(nn.Module):
         """The K/V half of DFlashQwen3Attention: same attribute names, no query side."""
 
-        def __init__(self, config: Any, layer_idx: int, cache_config: Any, quant_config: Any,
-                     prefix: str) -> None:
+        def __init__(
+            self, config: Any, layer_idx: int, cache_config: Any, quant_config: Any, prefix: str
+        ) -> None:
             super().__init__()
             set_default_rope_theta(config, default_theta=1000000)
             dflash_config = getattr(config, "dflash_config", None) or {}
@@ -166,8 +167,9 @@ def _build_qwen3_classes() -> tuple[type, type]:
 
         hf_to_vllm_mapper = base.hf_to_vllm_mapper
 
-        def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0,
-                     prefix: str = "") -> None:
+        def __init__(
+            self, *, vllm_config: VllmConfig, start_layer_id: int = 0, prefix: str = ""
+        ) -> None:
             super().__init__()
             spec = vllm_config.speculative_config
             assert spec is not None
@@ -219,9 +221,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             loader = AutoWeightsLoader(self)
-            return loader.load_weights(
-                self._kv_rows_only(weights), mapper=self.hf_to_vllm_mapper
-            )
+            return loader.load_weights(self._kv_rows_only(weights), mapper=self.hf_to_vllm_mapper)
 
         def _kv_rows_only(
             self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -258,9 +258,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
         get_draft_kv_cache_layer_names = qd.DFlashQwen3ForCausalLM.get_draft_kv_cache_layer_names
         get_draft_attn_causal = qd.DFlashQwen3ForCausalLM.get_draft_attn_causal
         combine_hidden_states = qd.DFlashQwen3ForCausalLM.combine_hidden_states
-        precompute_and_store_context_kv = (
-            qd.DFlashQwen3ForCausalLM.precompute_and_store_context_kv
-        )
+        precompute_and_store_context_kv = qd.DFlashQwen3ForCausalLM.precompute_and_store_context_kv
 
         def process_weights_after_loading(self) -> None:
             self.model._build_fused_kv_buffers()
@@ -293,7 +291,6 @@ def qwen3_context_kv_class() -> type:
         _, top = _build_qwen3_classes()
         _CLASSES["qwen3"] = top
     return _CLASSES["qwen3"]
-
 
 
 # --------------------------------------------------------------------------- sizes

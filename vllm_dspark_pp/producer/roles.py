@@ -31,6 +31,7 @@ NIXL_CONNECTORS: tuple[str, ...] = ("NixlConnector", "NixlPullConnector", "NixlP
 #: The supported path for PP>1 DSpark prefill-only producers.
 SUPPORTED_PP_PRODUCER_CONNECTOR = "MooncakeConnector"
 
+
 # --------------------------------------------------------------------------- roles
 def is_pure_kv_producer(kv_transfer_config: KVTransferConfig | None) -> bool:
     """A connector is configured and this instance only produces KV (never consumes)."""

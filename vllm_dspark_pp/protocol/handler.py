@@ -165,7 +165,6 @@ class DSparkExchange:
         torch.distributed.broadcast(tensor, src=self.last_rank, group=self.broadcast_group)
         step.posted.append(payload.name)
 
-
     def broadcast(
         self,
         sampled_token_ids: torch.Tensor,
@@ -213,7 +212,6 @@ class DSparkExchange:
             for tensor in (sampled_token_ids, num_sampled, num_rejected):
                 tensor.record_stream(self.broadcast_stream)
 
-
     def broadcast_drafts(self, draft_tokens: torch.Tensor) -> None:
         """Last rank: the step's single draft broadcast, if its schedule has one."""
         assert self.is_last_rank
@@ -238,7 +236,6 @@ class DSparkExchange:
                 tensor = tensor.contiguous().clone()
             self._post(step, tensor, drafts_p)
             draft_tokens.record_stream(self.broadcast_stream)
-
 
     def receive(self, input_batch: Any, recv_drafts: bool) -> bool:
         """Non-last rank: post the receives of the step's schedule; returns True iff every row of

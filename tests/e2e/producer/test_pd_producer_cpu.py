@@ -81,7 +81,9 @@ CONNECTOR = "DSparkDraftKVFileConnector"
 # The drafter's layers are numbered after the target's: target 0-3, draft 4-5.
 NUM_TARGET_LAYERS = tiny_pair.num_target_layers()
 NUM_DRAFT_LAYERS = json.loads(Path(tiny_pair.DRAFT, "config.json").read_text())["num_hidden_layers"]
-DRAFT_LAYERS = [f"model.layers.{NUM_TARGET_LAYERS + i}.self_attn.attn" for i in range(NUM_DRAFT_LAYERS)]
+DRAFT_LAYERS = [
+    f"model.layers.{NUM_TARGET_LAYERS + i}.self_attn.attn" for i in range(NUM_DRAFT_LAYERS)
+]
 TARGET_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_TARGET_LAYERS)]
 
 
@@ -130,7 +132,11 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
     prod_store.mkdir()
     agg = {
         mode: run_generate(
-            dict(BASE), PROMPTS, timeout_s=e2e_timeout_s, sampling=SAMPLING, async_scheduling=mode == "async"
+            dict(BASE),
+            PROMPTS,
+            timeout_s=e2e_timeout_s,
+            sampling=SAMPLING,
+            async_scheduling=mode == "async",
         )
         for mode in ("sync", "async")
     }
@@ -149,8 +155,14 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
         sampling={"max_tokens": 1},
         env=ENV,
     )
-    return {"agg": agg, "ref": ref, "prod": prod, "ref_store": ref_store, "prod_store": prod_store,
-            "tmp": tmp}
+    return {
+        "agg": agg,
+        "ref": ref,
+        "prod": prod,
+        "ref_store": ref_store,
+        "prod_store": prod_store,
+        "tmp": tmp,
+    }
 
 
 BASE = {
@@ -187,7 +199,9 @@ def test_pp2_producer_writes_the_full_drafters_kv_with_a_context_only_drafter(pd
     assert len(builds) == 1, builds
     assert builds[0]["layers"] == DRAFT_LAYERS
     assert builds[0]["params"] == ["model.fc.weight", "model.hidden_norm.weight"] + [
-        f"model.layers.{i}.self_attn.{p}" for i in range(NUM_DRAFT_LAYERS) for p in ("k_norm.weight", "qkv_proj.weight")
+        f"model.layers.{i}.self_attn.{p}"
+        for i in range(NUM_DRAFT_LAYERS)
+        for p in ("k_norm.weight", "qkv_proj.weight")
     ]
 
     ref_kv, prod_kv = _load_store(pd_stores["ref_store"]), _load_store(pd_stores["prod_store"])
@@ -197,7 +211,9 @@ def test_pp2_producer_writes_the_full_drafters_kv_with_a_context_only_drafter(pd
     for key in ref_kv:
         assert torch.equal(ref_kv[key], prod_kv[key]), f"KV differs for {key}"
         assert ref_kv[key].abs().sum() > 0, f"empty KV for {key}"
-        assert ref_kv[key].shape[0] == BLOCK_SIZE, f"{key}: {tuple(ref_kv[key].shape)} is not one {BLOCK_SIZE}-token block"
+        assert ref_kv[key].shape[0] == BLOCK_SIZE, (
+            f"{key}: {tuple(ref_kv[key].shape)} is not one {BLOCK_SIZE}-token block"
+        )
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -224,7 +240,9 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, 
     )
     assert dec.metrics["accepted_per_pos"] == agg.metrics["accepted_per_pos"]
 
-    if mode == "sync" and os.environ.get("DSPARK_E2E_PD_CORRUPT_DRAFT_KV") == "1":  # the docstring's control
+    if (
+        mode == "sync" and os.environ.get("DSPARK_E2E_PD_CORRUPT_DRAFT_KV") == "1"
+    ):  # the docstring's control
         bad_store = pd_stores["tmp"] / "bad"
         _corrupt_draft_layers(pd_stores["prod_store"], bad_store)
         bad = run_generate(
@@ -236,4 +254,6 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, 
         )
         print(f"decoder on corrupted draft KV: {bad.metrics}")
         assert bad.tokens == agg.tokens, "greedy output must stay lossless whatever the draft KV"
-        assert bad.metrics != agg.metrics, "corrupted draft KV did not change the decoder's acceptance"
+        assert bad.metrics != agg.metrics, (
+            "corrupted draft KV did not change the decoder's acceptance"
+        )

@@ -28,7 +28,12 @@ def test_all_configs_parse():
         assert cfg.ci in ("cpu", "gpu", "manual")
         if cfg.ci == "manual":
             assert cfg.serve, f"{path}: a real-deployment config documents its serve line"
-    assert {"tiny-pp1-nospec", "tiny-pp1-dspark", "tiny-pp2-dspark-sync", "tiny-pp2-dspark-async"} <= names
+    assert {
+        "tiny-pp1-nospec",
+        "tiny-pp1-dspark",
+        "tiny-pp2-dspark-sync",
+        "tiny-pp2-dspark-async",
+    } <= names
 
 
 def test_extract_number():
@@ -46,19 +51,33 @@ def test_prompts_match_the_tiny_corpus_format():
     p = corpus.heldout_problems(1)[0]
     assert gsm8k.build_prompt(p.question, []) == corpus.format_prompt(p.question)
     shot = {"question": "q1", "answer": "a1\n#### 1"}
-    assert gsm8k.build_prompt("q2", [shot]) == "Question: q1\nAnswer: a1\n#### 1\n\nQuestion: q2\nAnswer:"
+    assert (
+        gsm8k.build_prompt("q2", [shot])
+        == "Question: q1\nAnswer: a1\n#### 1\n\nQuestion: q2\nAnswer:"
+    )
 
 
 def _fake(cfg, texts, drafts=10, accepted=25):
     rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(len(texts))]
-    res = {"texts": texts, "metrics": {"num_drafts": drafts, "num_accepted_tokens": accepted,
-                                       "accepted_per_pos": [9, 7, 5, 4]}}
+    res = {
+        "texts": texts,
+        "metrics": {
+            "num_drafts": drafts,
+            "num_accepted_tokens": accepted,
+            "accepted_per_pos": [9, 7, 5, 4],
+        },
+    }
     return gsm8k.score(cfg, rows, res)
 
 
 def test_gate_passes_and_fails_readably():
-    cfg = gsm8k.EvalConfig(name="t", data="x", accuracy_min=0.5, acceptance_length_min=3.0,
-                           llm={"speculative_config": {"method": "dspark"}})
+    cfg = gsm8k.EvalConfig(
+        name="t",
+        data="x",
+        accuracy_min=0.5,
+        acceptance_length_min=3.0,
+        llm={"speculative_config": {"method": "dspark"}},
+    )
     ok = _fake(cfg, ["#### 0", "#### 1", "#### 5", "nothing"])
     assert ok["accuracy"] == 0.5 and ok["invalid_rate"] == 0.25
     assert ok["mean_acceptance_length"] == 3.5 and ok["per_position_acceptance"][0] == 0.9
@@ -90,7 +109,11 @@ RUN_FOR = {
 
 def _run_key(cfg) -> tuple[int, bool, bool]:
     llm = cfg.llm
-    return (int(llm.get("pipeline_parallel_size", 1)), cfg.speculative, bool(llm.get("async_scheduling")))
+    return (
+        int(llm.get("pipeline_parallel_size", 1)),
+        cfg.speculative,
+        bool(llm.get("async_scheduling")),
+    )
 
 
 def test_cpu_configs_match_the_shared_runs():
@@ -134,8 +157,13 @@ def test_offline_runner_builds_the_engine_job_and_reads_its_result(monkeypatch):
     def fake_run_engine(spec, *, timeout_s, env, name="engine", own_cache=False):
         seen.update(spec=spec, timeout_s=timeout_s, env=env)
         wave = {"texts": ["#### 1"], "tokens": [[5, 6]], "metrics": {"num_drafts": 1}}
-        result = {"ok": True, "waves": [wave], "config": {"async_scheduling": True},
-                  "startup_s": 1.0, "generate_s": 2.0}
+        result = {
+            "ok": True,
+            "waves": [wave],
+            "config": {"async_scheduling": True},
+            "startup_s": 1.0,
+            "generate_s": 2.0,
+        }
         return engine.EngineRun(result, "", False, 0, 3.0, 123)
 
     monkeypatch.setattr(engine, "run_engine", fake_run_engine)
@@ -155,20 +183,40 @@ def test_cpu_config(path, request, pair_reference):
     """The gate on a shared run: thresholds from the YAML, completions token-identical to the
     non-speculative run, and the scheduling mode vLLM used equal to the config's."""
     cfg = gsm8k.load_config(path)
-    unset = [k for k in ("accuracy_min", "accuracy_equals", "acceptance_length_min") if getattr(cfg, k) is None]
-    needed = {"accuracy_min"} if not cfg.speculative else {"accuracy_equals", "acceptance_length_min"}
+    unset = [
+        k
+        for k in ("accuracy_min", "accuracy_equals", "acceptance_length_min")
+        if getattr(cfg, k) is None
+    ]
+    needed = (
+        {"accuracy_min"} if not cfg.speculative else {"accuracy_equals", "acceptance_length_min"}
+    )
     missing = needed & set(unset)
-    assert not missing, f"{path}: thresholds {sorted(missing)} are null; measure and set them (docs/results/gsm8k.md)"
+    assert not missing, (
+        f"{path}: thresholds {sorted(missing)} are null; measure and set them (docs/results/gsm8k.md)"
+    )
     key = _run_key(cfg)
     run = request.getfixturevalue(RUN_FOR[key])
     assert run.config["pipeline_parallel_size"] == key[0]
     assert run.config["async_scheduling"] is key[2], "vLLM did not use the config's scheduling mode"
-    assert run.tokens == pair_reference.tokens, f"{cfg.name}: completions differ from the non-speculative run"
+    assert run.tokens == pair_reference.tokens, (
+        f"{cfg.name}: completions differ from the non-speculative run"
+    )
     texts = run.texts
-    assert not any(s in t for t in texts for s in cfg.stop), "a stop string would have cut a completion"
+    assert not any(s in t for t in texts for s in cfg.stop), (
+        "a stop string would have cut a completion"
+    )
     rows, _ = gsm8k.questions_for(cfg)
-    report = gsm8k.score(cfg, rows, {"texts": texts, "metrics": run.metrics,
-                                     "load_s": run.startup_s, "generate_s": run.wall_s - run.startup_s})
+    report = gsm8k.score(
+        cfg,
+        rows,
+        {
+            "texts": texts,
+            "metrics": run.metrics,
+            "load_s": run.startup_s,
+            "generate_s": run.wall_s - run.startup_s,
+        },
+    )
     report["config"] = run.config
     print(gsm8k.format_report(report), "\nvLLM used:", run.config)
     assert report["passed"], gsm8k.format_report(report)

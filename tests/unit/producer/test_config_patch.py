@@ -34,9 +34,14 @@ def test_no_kv_transfer(make_vllm_config):
     assert roles.prefill_only_role(make_vllm_config(None)) is False
 
 
-@pytest.mark.parametrize("dumps,loads", [(pickle.dumps, pickle.loads),
-                                         (cloudpickle.dumps, cloudpickle.loads),
-                                         (lambda o: o, copy.deepcopy)])
+@pytest.mark.parametrize(
+    "dumps,loads",
+    [
+        (pickle.dumps, pickle.loads),
+        (cloudpickle.dumps, cloudpickle.loads),
+        (lambda o: o, copy.deepcopy),
+    ],
+)
 def test_workers_decide_the_same_role_from_the_pickled_vllm_config(make_vllm_config, dumps, loads):
     """The engine core sends the whole VllmConfig to every worker: the role a worker computes
     from its copy equals the engine's, with nothing attached to the SpeculativeConfig."""
@@ -73,10 +78,12 @@ def test_nixl_inside_multiconnector_refused_at_start(make_vllm_config):
     kv = KVTransferConfig(
         kv_connector="MultiConnector",
         kv_role="kv_producer",
-        kv_connector_extra_config={"connectors": [
-            {"kv_connector": "ExampleConnector", "kv_role": "kv_producer"},
-            {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer"},
-        ]},
+        kv_connector_extra_config={
+            "connectors": [
+                {"kv_connector": "ExampleConnector", "kv_role": "kv_producer"},
+                {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer"},
+            ]
+        },
     )
     with pytest.raises(NotImplementedError, match="NixlPushConnector"):
         make_vllm_config(kv, pp=2)

@@ -23,7 +23,9 @@ from vllm_dspark_pp.producer import deepseek_v4, drafter, kimi_k3, load, qwen3
 
 @pytest.fixture(scope="module")
 def producer_cfg(make_vllm_config, dist_env):
-    return make_vllm_config(KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"))
+    return make_vllm_config(
+        KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer")
+    )
 
 
 def _repack_linears(model):
@@ -43,16 +45,17 @@ def _build(cfg, cls):
 
 # --------------------------------------------------------------------------- routing
 def _spec(*archs):
-    return types.SimpleNamespace(draft_model_config=types.SimpleNamespace(architectures=list(archs)))
+    return types.SimpleNamespace(
+        draft_model_config=types.SimpleNamespace(architectures=list(archs))
+    )
 
 
 def test_architecture_routing():
-    assert load.context_kv_class_for(_spec("Qwen3DSparkModel")) is (
-        qwen3.qwen3_context_kv_class())
-    assert load.context_kv_class_for(_spec("K3DSparkModel")) is (
-        kimi_k3.k3_context_kv_class())
+    assert load.context_kv_class_for(_spec("Qwen3DSparkModel")) is (qwen3.qwen3_context_kv_class())
+    assert load.context_kv_class_for(_spec("K3DSparkModel")) is (kimi_k3.k3_context_kv_class())
     assert load.context_kv_class_for(_spec("K3DSparkModel")).__name__ == (
-        "K3DSparkContextKVForCausalLM")
+        "K3DSparkContextKVForCausalLM"
+    )
 
 
 def test_dsv4_routing_on_cpu_names_the_missing_cuda_drafter():
@@ -62,18 +65,29 @@ def test_dsv4_routing_on_cpu_names_the_missing_cuda_drafter():
         load.context_kv_class_for(_spec("DSparkDraftModel"))
 
 
-@pytest.mark.parametrize("arch,refused", [
-    ("Qwen3DSparkModel", False), ("DSparkDraftModel", False), ("K3DSparkModel", False),
-    ("DSparkV41DraftModel", True), ("DSparkMiniMaxDraftModel", True),
-    ("Gemma4DSparkModel", True), ("Qwen3OmniDSparkModel", True),
-    ("MuseSparkDSparkModel", True), ("MistralLarge4DSparkModel", True),
-])
+@pytest.mark.parametrize(
+    "arch,refused",
+    [
+        ("Qwen3DSparkModel", False),
+        ("DSparkDraftModel", False),
+        ("K3DSparkModel", False),
+        ("DSparkV41DraftModel", True),
+        ("DSparkMiniMaxDraftModel", True),
+        ("Gemma4DSparkModel", True),
+        ("Qwen3OmniDSparkModel", True),
+        ("MuseSparkDSparkModel", True),
+        ("MistralLarge4DSparkModel", True),
+    ],
+)
 def test_refusals_list_the_supported_families(arch, refused):
     problem = drafter.unsupported_draft_problem(_spec(arch))
     assert (problem is not None) == refused
     if refused:
-        for family in ("Qwen3 DSpark (Qwen3DSparkModel)",
-                       "DeepSeek-V4 DSpark (DSparkDraftModel)", "Kimi-K3 DSpark (K3DSparkModel)"):
+        for family in (
+            "Qwen3 DSpark (Qwen3DSparkModel)",
+            "DeepSeek-V4 DSpark (DSparkDraftModel)",
+            "Kimi-K3 DSpark (K3DSparkModel)",
+        ):
             assert family in problem
         assert "kv_both" in problem
 
@@ -87,10 +101,18 @@ def test_dsv4_weight_filter_over_checkpoint_names():
     assert deepseek_v4.is_dsv4_context_kv_weight("mtp.1.attn.wkv.scale")
     assert not deepseek_v4.is_dsv4_context_kv_weight("mtp.1.attn.wq_a.scale")
     assert deepseek_v4.is_dsv4_context_kv_weight("context_wkv_proj.weight")
-    for draft_only in ("mtp.0.attn.wq_b.weight", "mtp.0.attn.wo_a.weight", "mtp.0.attn.attn_sink",
-                       "mtp.0.ffn.experts.3.w2.weight", "mtp.1.markov_head.markov_w1.weight",
-                       "mtp.1.confidence_head.proj.bias", "mtp.1.hc_head_fn", "mtp.0.hc_attn_fn",
-                       "embed.weight", "layers.0.attn.wkv.weight"):
+    for draft_only in (
+        "mtp.0.attn.wq_b.weight",
+        "mtp.0.attn.wo_a.weight",
+        "mtp.0.attn.attn_sink",
+        "mtp.0.ffn.experts.3.w2.weight",
+        "mtp.1.markov_head.markov_w1.weight",
+        "mtp.1.confidence_head.proj.bias",
+        "mtp.1.hc_head_fn",
+        "mtp.0.hc_attn_fn",
+        "embed.weight",
+        "layers.0.attn.wkv.weight",
+    ):
         assert not deepseek_v4.is_dsv4_context_kv_weight(draft_only), draft_only
 
 
@@ -108,9 +130,13 @@ def test_dsv4_checkpoint_names_resolve_like_the_full_loader():
         if name in tiny.DSV4_CONTEXT_NAMES and ".wkv." not in name:
             assert deepseek_v4._dsv4_param_name(name, 2) == (full, None)
     assert deepseek_v4._dsv4_param_name("mtp.1.attn.wkv.weight", 2) == (
-        "model.context_wkv_proj.weight", 1)
+        "model.context_wkv_proj.weight",
+        1,
+    )
     assert deepseek_v4._dsv4_param_name("mtp.0.attn.wkv.scale", 2) == (
-        "model.context_wkv_proj.weight_scale_inv", 0)
+        "model.context_wkv_proj.weight_scale_inv",
+        0,
+    )
 
 
 def test_k3_weight_filter_over_checkpoint_names():
@@ -119,10 +145,17 @@ def test_k3_weight_filter_over_checkpoint_names():
     assert kept == tiny.K3_CONTEXT_NAMES
     assert kimi_k3.is_k3_context_kv_weight("model.context_proj.weight")
     assert kimi_k3.is_k3_context_kv_weight("layers.0.self_attn.k_scale")
-    for draft_only in ("layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_b_proj.weight",
-                       "layers.1.self_attn.o_proj.weight", "layers.1.mlp.gate_proj.weight",
-                       "final_norm.weight", "markov_head.markov_w2.weight", "lm_head.weight",
-                       "embed_tokens.weight", "confidence_head.proj.weight"):
+    for draft_only in (
+        "layers.0.self_attn.q_a_proj.weight",
+        "layers.0.self_attn.kv_b_proj.weight",
+        "layers.1.self_attn.o_proj.weight",
+        "layers.1.mlp.gate_proj.weight",
+        "final_norm.weight",
+        "markov_head.markov_w2.weight",
+        "lm_head.weight",
+        "embed_tokens.weight",
+        "confidence_head.proj.weight",
+    ):
         assert not kimi_k3.is_k3_context_kv_weight(draft_only), draft_only
 
 
@@ -159,10 +192,18 @@ def test_k3_context_only_module_tree(k3_pair):
     assert sorted(n for n, _ in ctx.named_parameters()) == K3_PARAMS
     assert set(K3_PARAMS) <= {n for n, _ in full.named_parameters()}
     modules = {n for n, _ in ctx.named_modules()}
-    for absent in ("lm_head", "model.embed_tokens", "model.markov_head", "model.final_norm",
-                   "model.layers.0.mlp", "model.layers.0.input_layernorm",
-                   "model.layers.0.self_attn.fused_qkv_a_proj", "model.layers.0.self_attn.q_b_proj",
-                   "model.layers.0.self_attn.kv_b_proj", "model.layers.0.self_attn.o_proj"):
+    for absent in (
+        "lm_head",
+        "model.embed_tokens",
+        "model.markov_head",
+        "model.final_norm",
+        "model.layers.0.mlp",
+        "model.layers.0.input_layernorm",
+        "model.layers.0.self_attn.fused_qkv_a_proj",
+        "model.layers.0.self_attn.q_b_proj",
+        "model.layers.0.self_attn.kv_b_proj",
+        "model.layers.0.self_attn.o_proj",
+    ):
         assert absent not in modules, absent
     assert ctx.model.confidence_head is None
     assert drafter.is_context_kv_only(ctx) and not drafter.is_context_kv_only(full)
@@ -174,8 +215,11 @@ def test_k3_context_only_module_tree(k3_pair):
 def test_k3_kv_cache_layer_names_and_specs_equal(k3_pair):
     full, fcfg, ctx, ccfg = k3_pair
     names = full.get_draft_kv_cache_layer_names()
-    assert names == ctx.get_draft_kv_cache_layer_names() == [
-        "model.layers.6.self_attn", "model.layers.7.self_attn"]
+    assert (
+        names
+        == ctx.get_draft_kv_cache_layer_names()
+        == ["model.layers.6.self_attn", "model.layers.7.self_attn"]
+    )
     f_layers = fcfg.compilation_config.static_forward_context
     c_layers = ccfg.compilation_config.static_forward_context
     assert sorted(f_layers) == sorted(c_layers) == names
@@ -184,14 +228,28 @@ def test_k3_kv_cache_layer_names_and_specs_equal(k3_pair):
         assert f_spec is not None and f_spec == c_spec
         assert f_layers[n].get_attn_backend() is c_layers[n].get_attn_backend()
         assert type(f_layers[n].impl) is type(c_layers[n].impl)
-        for attr in ("kv_cache_dtype", "head_size", "kv_lora_rank", "qk_rope_head_dim",
-                     "q_lora_rank", "num_local_heads", "scale", "layer_name"):
+        for attr in (
+            "kv_cache_dtype",
+            "head_size",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "q_lora_rank",
+            "num_local_heads",
+            "scale",
+            "layer_name",
+        ):
             assert getattr(f_layers[n], attr) == getattr(c_layers[n], attr), attr
-        torch.testing.assert_close(c_layers[n].rotary_emb.cos_sin_cache,
-                                   f_layers[n].rotary_emb.cos_sin_cache, rtol=0, atol=0)
+        torch.testing.assert_close(
+            c_layers[n].rotary_emb.cos_sin_cache,
+            f_layers[n].rotary_emb.cos_sin_cache,
+            rtol=0,
+            atol=0,
+        )
         assert torch.equal(c_layers[n]._k_scale, f_layers[n]._k_scale)
-        assert (c_layers[n].kv_a_layernorm.variance_epsilon
-                == f_layers[n].kv_a_layernorm.variance_epsilon)
+        assert (
+            c_layers[n].kv_a_layernorm.variance_epsilon
+            == f_layers[n].kv_a_layernorm.variance_epsilon
+        )
 
 
 def test_k3_loads_only_context_weights_equal_to_the_full_drafter(k3_pair, k3_checkpoint):
@@ -204,10 +262,12 @@ def test_k3_loads_only_context_weights_equal_to_the_full_drafter(k3_pair, k3_che
     assert torch.equal(ctx.model.context_kv_proj.weight, full.model.context_kv_proj.weight)
     assert torch.equal(ctx.model.context_proj.weight, full.model.context_proj.weight)
     for i in range(2):
-        assert torch.equal(ctx.model.layers[i].self_attn.kv_a_layernorm.weight,
-                           full.model.layers[i].self_attn.kv_a_layernorm.weight)
+        assert torch.equal(
+            ctx.model.layers[i].self_attn.kv_a_layernorm.weight,
+            full.model.layers[i].self_attn.kv_a_layernorm.weight,
+        )
     rows = k3_checkpoint["layers.1.self_attn.kv_a_proj_with_mqa.weight"]
-    assert torch.equal(ctx.model.context_kv_proj.weight[rows.shape[0]:], rows)
+    assert torch.equal(ctx.model.context_kv_proj.weight[rows.shape[0] :], rows)
 
 
 def test_k3_context_kv_written_equals_the_full_drafter(k3_pair, k3_checkpoint, monkeypatch):
@@ -245,8 +305,9 @@ def test_k3_context_kv_written_equals_the_full_drafter(k3_pair, k3_checkpoint, m
     cfg = tiny.tiny_k3_config()
     n_tok, n_blocks, block = 11, 4, 16
     g = torch.Generator().manual_seed(1)
-    aux = torch.randn(n_tok, cfg.target_hidden_size * cfg.num_target_layers,
-                      generator=g).to(torch.bfloat16)
+    aux = torch.randn(n_tok, cfg.target_hidden_size * cfg.num_target_layers, generator=g).to(
+        torch.bfloat16
+    )
     positions = torch.arange(5, 5 + n_tok)
     slots = torch.randperm(n_blocks * block, generator=g)[:n_tok]
 
@@ -275,9 +336,20 @@ def test_k3_context_kv_written_equals_the_full_drafter(k3_pair, k3_checkpoint, m
         torch.testing.assert_close(c, f, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("call", ["forward", "compute_logits", "compute_draft_logits",
-                                  "compute_draft_logits_local", "markov_embed", "markov_bias",
-                                  "compute_confidence", "embed_input_ids", "map_draft_to_target"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        "forward",
+        "compute_logits",
+        "compute_draft_logits",
+        "compute_draft_logits_local",
+        "markov_embed",
+        "markov_bias",
+        "compute_confidence",
+        "embed_input_ids",
+        "map_draft_to_target",
+    ],
+)
 def test_k3_drafting_raises_clearly(k3_pair, call):
     ctx = k3_pair[2]
     with pytest.raises(drafter.ContextOnlyDrafterError, match="prefill-only KV producer"):
@@ -308,16 +380,27 @@ def test_dsv4_context_only_module_tree(dsv4_ctx):
     ctx, _ = dsv4_ctx
     assert sorted(n for n, _ in ctx.named_parameters()) == DSV4_PARAMS
     modules = {n for n, _ in ctx.named_modules()}
-    for absent in ("lm_head", "model.embed_tokens", "model.markov_head", "model.norm",
-                   "model.layers.0.ffn", "model.layers.0.attn_norm",
-                   "model.layers.0.attn.fused_wqa_wkv", "model.layers.0.attn.wq_b",
-                   "model.layers.0.attn.wo_a", "model.layers.0.attn.wo_b",
-                   "model.layers.0.attn.q_norm", "model.layers.0.attn.indexer"):
+    for absent in (
+        "lm_head",
+        "model.embed_tokens",
+        "model.markov_head",
+        "model.norm",
+        "model.layers.0.ffn",
+        "model.layers.0.attn_norm",
+        "model.layers.0.attn.fused_wqa_wkv",
+        "model.layers.0.attn.wq_b",
+        "model.layers.0.attn.wo_a",
+        "model.layers.0.attn.wo_b",
+        "model.layers.0.attn.q_norm",
+        "model.layers.0.attn.indexer",
+    ):
         assert absent not in modules, absent
     assert drafter.is_context_kv_only(ctx)
     ds = tiny.tiny_dsv4_config()
-    assert ctx.model.context_wkv_proj.weight.shape == (ds.n_mtp_layers * ds.head_dim,
-                                                       ds.hidden_size)
+    assert ctx.model.context_wkv_proj.weight.shape == (
+        ds.n_mtp_layers * ds.head_dim,
+        ds.hidden_size,
+    )
     attn = ctx.model.layers[0].attn
     # what the insert reads, at the values vLLM's FlashMLA attention class gives them
     from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention as flashmla
@@ -338,15 +421,23 @@ def test_dsv4_kv_cache_layers_and_specs(dsv4_ctx):
     names = ["model.layers.2.attn.swa_cache", "model.layers.3.attn.swa_cache"]
     assert ctx.get_draft_kv_cache_layer_names() == names
     layers = cfg.compilation_config.static_forward_context
-    assert sorted(layers) == ["model.layers.2.attn", "model.layers.2.attn.swa_cache",
-                              "model.layers.3.attn", "model.layers.3.attn.swa_cache"]
+    assert sorted(layers) == [
+        "model.layers.2.attn",
+        "model.layers.2.attn.swa_cache",
+        "model.layers.3.attn",
+        "model.layers.3.attn.swa_cache",
+    ]
     # the FlashMLA layout: fp8_ds_mla (written back to the cache config, as vLLM does)
     assert cfg.cache_config.cache_dtype == "fp8_ds_mla"
     for n in names:
         spec = layers[n].get_kv_cache_spec(cfg)
         assert isinstance(spec, SlidingWindowMLASpec)
         assert (spec.head_size, spec.sliding_window, spec.dtype, spec.block_size) == (
-            ds.head_dim, ds.sliding_window, torch.uint8, 64)
+            ds.head_dim,
+            ds.sliding_window,
+            torch.uint8,
+            64,
+        )
         assert spec.cache_dtype_str == "fp8_ds_mla" and spec.model_version == "deepseek_v4"
         assert layers[n].get_attn_backend() is flashmla.swa_backend_cls
         attn = layers[n.removesuffix(".swa_cache")]
@@ -384,8 +475,9 @@ def test_dsv4_context_projection_path_on_cpu(dsv4_ctx):
         ctx.precompute_and_store_context_kv(states, torch.arange(5), None)
 
 
-@pytest.mark.parametrize("call", ["forward", "compute_logits", "markov_embed",
-                                  "compute_confidence", "embed_input_ids"])
+@pytest.mark.parametrize(
+    "call", ["forward", "compute_logits", "markov_embed", "compute_confidence", "embed_input_ids"]
+)
 def test_dsv4_drafting_raises_clearly(dsv4_ctx, call):
     ctx, _ = dsv4_ctx
     with pytest.raises(drafter.ContextOnlyDrafterError, match="cannot draft tokens"):
@@ -421,8 +513,9 @@ def dsv4_full_and_ctx(producer_cfg):
         mp.setattr(torch.cuda, "Event", _NoEvent)
         mp.setattr(flashmla, "compute_fp8_einsum_recipe", lambda: (None, None))
         if ps._EP is None:
-            ps._EP = ps.init_model_parallel_group([[0]], get_world_group().local_rank, "gloo",
-                                                  group_name="ep")
+            ps._EP = ps.init_model_parallel_group(
+                [[0]], get_world_group().local_rank, "gloo", group_name="ep"
+            )
         try:
             full = _build(fcfg, DSparkDeepseekV4ForCausalLM)
         finally:
@@ -439,8 +532,11 @@ def test_dsv4_tree_names_and_specs_equal_the_full_drafter(dsv4_full_and_ctx):
     assert set(DSV4_PARAMS) <= full_params and len(full_params) > 4 * len(DSV4_PARAMS)
     names = full.get_draft_kv_cache_layer_names()
     assert names == ctx.get_draft_kv_cache_layer_names()
-    f_layers = {n: m for n, m in fcfg.compilation_config.static_forward_context.items()
-                if isinstance(m, AttentionLayerBase)}  # (the MoE experts register too)
+    f_layers = {
+        n: m
+        for n, m in fcfg.compilation_config.static_forward_context.items()
+        if isinstance(m, AttentionLayerBase)
+    }  # (the MoE experts register too)
     c_layers = ccfg.compilation_config.static_forward_context
     assert sorted(f_layers) == sorted(c_layers)
     assert fcfg.cache_config.cache_dtype == ccfg.cache_config.cache_dtype == "fp8_ds_mla"
@@ -449,12 +545,22 @@ def test_dsv4_tree_names_and_specs_equal_the_full_drafter(dsv4_full_and_ctx):
         assert f_layers[n].get_attn_backend() is c_layers[n].get_attn_backend(), n
     for i in range(2):
         f_attn, c_attn = full.model.layers[i].attn, ctx.model.layers[i].attn
-        for attr in ("n_local_heads", "head_dim", "padded_heads", "eps", "window_size",
-                     "compress_ratio", "kv_cache_dtype", "kv_cache_torch_dtype", "prefix"):
+        for attr in (
+            "n_local_heads",
+            "head_dim",
+            "padded_heads",
+            "eps",
+            "window_size",
+            "compress_ratio",
+            "kv_cache_dtype",
+            "kv_cache_torch_dtype",
+            "prefix",
+        ):
             assert getattr(f_attn, attr) == getattr(c_attn, attr), attr
         assert type(f_attn).backend_cls is c_attn.backend_cls
-        torch.testing.assert_close(c_attn.rotary_emb.cos_sin_cache,
-                                   f_attn.rotary_emb.cos_sin_cache, rtol=0, atol=0)
+        torch.testing.assert_close(
+            c_attn.rotary_emb.cos_sin_cache, f_attn.rotary_emb.cos_sin_cache, rtol=0, atol=0
+        )
         assert f_attn.swa_cache_layer.block_size == c_attn.swa_cache_layer.block_size
 
 
@@ -463,15 +569,17 @@ def test_dsv4_loaded_context_weights_equal_the_full_drafter(dsv4_full_and_ctx):
 
     full, fcfg, ctx, ccfg = dsv4_full_and_ctx
     names = tiny.dsv4_checkpoint_shapes(tiny.tiny_dsv4_config())
-    ckpt = tiny.make_checkpoint({n: s for n, s in names.items() if n in tiny.DSV4_CONTEXT_NAMES},
-                                seed=5)
+    ckpt = tiny.make_checkpoint(
+        {n: s for n, s in names.items() if n in tiny.DSV4_CONTEXT_NAMES}, seed=5
+    )
     full.load_weights(iter(ckpt.items()))
     assert sorted(ctx.load_weights(iter(ckpt.items()))) == DSV4_PARAMS
     for p in ("context_wkv_proj", "main_proj", "main_norm"):
         assert torch.equal(getattr(ctx.model, p).weight, getattr(full.model, p).weight), p
     for i in range(2):
-        assert torch.equal(ctx.model.layers[i].attn.kv_norm.weight,
-                           full.model.layers[i].attn.kv_norm.weight)
+        assert torch.equal(
+            ctx.model.layers[i].attn.kv_norm.weight, full.model.layers[i].attn.kv_norm.weight
+        )
     # the projection + kv_norm the insert is fed (everything before the CUDA insert op)
     _repack_linears(full.model.main_proj)
     _repack_linears(full.model.context_wkv_proj)

@@ -21,7 +21,9 @@ CONTEXT_PARAMS = [
 
 @pytest.fixture(scope="module")
 def producer_cfg(make_vllm_config, dist_env):
-    return make_vllm_config(KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"))
+    return make_vllm_config(
+        KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer")
+    )
 
 
 def _build(cfg, cls):
@@ -58,9 +60,17 @@ def test_context_only_module_tree(pair):
     full_names = {n for n, _ in full.named_parameters()}
     assert set(CONTEXT_PARAMS) <= full_names
     modules = {n for n, _ in ctx.named_modules()}
-    for absent in ("lm_head", "model.embed_tokens", "model.markov_head", "model.confidence_head",
-                   "model.norm", "model.layers.0.mlp", "model.layers.0.self_attn.o_proj",
-                   "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"):
+    for absent in (
+        "lm_head",
+        "model.embed_tokens",
+        "model.markov_head",
+        "model.confidence_head",
+        "model.norm",
+        "model.layers.0.mlp",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+    ):
         assert absent not in modules
     attn = ctx.model.layers[0].self_attn
     full_attn = full.model.layers[0].self_attn
@@ -89,18 +99,30 @@ def test_kv_cache_layer_names_and_specs_equal(pair):
 def test_skipped_weight_names(checkpoint):
     skipped = set(qwen3.skipped_weight_names(checkpoint))
     assert skipped == {
-        "embed_tokens.weight", "lm_head.weight", "norm.weight",
-        "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
-        "confidence_head.proj.weight", "confidence_head.proj.bias",
-        "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.o_proj.weight",
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "norm.weight",
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.o_proj.weight",
         "layers.0.self_attn.q_norm.weight",
-        "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",
-        "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.post_attention_layernorm.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.mlp.up_proj.weight",
         "layers.0.mlp.down_proj.weight",
     }
     kept = set(checkpoint) - skipped
-    assert kept == {"fc.weight", "hidden_norm.weight", "layers.0.self_attn.k_proj.weight",
-                    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.k_norm.weight"}
+    assert kept == {
+        "fc.weight",
+        "hidden_norm.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.0.self_attn.v_proj.weight",
+        "layers.0.self_attn.k_norm.weight",
+    }
 
 
 def _loaded(model, checkpoint, cfg):
@@ -126,7 +148,7 @@ def test_loads_only_kv_rows_and_they_match_the_full_drafter(producer_cfg, checkp
     assert sorted(loaded) == CONTEXT_PARAMS
     full.load_weights(iter(checkpoint.items()))
     fa, ca = full.model.layers[0].self_attn, ctx.model.layers[0].self_attn
-    assert torch.equal(ca.qkv_proj.weight, fa.qkv_proj.weight[fa.q_size:])
+    assert torch.equal(ca.qkv_proj.weight, fa.qkv_proj.weight[fa.q_size :])
     assert torch.equal(ca.k_norm.weight, fa.k_norm.weight)
     assert torch.equal(ctx.model.fc.weight, full.model.fc.weight)
     assert torch.equal(ctx.model.hidden_norm.weight, full.model.hidden_norm.weight)
@@ -153,8 +175,9 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
         m = model.model
         with set_current_vllm_config(cfg):
             states = model.combine_hidden_states(aux_states)
-            k, v = m._project_context_kv(states, n_tok, m._num_attn_layers, m._num_kv_heads,
-                                         m._head_dim)
+            k, v = m._project_context_kv(
+                states, n_tok, m._num_attn_layers, m._num_kv_heads, m._head_dim
+            )
             k = m._normalize_context_k(k)
             m._apply_context_rope(k, positions)
         return k, v
@@ -166,9 +189,19 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
     torch.testing.assert_close(cv, fv, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("call", ["forward", "compute_logits", "compute_draft_logits",
-                                  "markov_embed", "markov_bias", "compute_confidence",
-                                  "embed_input_ids", "map_draft_to_target"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        "forward",
+        "compute_logits",
+        "compute_draft_logits",
+        "markov_embed",
+        "markov_bias",
+        "compute_confidence",
+        "embed_input_ids",
+        "map_draft_to_target",
+    ],
+)
 def test_drafting_raises_clearly(pair, call):
     ctx = pair[2]
     with pytest.raises(drafter.ContextOnlyDrafterError, match="prefill-only KV producer"):
@@ -198,11 +231,19 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
     assert both["builds"] == "full"
 
 
-@pytest.mark.parametrize("arch,refused", [
-    ("Qwen3DSparkModel", False), ("DSparkDraftModel", False), ("K3DSparkModel", False),
-    ("DSparkV41DraftModel", True), ("DSparkMiniMaxDraftModel", True),
-    ("Gemma4DSparkModel", True), ("Qwen3OmniDSparkModel", True), ("SomethingElse", True),
-])
+@pytest.mark.parametrize(
+    "arch,refused",
+    [
+        ("Qwen3DSparkModel", False),
+        ("DSparkDraftModel", False),
+        ("K3DSparkModel", False),
+        ("DSparkV41DraftModel", True),
+        ("DSparkMiniMaxDraftModel", True),
+        ("Gemma4DSparkModel", True),
+        ("Qwen3OmniDSparkModel", True),
+        ("SomethingElse", True),
+    ],
+)
 def test_unsupported_families_refused(arch, refused):
     spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(architectures=[arch]))
     problem = drafter.unsupported_draft_problem(spec)

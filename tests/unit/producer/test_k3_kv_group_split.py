@@ -32,9 +32,14 @@ def _engine_config(pair, kv_transfer_config=None):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
-        model=pair.target, speculative_config=pair.speculative_config(), load_format="dummy",
-        kv_transfer_config=kv_transfer_config, dtype="bfloat16", max_model_len=256,
-        max_num_seqs=4, enforce_eager=True,
+        model=pair.target,
+        speculative_config=pair.speculative_config(),
+        load_format="dummy",
+        kv_transfer_config=kv_transfer_config,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        enforce_eager=True,
     ).create_engine_config()
 
 
@@ -86,20 +91,25 @@ def _groups(cfg, specs, layout):
 def _layer_flags(group):
     from vllm.v1.kv_cache_interface import iter_layer_specs
 
-    return {bool(getattr(s, "non_causal_multi_token_decode", False))
-            for s in iter_layer_specs(group.kv_cache_spec)}
+    return {
+        bool(getattr(s, "non_causal_multi_token_decode", False))
+        for s in iter_layer_specs(group.kv_cache_spec)
+    }
 
 
 def _describe(groups):
-    return [(type(g.kv_cache_spec).__name__, sorted(g.layer_names),
-             sorted(_layer_flags(g))) for g in groups]
+    return [
+        (type(g.kv_cache_spec).__name__, sorted(g.layer_names), sorted(_layer_flags(g)))
+        for g in groups
+    ]
 
 
 def _check_geometry(specs, draft_layers):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    target_mla = {n: s for n, s in specs.items()
-                  if isinstance(s, MLAAttentionSpec) and n not in draft_layers}
+    target_mla = {
+        n: s for n, s in specs.items() if isinstance(s, MLAAttentionSpec) and n not in draft_layers
+    }
     assert target_mla, specs
     # The real K3 geometry: same latent width, heads, block size and dtype on both sides, so
     # the only thing keeping them apart is the non-causal flag.
@@ -109,7 +119,12 @@ def _check_geometry(specs, draft_layers):
         for t in target_mla.values():
             assert not t.non_causal_multi_token_decode
             assert (d.head_size, d.num_kv_heads, d.block_size, d.dtype, d.page_size_bytes) == (
-                t.head_size, t.num_kv_heads, t.block_size, t.dtype, t.page_size_bytes)
+                t.head_size,
+                t.num_kv_heads,
+                t.block_size,
+                t.dtype,
+                t.page_size_bytes,
+            )
     return target_mla
 
 
@@ -136,8 +151,9 @@ CASES = [("hybrid", "BLNHC"), ("mla_only", "LBNHC"), ("mla_only", "BLNHC")]
 
 @pytest.mark.parametrize("drafter", ["full", "context_only"])
 @pytest.mark.parametrize("layers,layout", CASES)
-def test_k3_draft_mla_layers_keep_their_own_kv_group(k3_pair, drafter, layers, layout, plugin,
-                                                     dist_env, monkeypatch):
+def test_k3_draft_mla_layers_keep_their_own_kv_group(
+    k3_pair, drafter, layers, layout, plugin, dist_env, monkeypatch
+):
     cfg, specs, draft_layers = _specs_of(k3_pair, drafter, monkeypatch)
     target_mla = _check_geometry(specs, draft_layers)
     if layers == "mla_only":
@@ -146,8 +162,9 @@ def test_k3_draft_mla_layers_keep_their_own_kv_group(k3_pair, drafter, layers, l
 
 
 @pytest.mark.parametrize("layers,layout", CASES)
-def test_stock_vllm_merges_the_draft_into_the_target_group(k3_pair, layers, layout, plugin,
-                                                          dist_env, monkeypatch):
+def test_stock_vllm_merges_the_draft_into_the_target_group(
+    k3_pair, layers, layout, plugin, dist_env, monkeypatch
+):
     """Without the patch (vLLM 0.34.0 as shipped) the geometry above does merge: proof that the
     patch is needed for this K3 geometry, and that the assertion above can fail."""
     cfg, specs, draft_layers = _specs_of(k3_pair, "full", monkeypatch)
@@ -160,8 +177,11 @@ def test_stock_vllm_merges_the_draft_into_the_target_group(k3_pair, layers, layo
     finally:
         split_patch.apply()
     print(*_describe(groups), sep="\n")
-    shared = [g for g in groups
-              if set(g.layer_names) & draft_layers and set(g.layer_names) & set(target_mla)]
+    shared = [
+        g
+        for g in groups
+        if set(g.layer_names) & draft_layers and set(g.layer_names) & set(target_mla)
+    ]
     assert shared, _describe(groups)
     if layout == "LBNHC":  # one merged MLAAttentionSpec for target + draft: flagged non-causal
         assert shared[0].kv_cache_spec.non_causal_multi_token_decode
@@ -173,8 +193,13 @@ def test_patch_leaves_agreeing_specs_alone(plugin):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
 
     def spec(flag, bs=64):
-        return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=48,
-                                dtype=torch.bfloat16, non_causal_multi_token_decode=flag)
+        return MLAAttentionSpec(
+            block_size=bs,
+            num_kv_heads=1,
+            head_size=48,
+            dtype=torch.bfloat16,
+            non_causal_multi_token_decode=flag,
+        )
 
     for flag in (False, True):
         merged = MLAAttentionSpec.merge([spec(flag), spec(flag)])

@@ -23,18 +23,24 @@ DRAFT_NAMES = ["model.layers.6.self_attn.attn"]
 def test_sort_is_model_order():
     names = ["model.layers.10.a", "model.layers.9.a", "model.layers.1.a"]
     assert sorted(names, key=nixl_layers.layer_sort_key) == [
-        "model.layers.1.a", "model.layers.9.a", "model.layers.10.a"
+        "model.layers.1.a",
+        "model.layers.9.a",
+        "model.layers.10.a",
     ]
 
 
 def test_first_difference():
     assert nixl_layers.first_difference(TARGET_NAMES, list(reversed(TARGET_NAMES))) is None
     assert nixl_layers.first_difference(TARGET_NAMES + DRAFT_NAMES, TARGET_NAMES) == (
-        6, DRAFT_NAMES[0], None
+        6,
+        DRAFT_NAMES[0],
+        None,
     )
     other = [*TARGET_NAMES[:3], "model.layers.3.self_attn.other", *TARGET_NAMES[4:]]
     assert nixl_layers.first_difference(TARGET_NAMES, other) == (
-        3, TARGET_NAMES[3], "model.layers.3.self_attn.other"
+        3,
+        TARGET_NAMES[3],
+        "model.layers.3.self_attn.other",
     )
 
 
@@ -47,8 +53,11 @@ def test_draft_layer_detection():
 
 def test_decoder_only_dspark_names_the_missing_draft_layer_and_the_fix():
     msg = nixl_layers.layer_mismatch_problem(
-        TARGET_NAMES + DRAFT_NAMES, TARGET_NAMES, remote_may_hold_more=False,
-        num_target_layers=6, remote_engine_id="prefill-1",
+        TARGET_NAMES + DRAFT_NAMES,
+        TARGET_NAMES,
+        remote_may_hold_more=False,
+        num_target_layers=6,
+        remote_engine_id="prefill-1",
     )
     assert msg is not None
     assert "engine prefill-1" in msg
@@ -61,7 +70,9 @@ def test_decoder_only_dspark_names_the_missing_draft_layer_and_the_fix():
 def test_different_drafts_name_the_first_difference():
     two_layer_draft = ["model.layers.6.self_attn.attn", "model.layers.7.self_attn.attn"]
     msg = nixl_layers.layer_mismatch_problem(
-        TARGET_NAMES + DRAFT_NAMES, TARGET_NAMES + two_layer_draft, remote_may_hold_more=False,
+        TARGET_NAMES + DRAFT_NAMES,
+        TARGET_NAMES + two_layer_draft,
+        remote_may_hold_more=False,
         num_target_layers=6,
     )
     assert "here (end of list), peer model.layers.7.self_attn.attn" in msg
@@ -77,8 +88,10 @@ def test_prefiller_with_draft_but_decoder_without():
 
 def test_accepts_exactly_what_vllm_accepts():
     same = nixl_layers.layer_mismatch_problem
-    assert same(TARGET_NAMES + DRAFT_NAMES, TARGET_NAMES + DRAFT_NAMES,
-                remote_may_hold_more=False) is None
+    assert (
+        same(TARGET_NAMES + DRAFT_NAMES, TARGET_NAMES + DRAFT_NAMES, remote_may_hold_more=False)
+        is None
+    )
     # a PP stage holds a slice of the peer's layers: extra peer layers are fine there only
     assert same(TARGET_NAMES[:3], TARGET_NAMES, remote_may_hold_more=True) is None
     assert same(TARGET_NAMES[:3], TARGET_NAMES, remote_may_hold_more=False) is not None
@@ -103,8 +116,9 @@ def nixl(role):
 def test_nixl_producer_pp1_accepted_and_prefill_only(make_vllm_config):
     cfg = make_vllm_config(nixl("kv_producer"), pp=1)
     assert roles.prefill_only_role(cfg)
-    assert roles.prefill_only_connector_problem(cfg.speculative_config, cfg.kv_transfer_config) \
-        is None
+    assert (
+        roles.prefill_only_connector_problem(cfg.speculative_config, cfg.kv_transfer_config) is None
+    )
 
 
 def test_nixl_producer_pp2_refused_with_the_existing_message(make_vllm_config):
@@ -137,8 +151,13 @@ def configs(make_vllm_config):
     decoder = make_vllm_config(nixl("kv_consumer"))
     producer = make_vllm_config(nixl("kv_producer"))
     plain = EngineArgs(
-        model=decoder.model_config.model, kv_transfer_config=nixl("kv_producer"), dtype="float32",
-        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=True,
+        model=decoder.model_config.model,
+        kv_transfer_config=nixl("kv_producer"),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enforce_eager=True,
     ).create_engine_config()
     return types.SimpleNamespace(decoder=decoder, producer=producer, plain=plain)
 
@@ -149,8 +168,9 @@ def test_hashes_of_the_roles(base_worker, configs):
     from vllm_dspark_pp.patches import distributed_kv_transfer_kv_connector_v1_nixl_base_worker as p
 
     h = base_worker.compute_nixl_compatibility_hash  # the patched global the worker calls
-    dec, pre, plain = (h(c, "TRITON_ATTN") for c in (configs.decoder, configs.producer,
-                                                     configs.plain))
+    dec, pre, plain = (
+        h(c, "TRITON_ATTN") for c in (configs.decoder, configs.producer, configs.plain)
+    )
     assert roles.prefill_only_role(configs.producer)
     assert not roles.prefill_only_role(configs.decoder)
     assert dec == pre
@@ -184,9 +204,7 @@ def _worker(base_worker, cfg, names, pp_size=1):
     w._packed_member_layouts = {}
     w._has_mamba = False
     w.block_len_per_layer = [4096] * len(names)
-    w.kv_cache_config = types.SimpleNamespace(
-        transfer_group_index_by_layer={n: 0 for n in names}
-    )
+    w.kv_cache_config = types.SimpleNamespace(transfer_group_index_by_layer={n: 0 for n in names})
     w._set_region_layers([[n] for n in names])
     return w
 
@@ -221,8 +239,9 @@ def test_prefill_only_producer_pairs_with_the_dspark_decoder(base_worker, config
     assert pairs.groups_match
 
 
-def test_plain_producer_fails_the_handshake_naming_the_draft_layer(base_worker, configs,
-                                                                   layer_names):
+def test_plain_producer_fails_the_handshake_naming_the_draft_layer(
+    base_worker, configs, layer_names
+):
     dec = _worker(base_worker, configs.decoder, layer_names.target + layer_names.full)
     with pytest.raises(RuntimeError) as e:
         dec._pair_regions(_Meta(layer_names.target))
@@ -255,12 +274,21 @@ class _FakePrefillSideChannel:
         )
 
         meta = NixlAgentMetadata(
-            engine_id=engine_id, agent_metadata=b"agent", kv_caches_base_addr=_Meta(names)
-            .kv_caches_base_addr, device_id=0, num_blocks=8, block_lens=[4096] * len(names),
-            block_strides=[4096] * len(names), kv_cache_layout="LBHNC", block_size=16,
-            ssm_sizes=(0, 0), attn_backend_name="TRITON_ATTN",
-            physical_blocks_per_logical_kv_block=1, region_names=list(names),
-            region_members=[[n] for n in names], layer_group_ids={n: 0 for n in names},
+            engine_id=engine_id,
+            agent_metadata=b"agent",
+            kv_caches_base_addr=_Meta(names).kv_caches_base_addr,
+            device_id=0,
+            num_blocks=8,
+            block_lens=[4096] * len(names),
+            block_strides=[4096] * len(names),
+            kv_cache_layout="LBHNC",
+            block_size=16,
+            ssm_sizes=(0, 0),
+            attn_backend_name="TRITON_ATTN",
+            physical_blocks_per_logical_kv_block=1,
+            region_names=list(names),
+            region_members=[[n] for n in names],
+            layer_group_ids={n: 0 for n in names},
         )
         enc = msgspec.msgpack.Encoder()
         self.reply = enc.encode(NixlHandshakePayload(compat_hash, enc.encode(meta)))
@@ -317,31 +345,38 @@ def test_handshake_with_a_plain_prefiller_names_the_cause(base_worker, configs, 
     and our wrapper adds the cause and the fix to vLLM's message."""
     h = base_worker.compute_nixl_compatibility_hash
     local, remote = h(configs.decoder, "TRITON_ATTN"), h(configs.plain, "TRITON_ATTN")
-    w = _handshaking_worker(base_worker, configs.decoder, layer_names.target + layer_names.full,
-                            local)
+    w = _handshaking_worker(
+        base_worker, configs.decoder, layer_names.target + layer_names.full, local
+    )
     msg = _handshake(w, layer_names.target, remote)
     assert msg.startswith("NIXL compatibility hash mismatch")  # vLLM's text stays first
     assert "runs no speculative decoding" in msg and "#48221" in msg
 
 
-def test_handshake_reaches_the_layer_check_when_the_hash_matches(base_worker, configs,
-                                                                  layer_names):
+def test_handshake_reaches_the_layer_check_when_the_hash_matches(base_worker, configs, layer_names):
     """Same hash (e.g. the check disabled, or equal factors) but no draft layers on the peer:
     the handshake fails in ``add_remote_agent`` with our layer message."""
     h = base_worker.compute_nixl_compatibility_hash
     local = h(configs.decoder, "TRITON_ATTN")
-    w = _handshaking_worker(base_worker, configs.decoder, layer_names.target + layer_names.full,
-                            local)
+    w = _handshaking_worker(
+        base_worker, configs.decoder, layer_names.target + layer_names.full, local
+    )
     msg = _handshake(w, layer_names.target, local)
     assert "First difference at position 6" in msg and "peer (end of list)" in msg
 
 
 def test_plan_note_per_role(configs):
-    pre = nixl_layers.nixl_plan_note(configs.producer.speculative_config,
-                                     configs.producer.kv_transfer_config)
-    dec = nixl_layers.nixl_plan_note(configs.decoder.speculative_config,
-                                     configs.decoder.kv_transfer_config)
+    pre = nixl_layers.nixl_plan_note(
+        configs.producer.speculative_config, configs.producer.kv_transfer_config
+    )
+    dec = nixl_layers.nixl_plan_note(
+        configs.decoder.speculative_config, configs.decoder.kv_transfer_config
+    )
     assert pre.startswith("NixlConnector with a DSpark prefill-only producer at PP=1: accepted")
     assert "prefiller must use the same --speculative-config" in dec
-    assert nixl_layers.nixl_plan_note(configs.plain.speculative_config,
-                                      configs.plain.kv_transfer_config) is None
+    assert (
+        nixl_layers.nixl_plan_note(
+            configs.plain.speculative_config, configs.plain.kv_transfer_config
+        )
+        is None
+    )

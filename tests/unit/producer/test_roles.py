@@ -36,8 +36,13 @@ def child(name, role, extra=None):
 METHODS = ["dspark", "dflash", "eagle3", "mtp", None]
 PPS = [1, 2, 3]
 ROLES = ["kv_producer", "kv_consumer", "kv_both"]
-CONNECTORS = ["MooncakeConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector",
-              "ExampleConnector"]
+CONNECTORS = [
+    "MooncakeConnector",
+    "NixlConnector",
+    "NixlPullConnector",
+    "NixlPushConnector",
+    "ExampleConnector",
+]
 
 
 @pytest.mark.parametrize(
@@ -67,22 +72,43 @@ def test_no_connector_is_never_prefill_only():
 
 MULTI = [
     # (children, top-level role, prefill-only?, NIXL names refused under PP>1)
-    ([child("NixlConnector", "kv_producer"), child("OffloadingConnector", "kv_producer")],
-     "kv_producer", True, ["NixlConnector"]),
+    (
+        [child("NixlConnector", "kv_producer"), child("OffloadingConnector", "kv_producer")],
+        "kv_producer",
+        True,
+        ["NixlConnector"],
+    ),
     ([child("NixlPushConnector", "kv_producer")], "kv_producer", True, ["NixlPushConnector"]),
-    ([child("MooncakeConnector", "kv_producer"), child("OffloadingConnector", "kv_producer")],
-     "kv_producer", True, []),
+    (
+        [child("MooncakeConnector", "kv_producer"), child("OffloadingConnector", "kv_producer")],
+        "kv_producer",
+        True,
+        [],
+    ),
     # A consuming child makes the instance decode too: full drafter, no refusal.
-    ([child("NixlConnector", "kv_producer"), child("OffloadingConnector", "kv_both")],
-     "kv_producer", False, []),
+    (
+        [child("NixlConnector", "kv_producer"), child("OffloadingConnector", "kv_both")],
+        "kv_producer",
+        False,
+        [],
+    ),
     ([child("NixlPullConnector", "kv_consumer")], "kv_producer", False, []),
     # MultiConnector's own kv_role does not count, its children's do (as in vLLM).
     ([child("NixlPullConnector", "kv_producer")], "kv_both", True, ["NixlPullConnector"]),
     # Nested two levels deep.
-    ([child("MultiConnector", "kv_producer",
-            {"connectors": [child("NixlConnector", "kv_producer")]}),
-      child("MooncakeConnector", "kv_producer")],
-     "kv_producer", True, ["NixlConnector"]),
+    (
+        [
+            child(
+                "MultiConnector",
+                "kv_producer",
+                {"connectors": [child("NixlConnector", "kv_producer")]},
+            ),
+            child("MooncakeConnector", "kv_producer"),
+        ],
+        "kv_producer",
+        True,
+        ["NixlConnector"],
+    ),
 ]
 
 
@@ -105,7 +131,10 @@ def test_multiconnector(children, top_role, prefill_only, nixl, pp):
 def test_configured_connectors_walks_nesting():
     kv = kvc("MultiConnector", "kv_producer", MULTI[-1][0])
     assert roles.configured_connectors(kv) == [
-        "MultiConnector", "MultiConnector", "NixlConnector", "MooncakeConnector"
+        "MultiConnector",
+        "MultiConnector",
+        "NixlConnector",
+        "MooncakeConnector",
     ]
     assert roles.nixl_connectors_in(kv) == ["NixlConnector"]
 

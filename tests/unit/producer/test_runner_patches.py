@@ -85,8 +85,7 @@ def _runner_cfg(role):
     )
 
 
-@pytest.mark.parametrize("role,expected", [("kv_producer", 0), ("kv_both", 4),
-                                           ("kv_consumer", 4)])
+@pytest.mark.parametrize("role,expected", [("kv_producer", 0), ("kv_both", 4), ("kv_consumer", 4)])
 def test_sample_tokens_schedules_no_drafts_on_producers(role, expected):
     Runner, seen, _ = _patched_runner_class()
     r = Runner()
@@ -126,14 +125,18 @@ def test_scheduler_of_a_producer_schedules_no_drafts(make_vllm_config):
     from vllm_dspark_pp.patches import v1_core_sched_scheduler as patch
 
     def kv(role):
-        return KVTransferConfig(kv_connector="ExampleConnector", kv_role=role,
-                                kv_connector_extra_config={"shared_storage_path": "/tmp/x"})
+        return KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role=role,
+            kv_connector_extra_config={"shared_storage_path": "/tmp/x"},
+        )
 
     for role, zeroed in (("kv_producer", True), ("kv_both", False), ("kv_consumer", False)):
         cfg = make_vllm_config(kv(role))
         assert cfg.num_speculative_tokens > 0
-        sched = types.SimpleNamespace(num_spec_tokens=cfg.num_speculative_tokens,
-                                      dynamic_sd_lookup=[1, 2])
+        sched = types.SimpleNamespace(
+            num_spec_tokens=cfg.num_speculative_tokens, dynamic_sd_lookup=[1, 2]
+        )
         assert patch.producer_schedules_no_drafts(sched, cfg) is zeroed, role
         assert (sched.num_spec_tokens == 0) is zeroed
         assert (sched.dynamic_sd_lookup is None) is zeroed
@@ -162,8 +165,11 @@ def test_drafting_dspark_scheduler_pads_no_resumed_request(make_vllm_config):
     from vllm_dspark_pp.patches import v1_core_sched_scheduler as patch
 
     def kv(role):
-        return KVTransferConfig(kv_connector="ExampleConnector", kv_role=role,
-                                kv_connector_extra_config={"shared_storage_path": "/tmp/x"})
+        return KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role=role,
+            kv_connector_extra_config={"shared_storage_path": "/tmp/x"},
+        )
 
     for role in (None, "kv_consumer", "kv_both"):
         cfg = make_vllm_config(kv(role) if role else None)
@@ -191,7 +197,9 @@ def test_drafting_dspark_scheduler_pads_no_resumed_request(make_vllm_config):
     assert prod.num_spec_tokens == 0 and prod.dynamic_sd_lookup is None
 
 
-def test_real_scheduler_schedules_a_resumed_request_without_placeholder_drafts(plugin, make_vllm_config):
+def test_real_scheduler_schedules_a_resumed_request_without_placeholder_drafts(
+    plugin, make_vllm_config
+):
     """vLLM's own Scheduler (patched by the plugin) admits a request whose KV arrived from a
     connector with one token left: it is scheduled as that token alone. With the patch's draft
     schedule taken away again (stock 0.34.0 behaviour) the same request is padded to 1 + k tokens
@@ -209,7 +217,9 @@ def test_real_scheduler_schedules_a_resumed_request_without_placeholder_drafts(p
         bs, k = cfg.cache_config.block_size, cfg.num_speculative_tokens
         spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32)
         groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)]
-        sched = Scheduler(cfg, KVCacheConfig(64, [], groups), StructuredOutputManager(cfg), block_size=bs)
+        sched = Scheduler(
+            cfg, KVCacheConfig(64, [], groups), StructuredOutputManager(cfg), block_size=bs
+        )
         if stock:
             sched.dynamic_sd_lookup = None
         req = Request("r", list(range(5, 5 + bs + 1)), SamplingParams(max_tokens=16), None)
@@ -276,8 +286,7 @@ def test_speculator_propose_routes_on_producers(modules):
     spec_cfg = types.SimpleNamespace(method="dspark")
     cfg = types.SimpleNamespace(
         speculative_config=spec_cfg,
-        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
-                                            kv_role="kv_producer"),
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"),
     )
     s = Spec(cfg, "cpu")
     assert s.dspark_prefill_only and not s.use_draft_logits and not s.enable_adaptive_verification

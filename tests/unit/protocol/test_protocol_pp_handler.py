@@ -203,7 +203,10 @@ def test_unpatched_vllm_handler_fails_the_alignment_check(patch_broadcast):
     stock = type(
         "StockExchange",
         (ours,),
-        {n: vllm_cls.__dict__[n] for n in ("broadcast", "receive", "broadcast_drafts", "_sample_len")},
+        {
+            n: vllm_cls.__dict__[n]
+            for n in ("broadcast", "receive", "broadcast_drafts", "_sample_len")
+        },
     )
     try:
         pp_utils.PPHandler = stock

@@ -49,7 +49,9 @@ def test_committed_tokenizer_matches_pure_python_encoder():
     tok = tokenizers.Tokenizer.from_file(TOKENIZER)
     bpe = PurePythonBPE(TOKENIZER)
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [EOS_ID, MASK_ID, PAD_ID]
-    docs = [corpus.format_document(p) for p in corpus.train_problems(2000) + corpus.heldout_problems()]
+    docs = [
+        corpus.format_document(p) for p in corpus.train_problems(2000) + corpus.heldout_problems()
+    ]
     for d in docs:
         ids = tok.encode(d).ids
         assert bpe.encode(d) == ids, d

@@ -32,7 +32,13 @@ def make_random_pair(out: str, seed: int = 0) -> None:
     with torch.no_grad():
         for p in list(target.parameters()) + list(draft.parameters()):
             p.add_(torch.randn_like(p) * 0.2)
-    write_pair(out, target, draft, TOKENIZER, {"target_config": tcfg.to_dict(), "draft_config": dcfg.to_dict()})
+    write_pair(
+        out,
+        target,
+        draft,
+        TOKENIZER,
+        {"target_config": tcfg.to_dict(), "draft_config": dcfg.to_dict()},
+    )
 
 
 @pytest.mark.e2e
@@ -41,10 +47,24 @@ def test_training_draft_matches_vllm(tmp_path):
     pair = str(tmp_path / "pair")
     make_random_pair(pair)
     rec_path = str(tmp_path / "records.json")
-    env = {**os.environ, **CPU_ENV, **CPU_E2E_EXTRA, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        **CPU_ENV,
+        **CPU_E2E_EXTRA,
+        "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     rc, out, err = run_with_timeout(
-        [sys.executable, os.path.join(HERE, "vllm_draft_probe.py"), pair, rec_path, "Question: Tom has 3 apples.", "24"],
-        env=env, capture=True, timeout=800,
+        [
+            sys.executable,
+            os.path.join(HERE, "vllm_draft_probe.py"),
+            pair,
+            rec_path,
+            "Question: Tom has 3 apples.",
+            "24",
+        ],
+        env=env,
+        capture=True,
+        timeout=800,
     )
     assert rc == 0, out[-3000:] + err[-6000:]
     rec = json.load(open(rec_path))
@@ -55,13 +75,17 @@ def test_training_draft_matches_vllm(tmp_path):
     P = len(rec["prompt"])
     with torch.no_grad():
         logits, _, _ = target(seq.view(1, -1))
-    assert logits[0, P - 1 : -1].argmax(-1).tolist() == rec["out"], "vLLM greedy output != training target greedy"
+    assert logits[0, P - 1 : -1].argmax(-1).tolist() == rec["out"], (
+        "vLLM greedy output != training target greedy"
+    )
     assert len(rec["records"]) >= 10
     worst = 0.0
     for r in rec["records"]:
         a = r["pos"][0]
         assert r["pos"] == list(range(a, a + 7)), r["pos"]  # anchor-as-first-prediction block
-        assert r["ids"][0] == int(seq[a]) and all(t == draft.dcfg.mask_token_id for t in r["ids"][1:])
+        assert r["ids"][0] == int(seq[a]) and all(
+            t == draft.dcfg.mask_token_id for t in r["ids"][1:]
+        )
         drafts, base, conf = draft.draft_greedy(target, seq, a)
         assert drafts.tolist() == r["draft"], (a, drafts.tolist(), r["draft"])
         vb = torch.tensor(r["base"])

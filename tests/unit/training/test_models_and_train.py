@@ -20,10 +20,23 @@ from vllm_dspark_pp.dev.training.models import (
 
 def _pair(seed=0):
     torch.manual_seed(seed)
-    tcfg, dcfg = TargetConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                              num_attention_heads=2, num_key_value_heads=1), DraftConfig(
-        num_hidden_layers=2, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
-        target_layer_ids=[0, 2])
+    tcfg, dcfg = (
+        TargetConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        DraftConfig(
+            num_hidden_layers=2,
+            intermediate_size=96,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            target_layer_ids=[0, 2],
+        ),
+    )
     t, d = TinyQwen3(tcfg), TinyDSparkDraft(tcfg, dcfg)
     d.init_from_target(t)
     with torch.no_grad():
@@ -42,7 +55,12 @@ def test_batched_blocks_equal_single_blocks():
         lg, conf, hid = d(ids, ctx, anchors, t.embed_tokens.weight)
         for b in range(2):
             for m in range(3):
-                lg1, conf1, hid1 = d(ids[b : b + 1], ctx[b : b + 1], anchors[b : b + 1, m : m + 1], t.embed_tokens.weight)
+                lg1, conf1, hid1 = d(
+                    ids[b : b + 1],
+                    ctx[b : b + 1],
+                    anchors[b : b + 1, m : m + 1],
+                    t.embed_tokens.weight,
+                )
                 torch.testing.assert_close(hid[b, m], hid1[0, 0], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(lg[b, m], lg1[0, 0], atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(conf[b, m], conf1[0, 0], atol=1e-5, rtol=1e-5)
@@ -96,17 +114,47 @@ def test_train_command_cpu_smoke(tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
     out = tmp_path / "pair"
-    args = p.parse_args(["--device", "cpu", "--out", str(out), "--num-train-docs", "200", "--heldout-docs", "8",
-                         "--batch-size", "4", "--target-steps", "2", "--draft-steps", "2", "--eval-every", "1",
-                         "--eval-prompts", "1", "--target-layers", "2", "--draft-layers", "1",
-                         "--target-inter", "64", "--draft-inter", "64", "--hidden", "64"])
+    args = p.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--num-train-docs",
+            "200",
+            "--heldout-docs",
+            "8",
+            "--batch-size",
+            "4",
+            "--target-steps",
+            "2",
+            "--draft-steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--eval-prompts",
+            "1",
+            "--target-layers",
+            "2",
+            "--draft-layers",
+            "1",
+            "--target-inter",
+            "64",
+            "--draft-inter",
+            "64",
+            "--hidden",
+            "64",
+        ]
+    )
     assert main(args) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["target_steps_run"] == 2 and summary["draft_steps_run"] == 2
     assert 1.0 <= summary["simulated_mean_acceptance_length"] <= 8.0
     for sub in ("target", "dspark-draft"):
         files = os.listdir(out / sub)
-        assert {"config.json", "tokenizer.json", "tokenizer_config.json", "training.json"} <= set(files)
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json", "training.json"} <= set(
+            files
+        )
     cfg = json.loads((out / "dspark-draft" / "config.json").read_text())
     assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["dflash_config"]["mask_token_id"] == 1 and cfg["block_size"] == 7

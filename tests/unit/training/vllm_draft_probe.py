@@ -9,7 +9,9 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: the hook sees it
+os.environ.setdefault(
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+)  # engine in this process: the hook sees it
 
 
 def main() -> int:
@@ -30,20 +32,39 @@ def main() -> int:
         anchor = self.input_buffers.input_ids[:1].clone()
         prev = torch.cat([anchor.to(drafts.dtype), drafts[:-1]])
         conf = self.model.compute_confidence(hidden, self.model.markov_embed(prev))
-        records.append({
-            "pos": self.input_buffers.positions[:n].tolist(),
-            "ids": self.input_buffers.input_ids[:n].tolist(),
-            "draft": drafts.tolist(),
-            "base": base.float().tolist(),
-            "conf": conf.float().tolist(),
-        })
+        records.append(
+            {
+                "pos": self.input_buffers.positions[:n].tolist(),
+                "ids": self.input_buffers.input_ids[:n].tolist(),
+                "draft": drafts.tolist(),
+                "base": base.float().tolist(),
+                "conf": conf.float().tolist(),
+            }
+        )
 
     DSparkSpeculator._sample_sequential = probe
-    llm = LLM(model=f"{pair}/target", dtype="float32", max_model_len=256, max_num_seqs=1, enforce_eager=True,
-              speculative_config={"method": "dspark", "model": f"{pair}/dspark-draft", "num_speculative_tokens": 7})
+    llm = LLM(
+        model=f"{pair}/target",
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=1,
+        enforce_eager=True,
+        speculative_config={
+            "method": "dspark",
+            "model": f"{pair}/dspark-draft",
+            "num_speculative_tokens": 7,
+        },
+    )
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     with open(out_json, "w") as f:
-        json.dump({"prompt": list(out.prompt_token_ids), "out": list(out.outputs[0].token_ids), "records": records}, f)
+        json.dump(
+            {
+                "prompt": list(out.prompt_token_ids),
+                "out": list(out.outputs[0].token_ids),
+                "records": records,
+            },
+            f,
+        )
     return 0
 
 

@@ -20,12 +20,44 @@ HELDOUT_SEED = 98765
 DEFAULT_HELDOUT_SIZE = 256
 
 NAMES = [
-    "Tom", "Anna", "Ben", "Maria", "Sam", "Lily", "Jack", "Emma", "Noah", "Mia", "Leo", "Zoe",
-    "Omar", "Ivy", "Max", "Nina", "Ravi", "Sara", "Paul", "Kate",
+    "Tom",
+    "Anna",
+    "Ben",
+    "Maria",
+    "Sam",
+    "Lily",
+    "Jack",
+    "Emma",
+    "Noah",
+    "Mia",
+    "Leo",
+    "Zoe",
+    "Omar",
+    "Ivy",
+    "Max",
+    "Nina",
+    "Ravi",
+    "Sara",
+    "Paul",
+    "Kate",
 ]
 ITEMS = [
-    "apples", "pencils", "books", "marbles", "cookies", "stickers", "cards", "eggs", "shells",
-    "flowers", "coins", "toys", "candies", "stamps", "balloons", "oranges",
+    "apples",
+    "pencils",
+    "books",
+    "marbles",
+    "cookies",
+    "stickers",
+    "cards",
+    "eggs",
+    "shells",
+    "flowers",
+    "coins",
+    "toys",
+    "candies",
+    "stamps",
+    "balloons",
+    "oranges",
 ]
 CONTAINERS = ["boxes", "bags", "baskets", "jars", "packs", "crates"]
 PLACES = ["the store", "the market", "the fair", "the bakery", "the shop"]

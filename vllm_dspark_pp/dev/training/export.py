@@ -85,8 +85,13 @@ def _save(sd: dict[str, torch.Tensor], path_no_ext: str, metadata: dict | None =
     return path_no_ext + ".safetensors"
 
 
-def write_model_dir(path: str, hf_config: dict, sd: dict[str, torch.Tensor], tokenizer_json: str,
-                    extra: dict | None = None) -> str:
+def write_model_dir(
+    path: str,
+    hf_config: dict,
+    sd: dict[str, torch.Tensor],
+    tokenizer_json: str,
+    extra: dict | None = None,
+) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
@@ -102,11 +107,23 @@ def write_model_dir(path: str, hf_config: dict, sd: dict[str, torch.Tensor], tok
     return _save(sd, os.path.join(path, "model"))
 
 
-def write_pair(out: str, target, draft, tokenizer_json: str, extra: dict | None = None) -> tuple[str, str]:
-    t = write_model_dir(os.path.join(out, TARGET_DIR), target_hf_config(target.cfg), target.hf_state_dict(),
-                        tokenizer_json, extra)
-    d = write_model_dir(os.path.join(out, DRAFT_DIR), draft_hf_config(draft.tcfg, draft.dcfg),
-                        draft.vllm_state_dict(), tokenizer_json, extra)
+def write_pair(
+    out: str, target, draft, tokenizer_json: str, extra: dict | None = None
+) -> tuple[str, str]:
+    t = write_model_dir(
+        os.path.join(out, TARGET_DIR),
+        target_hf_config(target.cfg),
+        target.hf_state_dict(),
+        tokenizer_json,
+        extra,
+    )
+    d = write_model_dir(
+        os.path.join(out, DRAFT_DIR),
+        draft_hf_config(draft.tcfg, draft.dcfg),
+        draft.vllm_state_dict(),
+        tokenizer_json,
+        extra,
+    )
     return t, d
 
 
@@ -117,8 +134,11 @@ def convert_pt_dir(path: str) -> None:
     for root, _dirs, files in os.walk(path):
         if "model.pt" in files:
             sd = torch.load(os.path.join(root, "model.pt"), map_location="cpu", weights_only=True)
-            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(root, "model.safetensors"),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.contiguous() for k, v in sd.items()},
+                os.path.join(root, "model.safetensors"),
+                metadata={"format": "pt"},
+            )
             os.remove(os.path.join(root, "model.pt"))
 
 

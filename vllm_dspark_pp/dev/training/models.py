@@ -75,8 +75,13 @@ class RMSNorm(nn.Module):
         return xf.to(dtype) * self.weight.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
     freqs = positions.float().unsqueeze(-1) * inv_freq
     return freqs.cos(), freqs.sin()
 
@@ -127,7 +132,9 @@ class Attention(nn.Module):
         k = k.repeat_interleave(rep, dim=2).transpose(1, 2)
         v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
         m = None if mask is None else mask.unsqueeze(1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal and mask is None)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, is_causal=causal and mask is None
+        )
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -148,8 +155,14 @@ class TinyQwen3(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                         cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
+            DecoderLayer(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.rms_norm_eps,
+            )
             for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -177,7 +190,10 @@ class TinyQwen3(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Checkpoint names of HF Qwen3ForCausalLM (lm_head tied, so not stored)."""
-        return {f"model.{k}": v.detach().float().contiguous().clone() for k, v in self.state_dict().items()}
+        return {
+            f"model.{k}": v.detach().float().contiguous().clone()
+            for k, v in self.state_dict().items()
+        }
 
 
 class TinyDSparkDraft(nn.Module):
@@ -191,8 +207,14 @@ class TinyDSparkDraft(nn.Module):
         self.fc = nn.Linear(len(dcfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, tcfg.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DecoderLayer(H, dcfg.intermediate_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
-                         dcfg.head_dim, tcfg.rms_norm_eps)
+            DecoderLayer(
+                H,
+                dcfg.intermediate_size,
+                dcfg.num_attention_heads,
+                dcfg.num_key_value_heads,
+                dcfg.head_dim,
+                tcfg.rms_norm_eps,
+            )
             for _ in range(dcfg.num_hidden_layers)
         )
         self.norm = RMSNorm(H, tcfg.rms_norm_eps)
@@ -217,13 +239,17 @@ class TinyDSparkDraft(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.embed_tokens(ids)
-        return torch.where((ids == self.dcfg.mask_token_id).unsqueeze(-1), self.mask_embedding.to(e.dtype), e)
+        return torch.where(
+            (ids == self.dcfg.mask_token_id).unsqueeze(-1), self.mask_embedding.to(e.dtype), e
+        )
 
     def context(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """[B,T,H] context states: hidden_norm(fc(concat(aux)))."""
         return self.hidden_norm(self.fc(torch.cat(aux, dim=-1)))
 
-    def forward(self, ids: torch.Tensor, ctx: torch.Tensor, anchors: torch.Tensor, lm_head: torch.Tensor):
+    def forward(
+        self, ids: torch.Tensor, ctx: torch.Tensor, anchors: torch.Tensor, lm_head: torch.Tensor
+    ):
         """Draft blocks anchored at ``anchors``.
 
         ids [B,T] (token ids of the sequences), ctx [B,T,H] (``context(aux)``), anchors [B,M]
@@ -240,7 +266,9 @@ class TinyDSparkDraft(nn.Module):
         blk[:, :, 0] = anchor_tok
         x = self.embed(blk).flatten(1, 2)  # [B,M*N,H]
         qcos, qsin = rope_cos_sin(qpos.flatten(1), dcfg.head_dim, tcfg.rope_theta)
-        ccos, csin = rope_cos_sin(torch.arange(T, device=ids.device), dcfg.head_dim, tcfg.rope_theta)
+        ccos, csin = rope_cos_sin(
+            torch.arange(T, device=ids.device), dcfg.head_dim, tcfg.rope_theta
+        )
         # mask: block query (m, i) sees context j < a_m and every key of its own block m
         ctx_ok = torch.arange(T, device=ids.device).view(1, 1, 1, T) < anchors.view(B, M, 1, 1)
         ctx_ok = ctx_ok.expand(B, M, N, T).reshape(B, M * N, T)
@@ -328,8 +356,18 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
     return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / gamma)
 
 
-def dspark_loss(logits, conf_logits, labels, target_probs, valid, *, gamma: float,
-                ce_weight: float = 0.1, tv_weight: float = 0.9, conf_weight: float = 1.0):
+def dspark_loss(
+    logits,
+    conf_logits,
+    labels,
+    target_probs,
+    valid,
+    *,
+    gamma: float,
+    ce_weight: float = 0.1,
+    tv_weight: float = 0.9,
+    conf_weight: float = 1.0,
+):
     """DSpark training objective (Cheng et al., "DSpark: Confidence-Scheduled Speculative Decoding
     with Semi-Autoregressive Generation", arXiv 2607.05147, Sec. 3.3), written from its description:
     position-weighted cross-entropy on the data tokens plus position-weighted total variation
@@ -345,7 +383,9 @@ def dspark_loss(logits, conf_logits, labels, target_probs, valid, *, gamma: floa
     logp = F.log_softmax(logits.float(), -1)
     ce = -(logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1))
     tv = 0.5 * (logp.exp() - target_probs.float()).abs().sum(-1)
-    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), (1.0 - tv).detach().clamp(0, 1), reduction="none")
+    bce = F.binary_cross_entropy_with_logits(
+        conf_logits.float(), (1.0 - tv).detach().clamp(0, 1), reduction="none"
+    )
     ce_l, tv_l = (ce * w).sum() / denom, (tv * w).sum() / denom
     conf_l = (bce * valid.float()).sum() / valid.float().sum().clamp(min=1)
     total = ce_weight * ce_l + tv_weight * tv_l + conf_weight * conf_l

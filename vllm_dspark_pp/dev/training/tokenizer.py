@@ -29,7 +29,9 @@ PIECE_PATTERN = r" ?[A-Za-z]+| ?[0-9]|\n| ?[^A-Za-z0-9\s]+|\s+"
 INITIAL_ALPHABET = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
 
 
-def train_tokenizer(out_path: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_docs: int = TOKENIZER_TRAIN_DOCS):
+def train_tokenizer(
+    out_path: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_docs: int = TOKENIZER_TRAIN_DOCS
+):
     """Train the BPE on the first ``num_docs`` training documents and save ``tokenizer.json``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -52,7 +54,9 @@ def train_tokenizer(out_path: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_doc
     return tok
 
 
-def write_hf_tokenizer_files(model_dir: str, tokenizer_json: str, model_max_length: int = 1024) -> None:
+def write_hf_tokenizer_files(
+    model_dir: str, tokenizer_json: str, model_max_length: int = 1024
+) -> None:
     """Copy ``tokenizer.json`` into ``model_dir`` with the config files transformers/vLLM read."""
     import os
     import shutil
@@ -75,7 +79,9 @@ def write_hf_tokenizer_files(model_dir: str, tokenizer_json: str, model_max_leng
         json.dump(cfg, f, indent=2)
         f.write("\n")
     with open(os.path.join(model_dir, "special_tokens_map.json"), "w") as f:
-        json.dump({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "mask_token": MASK_TOKEN}, f, indent=2)
+        json.dump(
+            {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "mask_token": MASK_TOKEN}, f, indent=2
+        )
         f.write("\n")
 
 

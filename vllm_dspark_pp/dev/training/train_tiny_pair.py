@@ -36,7 +36,9 @@ from vllm_dspark_pp.dev.training.models import (
 )
 from vllm_dspark_pp.dev.training.tokenizer import EOS_ID, PAD_ID, PurePythonBPE
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO_ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 DEFAULT_TOKENIZER = os.path.join(REPO_ROOT, "models", "tiny-pair", "target", "tokenizer.json")
 
 
@@ -47,7 +49,9 @@ def log(msg: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (gets target/ and dspark-draft/)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="tokenizer.json (trained by `tokenizer.py`)")
+    p.add_argument(
+        "--tokenizer", default=DEFAULT_TOKENIZER, help="tokenizer.json (trained by `tokenizer.py`)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-train-docs", type=int, default=200000)
     p.add_argument("--heldout-docs", type=int, default=corpus.DEFAULT_HELDOUT_SIZE)
@@ -58,14 +62,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-lr", type=float, default=3e-3)
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--anchors-per-row", type=int, default=8)
-    p.add_argument("--gamma", type=float, default=4.0, help="DSpark position-weight decay exp(-i/gamma)")
+    p.add_argument(
+        "--gamma", type=float, default=4.0, help="DSpark position-weight decay exp(-i/gamma)"
+    )
     p.add_argument("--ce-weight", type=float, default=0.1)
     p.add_argument("--tv-weight", type=float, default=0.9)
     p.add_argument("--conf-weight", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for the simulated acceptance")
-    p.add_argument("--minutes", type=float, default=7.0, help="safety cap on the whole run's wall time")
-    p.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on for cuda)")
+    p.add_argument(
+        "--eval-prompts", type=int, default=64, help="held-out prompts for the simulated acceptance"
+    )
+    p.add_argument(
+        "--minutes", type=float, default=7.0, help="safety cap on the whole run's wall time"
+    )
+    p.add_argument(
+        "--amp",
+        choices=["auto", "bf16", "off"],
+        default="auto",
+        help="bf16 autocast (auto: on for cuda)",
+    )
     # sizes
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--target-layers", type=int, default=4)
@@ -74,7 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-inter", type=int, default=384)
     p.add_argument("--markov-rank", type=int, default=32)
     p.add_argument("--block-size", type=int, default=7)
-    p.add_argument("--target-layer-ids", default="", help="comma list; default: first, second to last, last")
+    p.add_argument(
+        "--target-layer-ids", default="", help="comma list; default: first, second to last, last"
+    )
 
 
 def encode_docs(bpe: PurePythonBPE, problems: list[corpus.Problem], seq_len: int):
@@ -100,8 +117,11 @@ def lm_loss(logits, ids, doc_len, from_pos=None):
     valid = pos + 1 < doc_len.view(-1, 1)
     if from_pos is not None:
         valid &= pos + 1 > from_pos.view(-1, 1) - 1
-    ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                         reduction="none").view(ids.shape[0], -1)
+    ce = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        ids[:, 1:].reshape(-1),
+        reduction="none",
+    ).view(ids.shape[0], -1)
     return (ce * valid).sum() / valid.sum()
 
 
@@ -130,8 +150,17 @@ def draft_batch(draft, target, ids, doc_len, anchors, gamma, weights, amp_ctx):
     tprobs = tlogits.float().softmax(-1)
     tp = tprobs.gather(1, (lab_pos_c - 1).flatten(1).unsqueeze(-1).expand(-1, -1, tprobs.shape[-1]))
     tp = tp.view(B, M, N, -1)
-    return dspark_loss(logits, conf, labels, tp, valid, gamma=gamma, ce_weight=weights[0], tv_weight=weights[1],
-                       conf_weight=weights[2])
+    return dspark_loss(
+        logits,
+        conf,
+        labels,
+        tp,
+        valid,
+        gamma=gamma,
+        ce_weight=weights[0],
+        tv_weight=weights[1],
+        conf_weight=weights[2],
+    )
 
 
 @torch.no_grad()
@@ -143,7 +172,7 @@ def greedy_generate(target, prompt: list[int], max_new: int, device) -> list[int
         if nxt == EOS_ID:
             break
         seq.append(nxt)
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @torch.no_grad()
@@ -223,7 +252,9 @@ def _fit_steps(what: str, step: int, total: int, t0: float, end: float) -> int:
     per_step = (time.time() - _fit_t[what]) / (_FIT_AT - _FIT_FROM)
     fit = int(step + (end - time.time()) / per_step * 0.9)
     if fit < total:
-        log(f"{what}: {per_step * 1000:.1f} ms/step; {total} steps would overrun the time cap, running {fit}")
+        log(
+            f"{what}: {per_step * 1000:.1f} ms/step; {total} steps would overrun the time cap, running {fit}"
+        )
         return fit
     log(f"{what}: {per_step * 1000:.1f} ms/step; {total} steps fit in the time cap")
     return total
@@ -258,7 +289,9 @@ def main(args) -> int:
 
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    log(f"torch {torch.__version__} device {device} amp={'bf16' if use_amp else 'off'} seed {args.seed}")
+    log(
+        f"torch {torch.__version__} device {device} amp={'bf16' if use_amp else 'off'} seed {args.seed}"
+    )
 
     bpe = PurePythonBPE(args.tokenizer)
     vocab = int(math.ceil(bpe.vocab_size / 64) * 64)
@@ -266,26 +299,45 @@ def main(args) -> int:
     train = corpus.train_problems(args.num_train_docs, args.heldout_docs)
     tr_ids, tr_len, tr_plen = encode_docs(bpe, train, args.seq_len)
     ho_ids, ho_len, ho_plen = encode_docs(bpe, heldout, args.seq_len)
-    log(f"corpus: {len(train)} train docs ({int(tr_len.sum())} tokens), {len(heldout)} held-out docs; "
-        f"tokenizer vocab {bpe.vocab_size} (model vocab {vocab}); encode took {time.time() - t_start:.1f}s")
+    log(
+        f"corpus: {len(train)} train docs ({int(tr_len.sum())} tokens), {len(heldout)} held-out docs; "
+        f"tokenizer vocab {bpe.vocab_size} (model vocab {vocab}); encode took {time.time() - t_start:.1f}s"
+    )
 
-    tcfg = TargetConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.target_inter,
-                        num_hidden_layers=args.target_layers, num_attention_heads=args.hidden // 32,
-                        num_key_value_heads=max(1, args.hidden // 64), head_dim=32)
+    tcfg = TargetConfig(
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.target_inter,
+        num_hidden_layers=args.target_layers,
+        num_attention_heads=args.hidden // 32,
+        num_key_value_heads=max(1, args.hidden // 64),
+        head_dim=32,
+    )
     L = args.target_layers
-    layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
-                 else sorted({0, max(0, L - 2), L - 1}))
-    dcfg = DraftConfig(num_hidden_layers=args.draft_layers, intermediate_size=args.draft_inter,
-                       num_attention_heads=args.hidden // 32, num_key_value_heads=max(1, args.hidden // 64),
-                       head_dim=32, block_size=args.block_size, markov_rank=args.markov_rank,
-                       target_layer_ids=layer_ids)
+    layer_ids = (
+        [int(x) for x in args.target_layer_ids.split(",")]
+        if args.target_layer_ids
+        else sorted({0, max(0, L - 2), L - 1})
+    )
+    dcfg = DraftConfig(
+        num_hidden_layers=args.draft_layers,
+        intermediate_size=args.draft_inter,
+        num_attention_heads=args.hidden // 32,
+        num_key_value_heads=max(1, args.hidden // 64),
+        head_dim=32,
+        block_size=args.block_size,
+        markov_rank=args.markov_rank,
+        target_layer_ids=layer_ids,
+    )
     gen = torch.Generator().manual_seed(args.seed)
     target = TinyQwen3(tcfg).to(device)
     n_target = num_params(target.hf_state_dict())
     log(f"target: {n_target} params {tcfg.to_dict()}")
 
     # ---- target ----
-    opt = torch.optim.AdamW(target.parameters(), lr=args.target_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        target.parameters(), lr=args.target_lr, betas=(0.9, 0.95), weight_decay=0.1
+    )
     ho_ids_d, ho_len_d, ho_plen_d = ho_ids.to(device), ho_len.to(device), ho_plen.to(device)
 
     def eval_target():
@@ -323,13 +375,19 @@ def main(args) -> int:
         step += 1
         if (step - 1) % args.eval_every == 0 or step == total:
             all_l, ans_l = eval_target()
-            history.append({"step": step, "train": loss.item(), "heldout": all_l, "heldout_answer": ans_l})
-            log(f"target step {step}/{total} train {loss.item():.4f} held-out {all_l:.4f} "
-                f"(answer tokens {ans_l:.4f}) {time.time() - t0:.0f}s")
+            history.append(
+                {"step": step, "train": loss.item(), "heldout": all_l, "heldout_answer": ans_l}
+            )
+            log(
+                f"target step {step}/{total} train {loss.item():.4f} held-out {all_l:.4f} "
+                f"(answer tokens {ans_l:.4f}) {time.time() - t0:.0f}s"
+            )
     target_loss, target_ans_loss = eval_target()
     target_time = time.time() - t0
-    log(f"target done: {target_steps_run} steps in {target_time:.0f}s, held-out loss {target_loss:.4f} "
-        f"(answer tokens {target_ans_loss:.4f})")
+    log(
+        f"target done: {target_steps_run} steps in {target_time:.0f}s, held-out loss {target_loss:.4f} "
+        f"(answer tokens {target_ans_loss:.4f})"
+    )
 
     # ---- draft ----
     target.eval()
@@ -339,7 +397,9 @@ def main(args) -> int:
     draft.init_from_target(target)
     trainable = [p_ for p_ in draft.parameters() if p_.requires_grad]
     n_draft = num_params(draft.vllm_state_dict())
-    log(f"draft: {n_draft} params in checkpoint ({sum(p_.numel() for p_ in trainable)} trained) {dcfg.to_dict()}")
+    log(
+        f"draft: {n_draft} params in checkpoint ({sum(p_.numel() for p_ in trainable)} trained) {dcfg.to_dict()}"
+    )
     opt = torch.optim.AdamW(trainable, lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = (args.ce_weight, args.tv_weight, args.conf_weight)
 
@@ -348,7 +408,9 @@ def main(args) -> int:
         g2 = torch.Generator().manual_seed(12345)
         anchors = sample_anchors(g2, ho_len, ho_plen, args.anchors_per_row).to(device)
         with torch.no_grad():
-            loss, parts = draft_batch(draft, target, ho_ids_d, ho_len_d, anchors, args.gamma, weights, amp_ctx)
+            loss, parts = draft_batch(
+                draft, target, ho_ids_d, ho_len_d, anchors, args.gamma, weights, amp_ctx
+            )
         draft.train()
         return loss.item(), {k: v.item() for k, v in parts.items()}
 
@@ -377,10 +439,19 @@ def main(args) -> int:
         step += 1
         if (step - 1) % args.eval_every == 0 or step == total:
             hl, hp = eval_draft()
-            dhistory.append({"step": step, "train": loss.item(), "heldout": hl, **{f"heldout_{k}": v for k, v in hp.items()}})
-            log(f"draft step {step}/{total} train {loss.item():.4f} (ce {parts['ce'].item():.3f} "
+            dhistory.append(
+                {
+                    "step": step,
+                    "train": loss.item(),
+                    "heldout": hl,
+                    **{f"heldout_{k}": v for k, v in hp.items()},
+                }
+            )
+            log(
+                f"draft step {step}/{total} train {loss.item():.4f} (ce {parts['ce'].item():.3f} "
                 f"tv {parts['tv'].item():.3f} conf {parts['conf'].item():.3f}) held-out {hl:.4f} "
-                f"(ce {hp['ce']:.3f} tv {hp['tv']:.3f} conf {hp['conf']:.3f}) {time.time() - t0:.0f}s")
+                f"(ce {hp['ce']:.3f} tv {hp['tv']:.3f} conf {hp['conf']:.3f}) {time.time() - t0:.0f}s"
+            )
     draft_time = time.time() - t0
     d_loss, d_parts = eval_draft()
 
@@ -389,9 +460,12 @@ def main(args) -> int:
         "target_config": tcfg.to_dict(),
         "draft_config": dcfg.to_dict(),
         "seed": args.seed,
-        "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("out",)},
+        "args": {
+            k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("out",)
+        },
         "torch": torch.__version__,
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "device": str(device)
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "target_params": n_target,
         "draft_params": n_draft,
         "target_steps_run": target_steps_run,
@@ -412,18 +486,26 @@ def main(args) -> int:
     target.to(device).eval()
     prompts = [bpe.encode(corpus.format_prompt(p.question)) for p in heldout[: args.eval_prompts]]
     t0 = time.time()
-    mean_len, per_pos, steps, completions = simulate_acceptance(draft, target, prompts, 64, device)  # float32
-    correct = sum(answer_value(bpe.decode(c)) == p.value for c, p in zip(completions, heldout, strict=False))
-    log(f"held-out ({len(prompts)} prompts, {steps} steps): simulated mean acceptance length {mean_len:.3f}, "
+    mean_len, per_pos, steps, completions = simulate_acceptance(
+        draft, target, prompts, 64, device
+    )  # float32
+    correct = sum(
+        answer_value(bpe.decode(c)) == p.value for c, p in zip(completions, heldout, strict=False)
+    )
+    log(
+        f"held-out ({len(prompts)} prompts, {steps} steps): simulated mean acceptance length {mean_len:.3f}, "
         f"per position {[round(x, 3) for x in per_pos]}; target accuracy {correct}/{len(prompts)} "
-        f"({time.time() - t0:.0f}s)")
-    extra.update({
-        "simulated_mean_acceptance_length": mean_len,
-        "simulated_per_position_acceptance": per_pos,
-        "simulated_steps": steps,
-        "simulated_prompts": len(prompts),
-        "target_heldout_accuracy": correct / max(1, len(prompts)),
-    })
+        f"({time.time() - t0:.0f}s)"
+    )
+    extra.update(
+        {
+            "simulated_mean_acceptance_length": mean_len,
+            "simulated_per_position_acceptance": per_pos,
+            "simulated_steps": steps,
+            "simulated_prompts": len(prompts),
+            "target_heldout_accuracy": correct / max(1, len(prompts)),
+        }
+    )
     _write(args, target, draft, extra, device, t_start)
     return 0
 
