@@ -12,7 +12,8 @@ with k drafts per request at N requests, for N in 1..64. What each side posts pe
   drafts and ``1`` otherwise (variable), ``torch.stack((num_sampled, num_rejected))`` ``[2, N]``
   int32 (its second row starts at byte ``4N``: 16-byte aligned only when N % 4 == 0), drafts
   ``[N, k]`` int64;
-* ours (vllm_dspark_pp/protocol/schedule.py ``step_schedule``, posted by protocol/handler.py): sampled
+* ours (vllm_dspark_pp/protocol/schedule.py ``step_schedule``, posted by protocol/handler.py):
+sampled
   ``[N, k + 1]`` int64 always, counts ``[2, round_up(N, 4)]`` int32 (both rows aligned), drafts
   ``[N, k]`` int64; the payload shapes come from ``step_schedule`` itself.
 

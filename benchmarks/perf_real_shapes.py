@@ -35,7 +35,8 @@ start costs 40-90 s at these shapes (torch.compile + CUDA graphs); offline ``LLM
 with C prompts at once is what ``vllm bench throughput`` does, and its per-request metrics give
 TTFT/TPOT. CPU dry run (tiny pair, eager):
 
-    VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_CPU_OMP_THREADS_BIND=nobind \\
+    VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=
+    VLLM_CPU_OMP_THREADS_BIND=nobind \\
     VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. python benchmarks/perf_real_shapes.py --shape tiny \\
         --concurrency 1,2 --output-len 16 --input-len 16 --repeats 1 --eager --out /tmp/perf
 """

@@ -24,14 +24,17 @@ def load(paths: list[str]) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| config | model | concurrency | output tok/s | mean TPOT (ms) | median TPOT (ms) | mean TTFT (ms) | acceptance % |",
+        "| config | model | concurrency | output tok/s | mean TPOT (ms) | median TPOT (ms) | mean "
+        "TTFT (ms) | acceptance % |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         acc = "-" if r.get("acceptance_pct") is None else f"{r['acceptance_pct']:.1f}"
         lines.append(
-            f"| {r['config']} | {r['model_size']} | {r['concurrency']} | {r['output_throughput']:.1f} | "
-            f"{r['mean_tpot_ms']:.2f} | {r['median_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} | {acc} |"
+            f"| {r['config']} | {r['model_size']} | {r['concurrency']} | "
+            f"{r['output_throughput']:.1f} | "
+            f"{r['mean_tpot_ms']:.2f} | {r['median_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} | "
+            f"{acc} |"
         )
     return "\n".join(lines)
 

@@ -73,12 +73,16 @@ def make_models(size: str, root: Path):
 
 
 def bench_rows_table(rows: list[dict]) -> str:
-    head = f"{'config':<11} {'conc':>4} {'out tok/s':>10} {'TPOT ms':>8} {'p50 TPOT':>8} {'TTFT ms':>8} {'accept %':>8}"
+    head = (
+        f"{'config':<11} {'conc':>4} {'out tok/s':>10} {'TPOT ms':>8} {'p50 TPOT':>8} "
+        f"{'TTFT ms':>8} {'accept %':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         acc = "-" if r.get("acceptance_pct") is None else f"{r['acceptance_pct']:.1f}"
         lines.append(
-            f"{r['config']:<11} {r['concurrency']:>4} {r['output_throughput']:>10.1f} {r['mean_tpot_ms']:>8.2f} "
+            f"{r['config']:<11} {r['concurrency']:>4} {r['output_throughput']:>10.1f} "
+            f"{r['mean_tpot_ms']:>8.2f} "
             f"{r['median_tpot_ms']:>8.2f} {r['mean_ttft_ms']:>8.1f} {acc:>8}"
         )
     return "\n".join(lines)
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
     }
     pair = make_models(a.model_size, Path(tempfile.mkdtemp(prefix="dspark-bench-models-")))
     args = [
-        "--dtype", "bfloat16", "--max-model-len", str(a.input_len + a.output_len + 64), "--max-num-seqs", "64",
+        "--dtype", "bfloat16", "--max-model-len", str(a.input_len + a.output_len + 64),
+        "--max-num-seqs", "64",
         "--seed", "0", "--gpu-memory-utilization", "0.85",
         "--pipeline-parallel-size", str(cfg["pp"]), "--tensor-parallel-size", str(cfg["tp"]),
         "--distributed-executor-backend", "mp",
@@ -175,7 +180,8 @@ def main(argv=None) -> int:
             rep.add(
                 f"concurrency {c}",
                 "PASS",
-                f"{row['output_throughput']:.0f} tok/s, TPOT {row['mean_tpot_ms']:.2f} ms, acc {acc}",
+                f"{row['output_throughput']:.0f} tok/s, TPOT {row['mean_tpot_ms']:.2f} ms, acc "
+                f"{acc}",
             )
     except (GPUCaseFailure, subprocess.TimeoutExpired, OSError) as e:
         rep.add("server / benchmark", "FAIL", str(e).splitlines()[0][:200])

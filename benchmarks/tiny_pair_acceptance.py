@@ -7,7 +7,8 @@ i.e. the bonus token included), the per-position acceptance rates, whether the s
 equal the non-speculative ones token for token (lossless check), the answer accuracy and the wall
 times. CPU:
 
-    VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_CPU_OMP_THREADS_BIND=nobind \\
+    VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=
+    VLLM_CPU_OMP_THREADS_BIND=nobind \\
     PYTHONPATH=. python benchmarks/tiny_pair_acceptance.py --out-json /tmp/acc.json
 
 GPU: the same without the CPU variables (``--dtype`` defaults to float32 either way).

@@ -125,7 +125,8 @@ PLUGIN_CHECKS.append(_check_stages_nonempty)
 def _gpu_only_checks(vllm_config, requested_async: bool | None) -> list[str]:
     """What the CPU platform cannot check or silently rewrites."""
     notes = [
-        "CUDA graph capture (sizes, padding, the DSpark draft graphs): the CPU platform disables CUDA graphs",
+        "CUDA graph capture (sizes, padding, the DSpark draft graphs): the CPU platform disables "
+        "CUDA graphs",
         "attention-backend selection for the target and the draft's non-causal block attention",
         "KV-cache memory fit (gpu_memory_utilization) and NCCL group creation for PP/TP",
     ]
@@ -299,7 +300,8 @@ def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str
 def format_plan(plan: Plan) -> str:
     lines = [
         f"target      {plan.target} ({plan.target_architecture}, {plan.num_layers} layers)",
-        f"parallel    PP={plan.pp_size} TP={plan.tp_size}   (configs built on the {plan.platform} platform)",
+        f"parallel    PP={plan.pp_size} TP={plan.tp_size}   (configs built on the {plan.platform} "
+        f"platform)",
     ]
     if plan.method:
         lines.append(

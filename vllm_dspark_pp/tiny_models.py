@@ -352,7 +352,8 @@ def make_tiny_models(
 
 
 def speculative_config(paths: TinyModelPaths, **extra) -> dict:
-    """The ``speculative_config`` dict for the tiny DSpark draft (method auto-detected as dspark)."""
+    """The ``speculative_config`` dict for the tiny DSpark draft (method auto-detected as
+    dspark)."""
     cfg = {"method": "dspark", "model": paths.draft}
     cfg.update(extra)
     return cfg

@@ -5,7 +5,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # Bumped whenever the PP token-exchange schedule or the handshake payload changes shape.
-# Ranks exchange it at start-up (see vllm_dspark_pp.protocol.handshake) and refuse to run on a mismatch.
+# Ranks exchange it at start-up (see vllm_dspark_pp.protocol.handshake) and refuse to run on a
+# mismatch.
 PROTOCOL_VERSION = 1
 
 # Exactly the releases the whole test suite passed on. Widen only after a full run on the new
@@ -30,7 +31,8 @@ def check_vllm_version(version: str | None = None) -> str:
         supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
         raise UnsupportedVLLMVersionError(
             f"vllm-dspark-pp {__version__} supports vLLM {supported} only, but vLLM {version} is "
-            f"installed. Install the supported release (pip install vllm=={SUPPORTED_VLLM_VERSIONS[-1]}) "
+            f"installed. Install the supported release (pip install "
+            f"vllm=={SUPPORTED_VLLM_VERSIONS[-1]}) "
             "or uninstall vllm-dspark-pp (or leave it out of VLLM_PLUGINS). The plugin refuses to "
             "patch a release it was not tested on: pipeline-parallel ranks with different patches "
             "would post different collectives and hang."

@@ -6,7 +6,8 @@ Two model pairs:
   drafter's trained block size) on the 32 held-out GSM8K-style prompts of the seeded corpus that
   the GSM8K gate scores (23-35 tokens, answers ending at EOS), chunked prefill with a 128-token
   budget (the ~900 prefill tokens take several steps, so prompts are split across steps). The
-  engine runs are session fixtures (tests/support/engines.py) shared with tests/evals/gsm8k. Reference:
+  engine runs are session fixtures (tests/support/engines.py) shared with tests/evals/gsm8k.
+  Reference:
   PP=1 without speculation. PP=1 DSpark must give its tokens and accept informatively (rejections
   at draft positions > 0); PP=2 and PP=3 with synchronous scheduling (the CPU default) and PP=2
   with asynchronous scheduling forced on (the GPU default) must give the same tokens and exactly
@@ -26,8 +27,10 @@ Two model pairs:
   40- and 90-token prompts are split into chunks), 16 new tokens each: PP=1 DSpark and PP=2 with
   chunked prefill switched off against PP=1 without speculation. The PP=2 sync tokens check is
   the developer loop's (``-m "not slow"``) one real PP=2 DSpark generation. PP=2 with async
-  scheduling, the fixed graph batch and a request aborted mid-stream is tests/e2e/test_protocol_e2e.py. (It accepts only at draft position 0, so its counters prove little about
-  acceptance; the trained pair's cases replaced its PP=2/PP=3 sync and PP=2 async cases.)
+  scheduling, the fixed graph batch and a request aborted mid-stream is
+  tests/e2e/test_protocol_e2e.py. (It accepts only at draft position 0, so its counters prove
+  little about acceptance; the trained pair's cases replaced its PP=2/PP=3 sync and PP=2 async
+  cases.)
 
 On a mismatch the failure message shows the first differing position of each prompt and, from
 the reference's top-2 logprobs, whether it is a numerical near-tie.
@@ -108,7 +111,8 @@ def test_pp_dspark_sync_scheduling_is_lossless(request, pair_reference, pair_pp1
 
 
 def test_pp2_dspark_async_scheduling_is_lossless(pair_reference, pair_pp1, pair_pp2_async):
-    """Trained pair: PP=2, async scheduling: same tokens, same counters (see the module docstring)."""
+    """Trained pair: PP=2, async scheduling: same tokens, same counters (see the module
+    docstring)."""
     res = pair_pp2_async
     assert res.config["async_scheduling"] is True and res.config["pipeline_parallel_size"] == 2
     assert_same_tokens(pair_reference, res, "trained pair, PP=2 DSpark (async scheduling)", None)

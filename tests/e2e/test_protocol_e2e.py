@@ -2,7 +2,8 @@
 broadcasts, draft broadcast, handshake, fixed DSpark graph batch) stays lossless under async
 scheduling, with a request aborted mid-stream.
 
-Random-weight pair (k=3, ``dspark_pp_fixed_graph_batch`` 4; 6 requests, one aborted), against the shared PP=1 no-spec reference
+Random-weight pair (k=3, ``dspark_pp_fixed_graph_batch`` 4; 6 requests, one aborted), against the
+shared PP=1 no-spec reference
 (tests/support/engines.py): every other request's tokens equal the reference, the aborted one is
 a prefix of its reference, drafts were broadcast and some were accepted. Synchronous scheduling
 with PP=2 and PP=3 is tests/e2e/test_pp_parity.py.

@@ -6,7 +6,8 @@ Every engine the tier needs is started ONCE, concurrently, by the session fixtur
 from a thread pool, and the tests only read the results. The first test to ask for
 ``gpu_jobs`` launches everything; tests that do not need engines (kernels) run meanwhile.
 
-Jobs (``max_num_seqs=8``; the first four: bf16, random-weight tiny Qwen3 target + tiny DSpark draft):
+Jobs (``max_num_seqs=8``; the first four: bf16, random-weight tiny Qwen3 target + tiny DSpark
+draft):
 
 * ``baseline``  no speculation, eager, top-2 logprobs (evidence for near-ties), plugin probe in
   the worker;
@@ -134,7 +135,8 @@ def gpu_jobs(gpu_models, gpu_waves):
     if key is None:
         jobs.skip(
             "spec_graphs_fixed8",
-            "vllm_dspark_pp.protocol.graph_batch is missing (protocol branch not merged): no fixed DSpark graph batch",
+            "vllm_dspark_pp.protocol.graph_batch is missing (protocol branch not merged): no "
+            "fixed DSpark graph batch",
         )
     else:
         jobs.submit(
@@ -162,7 +164,8 @@ def gpu_jobs(gpu_models, gpu_waves):
         for name in ("pair_baseline", "pair_spec", "pd"):
             jobs.skip(
                 name,
-                "DSPARK_GPU_DRYRUN_CPU=1: no PD (nor its trained-pair references) on the CPU dry run",
+                "DSPARK_GPU_DRYRUN_CPU=1: no PD (nor its trained-pair references) on the CPU dry "
+                "run",
             )
         yield jobs
         jobs.shutdown()

@@ -1,4 +1,5 @@
-"""Shared constants and helpers of the one-GPU tier (imported by tests/gpu/conftest.py and tests)."""
+"""Shared constants and helpers of the one-GPU tier (imported by tests/gpu/conftest.py and
+tests)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def make_prompts(seed: int = 1234, sizes=WAVE_SIZES, vocab: int = 512) -> list[l
 
 
 def pair_prompts(n: int = PAIR_NUM_PROMPTS) -> list[list[int]]:
-    """The first ``n`` held-out prompts of the pair's corpus, as token ids (tests/support/tiny_pair.py)."""
+    """The first ``n`` held-out prompts of the pair's corpus, as token ids
+    (tests/support/tiny_pair.py)."""
     from support import tiny_pair
 
     return tiny_pair.heldout_prompts(n)

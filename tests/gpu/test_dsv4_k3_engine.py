@@ -1,7 +1,8 @@
 """Kimi-K3 and DeepSeek-V4 DSpark in real engines on one GPU (issue 16). Written, not yet run.
 
 Targets: tiny real-architecture models generated from config.json by
-``vllm_dspark_pp.dev.tiny_mla_targets`` (Kimi-K3: ``KimiLinearForCausalLM`` with KDA + NoPE MLA + MoE
+``vllm_dspark_pp.dev.tiny_mla_targets`` (Kimi-K3: ``KimiLinearForCausalLM`` with KDA + NoPE MLA +
+MoE
 and a ``K3DSparkModel`` draft; DeepSeek-V4: ``DeepseekV4ForCausalLM`` with its in-checkpoint
 DSpark draft), weights from vLLM's ``load_format="dummy"`` (seeded per parameter, so every engine
 of a family holds the same weights). Self-contained: uses none of tests/gpu/conftest.py's session

@@ -1,4 +1,5 @@
-"""First and cheapest: what the GPU machine runs (printed into the log), and the plugin's entry point.
+"""First and cheapest: what the GPU machine runs (printed into the log), and the plugin's entry
+point.
 
 The facts test also launches the session's background engine jobs (conftest.gpu_jobs), so that
 the kernel tests run while the engines start. Whether the plugin is applied inside a real vLLM

@@ -3,7 +3,8 @@
 Batches of 1, 3, 5, 7 and 8 requests against ``max_num_reqs=8`` (a decode graph captured for 4 or
 8 requests replays them padded): every padding row must come out as padding (``is_padding``,
 zero ids/positions, PAD slots, ``-1`` sample mappings, ``seq_lens=0``), every real row as the
-pure-torch reference says (see tests/support/dflash_prepare_ref.py), with the buffers poisoned beforehand.
+pure-torch reference says (see tests/support/dflash_prepare_ref.py), with the buffers poisoned
+beforehand.
 Both layouts: DSpark (sample from the anchor, N query rows) and DFlash (1 + N rows).
 """
 

@@ -17,7 +17,8 @@ never-accepted draft per request (vLLM padded each remote-KV resume with placeho
 72.2% vs 90.3%. The
 random-weight pair accepted only at draft position 0, so a decoder drafter with a wrong or cold
 context could not fail the last check with it; the trained pair's acceptance collapses then (on
-CPU, corrupting the draft context KV took it from 100% to 34%: tests/e2e/producer/test_pd_producer_cpu.py).
+CPU, corrupting the draft context KV took it from 100% to 34%:
+tests/e2e/producer/test_pd_producer_cpu.py).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def test_pd_greedy_output_equals_aggregated(pd, gpu_jobs, mode):
 
 
 def _within(a: int, b: int, scale: int, points: float = 2.0) -> bool:
-    """``a`` and ``b`` differ by at most ``points`` percent of ``scale`` (and by at least 1 allowed)."""
+    """``a`` and ``b`` differ by at most ``points`` percent of ``scale`` (and by at least 1
+    allowed)."""
     return abs(a - b) <= max(1.0, points / 100.0 * scale)
 
 
@@ -110,14 +112,17 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd, gpu_jobs, mod
     )
     ok, desc = acceptance_close(dec, ref)
     print(
-        f"PD acceptance: decoder {acceptance_rate(dec):.1f}% ({dec['num_accepted_tokens']}/{dec['num_draft_tokens']}) "
-        f"vs aggregated {acceptance_rate(ref):.1f}% ({ref['num_accepted_tokens']}/{ref['num_draft_tokens']}), "
+        f"PD acceptance: decoder {acceptance_rate(dec):.1f}% "
+        f"({dec['num_accepted_tokens']}/{dec['num_draft_tokens']}) "
+        f"vs aggregated {acceptance_rate(ref):.1f}% "
+        f"({ref['num_accepted_tokens']}/{ref['num_draft_tokens']}), "
         f"{mode} scheduling, {datetime.date.today().isoformat()}"
     )
     print(f"decoder {dec} vs aggregated {agg.name} {ref}: {desc}")
     print(f"prefiller spec counters (delta): {pd[mode]['prefill_spec']}")
     assert ok, (
-        f"decoder acceptance {acceptance_rate(dec):.2f}% vs aggregated {acceptance_rate(ref):.2f}%: {desc}"
+        f"decoder acceptance {acceptance_rate(dec):.2f}% vs aggregated "
+        f"{acceptance_rate(ref):.2f}%: {desc}"
     )
     # The decoder must not draft work it throws away: as many drafts as the aggregated engine.
     assert _within(dec["num_drafts"], ref["num_drafts"], ref["num_drafts"]), (

@@ -1,4 +1,5 @@
-"""DSpark PD over NixlConnector on one GPU (issue 18): stock failure, prefill-only producer, control.
+"""DSpark PD over NixlConnector on one GPU (issue 18): stock failure, prefill-only producer,
+control.
 
 Independent of tests/gpu/conftest.py's ``gpu_jobs`` (this file never asks for it, so selecting
 only this file starts only its own servers). One module fixture runs, concurrently for two model

@@ -9,7 +9,8 @@ Run on the GPU machine:  pytest -m gpu tests/gpu/test_producer_gpu.py -v
    the cache contents written by ``materialize_context_kv`` (CUDA kernels: rms_norm, rotary,
    ``do_kv_cache_update`` of the GPU attention backend) with the full drafter's path.
 2. ``test_producer_decodes_like_a_plain_engine``: the same producer asked for 16 tokens per
-   request (async scheduling, eager like its reference) decodes exactly like the non-speculative engine and
+   request (async scheduling, eager like its reference) decodes exactly like the non-speculative
+   engine and
    schedules no draft (the CUDA form of tests/e2e/producer/test_producer_decodes_cpu.py; before
    the fix the draft slots fed token id -1 to the target and CUDA asserted).
 

@@ -8,7 +8,8 @@ One command (< 10 minutes), on a machine with >= 2 GPUs after the kit is booted:
 Producer: ``vllm serve --pipeline-parallel-size 2`` on GPUs 0,1, ``kv_producer``; decoder: PP=1
 ``kv_consumer`` on GPU 2 when three or more GPUs exist, else sharing GPU 1 with producer stage 1;
 both with the DSpark speculative config, joined by MooncakeConnector over TCP on loopback with
-vllm_dspark_pp/dev/pd_proxy.py in front (tests/support/pd_run.py). References: PP=1 aggregated runs on GPU 0
+vllm_dspark_pp/dev/pd_proxy.py in front (tests/support/pd_run.py). References: PP=1 aggregated runs
+on GPU 0
 (plain, with top-2 logprobs; and DSpark). Checked: the KV came over Mooncake, greedy = aggregated,
 decoder acceptance = aggregated DSpark acceptance within 2 points, no NCCL stub reached.
 Log: OUT/pd_pp2.log; the table is printed last.

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Several-GPU run 1: aggregated DSpark on a PP=2 target (and PP=2 x TP=2 with four GPUs).
 
-One command (< 10 minutes; or two with --part parity / --part startup), on a machine with >= 2 GPUs after the kit is booted:
+One command (< 10 minutes; or two with --part parity / --part startup), on a machine with >= 2 GPUs
+after the kit is booted:
 
-    source /tmp/site/env.sh && python3 tests/multi_gpu/run_pp2_aggregated.py --out $OUT [--trained-pair DIR]
+    source /tmp/site/env.sh && python3 tests/multi_gpu/run_pp2_aggregated.py --out $OUT
+    [--trained-pair DIR]
 
 For each model pair (the random-weight tiny pair, generated here, and the trained tiny pair when
 ``--trained-pair DIR`` holds ``target/`` and ``draft/``):
@@ -125,7 +127,8 @@ def main(argv=None) -> int:
         "--part",
         choices=("all", "parity", "startup"),
         default="all",
-        help="parity: tokens + acceptance; startup: the 5x start-up repeat + handshake (split if one command is too long)",
+        help="parity: tokens + acceptance; startup: the 5x start-up repeat + handshake "
+        "(split if one command is too long)",
     )
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -143,7 +146,8 @@ def main(argv=None) -> int:
         "NVSHMEM_DISABLE_NVLS": "1",
         **guard.env(),
     }
-    # the runs here are sequential: one shared torch.compile cache keeps the repeats inside the budget
+    # the runs here are sequential: one shared torch.compile cache keeps the repeats inside the
+    # budget
     env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="dspark-mg-vllm-cache-")
     rep.log(f"NCCL guard: {len(guard.symbols)} symbols, so={guard.so}, problem={guard.problem}")
     if importlib.util.find_spec("vllm_dspark_pp.tiny_models") is None:

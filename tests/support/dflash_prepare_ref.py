@@ -1,4 +1,5 @@
-"""Random cases, a pure-torch reference and a checker for vLLM's DFlash/DSpark prepare-inputs kernel.
+"""Random cases, a pure-torch reference and a checker for vLLM's DFlash/DSpark prepare-inputs
+kernel.
 
 The kernel is ``vllm.v1.worker.gpu.spec_decode.dflash.speculator.prepare_dflash_inputs`` (vLLM
 0.34.0, speculator.py:920-1007, Triton bodies at :668-917). Each drafting step it writes the

@@ -13,7 +13,8 @@
         abort={"index": 1, "after_tokens": 5},           # optional: abort a request mid-stream
     )
     res.tokens            # list[list[int]], one per prompt
-    res.metrics           # {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"}
+    res.metrics           # {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+    "accepted_per_pos"}
 
 ``cfg`` goes to ``vllm.LLM(**cfg)`` after the defaults below (float32, eager mode,
 ``distributed_executor_backend="mp"``, small KV cache, ``disable_log_stats=False``). The child is

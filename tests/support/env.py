@@ -54,7 +54,8 @@ current_platform.import_kernels()
 needed = ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")  # vllm/_cpu_ops.py
 missing = [n for n in needed if not hasattr(torch.ops._C, n)]
 if missing:
-    print("loaded " + ", ".join(libs) + " but torch.ops._C lacks " + ", ".join(missing)); sys.exit(5)
+    print("loaded " + ", ".join(libs) + " but torch.ops._C lacks " + ", ".join(missing))
+    sys.exit(5)
 print("ok: %s (CPU attention ops registered)" % ", ".join(libs))
 """
 

@@ -114,7 +114,8 @@ def acceptance_close(a: dict, b: dict, points: float = 2.0) -> tuple[bool, str]:
     ra, rb = acceptance_rate(a), acceptance_rate(b)
     desc = (
         f"acceptance {ra:.2f}% ({a.get('num_accepted_tokens')}/{a.get('num_draft_tokens')}) vs "
-        f"{rb:.2f}% ({b.get('num_accepted_tokens')}/{b.get('num_draft_tokens')}), limit {points} points"
+        f"{rb:.2f}% ({b.get('num_accepted_tokens')}/{b.get('num_draft_tokens')}), limit {points} "
+        f"points"
     )
     if not a.get("num_draft_tokens") or not b.get("num_draft_tokens"):
         return False, desc + ": a run drafted NO tokens (speculation did not engage)"

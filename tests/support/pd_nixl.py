@@ -24,7 +24,8 @@ side-channel port per server, ``UCX_TLS`` (``DSPARK_NIXL_UCX_TLS``, default
 ``UCX_NET_DEVICES`` (``DSPARK_NIXL_UCX_NET_DEVICES``, default ``lo``: loopback only; empty =
 unset).
 
-``PYTHONPATH=tests python -m support.pd_nixl --summary RESULT.json`` prints the summary table of a run.
+``PYTHONPATH=tests python -m support.pd_nixl --summary RESULT.json`` prints the summary table of a
+run.
 """
 
 from __future__ import annotations

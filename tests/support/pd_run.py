@@ -62,7 +62,8 @@ def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
     return cfg
 
 
-#: Log lines a DSpark prefill-only producer prints (producer/load.py, patches/*producer*, scheduler).
+# : Log lines a DSpark prefill-only producer prints (producer/load.py, patches/*producer*,
+# scheduler).
 PREFILL_MARKERS = (
     "Built the context-KV-only DSpark drafter",
     "the scheduler schedules no draft tokens",
@@ -117,7 +118,8 @@ def run_pd(
             json.dumps(mooncake_kv_config("kv_consumer")),
             *decode_args,
         ],
-        # its own (unused) bootstrap port, so nothing on the decode side can collide with the prefiller's
+        # its own (unused) bootstrap port, so nothing on the decode side can collide with the
+        # prefiller's
         env={
             "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
             "VLLM_PORT": str(free_port_block()),

@@ -5,7 +5,8 @@ cannot show that acceptance is preserved; the trained pair accepts about 7.5 tok
 k=7 with rejections spread over positions 1-6, which makes the per-position counters a real check.
 
 ``heldout_prompts(n, min_tokens=0)`` gives the first ``n`` held-out problems of the seeded corpus
-(``vllm_dspark_pp.dev.training.corpus.heldout_problems``, never seen in training) whose prompt has at
+(``vllm_dspark_pp.dev.training.corpus.heldout_problems``, never seen in training) whose prompt has
+at
 least ``min_tokens`` tokens, as token-id lists from the pair's tokenizer (no BOS is added: the
 tokenizer config says ``add_bos_token: false``, so these are exactly what vLLM would tokenize).
 """

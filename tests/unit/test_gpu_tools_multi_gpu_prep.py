@@ -1,4 +1,5 @@
-"""CPU checks of the prepared several-GPU scripts: tables, the NCCL stub guard, the mismatch hook."""
+"""CPU checks of the prepared several-GPU scripts: tables, the NCCL stub guard, the mismatch
+hook."""
 
 from __future__ import annotations
 
@@ -79,8 +80,9 @@ def test_serving_tables(tmp_path, capsys):
     serve_pp = load_script("benchmarks/serve_pp.py")
 
     rows = [
-        {"config": "pp2_dspark", "model_size": "tiny", "concurrency": c, "output_throughput": 100.0 * c,
-         "mean_tpot_ms": 5.0, "median_tpot_ms": 4.5, "mean_ttft_ms": 20.0, "acceptance_pct": 41.2}
+        {"config": "pp2_dspark", "model_size": "tiny", "concurrency": c,
+         "output_throughput": 100.0 * c, "mean_tpot_ms": 5.0, "median_tpot_ms": 4.5,
+         "mean_ttft_ms": 20.0, "acceptance_pct": 41.2}
         for c in (1, 4)
     ] + [
         {"config": "pp2_plain", "model_size": "tiny", "concurrency": 1, "output_throughput": 80.0,

@@ -1,4 +1,5 @@
-"""The GPU parity rule (tests/support/parity.py) and the one /metrics reader (vllm_dspark_pp.dev.metrics)."""
+"""The GPU parity rule (tests/support/parity.py) and the one /metrics reader
+(vllm_dspark_pp.dev.metrics)."""
 
 from __future__ import annotations
 

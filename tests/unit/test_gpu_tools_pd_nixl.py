@@ -1,4 +1,5 @@
-"""CPU dry run of tests/support/pd_nixl.py's plumbing (the NIXL PD GPU test itself needs nixl + CUDA):
+"""CPU dry run of tests/support/pd_nixl.py's plumbing (the NIXL PD GPU test itself needs nixl +
+CUDA):
 server command lines and environment, the corrupted draft, the proxy's NIXL parameters as vLLM's
 NIXL metadata reads them, log parsing of the patch's messages, the summary."""
 
@@ -71,7 +72,8 @@ def test_corrupted_draft_changes_only_context_weights(tmp_path):
 
 
 def test_proxy_passes_the_prefillers_nixl_params_as_vllm_reads_them():
-    """What NixlConnector's prefiller returns goes to the decoder as vLLM's NIXL metadata reads it."""
+    """What NixlConnector's prefiller returns goes to the decoder as vLLM's NIXL metadata reads
+    it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
     from_prefill = {

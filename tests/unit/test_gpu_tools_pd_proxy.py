@@ -1,4 +1,5 @@
-"""vllm_dspark_pp/dev/pd_proxy.py's request flow against fake prefill/decode/bootstrap servers on loopback."""
+"""vllm_dspark_pp/dev/pd_proxy.py's request flow against fake prefill/decode/bootstrap servers on
+loopback."""
 
 from __future__ import annotations
 

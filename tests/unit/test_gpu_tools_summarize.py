@@ -1,4 +1,5 @@
-"""vllm_dspark_pp.dev.gpu_summary turns a junit file (or, failing that, a pytest log) into the GPU table."""
+"""vllm_dspark_pp.dev.gpu_summary turns a junit file (or, failing that, a pytest log) into the GPU
+table."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ from vllm_dspark_pp.dev import gpu_summary as summarize
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4" time="12.5">
 <testcase classname="tests.gpu.test_gpu_00_environment" name="test_environment_facts" time="3.25"/>
-<testcase classname="tests.gpu.test_gpu_30_e2e_parity" name="test_dspark_eager_matches_plain_greedy" time="61.0">
-  <failure message="AssertionError: spec_eager: greedy output differs&#10;second line">trace</failure></testcase>
-<testcase classname="tests.gpu.test_gpu_20_project_kernels" name="test_kernel[&lt;none&gt;]" time="0.01">
-  <skipped type="pytest.skip" message="no project Triton kernels at this commit">tests/gpu/x.py:10: no project Triton kernels</skipped></testcase>
+<testcase classname="tests.gpu.test_gpu_30_e2e_parity"
+name="test_dspark_eager_matches_plain_greedy" time="61.0">
+  <failure message="AssertionError: spec_eager: greedy output differs&#10;second
+  line">trace</failure></testcase>
+<testcase classname="tests.gpu.test_gpu_20_project_kernels" name="test_kernel[&lt;none&gt;]"
+time="0.01">
+  <skipped type="pytest.skip" message="no project Triton kernels at this commit">tests/gpu/x.py:10:
+  no project Triton kernels</skipped></testcase>
 <testcase classname="tests.gpu.test_gpu_40_pd_mooncake" name="test_pd" time="0.5">
-  <error message="failed on setup with GPUCaseFailure: PD run failed at step 'start servers'">x</error></testcase>
+  <error message="failed on setup with GPUCaseFailure: PD run failed at step 'start
+  servers'">x</error></testcase>
 </testsuite></testsuites>
 """
 
@@ -46,7 +52,8 @@ def test_table_from_junit_lists_every_outcome_and_exits_nonzero(tmp_path, capsys
 def test_all_skipped_is_not_a_pass(tmp_path):
     j = tmp_path / "junit.xml"
     j.write_text(
-        '<testsuite><testcase classname="a.b" name="t" time="0"><skipped message="no GPU"/></testcase></testsuite>'
+        '<testsuite><testcase classname="a.b" name="t" time="0"><skipped message="no '
+        'GPU"/></testcase></testsuite>'
     )
     assert summarize.main(["--junit", str(j)]) == 1
 
@@ -61,7 +68,8 @@ def test_log_fallback_when_pytest_was_killed_before_writing_junit(tmp_path, caps
     log = tmp_path / "gpu_suite.log"
     log.write_text(
         "tests/gpu/test_gpu_00_environment.py::test_environment_facts PASSED [  4%]\n"
-        "tests/gpu/test_gpu_30_e2e_parity.py::test_dspark_eager_matches_plain_greedy FAILED [ 50%]\n"
+        "tests/gpu/test_gpu_30_e2e_parity.py::test_dspark_eager_matches_plain_greedy FAILED [ "
+        "50%]\n"
         "SKIPPED [1] tests/gpu/test_gpu_20_project_kernels.py:70: no kernels\n"
     )
     rc = summarize.main(["--junit", str(tmp_path / "missing.xml"), "--log", str(log)])

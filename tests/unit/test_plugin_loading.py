@@ -1,4 +1,5 @@
-"""The plugin is found and applied by vLLM's own loader, once per process, and gated on vLLM's version."""
+"""The plugin is found and applied by vLLM's own loader, once per process, and gated on vLLM's
+version."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The tiny Qwen3 target + DSpark draft: deterministic files, vLLM configs, exact parameter names."""
+"""The tiny Qwen3 target + DSpark draft: deterministic files, vLLM configs, exact parameter
+names."""
 
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def test_every_vllm_parameter_is_loaded_from_the_checkpoints(tiny_models):
     tgt, drf = report["target"], report["draft"]
     assert tgt["unloaded"] == []
     assert tgt["returned"] == tgt["params"]  # Qwen3's loader reports each parameter it filled
-    # embed, lm_head, final norm; per layer: 2 norms, qkv (stacked), o, q_norm, k_norm, gate_up, down
+    # embed, lm_head, final norm; per layer: 2 norms, qkv (stacked), o, q_norm, k_norm, gate_up,
+    # down
     assert len(tgt["params"]) == 3 + 6 * 8
     # mask_embedding is vLLM's unused placeholder (DSpark masks via the vocab row
     # mask_token_id, qwen3_dspark.load_weights drops it): the only parameter not in the files.

@@ -1,6 +1,8 @@
-"""``vllm-dspark-pp`` command line: one subcommand per module under ``vllm_dspark_pp.cli`` (found automatically).
+"""``vllm-dspark-pp`` command line: one subcommand per module under ``vllm_dspark_pp.cli`` (found
+automatically).
 
-Each subcommand module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
+Each subcommand module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) ->
+int``.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ def run(args) -> int:
     print(f"draft:  {paths.draft}")
     print(
         "try:    vllm-dspark-pp plan "
-        f'{paths.target} --speculative-config \'{{"method": "dspark", "model": "{paths.draft}"}}\' -pp 2'
+        f"{paths.target} --speculative-config "
+        f'\'{{"method": "dspark", "model": "{paths.draft}"}}\' -pp 2'
     )
     return 0

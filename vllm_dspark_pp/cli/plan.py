@@ -91,7 +91,8 @@ def run(args) -> int:
             print(json.dumps({"accepted": False, "messages": [f"{type(exc).__name__}: {msg}"]}))
         else:
             print(
-                f"verdict     REJECTED by vLLM 0.34.0 + vllm-dspark-pp\n  - {type(exc).__name__}: {msg}"
+                f"verdict     REJECTED by vLLM 0.34.0 + vllm-dspark-pp\n  - {type(exc).__name__}: "
+                f"{msg}"
             )
         return 1
     print(plan.to_json() if args.json else format_plan(plan))

@@ -1,4 +1,5 @@
-"""``vllm-dspark-pp train-tiny-pair``: rebuild the tiny Qwen3 target + DSpark drafter pair (issue 7)."""
+"""``vllm-dspark-pp train-tiny-pair``: rebuild the tiny Qwen3 target + DSpark drafter pair (issue
+7)."""
 
 from __future__ import annotations
 

@@ -147,7 +147,8 @@ def questions_for(cfg: EvalConfig) -> tuple[list[dict], list[dict]]:
 
 
 def run_offline(cfg: EvalConfig, prompts: list[str]) -> dict:
-    """``vllm.LLM`` in a child with a hard deadline (:func:`vllm_dspark_pp.dev.engine.run_engine`)."""
+    """``vllm.LLM`` in a child with a hard deadline
+    (:func:`vllm_dspark_pp.dev.engine.run_engine`)."""
     from vllm_dspark_pp.dev.engine import child_env, run_engine
 
     spec = {
@@ -269,7 +270,8 @@ def check(report: dict) -> list[str]:
     eq = report.get("accuracy_equals")
     if eq is not None and abs(report["accuracy"] - eq) > 1e-9:
         fails.append(
-            f"accuracy {report['accuracy']:.4f} != accuracy_equals {eq} (greedy speculative decoding "
+            f"accuracy {report['accuracy']:.4f} != accuracy_equals {eq} (greedy speculative "
+            f"decoding "
             "must reproduce the non-speculative accuracy exactly)"
         )
     amin = report["acceptance_length_min"]
@@ -277,7 +279,8 @@ def check(report: dict) -> list[str]:
         acc = report["mean_acceptance_length"]
         if acc is None:
             fails.append(
-                f"no speculative decoding metrics (mean acceptance length n/a) but acceptance_length_min {amin}"
+                f"no speculative decoding metrics (mean acceptance length n/a) but "
+                f"acceptance_length_min {amin}"
             )
         elif acc < amin:
             fails.append(f"mean acceptance length {acc:.3f} < acceptance_length_min {amin}")
@@ -289,9 +292,11 @@ def format_report(r: dict) -> str:
     per = ", ".join(f"{x:.3f}" for x in r["per_position_acceptance"]) or "n/a"
     lines = [
         f"GSM8K [{r['name']}]: {'PASS' if r['passed'] else 'FAIL'}",
-        f"  accuracy {r['accuracy']:.4f} (min {r['accuracy_min']})   invalid {r['invalid_rate']:.4f}   "
+        f"  accuracy {r['accuracy']:.4f} (min {r['accuracy_min']})   invalid "
+        f"{r['invalid_rate']:.4f}   "
         f"questions {r['num_questions']}",
-        f"  mean acceptance length {acc_len} (min {r['acceptance_length_min']})   draft steps {r['num_drafts']}",
+        f"  mean acceptance length {acc_len} (min {r['acceptance_length_min']})   draft steps "
+        f"{r['num_drafts']}",
         f"  per-position acceptance [{per}]",
         f"  wall: load {r['load_s']} s, generate {r['generate_s']} s",
     ]
@@ -313,7 +318,8 @@ def evaluate(cfg: EvalConfig, server_url: str | None = None, limit: int | None =
 
 
 RESULTS_HEADER = (
-    "| config | accuracy | invalid | mean acceptance length | per-position acceptance | generate s | pass |\n"
+    "| config | accuracy | invalid | mean acceptance length | per-position acceptance | generate "
+    "s | pass |\n"
     "|---|---|---|---|---|---|---|\n"
 )
 

@@ -1,4 +1,5 @@
-"""Shared pieces of the several-GPU scripts (tests/multi_gpu/run_*.py, benchmarks/serve_pp.py; moved here from tests/multi_gpu/mg_common.py).
+"""Shared pieces of the several-GPU scripts (tests/multi_gpu/run_*.py, benchmarks/serve_pp.py;
+moved here from tests/multi_gpu/mg_common.py).
 
 * the one-GPU helpers (tests/support: run_llm, run_pd, parity; vllm_dspark_pp.dev: Server) are
   reused as they are;
@@ -71,7 +72,8 @@ class Report:
             lines.append(f"{r.outcome:<6}  {r.check[:w]:<{w}}  {r.detail[:160]}")
         n = {k: sum(r.outcome == k for r in self.rows) for k in ("PASS", "FAIL", "SKIP")}
         lines.append(
-            f"TOTAL pass {n['PASS']} fail {n['FAIL']} skip {n['SKIP']}, wall {time.monotonic() - self.t0:.0f} s, "
+            f"TOTAL pass {n['PASS']} fail {n['FAIL']} skip {n['SKIP']}, "
+            f"wall {time.monotonic() - self.t0:.0f} s, "
             f"log {self.log_path}"
         )
         return "\n".join(lines)
@@ -119,7 +121,8 @@ class NcclStubGuard:
         if c.exists():
             return re.findall(r"int (\w+)\(void\)", c.read_text())
         need = subprocess.run(
-            f"nm -D --undefined-only {self.site}/torch/lib/libtorch_cuda.so | awk '{{print $2}}' | grep '^nccl' | sort -u",
+            f"nm -D --undefined-only {self.site}/torch/lib/libtorch_cuda.so | awk '{{print $2}}' "
+            f"| grep '^nccl' | sort -u",
             shell=True, capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         sp = subprocess.run(
@@ -128,7 +131,8 @@ class NcclStubGuard:
             text=True,
         ).stdout.strip()
         have = subprocess.run(
-            f"nm -D --defined-only {sp}/nvidia/nccl/lib/libnccl.so.2 | awk '{{print $3}}' | sort -u",
+            f"nm -D --defined-only {sp}/nvidia/nccl/lib/libnccl.so.2 | awk '{{print $3}}' | sort "
+            f"-u",
             shell=True, capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         return sorted(set(need) - set(have))

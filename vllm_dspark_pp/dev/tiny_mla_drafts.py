@@ -1,6 +1,7 @@
 """Tiny DeepSeek-V4 DSpark and Kimi-K3 DSpark draft configs and synthetic checkpoints.
 
-Generated, never downloaded: the tests of :mod:`vllm_dspark_pp.producer.deepseek_v4` and :mod:`vllm_dspark_pp.producer.kimi_k3` build vLLM's full
+Generated, never downloaded: the tests of :mod:`vllm_dspark_pp.producer.deepseek_v4` and
+:mod:`vllm_dspark_pp.producer.kimi_k3` build vLLM's full
 drafter and our context-only one from these configs and feed both the same checkpoint. The
 checkpoint names follow what vLLM 0.34.0's full drafters load:
 

@@ -44,7 +44,8 @@ def wrap_key(make: Callable[[Any], Any]) -> str:
 
 
 def wrap(owner: Any, name: str, make: Callable[[Any], Any], key: str | None = None) -> bool:
-    """Replace ``owner.name`` by ``make(current)``; returns False when this wrap is already there."""
+    """Replace ``owner.name`` by ``make(current)``; returns False when this wrap is already
+    there."""
     key = key or wrap_key(make)
     current = getattr(owner, name)
     keys = tuple(getattr(current, _KEYS, ()))

@@ -1,7 +1,8 @@
 """Attach the KV-transfer config to the speculative config, and refuse unsupported producers.
 
 WHAT: Wraps ``VllmConfig.__post_init__``: after vLLM's checks, for a DSpark prefill-only
-producer (``producer.roles.prefill_only_role``: kv_role='kv_producer'), refuses at start (NotImplementedError)
+producer (``producer.roles.prefill_only_role``: kv_role='kv_producer'), refuses at start
+(NotImplementedError)
 (a) a draft family without a context-KV-only build and (b) PP>1 over NIXL connectors
 (NixlConnector, NixlPullConnector, NixlPushConnector, also inside MultiConnector), naming
 MooncakeConnector as the supported path.

@@ -36,7 +36,8 @@ RETIRE WHEN: (1) upstream's scheduler knows that a DSpark prefill-only producer 
 TESTED BY: tests/unit/producer/test_runner_patches.py (both cases; case 2 on vLLM's own Scheduler),
 tests/e2e/producer/test_producer_decodes_cpu.py (1),
 tests/e2e/producer/test_pd_producer_cpu.py (2: the decoder's drafts, accepted tokens and
-per-position counts equal the aggregated engine's, sync and async), tests/gpu/test_gpu_40_pd_mooncake.py (2, on the GPU).
+per-position counts equal the aggregated engine's, sync and async),
+tests/gpu/test_gpu_40_pd_mooncake.py (2, on the GPU).
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ rank, so the last stage's speculator runs only ``materialize_context_kv()`` and 
 for a draft broadcast; ``sample_tokens`` leaves no ``-1`` in the runner's draft buffer (vLLM marks
 unproposed draft slots ``-1``, ``model_runner.py:2388-2390``), so a batch that still carries
 draft slots -- only vLLM's kernel warm-up builds one, since the scheduler patch
-(``v1_core_sched_scheduler``) schedules none on producers -- feeds the target valid token ids. Draft CUDA-graph capture, draft dummy proposes and adaptive verification
-are switched off in the speculator patch (``v1_worker_gpu_spec_decode_dspark_speculator__producer``), EPLB
+(``v1_core_sched_scheduler``) schedules none on producers -- feeds the target valid token ids.
+Draft CUDA-graph capture, draft dummy proposes and adaptive verification
+are switched off in the speculator patch
+(``v1_worker_gpu_spec_decode_dspark_speculator__producer``), EPLB
 registration of the draft in ``v1_worker_gpu_eplb_utils``.
 
 WHY: A producer never verifies drafts it proposed; vLLM 0.34.0 still sets up the whole draft

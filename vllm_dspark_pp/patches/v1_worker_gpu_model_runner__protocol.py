@@ -1,8 +1,10 @@
 """Bracket each sample_tokens with the exchange schedule, and run the PP start-up handshake.
 
-WHAT: ``GPUModelRunner.__init__`` runs :func:`vllm_dspark_pp.protocol.handshake.run_pp_handshake` right
+WHAT: ``GPUModelRunner.__init__`` runs :func:`vllm_dspark_pp.protocol.handshake.run_pp_handshake`
+right
 after vLLM built the ``PPHandler`` (so the PP groups exist), when PP > 1.
-``GPUModelRunner.sample_tokens`` tells the ``DSparkPPHandler`` (patches/v1_worker_gpu_pp_utils.py) the step's scheduled draft count before
+``GPUModelRunner.sample_tokens`` tells the ``DSparkPPHandler`` (patches/v1_worker_gpu_pp_utils.py)
+the step's scheduled draft count before
 the step (``begin_step``) and checks after it (``end_step``) that the rank posted exactly the
 step's schedule. Both are no-ops without PP.
 
@@ -16,7 +18,8 @@ UPSTREAM: none (plugin protocol).
 
 RETIRE WHEN: the PP exchange and handshake are upstream.
 
-TESTED BY: tests/unit/protocol/test_protocol_pp_handler.py, tests/unit/protocol/test_protocol_handshake.py
+TESTED BY: tests/unit/protocol/test_protocol_pp_handler.py,
+tests/unit/protocol/test_protocol_handshake.py
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ UPSTREAM: vllm-project/vllm PR #53577 (closed; fixed-width aligned PP payloads) 
 RETIRE WHEN: vLLM's PPHandler pads the sampled payload to the speculative width and aligns the
 counts rows itself.
 
-TESTED BY: tests/unit/protocol/test_protocol_schedule_randomized.py, tests/unit/protocol/test_protocol_pp_handler.py,
+TESTED BY: tests/unit/protocol/test_protocol_schedule_randomized.py,
+tests/unit/protocol/test_protocol_pp_handler.py,
 tests/unit/protocol/test_protocol_gloo.py, tests/gpu/test_protocol_gpu.py
 """
 

@@ -194,7 +194,8 @@ class DSparkExchange:
             width = sampled_token_ids.shape[-1]
             if width > sampled_p.shape[1] or sampled_token_ids.shape[0] != n:
                 raise ExchangeError(
-                    f"sampled tokens {list(sampled_token_ids.shape)} do not fit {sampled_p.describe()}"
+                    f"sampled tokens {list(sampled_token_ids.shape)} do not fit "
+                    f"{sampled_p.describe()}"
                 )
             if width == sampled_p.shape[1] and sampled_token_ids.is_contiguous():
                 sampled = sampled_token_ids

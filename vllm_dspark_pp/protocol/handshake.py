@@ -234,7 +234,8 @@ def run_handshake(
         raise HandshakeError(message)
     store.set(verdict_key, _encode({"ok": True}))
     _logger().info(
-        "PP handshake: %d ranks agree (protocol %s, vLLM %s, method %s, k=%s, fixed graph batch %s)",
+        "PP handshake: %d ranks agree (protocol %s, vLLM %s, method %s, k=%s, fixed graph batch "
+        "%s)",
         world,
         mine.get("protocol"),
         mine.get("vllm_version"),

@@ -27,7 +27,8 @@ store files overwritten with Gaussian noise of the same standard deviation, seed
 ``DSPARK_E2E_PD_CORRUPT_DRAFT_KV=1`` on the test's 8 prompts, and by hand on the first 4 of them,
 where corrupting the target layers instead was tried for contrast):
 
-| decoder reads | prompts | tokens == aggregated | drafts | accepted / drafted | accepted per position |
+| decoder reads | prompts | tokens == aggregated | drafts | accepted / drafted | accepted per
+position |
 |---|---|---|---|---|---|
 | the PP=2 producer's store (= aggregated) | 8 | yes | 56 | 392 / 392 | 56 56 56 56 56 56 56 |
 | same, draft layers 4-5 corrupted | 8 | yes (lossless) | 129 | 332 / 903 | 94 81 43 37 31 24 22 |

@@ -1,4 +1,5 @@
-"""GSM8K gate: every YAML under configs/ parses; the scorer and the gate; CI runs the ``ci: cpu`` ones.
+"""GSM8K gate: every YAML under configs/ parses; the scorer and the gate; CI runs the ``ci: cpu``
+ones.
 
 The ``ci: cpu`` configurations run the trained tiny pair on CPU vLLM (marker e2e). They are
 skipped, with that reason, while ``models/tiny-pair`` holds no trained weights, and they fail
@@ -149,7 +150,8 @@ def test_gate_prompts_are_the_shared_runs_prompts():
 
 def test_offline_runner_builds_the_engine_job_and_reads_its_result(monkeypatch):
     """gsm8k.run_offline through the shared runner (vllm_dspark_pp.dev.engine), with the runner
-    faked: the job it asks for and how it reads the answer (the real runner runs in the e2e tier)."""
+    faked: the job it asks for and how it reads the answer (the real runner runs in the e2e
+    tier)."""
     from vllm_dspark_pp.dev import engine
 
     seen = {}
@@ -193,7 +195,8 @@ def test_cpu_config(path, request, pair_reference):
     )
     missing = needed & set(unset)
     assert not missing, (
-        f"{path}: thresholds {sorted(missing)} are null; measure and set them (docs/results/gsm8k.md)"
+        f"{path}: thresholds {sorted(missing)} are null; measure and set them "
+        f"(docs/results/gsm8k.md)"
     )
     key = _run_key(cfg)
     run = request.getfixturevalue(RUN_FOR[key])

@@ -285,7 +285,8 @@ def test_k3_context_kv_written_equals_the_full_drafter(k3_pair, k3_checkpoint, m
     full, fcfg, ctx, ccfg = k3_pair
     full.load_weights(iter(k3_checkpoint.items()))
     ctx.load_weights(iter(k3_checkpoint.items()))
-    # The linear quant methods and the drafters' own hook (the cross-layer norm weights / KV scales the context path
+    # The linear quant methods and the drafters' own hook (the cross-layer norm weights / KV scales
+    # the context path
     # reads): vLLM's full post-load pass fails on CPU for K3, because the CPU linear method
     # repacks kv_b_proj out of `.weight` before MultiHeadLatentAttention splits it
     # (kimi_k3/nvidia/mla.py:455 -> mla_attention.py:426).

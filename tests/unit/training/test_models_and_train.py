@@ -1,4 +1,5 @@
-"""Training-side invariants: batched blocks == one block at a time, loss terms, and a CPU smoke run of
+"""Training-side invariants: batched blocks == one block at a time, loss terms, and a CPU smoke run
+of
 the training command (tiny step counts) that writes a loadable pair."""
 
 import argparse

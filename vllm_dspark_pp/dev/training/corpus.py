@@ -78,7 +78,10 @@ def _p_add(r: random.Random) -> Problem:
     n, it = r.choice(NAMES), r.choice(ITEMS)
     a, b = r.randint(2, 60), r.randint(2, 60)
     c = a + b
-    q = f"{n} has {a} {it}. {n} gets {b} more {it} at {r.choice(PLACES)}. How many {it} does {n} have now?"
+    q = (
+        f"{n} has {a} {it}. {n} gets {b} more {it} at {r.choice(PLACES)}. "
+        f"How many {it} does {n} have now?"
+    )
     ans = f"{n} has {a} + {b} = <<{a}+{b}={c}>>{c} {it} now.\n{_final(c)}"
     return Problem(q, ans, c)
 
@@ -115,7 +118,10 @@ def _p_price(r: random.Random) -> Problem:
     n, it = r.choice(NAMES), r.choice(ITEMS)
     a, p = r.randint(2, 15), r.randint(2, 9)
     c = a * p
-    q = f"{n} buys {a} {it} at {r.choice(PLACES)}. Each one costs ${p}. How much money does {n} spend?"
+    q = (
+        f"{n} buys {a} {it} at {r.choice(PLACES)}. Each one costs ${p}. "
+        f"How much money does {n} spend?"
+    )
     ans = f"{n} spends {a} * {p} = <<{a}*{p}={c}>>{c} dollars.\n{_final(c)}"
     return Problem(q, ans, c)
 

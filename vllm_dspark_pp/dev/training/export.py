@@ -48,7 +48,8 @@ def draft_hf_config(t: TargetConfig, d: DraftConfig) -> dict:
     cfg = target_hf_config(t)
     cfg.update(
         {
-            # vLLM's hf_config_override maps DSparkDraftModel + model_type qwen3 to Qwen3DSparkModel.
+            # vLLM's hf_config_override maps DSparkDraftModel + model_type qwen3 to
+            # Qwen3DSparkModel.
             "architectures": ["DSparkDraftModel"],
             "num_hidden_layers": d.num_hidden_layers,
             "intermediate_size": d.intermediate_size,

@@ -6,7 +6,8 @@ tests/unit/training/test_dspark_equivalence.py against CPU vLLM):
 * ``TinyQwen3`` mirrors ``vllm/model_executor/models/qwen3.py`` (pre-norm decoder, per-head q/k
   RMSNorm before neox RoPE, SwiGLU MLP, tied embeddings). ``aux_layer_ids`` are vLLM's aux ids: id
   ``L`` is the residual stream entering layer ``L`` (``hidden_states + residual``), so a DSpark
-  ``target_layer_ids`` entry ``i`` is aux id ``i + 1`` (eagle3_utils.get_eagle3_aux_layers_from_config).
+  ``target_layer_ids`` entry ``i`` is aux id ``i + 1``
+  (eagle3_utils.get_eagle3_aux_layers_from_config).
 * ``TinyDSparkDraft`` mirrors ``qwen3_dflash.py`` + ``qwen3_dspark.py`` and the DSpark speculator
   (``v1/worker/gpu/spec_decode/dspark/speculator.py``): context = ``hidden_norm(fc(concat(aux)))``
   projected by every layer's k/v (k_norm, RoPE at the context position) with no input layernorm;
@@ -321,7 +322,8 @@ class TinyDSparkDraft(nn.Module):
         return torch.tensor(out), base, conf
 
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
-        """Checkpoint names read by vLLM's Qwen3DSparkForCausalLM.load_weights ("model." is added)."""
+        """Checkpoint names read by vLLM's Qwen3DSparkForCausalLM.load_weights ("model." is
+        added)."""
         sd = {}
         emb = self.embed_tokens.weight.detach().clone()
         emb[self.dcfg.mask_token_id] = self.mask_embedding.detach()

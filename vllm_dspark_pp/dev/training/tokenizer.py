@@ -1,4 +1,5 @@
-"""Tokenizer of the tiny pair: a small BPE trained with the ``tokenizers`` library on the synthetic corpus.
+"""Tokenizer of the tiny pair: a small BPE trained with the ``tokenizers`` library on the synthetic
+corpus.
 
 Pre-tokenization is one ASCII regex (``PIECE_PATTERN``, "isolated" split) and decoding fuses the
 token strings (spaces and newlines are ordinary characters inside tokens), so text round-trips

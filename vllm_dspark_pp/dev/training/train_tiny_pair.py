@@ -253,7 +253,8 @@ def _fit_steps(what: str, step: int, total: int, t0: float, end: float) -> int:
     fit = int(step + (end - time.time()) / per_step * 0.9)
     if fit < total:
         log(
-            f"{what}: {per_step * 1000:.1f} ms/step; {total} steps would overrun the time cap, running {fit}"
+            f"{what}: {per_step * 1000:.1f} ms/step; {total} steps would overrun the time cap, "
+            f"running {fit}"
         )
         return fit
     log(f"{what}: {per_step * 1000:.1f} ms/step; {total} steps fit in the time cap")
@@ -290,7 +291,8 @@ def main(args) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     log(
-        f"torch {torch.__version__} device {device} amp={'bf16' if use_amp else 'off'} seed {args.seed}"
+        f"torch {torch.__version__} device {device} amp={'bf16' if use_amp else 'off'} seed "
+        f"{args.seed}"
     )
 
     bpe = PurePythonBPE(args.tokenizer)
@@ -300,8 +302,10 @@ def main(args) -> int:
     tr_ids, tr_len, tr_plen = encode_docs(bpe, train, args.seq_len)
     ho_ids, ho_len, ho_plen = encode_docs(bpe, heldout, args.seq_len)
     log(
-        f"corpus: {len(train)} train docs ({int(tr_len.sum())} tokens), {len(heldout)} held-out docs; "
-        f"tokenizer vocab {bpe.vocab_size} (model vocab {vocab}); encode took {time.time() - t_start:.1f}s"
+        f"corpus: {len(train)} train docs ({int(tr_len.sum())} tokens), {len(heldout)} held-out "
+        f"docs; "
+        f"tokenizer vocab {bpe.vocab_size} (model vocab {vocab}); "
+        f"encode took {time.time() - t_start:.1f}s"
     )
 
     tcfg = TargetConfig(
@@ -385,7 +389,8 @@ def main(args) -> int:
     target_loss, target_ans_loss = eval_target()
     target_time = time.time() - t0
     log(
-        f"target done: {target_steps_run} steps in {target_time:.0f}s, held-out loss {target_loss:.4f} "
+        f"target done: {target_steps_run} steps in {target_time:.0f}s, held-out loss "
+        f"{target_loss:.4f} "
         f"(answer tokens {target_ans_loss:.4f})"
     )
 
@@ -398,7 +403,8 @@ def main(args) -> int:
     trainable = [p_ for p_ in draft.parameters() if p_.requires_grad]
     n_draft = num_params(draft.vllm_state_dict())
     log(
-        f"draft: {n_draft} params in checkpoint ({sum(p_.numel() for p_ in trainable)} trained) {dcfg.to_dict()}"
+        f"draft: {n_draft} params in checkpoint ({sum(p_.numel() for p_ in trainable)} trained) "
+        f"{dcfg.to_dict()}"
     )
     opt = torch.optim.AdamW(trainable, lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = (args.ce_weight, args.tv_weight, args.conf_weight)
@@ -450,7 +456,8 @@ def main(args) -> int:
             log(
                 f"draft step {step}/{total} train {loss.item():.4f} (ce {parts['ce'].item():.3f} "
                 f"tv {parts['tv'].item():.3f} conf {parts['conf'].item():.3f}) held-out {hl:.4f} "
-                f"(ce {hp['ce']:.3f} tv {hp['tv']:.3f} conf {hp['conf']:.3f}) {time.time() - t0:.0f}s"
+                f"(ce {hp['ce']:.3f} tv {hp['tv']:.3f} conf {hp['conf']:.3f}) "
+                f"{time.time() - t0:.0f}s"
             )
     draft_time = time.time() - t0
     d_loss, d_parts = eval_draft()
@@ -493,7 +500,8 @@ def main(args) -> int:
         answer_value(bpe.decode(c)) == p.value for c, p in zip(completions, heldout, strict=False)
     )
     log(
-        f"held-out ({len(prompts)} prompts, {steps} steps): simulated mean acceptance length {mean_len:.3f}, "
+        f"held-out ({len(prompts)} prompts, {steps} steps): simulated mean acceptance length "
+        f"{mean_len:.3f}, "
         f"per position {[round(x, 3) for x in per_pos]}; target accuracy {correct}/{len(prompts)} "
         f"({time.time() - t0:.0f}s)"
     )
