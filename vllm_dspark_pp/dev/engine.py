@@ -24,6 +24,8 @@ from pathlib import Path
 from vllm_dspark_pp.dev.proc import kill_group, start_in_session
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# A checkout (tests, benchmarks) rather than an installed copy (site-packages on the GPU machine)
+IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").exists()
 
 
 @dataclass
@@ -50,7 +52,9 @@ def child_env(base: dict, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(base)
     env.update(extra or {})
-    parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if IN_CHECKOUT:
+        parts.insert(0, str(REPO_ROOT))
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     return env
 
@@ -75,9 +79,7 @@ def run_engine(
         t0 = time.monotonic()
         timed_out = False
         with open(log_path, "wb") as log:
-            proc = start_in_session(
-                cmd, env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT
-            )
+            proc = start_in_session(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark_pp.dev.engine import REPO_ROOT, child_env
+from vllm_dspark_pp.dev.engine import child_env
 from vllm_dspark_pp.dev.proc import kill_group, start_in_session
 
 # Given to every GPU child (on top of the caller's environment).
@@ -140,7 +140,6 @@ class Server:
         self.proc = start_in_session(
             self.command(),
             env=self.env,
-            cwd=str(REPO_ROOT),
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
