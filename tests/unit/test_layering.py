@@ -130,3 +130,13 @@ def test_the_package_defines_no_triton_kernel():
     jit = re.compile(r"@\s*triton\.jit|@\s*tl\.jit|triton\.jit\(")
     found = [str(p) for p in PKG.rglob("*.py") if jit.search(p.read_text(errors="replace"))]
     assert not found, f"Triton kernels in the package (add a GPU reference test): {found}"
+
+
+def test_the_architecture_page_names_every_patch():
+    """docs/architecture.md's picture shows where each patch points: none may be missing."""
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    flat = "".join(text.split())  # names may be wrapped across lines of the picture
+    flat = flat.replace("|", "")
+    names = [p.stem for p in (PKG / "patches").glob("*.py") if not p.stem.startswith("_")]
+    missing = [n for n in names if n not in flat]
+    assert not missing, f"docs/architecture.md does not show these patches: {missing}"
