@@ -62,8 +62,8 @@ def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
     return cfg
 
 
-# : Log lines a DSpark prefill-only producer prints (producer/load.py, patches/*producer*,
-# scheduler).
+#: Log lines a DSpark prefill-only producer prints (producer/load.py, patches/*producer*,
+#: scheduler).
 PREFILL_MARKERS = (
     "Built the context-KV-only DSpark drafter",
     "the scheduler schedules no draft tokens",

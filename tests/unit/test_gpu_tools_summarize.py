@@ -8,19 +8,14 @@ from vllm_dspark_pp.dev import gpu_summary as summarize
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4" time="12.5">
 <testcase classname="tests.gpu.test_gpu_00_environment" name="test_environment_facts" time="3.25"/>
-<testcase classname="tests.gpu.test_gpu_30_e2e_parity"
-name="test_dspark_eager_matches_plain_greedy" time="61.0">
-  <failure message="AssertionError: spec_eager: greedy output differs&#10;second
-  line">trace</failure></testcase>
-<testcase classname="tests.gpu.test_gpu_20_project_kernels" name="test_kernel[&lt;none&gt;]"
-time="0.01">
-  <skipped type="pytest.skip" message="no project Triton kernels at this commit">tests/gpu/x.py:10:
-  no project Triton kernels</skipped></testcase>
+<testcase classname="tests.gpu.test_gpu_30_e2e_parity" name="test_dspark_eager_matches_plain_greedy" time="61.0">
+  <failure message="AssertionError: spec_eager: greedy output differs&#10;second line">trace</failure></testcase>
+<testcase classname="tests.gpu.test_gpu_20_project_kernels" name="test_kernel[&lt;none&gt;]" time="0.01">
+  <skipped type="pytest.skip" message="no project Triton kernels at this commit">tests/gpu/x.py:10: no project Triton kernels</skipped></testcase>
 <testcase classname="tests.gpu.test_gpu_40_pd_mooncake" name="test_pd" time="0.5">
-  <error message="failed on setup with GPUCaseFailure: PD run failed at step 'start
-  servers'">x</error></testcase>
+  <error message="failed on setup with GPUCaseFailure: PD run failed at step 'start servers'">x</error></testcase>
 </testsuite></testsuites>
-"""
+"""  # noqa: E501 - a junit file as pytest writes it
 
 
 def test_table_from_junit_lists_every_outcome_and_exits_nonzero(tmp_path, capsys):
