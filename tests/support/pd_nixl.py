@@ -7,7 +7,7 @@ One call of :func:`run_nixl_pd` per model pair starts, all at once, a DSpark **d
    reference, same process, same kernels, same KV layout as the PD pass;
 2. ``pd``: prefill on the DSpark **prefill-only producer** (``kv_producer``, same
    ``--speculative-config``: the plugin builds the context-KV-only drafter), decode on the decoder,
-   through tests/gpu/pd_proxy.py (its NIXL-compatible keys: the prefiller's returned
+   through vllm_dspark_pp/dev/pd_proxy.py (its NIXL-compatible keys: the prefiller's returned
    ``kv_transfer_params`` go to the decoder);
 3. ``control`` (optional): the same through a second decoder that accepts any NIXL hash
    (``enforce_handshake_compat: false``) from a producer whose draft has corrupted context
