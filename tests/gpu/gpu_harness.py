@@ -185,10 +185,14 @@ class LLMResult:
     def metrics(self, wave: int | None = None) -> dict:
         """Spec-decode counters of one wave (a delta) or of all waves together."""
         ws = self.waves if wave is None else [self.waves[wave]]
-        out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        out: dict = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        per_pos: list[int] = []
         for w in ws:
-            for k in out:
+            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                 out[k] += int(w["metrics"].get(k, 0))
+            pp = w["metrics"].get("accepted_per_pos") or []
+            per_pos = [a + b for a, b in zip(per_pos + [0] * (len(pp) - len(per_pos)), pp, strict=False)] if per_pos else list(pp)
+        out["accepted_per_pos"] = per_pos
         return out
 
 
