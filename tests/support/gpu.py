@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_dspark_pp.dev.engine import child_env, run_engine
+from vllm_dspark_pp.dev.metrics import EMPTY, counter_sum
 from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV, CaseFailure, save_artifact
 
 GPUCaseFailure = CaseFailure
@@ -50,12 +51,12 @@ class LLMResult:
         return [lp for w in self.waves for lp in (w.get("logprobs") or [None] * len(w["tokens"]))]
 
     def metrics(self, wave: int | None = None) -> dict:
-        """Spec-decode counters of one wave (a delta) or of all waves together."""
+        """Spec-decode counters of one wave (a delta) or of all waves together, accepted tokens
+        per draft position included."""
         ws = self.waves if wave is None else [self.waves[wave]]
-        out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        out = dict(EMPTY, accepted_per_pos=[])
         for w in ws:
-            for k in out:
-                out[k] += int(w["metrics"].get(k, 0))
+            out = counter_sum(out, w["metrics"])
         return out
 
 

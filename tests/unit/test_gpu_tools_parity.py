@@ -77,3 +77,37 @@ vllm:external_prefix_cache_hits_total{engine="1",model_name="m"} 4.0
     }
     d = metrics.counter_delta({"num_drafts": 2, "accepted_per_pos": [2, 1]}, c)
     assert d["num_drafts"] == 10 and d["accepted_per_pos"] == [10, 7]
+
+
+def test_llm_result_metrics_sum_the_waves_per_position_included():
+    """The GPU PD per-position check reads LLMResult.metrics()['accepted_per_pos']."""
+    from support.gpu import LLMResult
+
+    waves = [
+        {
+            "tokens": [[1]],
+            "metrics": {
+                "num_drafts": 2,
+                "num_draft_tokens": 8,
+                "num_accepted_tokens": 3,
+                "accepted_per_pos": [2, 1],
+            },
+        },
+        {
+            "tokens": [[2]],
+            "metrics": {
+                "num_drafts": 1,
+                "num_draft_tokens": 4,
+                "num_accepted_tokens": 3,
+                "accepted_per_pos": [1, 1, 1],
+            },
+        },
+    ]
+    r = LLMResult("x", waves, {}, None, 0.0, 0.0)
+    assert r.metrics() == {
+        "num_drafts": 3,
+        "num_draft_tokens": 12,
+        "num_accepted_tokens": 6,
+        "accepted_per_pos": [3, 2, 1],
+    }
+    assert r.metrics(1)["accepted_per_pos"] == [1, 1, 1]

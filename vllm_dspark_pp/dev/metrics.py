@@ -91,3 +91,14 @@ def counter_delta(before: dict, after: dict) -> dict:
         else:
             out[k] = v - before.get(k, 0)
     return out
+
+
+def counter_sum(a: dict, b: dict) -> dict:
+    """``a + b`` for spec-decode counters (numbers and per-position lists)."""
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, list):
+            out[k] = _add_per_pos(list(a.get(k) or []), [int(x) for x in v])
+        else:
+            out[k] = a.get(k, 0) + int(v)
+    return out
