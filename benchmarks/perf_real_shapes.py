@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -213,16 +212,9 @@ def summary_table(result: dict) -> str:
 
 # --------------------------------------------------------------------------- child
 def _spec_counters(llm) -> dict:
-    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-    names = {
-        "vllm:spec_decode_num_drafts": "num_drafts",
-        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-    }
-    for m in llm.get_metrics():
-        if m.name in names and hasattr(m, "value"):
-            out[names[m.name]] += int(m.value)
-    return out
+    from vllm_dspark_pp.dev.metrics import spec_metrics_from_llm  # the one metrics reader
+
+    return spec_metrics_from_llm(llm)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
@@ -259,7 +251,9 @@ def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
         ttfts.append(ttft)
         if tpot is not None:
             tpots.append(tpot)
-    d = {k: after[k] - before[k] for k in after}
+    from vllm_dspark_pp.dev.metrics import counter_delta
+
+    d = counter_delta(before, after)
     main = (steps.get("summary") or {}).get("main") or {}
     return {
         "concurrency": c,
@@ -468,13 +462,14 @@ def run_child(
     spec_path = work / f"child_{spec['plugin']}_{int(time.time() * 1000)}.json"
     spec_path.write_text(json.dumps(spec))
     seen = records.read_text().count("\n") if records.exists() else 0
+    from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+
     with log_path.open("ab") as logf:
-        proc = subprocess.Popen(
+        proc = start_in_session(
             [sys.executable, str(Path(__file__).resolve()), "--_child", str(spec_path)],
             env=env,
             stdout=logf,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
         t_end = time.monotonic() + timeout_s
         status = "ok"
@@ -486,11 +481,7 @@ def run_child(
                 time.sleep(2)
                 seen = _progress(records, seen)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
+            kill_group(proc)  # the whole process group, engine core and workers included
     _progress(records, seen)
     if status == "ok" and proc.returncode not in (0, None):
         status = f"exit code {proc.returncode}"
