@@ -43,7 +43,8 @@ if ! ls "$VENV"/lib/python*/site-packages/vllm/_C.abi3.so >/dev/null 2>&1 || [ "
   rm -rf "$tmp"
 fi
 say "this project (editable, no deps) + test extras"
-pip_quiet --no-deps --no-build-isolation -e "$ROOT"
+# (PYTHONWARNINGS: setuptools warns about every editable install; the warning is not about us)
+PYTHONWARNINGS=ignore pip_quiet --no-deps --no-build-isolation -e "$ROOT"
 pip_quiet -r "$ROOT/tools/requirements-test.txt"
 absent=$("$VENV/bin/python" -m pip check 2>/dev/null | grep -c '^vllm 0.34.0' || true)
 say "vLLM's own dependency list: $absent entries not installed on purpose (CUDA kernels, media and \

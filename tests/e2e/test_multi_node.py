@@ -37,7 +37,8 @@ from vllm_dspark_pp.serve_demo import Server, free_port, live_group_members, ser
 pytestmark = pytest.mark.e2e
 
 READY_TIMEOUT_S = 240.0
-HANDSHAKE_TIMEOUT_S = 20.0  # VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S on the nodes of the failure tests
+HANDSHAKE_TIMEOUT_S = 20.0  # VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S on the nodes of the k-mismatch test
+SILENT_TIMEOUT_S = 10.0  # ... of the no-plugin test (node 0 waits it plus a 5 s grace)
 
 
 def _pair_serve_args() -> list[str]:
@@ -122,10 +123,10 @@ def _expect_start_failure(node0, node1, limit_s: float) -> tuple[float, str]:
 
 
 def test_node_without_plugin_fails_at_start_naming_the_rank(tmp_path):
-    env = {handshake.TIMEOUT_ENV: str(HANDSHAKE_TIMEOUT_S)}
+    env = {handshake.TIMEOUT_ENV: str(SILENT_TIMEOUT_S)}
     # Node 1 (PP rank 1, the last) loads no plugin: it never answers the handshake.
     with two_nodes(tmp_path, env0=env, env1={**env, "VLLM_PLUGINS": "no-such-plugin"}) as (n0, n1):
-        wait = HANDSHAKE_TIMEOUT_S + handshake.verdict_grace_s(HANDSHAKE_TIMEOUT_S)
+        wait = SILENT_TIMEOUT_S + handshake.verdict_grace_s(SILENT_TIMEOUT_S)
         took, log0 = _expect_start_failure(n0, n1, wait + 120.0)  # + start-up up to the runner
         log1 = n1.log_tail(10**7)
     print(f"node 0 failed {took:.0f} s after start (handshake wait {wait:.0f} s)")
