@@ -206,6 +206,10 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
     )
     if spec is not None and spec.method == "dspark" and spec.draft_model_config is not None:
         plan.extra.update(_draft_bytes_by_role(spec, kvt, dtype_bytes))
+        from vllm_dspark_pp.nixl_layers import nixl_plan_note
+
+        if (note := nixl_plan_note(spec, kvt)) is not None:
+            plan.extra["nixl"] = note
     for check in PLUGIN_CHECKS:
         errors = check(vllm_config)
         if errors:

@@ -23,7 +23,9 @@ Jobs (``max_num_seqs=8``; the first four: bf16, random-weight tiny Qwen3 target 
   prompts (the random pair accepts only at draft position 0, so the decoder's acceptance would
   not depend on the draft context it receives).
 
-Environment knobs: ``DSPARK_GPU_ARTIFACTS`` (where failing jobs leave logs),
+Environment knobs: ``DSPARK_GPU_JOBS`` (comma-separated job names: start only these; the tests
+of the others are skipped with that reason, e.g. ``pair_baseline,pair_spec,pair_spec_sync,pd`` for
+the PD tests alone), ``DSPARK_GPU_ARTIFACTS`` (where failing jobs leave logs),
 ``DSPARK_GPU_PD_EAGER=1`` (PD servers eager instead of CUDA graphs), ``DSPARK_GPU_NEAR_TIE``.
 """
 
@@ -46,6 +48,7 @@ from gpu_common import (  # noqa: E402
     DRYRUN_CPU,
     GRAPH_COMPILATION_CONFIG,
     MAX_TOKENS,
+    ONLY_JOBS,
     PAIR_DTYPE,
     PAIR_MAX_TOKENS,
     PAIR_SAMPLING,
@@ -98,7 +101,7 @@ def gpu_jobs(gpu_models, gpu_waves):
             kw["env"] = {**CPU_DRYRUN_ENV, **(kw.get("env") or {})}
         return _run_llm(name, cfg, waves, **kw)
 
-    jobs = Jobs()
+    jobs = Jobs(only=ONLY_JOBS)
     target = gpu_models.target
     sampling = {"max_tokens": MAX_TOKENS}
     jobs.submit(
@@ -195,16 +198,32 @@ def gpu_jobs(gpu_models, gpu_waves):
         timeout_s=TIMEOUTS["eager" if PD_EAGER else "graphs"],
         sampling=PAIR_SAMPLING,
     )
+    # The aggregated reference of the synchronous-scheduling PD run (issue 13: both modes).
     jobs.submit(
-        "pd",
-        run_pd,
-        tiny_pair.TARGET,
-        tiny_pair.spec_config(),
-        pair_waves[-1],
-        timeout_s=TIMEOUTS["pd"],
-        common_args=common,
-        max_tokens=PAIR_MAX_TOKENS,
-        ignore_eos=False,
+        "pair_spec_sync",
+        run_llm,
+        "pair_spec_sync",
+        {**pair_llm, **mode, "speculative_config": tiny_pair.spec_config(), "async_scheduling": False},
+        pair_waves,
+        timeout_s=TIMEOUTS["eager" if PD_EAGER else "graphs"],
+        sampling=PAIR_SAMPLING,
     )
+
+    def pd_both_modes():
+        # One mode after the other: two pairs of servers at once would not fit their memory shares.
+        out = {}
+        for sched, flag in (("async", "--async-scheduling"), ("sync", "--no-async-scheduling")):
+            out[sched] = run_pd(
+                tiny_pair.TARGET,
+                tiny_pair.spec_config(),
+                pair_waves[-1],
+                timeout_s=TIMEOUTS["pd"],
+                common_args=[*common, flag],
+                max_tokens=PAIR_MAX_TOKENS,
+                ignore_eos=False,
+            )
+        return out
+
+    jobs.submit("pd", pd_both_modes)
     yield jobs
     jobs.shutdown()

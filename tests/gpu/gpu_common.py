@@ -17,6 +17,8 @@ GRAPH_COMPILATION_CONFIG = {
     "prefill_cudagraph_capture_token_sizes": [8, 16, 32, 64, 128, 256, 512],
 }
 TIMEOUTS = {"eager": 300, "graphs": 380, "pd": 420}
+# DSPARK_GPU_JOBS=a,b: start only these engine jobs (a partial GPU run within a short lease).
+ONLY_JOBS = frozenset(j for j in os.environ.get("DSPARK_GPU_JOBS", "").split(",") if j) or None
 PD_EAGER = os.environ.get("DSPARK_GPU_PD_EAGER", "0") == "1"
 # Developer knob: run the engine jobs on vLLM's CPU platform (float32, eager, no PD) to check the
 # tier's plumbing without a GPU. Never set on the GPU machine; graph assertions fail under it.
@@ -87,7 +89,8 @@ def fixed_graph_batch_key() -> str | None:
 class Jobs:
     """Named background jobs; ``result(name)`` waits for one and re-raises its failure."""
 
-    def __init__(self):
+    def __init__(self, only: frozenset[str] | None = None):
+        self._only = only
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpu-job")
         self._futures: dict[str, Future] = {}
         self._skipped: dict[str, str] = {}
@@ -96,6 +99,9 @@ class Jobs:
         self._lock = threading.Lock()
 
     def submit(self, name: str, fn, *args, **kwargs) -> None:
+        if self._only is not None and name not in self._only:
+            self.skip(name, f"job {name!r} not selected by DSPARK_GPU_JOBS={','.join(sorted(self._only))}")
+            return
         def run():
             self._started[name] = time.monotonic()
             try:

@@ -391,12 +391,30 @@ SPEC_COUNTERS = {
 }
 
 
-def spec_counters(metrics: dict[str, float]) -> dict[str, int]:
-    return {k: int(metrics.get(v, 0)) for k, v in SPEC_COUNTERS.items()}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total{"
+_POSITION = re.compile(r'position="(\d+)"')
 
 
-def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+def spec_counters(metrics: dict[str, float]) -> dict:
+    """The spec-decode totals of a /metrics page, plus ``accepted_per_pos`` (list by position)."""
+    out: dict = {k: int(metrics.get(v, 0)) for k, v in SPEC_COUNTERS.items()}
+    per_pos: dict[int, int] = {}
+    for key, value in metrics.items():
+        if key.startswith(_PER_POS) and (m := _POSITION.search(key)):
+            per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0) + int(value)
+    out["accepted_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    out = {}
+    for k, v in after.items():
+        if isinstance(v, list):
+            b = before.get(k) or [0] * len(v)
+            out[k] = [y - x for x, y in zip(b, v, strict=False)]
+        else:
+            out[k] = v - before.get(k, 0)
+    return out
 
 
 @dataclass

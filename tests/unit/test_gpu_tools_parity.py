@@ -61,6 +61,8 @@ vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 12.0
 vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
 vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 48.0
 vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 12.0
 vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 96.0
 vllm:external_prefix_cache_hits_total{engine="1",model_name="m"} 4.0
 """
@@ -68,5 +70,6 @@ vllm:external_prefix_cache_hits_total{engine="1",model_name="m"} 4.0
     assert m["vllm:external_prefix_cache_hits_total"] == 100.0
     assert m['vllm:external_prefix_cache_hits_total{engine="1",model_name="m"}'] == 4.0
     c = gpu_harness.spec_counters(m)
-    assert c == {"num_drafts": 12, "num_draft_tokens": 48, "num_accepted_tokens": 20}
-    assert gpu_harness.counter_delta({"num_drafts": 2}, c)["num_drafts"] == 10
+    assert c == {"num_drafts": 12, "num_draft_tokens": 48, "num_accepted_tokens": 20, "accepted_per_pos": [12, 8]}
+    d = gpu_harness.counter_delta({"num_drafts": 2, "accepted_per_pos": [2, 1]}, c)
+    assert d["num_drafts"] == 10 and d["accepted_per_pos"] == [10, 7]

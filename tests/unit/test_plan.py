@@ -111,3 +111,17 @@ def test_plan_flags_nixl_with_a_pp2_dspark_producer(tiny_models):
     )
     assert proc.returncode == 1
     assert "NotImplementedError" in proc.stdout and "MooncakeConnector" in proc.stdout
+
+
+def test_plan_accepts_nixl_with_a_pp1_dspark_producer(tiny_models):
+    proc = _plan(
+        tiny_models.target,
+        "--speculative-config",
+        _spec(tiny_models.draft),
+        "--kv-transfer-config",
+        _kv("NixlConnector", "kv_producer"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verdict     ACCEPTED" in proc.stdout
+    assert "this role builds: context-KV-only drafter (prefill-only producer)" in proc.stdout
+    assert "nixl: NixlConnector with a DSpark prefill-only producer at PP=1: accepted" in proc.stdout

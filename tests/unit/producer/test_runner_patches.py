@@ -152,6 +152,78 @@ def test_scheduler_of_a_producer_schedules_no_drafts(make_vllm_config):
     assert AsyncScheduler(make_vllm_config(kv("kv_both")), None).num_spec_tokens > 0
 
 
+def test_drafting_dspark_scheduler_pads_no_resumed_request(make_vllm_config):
+    """Case 2 of the scheduler patch: a drafting DSpark engine (decoder, aggregated) gets the
+    constant per-batch-size schedule, so vLLM skips its placeholder-draft padding while every
+    batch size still schedules k drafts; a user's own dynamic schedule and a producer are left to
+    their own rules."""
+    from vllm.config import KVTransferConfig
+
+    from vllm_dspark_pp.patches import v1_core_sched_scheduler as patch
+
+    def kv(role):
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role=role,
+                                kv_connector_extra_config={"shared_storage_path": "/tmp/x"})
+
+    for role in (None, "kv_consumer", "kv_both"):
+        cfg = make_vllm_config(kv(role) if role else None)
+        k = cfg.num_speculative_tokens
+        sched = types.SimpleNamespace(num_spec_tokens=k, dynamic_sd_lookup=None)
+        assert patch.schedules_no_placeholder_drafts(sched, cfg), role
+        assert isinstance(sched.dynamic_sd_lookup, patch.SameDraftCountForEveryBatch)
+        assert [sched.dynamic_sd_lookup[n] for n in (1, 2, 7, 64, 4096)] == [k] * 5
+        user = types.SimpleNamespace(num_spec_tokens=k, dynamic_sd_lookup=[0, 3, 2])
+        assert not patch.schedules_no_placeholder_drafts(user, cfg)
+        assert user.dynamic_sd_lookup == [0, 3, 2]
+    zero = types.SimpleNamespace(num_spec_tokens=0, dynamic_sd_lookup=None)
+    assert not patch.schedules_no_placeholder_drafts(zero, make_vllm_config(kv("kv_producer")))
+    assert zero.dynamic_sd_lookup is None
+
+    class Scheduler:
+        def __init__(self, vllm_config, kv_cache_config=None):
+            self.num_spec_tokens = vllm_config.num_speculative_tokens
+            self.dynamic_sd_lookup = None
+
+    patch._patch(types.SimpleNamespace(Scheduler=Scheduler))
+    dec = Scheduler(make_vllm_config(kv("kv_consumer")))
+    assert dec.num_spec_tokens > 0 and dec.dynamic_sd_lookup[5] == dec.num_spec_tokens
+    prod = Scheduler(make_vllm_config(kv("kv_producer")))
+    assert prod.num_spec_tokens == 0 and prod.dynamic_sd_lookup is None
+
+
+def test_real_scheduler_schedules_a_resumed_request_without_placeholder_drafts(plugin, make_vllm_config):
+    """vLLM's own Scheduler (patched by the plugin) admits a request whose KV arrived from a
+    connector with one token left: it is scheduled as that token alone. With the patch's draft
+    schedule taken away again (stock 0.34.0 behaviour) the same request is padded to 1 + k tokens
+    with k placeholder drafts that no drafter proposed (issue 13)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    def admit_resumed(stock: bool):
+        cfg = make_vllm_config()
+        cfg.cache_config.num_gpu_blocks = 64
+        bs, k = cfg.cache_config.block_size, cfg.num_speculative_tokens
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32)
+        groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)]
+        sched = Scheduler(cfg, KVCacheConfig(64, [], groups), StructuredOutputManager(cfg), block_size=bs)
+        if stock:
+            sched.dynamic_sd_lookup = None
+        req = Request("r", list(range(5, 5 + bs + 1)), SamplingParams(max_tokens=16), None)
+        req.num_computed_tokens = bs  # what a finished remote KV load leaves: one token to compute
+        sched.add_request(req)
+        out = sched.schedule()
+        return out.num_scheduled_tokens["r"], out.scheduled_spec_decode_tokens.get("r"), k
+
+    n, drafts, k = admit_resumed(stock=False)
+    assert (n, drafts) == (1, None)
+    n, drafts, k = admit_resumed(stock=True)
+    assert (n, drafts) == (1 + k, [-1] * k), "stock vLLM no longer pads: retire case 2 of the patch"
+
+
 def test_rejection_sampler_built_only_when_drafts_arrive():
     Runner, seen, Fake = _patched_runner_class()
     r = Runner()

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Runs named groups of the one-GPU tier CONCURRENTLY on one GPU (each group's engines are small and
+# set their own memory share), under one wall-clock budget, on the GPU machine after the kit is
+# booted (tools/gpu/README.md). Used when a lease is too short to run the groups one after another.
+#
+#   source /tmp/site/env.sh && bash tools/gpu/run_groups.sh OUTDIR GROUP [GROUP ...]
+#
+# Groups: pd_mooncake (issue 13: PD over Mooncake, async + sync, with its aggregated references),
+#         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL).
+# Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
+# OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
+# (servers run in their own sessions and would outlive the command); prints the verdict lines last.
+# Knob: DSPARK_GPU_GROUPS_BUDGET_S (default 540).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT"
+OUTDIR=$1
+shift
+BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
+mkdir -p "$OUTDIR"
+ART=$(mktemp -d /tmp/dspark-gpu-artifacts.XXXX)
+PGIDS=$(mktemp -d /tmp/dspark-gpu-pgids.XXXX)
+export DSPARK_PP_TEST_DEVICE=gpu PYTHONUNBUFFERED=1 DSPARK_GPU_ARTIFACTS=$ART DSPARK_GPU_PGID_DIR=$PGIDS
+say() { echo "[gpu-groups $(date +%H:%M:%S)] $*"; }
+
+say "installing the project into /tmp/site (the plugin's entry point)"
+rm -rf build ./*.egg-info
+python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site . 2>&1 \
+  | grep -v "^WARNING: Target directory"
+rm -rf build ./*.egg-info
+
+run_group() {  # name, then the pytest arguments; the environment comes from the caller
+  local name=$1
+  shift
+  say "group $name: started"
+  timeout -k 10 "$BUDGET" python3 -m pytest -v -s -rA -p no:cacheprovider "$@" >"$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc" >>"$OUTDIR/rc.txt"
+  say "group $name: exit $rc"
+}
+
+: >"$OUTDIR/rc.txt"
+for g in "$@"; do
+  case $g in
+  pd_mooncake)
+    DSPARK_GPU_JOBS=pair_baseline,pair_spec,pair_spec_sync,pd \
+      run_group "$g" tests/gpu/test_gpu_40_pd_mooncake.py --timeout=$((BUDGET - 20)) &
+    ;;
+  dsv4k3)
+    DSPARK_DSV4K3_TIMEOUT_S=$((BUDGET - 90)) \
+      run_group "$g" tests/gpu/test_dsv4_k3_engine.py --timeout=$((BUDGET - 20)) &
+    ;;
+  nixl)
+    mkdir -p "$OUTDIR/nixl"
+    DSPARK_GPU_NIXL=1 DSPARK_NIXL_OUT="$OUTDIR/nixl" DSPARK_NIXL_READY_S=$((BUDGET / 2)) \
+      run_group "$g" tests/gpu/test_pd_nixl.py --timeout=$((BUDGET - 20)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl)" ;;
+  esac
+done
+wait
+
+left=0
+for f in "$PGIDS"/*; do
+  [ -f "$f" ] || continue
+  left=$((left + 1))
+  kill -KILL -- "-$(cat "$f")" 2>/dev/null
+done
+for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+  left=$((left + 1))
+  kill -KILL "$pid" 2>/dev/null
+done
+[ "$left" -gt 0 ] && say "killed $left leftover process group(s)/GPU process(es)"
+[ -n "$(ls -A "$ART" 2>/dev/null)" ] && tar -czf "$OUTDIR/artifacts.tgz" -C "$ART" .
+rm -rf "$PGIDS"
+
+say "verdicts"
+cat "$OUTDIR/rc.txt"
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+  "$OUTDIR"/*.log | cut -c1-300 | tail -n 80

@@ -1,0 +1,119 @@
+"""Tiny real-architecture Kimi-K3 and DeepSeek-V4 (Flash) targets with matching DSpark drafts.
+
+Generated, never downloaded: :func:`make_tiny_k3_pair` and :func:`make_tiny_dsv4_pair` write
+Hugging Face style directories (``config.json``, the project's word-level tokenizer,
+``generation_config.json``) that vLLM 0.34.0 resolves to its own model classes:
+
+* Kimi-K3: ``KimiLinearForCausalLM`` (``vllm/models/kimi_k3``, the K3 text stack: KDA layers with
+  the full-rank gate interleaved with NoPE MLA layers, MoE after the first dense layer) and a
+  ``K3DSparkModel`` draft (``models/kimi_k3/nvidia/dspark_mla.py``: RoPE MLA layers marked
+  ``non_causal_multi_token_decode``) fed by target layers ``target_layer_ids``.
+* DeepSeek-V4: ``DeepseekV4ForCausalLM`` with the DSpark draft in the same checkpoint
+  (``DSparkDraftModel``, ``mtp.<i>.*``), the config of :func:`tiny_mla_drafts.tiny_dsv4_config`.
+
+No weights are written: the engines run with ``load_format="dummy"``, whose initialisation
+(``weight_utils.initialize_single_dummy_weight``) is seeded with a fixed seed per parameter, so
+two engine runs of one configuration hold the same weights and greedy runs are comparable.
+
+``gpu=True`` keeps the latent widths the CUDA MLA kernels are built for (512 + 64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from vllm_dspark_pp import tiny_mla_drafts
+from vllm_dspark_pp.tiny_models import _write_json, _write_tokenizer
+
+VOCAB = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyPair:
+    target: str
+    draft: str
+    family: str
+
+    def speculative_config(self, num_speculative_tokens: int = 4, **extra: Any) -> dict:
+        return {"method": "dspark", "model": self.draft,
+                "num_speculative_tokens": num_speculative_tokens, **extra}
+
+
+def k3_target_fields(*, gpu: bool = False, num_layers: int = 4) -> dict[str, Any]:
+    """A tiny Kimi-K3 text config (``KimiLinearConfig`` fields): KDA on odd layers (1-based
+    ``kda_layers``), NoPE MLA on the even ones, MoE from layer 1 on."""
+    mla = (
+        {"hidden_size": 256, "num_attention_heads": 16, "qk_nope_head_dim": 128,
+         "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": 64, "kv_lora_rank": 512}
+        if gpu else
+        {"hidden_size": 64, "num_attention_heads": 4, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 16, "v_head_dim": 16, "q_lora_rank": 32, "kv_lora_rank": 32}
+    )
+    kda_layers = [i + 1 for i in range(num_layers) if i % 2 == 0]
+    return {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": VOCAB,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "kda_layers": kda_layers,
+            "full_attn_layers": [i + 1 for i in range(num_layers) if i + 1 not in kda_layers],
+            "num_heads": 4,
+            "head_dim": 32 if not gpu else 64,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+        },
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+        **mla,
+    }
+
+
+def k3_draft_fields(*, gpu: bool = False, target_layers: int = 4) -> dict[str, Any]:
+    cfg = tiny_mla_drafts.tiny_k3_config(gpu=gpu)
+    out = cfg.to_dict()
+    out.update({"architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
+                "num_target_layers": 2, "target_layer_ids": [0, target_layers - 1],
+                "vocab_size": VOCAB, "torch_dtype": "bfloat16"})
+    return out
+
+
+def _write_dir(path: Path, config: dict[str, Any]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path, VOCAB)
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json", {"eos_token_id": config.get("eos_token_id", 2)})
+
+
+def make_tiny_k3_pair(out: str | Path, *, gpu: bool = False, num_layers: int = 4) -> TinyPair:
+    out = Path(out)
+    _write_dir(out / "k3-target", k3_target_fields(gpu=gpu, num_layers=num_layers))
+    _write_dir(out / "k3-dspark", k3_draft_fields(gpu=gpu, target_layers=num_layers))
+    return TinyPair(str(out / "k3-target"), str(out / "k3-dspark"), "kimi-k3")
+
+
+def dsv4_fields(*, gpu: bool = True) -> dict[str, Any]:
+    cfg = tiny_mla_drafts.tiny_dsv4_config(gpu=gpu)
+    out = cfg.to_dict()
+    out.update({"architectures": ["DeepseekV4ForCausalLM"], "vocab_size": VOCAB,
+                "torch_dtype": "bfloat16", "eos_token_id": 2})
+    return out
+
+
+def make_tiny_dsv4_pair(out: str | Path, *, gpu: bool = True) -> TinyPair:
+    """The DeepSeek-V4 draft lives in the target checkpoint: one directory, used twice."""
+    out = Path(out)
+    _write_dir(out / "dsv4", dsv4_fields(gpu=gpu))
+    return TinyPair(str(out / "dsv4"), str(out / "dsv4"), "deepseek-v4")
