@@ -74,7 +74,9 @@ def serve_argv(
     extra: list[str] | None = None,
 ) -> list[str]:
     """The ``vllm serve`` command line (``port`` None: headless, no API server)."""
-    argv = [str(Path(sys.executable).with_name("vllm")), "serve", target, "-pp", str(pp)]
+    exe = Path(sys.executable).with_name("vllm")  # the venv's console script
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    argv = [*launcher, "serve", target, "-pp", str(pp)]
     argv += CPU_SERVE_ARGS
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
