@@ -23,7 +23,7 @@ PIP="$VENV/bin/python -m pip -q --disable-pip-version-check"
 pip_quiet() {
   local out
   if ! out=$($PIP install "$@" 2>&1); then echo "$out"; return 1; fi
-  echo "$out" | grep -v -E "^ERROR: pip's dependency resolver does not currently|^vllm 0\.34\.0 (requires|has requirement)|^WARNING: Location 'file:.*' is ignored: it is neither a file nor a directory" || true
+  printf '%s' "$out" | grep -v -E "^ERROR: pip's dependency resolver does not currently|^vllm 0\.34\.0 (requires|has requirement)|^WARNING: Location 'file:.*' is ignored: it is neither a file nor a directory" || true
 }
 pip_quiet --upgrade "pip>=24" "setuptools>=78.1.1,<81" wheel
 say "torch 2.13.0 (CPU) + triton"

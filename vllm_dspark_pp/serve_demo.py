@@ -112,6 +112,7 @@ class Server:
     env: dict = field(default_factory=dict)
     port: int | None = None
     name: str = "vllm serve"
+    cpu: bool = True  # False: leave the platform to vLLM (GPU machines); CPU_ENV is not applied
     proc: subprocess.Popen | None = None
 
     @property
@@ -120,7 +121,8 @@ class Server:
 
     def start(self) -> Server:
         env = dict(os.environ)
-        env.update(CPU_ENV)
+        if self.cpu:
+            env.update(CPU_ENV)
         env.update(self.env)
         pypath = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pypath))
