@@ -220,20 +220,72 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
     return plan
 
 
-def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str, str]:
-    """Draft parameter bytes this instance builds (full drafter vs context-KV-only on producers)."""
+def _checkpoint_ships(draft_dir: str) -> tuple[bool, bool]:
+    """(embedding, LM head): whether the draft checkpoint in ``draft_dir`` ships its own (read
+    from the safetensors headers only; a config-only folder ships neither)."""
+    import glob
+    import os
+
+    embed = head = False
+    for path in glob.glob(os.path.join(draft_dir, "*.safetensors")):
+        try:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+        except Exception:  # noqa: BLE001 - unreadable file: assume shared, as vLLM would
+            continue
+        embed |= any("embed_tokens" in n for n in names)
+        head |= any("lm_head" in n for n in names)
+    return embed, head
+
+
+def draft_load_bytes(hf: Any, dtype_bytes: int, own_embed: bool, own_head: bool) -> dict:
+    """GPU bytes a Qwen3 DSpark drafter holds after vLLM loads it, per role (pure).
+
+    Parameters the drafter owns (vLLM aliases the target's embedding and LM head when the
+    checkpoint ships none) plus what ``DFlashQwen3Model._build_fused_kv_buffers`` derives after
+    loading, in both drafters: a concatenated copy of every layer's K/V projection rows and the
+    stacked K norms. Measured against the allocator on the H200 by
+    benchmarks/perf_real_shapes.py (docs/results/performance.md).
+    """
     from vllm_dspark_pp.context_kv import draft_param_bytes
+
+    sizes = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)
+    comp = sizes["components"]
+    derived = comp["layers.kv_proj"] + comp["layers.k_norm"]
+    full = sizes["full_bytes"]
+    if not own_embed:
+        full -= comp["embed_tokens"]
+    if not own_head:
+        full -= comp["lm_head"]
+    return {
+        "full": full + derived,
+        "context_only": sizes["context_only_bytes"] + derived,
+        "fused_kv_copy": derived,
+        "shared_with_target": sizes["full_bytes"] - full,
+    }
+
+
+def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str, str]:
+    """Draft bytes this instance holds on the drafting GPU (full drafter vs context-KV-only on
+    producers), as vLLM builds them (see :func:`draft_load_bytes`)."""
     from vllm_dspark_pp.roles import is_dspark_prefill_only
 
     hf = spec.draft_model_config.hf_config
     if "Qwen3DSparkModel" not in spec.draft_model_config.architectures:
         return {"draft bytes": "computed for Qwen3 DSpark drafts only"}
-    full = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)
+    own_embed, own_head = _checkpoint_ships(spec.draft_model_config.model)
+    b = draft_load_bytes(hf, dtype_bytes, own_embed, own_head)
     mib = 1024 * 1024
+    shared = [n for n, own in (("embedding", own_embed), ("LM head", own_head)) if not own]
     out = {
         "draft bytes": (
-            f"full drafter {full['full_bytes'] / mib:.2f} MiB, context-KV-only "
-            f"{full['context_only_bytes'] / mib:.2f} MiB"
+            f"full drafter {b['full'] / mib:.2f} MiB, context-KV-only "
+            f"{b['context_only'] / mib:.2f} MiB (incl. {b['fused_kv_copy'] / mib:.2f} MiB fused "
+            f"K/V copy; {' and '.join(shared) or 'nothing'} shared with the target"
+            + (f", {b['shared_with_target'] / mib:.2f} MiB" if shared else "")
+            + ")"
         )
     }
     if kv_transfer_config is not None:

@@ -1,0 +1,263 @@
+"""Benchmark-only vLLM plugin: per-step target/draft times and drafter memory, for
+benchmarks/perf_real_shapes.py. Never installed; the driver makes it discoverable in its child
+processes only (a throw-away ``*.dist-info`` with a ``vllm.general_plugins`` entry point named
+``dspark_bench`` on the child's PYTHONPATH), so vLLM loads it in every process it starts, with
+``VLLM_PLUGINS=dspark_bench`` (plugin off) as well as ``dspark_pp,dspark_bench`` (plugin on).
+
+Why hand-written: vLLM 0.34.0 has no per-step split of the decode step into "target forward" and
+"draft propose". Its torch profiler (``VLLM_TORCH_PROFILER_DIR``) gives the split but writes
+hundreds of MB of traces per run and perturbs the timing; the spec-decode metrics count tokens,
+not time. CUDA events cost a few microseconds per record, are queued on the same stream as the
+work (no synchronisation while serving), and are resolved only between runs.
+
+What it measures, per engine step, in GPU-stream time between events recorded at:
+``t0`` entry of ``execute_model`` (input preparation + target forward are queued after it),
+``t1`` entry of ``sample_tokens`` (sampling / rejection sampling), ``t2``/``t3`` around the
+speculator's ``propose`` (context-KV precompute + query pass + Markov sampling), ``t4`` exit of
+``sample_tokens``. target = t1 - t0, draft = t3 - t2, step = t4 - t0. When the GPU waits for
+the CPU between two events the gap is included (reported as is: it is what a step costs).
+On the CPU platform (dry runs) host clocks replace events.
+
+The timers are installed on the live model runner and speculator *instances* by the first
+``dspark_bench_ctl("enable")`` RPC, i.e. after start-up (profiling, compilation and CUDA-graph
+capture never see them). The drafter's memory is measured at load: the allocator's
+``memory_allocated`` before and after ``DraftModelSpeculator.load_model`` (the speculator's own
+load, which calls vLLM's or this plugin's ``load_draft_model``) and the peak in between; the
+whole model load (target + draft) is vLLM's own ``model_memory_usage``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+_STATE: dict[str, Any] = {"steps": [], "cur": None, "mem": {}, "installed": False}
+
+
+def _cuda():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _mark():
+    torch = _cuda()
+    if torch is None:
+        return ("host", time.perf_counter())
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ("cuda", ev)
+
+
+def _elapsed_ms(a, b) -> float | None:
+    if a is None or b is None:
+        return None
+    if a[0] == "host":
+        return (b[1] - a[1]) * 1e3
+    return float(a[1].elapsed_time(b[1]))
+
+
+# --------------------------------------------------------------------------- memory at load
+def _patch_speculator_base(module) -> None:
+    cls = module.DraftModelSpeculator
+    if getattr(cls, "_dspark_bench_mem", False):
+        return
+    orig = cls.load_model
+
+    def load_model(self, target_model):
+        torch = _cuda()
+        before = peak0 = None
+        if torch is not None:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = orig(self, target_model)
+        rec: dict[str, Any] = {
+            "speculator": type(self).__name__,
+            "load_s": round(time.perf_counter() - t0, 3),
+            "draft_class": type(getattr(self, "model", None)).__name__,
+        }
+        model = getattr(self, "model", None)
+        if model is not None:
+            # Parameters the drafter owns: shared target modules (embedding, LM head) are the
+            # target's and are not counted.
+            target_ptrs = {p.data_ptr() for p in target_model.parameters()}
+            own = [p for p in model.parameters() if p.data_ptr() not in target_ptrs]
+            rec["param_bytes_all"] = sum(p.numel() * p.element_size() for p in model.parameters())
+            rec["param_bytes_own"] = sum(p.numel() * p.element_size() for p in own)
+            rec["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
+        if torch is not None:
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_allocated()
+            peak0 = torch.cuda.max_memory_allocated()
+            rec.update(
+                allocated_delta_bytes=after - before,
+                peak_delta_bytes=peak0 - before,
+            )
+        _STATE["mem"]["draft_load"] = rec
+        return out
+
+    cls.load_model = load_model
+    cls._dspark_bench_mem = True
+
+
+# --------------------------------------------------------------------------- step timers
+def _install_timers(runner) -> list[str]:
+    installed = []
+
+    orig_exec = runner.execute_model
+
+    def execute_model(*args, **kwargs):
+        _STATE["cur"] = {"t0": _mark()}
+        return orig_exec(*args, **kwargs)
+
+    runner.execute_model = execute_model
+    installed.append("execute_model")
+
+    orig_sample = runner.sample_tokens
+
+    def sample_tokens(*args, **kwargs):
+        cur = _STATE["cur"]
+        state = getattr(runner, "execute_model_state", None)
+        if cur is not None and state is not None:
+            cur["t1"] = _mark()
+            batch = getattr(state, "input_batch", None)
+            cur["num_reqs"] = int(getattr(batch, "num_reqs", 0) or 0)
+            cur["num_tokens"] = int(getattr(batch, "num_tokens", 0) or 0)
+            cur["num_draft_tokens"] = int(getattr(batch, "num_draft_tokens", 0) or 0)
+        out = orig_sample(*args, **kwargs)
+        if cur is not None and "t1" in cur:
+            cur["t4"] = _mark()
+            _STATE["steps"].append(cur)
+            _STATE["cur"] = None
+        return out
+
+    runner.sample_tokens = sample_tokens
+    installed.append("sample_tokens")
+
+    spec = getattr(runner, "speculator", None)
+    if spec is not None and hasattr(spec, "propose"):
+        orig_propose = spec.propose
+
+        def propose(*args, **kwargs):
+            cur = _STATE["cur"]
+            if cur is not None:
+                cur["t2"] = _mark()
+            out = orig_propose(*args, **kwargs)
+            if cur is not None:
+                cur["t3"] = _mark()
+            return out
+
+        spec.propose = propose
+        installed.append("propose")
+    return installed
+
+
+def summarize_steps(steps: list[dict]) -> dict:
+    """Aggregate resolved steps (``target_ms``, ``draft_ms``, ``step_ms``, ``num_reqs``) into
+    medians per batch size; the most frequent batch size is reported as ``main``."""
+    by_n: dict[int, list[dict]] = {}
+    for s in steps:
+        by_n.setdefault(int(s["num_reqs"]), []).append(s)
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 4) if xs else None
+
+    per_n = {
+        n: {
+            "steps": len(ss),
+            "target_ms": med([s["target_ms"] for s in ss]),
+            "draft_ms": med([s.get("draft_ms") for s in ss]),
+            "step_ms": med([s["step_ms"] for s in ss]),
+            "num_tokens": med([s.get("num_tokens") for s in ss]),
+        }
+        for n, ss in sorted(by_n.items())
+    }
+    main = max(per_n, key=lambda n: (per_n[n]["steps"], n)) if per_n else None
+    return {"per_num_reqs": {str(n): v for n, v in per_n.items()}, "main_num_reqs": main,
+            "main": per_n.get(main) if main is not None else None, "total_steps": len(steps)}
+
+
+def _resolve() -> list[dict]:
+    torch = _cuda()
+    if torch is not None:
+        torch.cuda.synchronize()
+    out = []
+    for s in _STATE["steps"]:
+        out.append(
+            {
+                "num_reqs": s.get("num_reqs", 0),
+                "num_tokens": s.get("num_tokens", 0),
+                "num_draft_tokens": s.get("num_draft_tokens", 0),
+                "target_ms": _elapsed_ms(s.get("t0"), s.get("t1")),
+                "draft_ms": _elapsed_ms(s.get("t2"), s.get("t3")),
+                "step_ms": _elapsed_ms(s.get("t0"), s.get("t4")),
+            }
+        )
+    _STATE["steps"] = []
+    return out
+
+
+def _set_acceptance_length(runner, length: float) -> dict:
+    """Switch the synthetic rejection sampler to another mean acceptance length in place (the
+    same tensor, so anything captured keeps reading it)."""
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import (
+        unconditional_to_conditional_rates,
+    )
+
+    rs = getattr(runner, "rejection_sampler", None)
+    rates_t = getattr(rs, "synthetic_conditional_rates", None)
+    if rates_t is None:  # not the sampling PP stage, or not a synthetic engine
+        return {"applied": False}
+    n = int(rates_t.numel())
+    rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(n, None, float(length))
+    cond = unconditional_to_conditional_rates(rates)
+    import torch
+
+    rates_t.copy_(torch.tensor(cond, dtype=rates_t.dtype, device=rates_t.device))
+    return {"applied": True, "acceptance_length": length, "unconditional_rates": rates,
+            "conditional_rates": cond}
+
+
+def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
+    """Worker RPC (``llm.collective_rpc("dspark_bench_ctl", args=(cmd, arg))``)."""
+    runner = self.model_runner
+    if cmd == "enable":
+        if not _STATE["installed"]:
+            _STATE["installed"] = _install_timers(runner)
+        _STATE["steps"] = []
+        _STATE["cur"] = None
+        return _STATE["installed"]
+    if cmd == "collect":
+        steps = _resolve()
+        return {"summary": summarize_steps(steps), "steps": len(steps)}
+    if cmd == "memory":
+        torch = _cuda()
+        out = dict(_STATE["mem"])
+        out["model_memory_usage_bytes"] = getattr(runner, "model_memory_usage", None)
+        if torch is not None:
+            out["allocated_now_bytes"] = torch.cuda.memory_allocated()
+            out["device"] = torch.cuda.get_device_name()
+        return out
+    if cmd == "set_acceptance_length":
+        return _set_acceptance_length(runner, float(arg))
+    raise ValueError(f"unknown dspark_bench_ctl command {cmd!r}")
+
+
+def _patch_worker(module) -> None:
+    module.WorkerBase.dspark_bench_ctl = dspark_bench_ctl
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point (benchmark only)."""
+    from vllm_dspark_pp.patches._on_import import when_imported
+
+    when_imported("vllm.v1.worker.worker_base", _patch_worker)
+    when_imported("vllm.v1.worker.gpu.spec_decode.speculator", _patch_speculator_base)

@@ -1,0 +1,618 @@
+#!/usr/bin/env python3
+"""Throughput, latency, plugin overhead, draft/target step split and producer memory of DSpark
+at real model shapes on one GPU (config-only folders, dummy weights, synthetic acceptance).
+
+One command per shape on the GPU machine (see docs/results/performance.md for the exact lines):
+
+    python3 benchmarks/perf_real_shapes.py --shape qwen3-8b --out $OUT --budget-s 480
+
+What runs (every engine in its own child process group with a hard timeout; children append
+records to a JSONL file the parent turns into ONE JSON, ``OUT/perf_<shape>.json``, also when the
+budget or a timeout stops them early):
+
+* child 1, plugin on (``VLLM_PLUGINS=dspark_pp,dspark_bench``):
+  1. DSpark k=7 engine (``rejection_sample_method="synthetic"``); for each repeat, each
+     acceptance length (``--acceptance-lengths``, default 3.99 and 6.1; switched in place on
+     the worker between runs, see ``dspark_bench_hooks._set_acceptance_length``, so one engine
+     serves both), each concurrency C: ``LLM.generate`` of C random 128-token prompts at once,
+     512 output tokens, ``ignore_eos``. Per run: output tok/s (tokens / wall time), TTFT and
+     TPOT per request from ``RequestOutput.metrics``, the spec-decode counters (measured
+     acceptance length), and the per-step target/draft GPU times (``dspark_bench_hooks``).
+     The drafter's allocator-measured memory at load (full drafter) comes from the same engine.
+  2. the prefill-only producer engine (``kv_role=kv_producer`` through the test file connector
+     of tests/e2e/producer, eager, no requests): the context-KV-only drafter's memory at load,
+     and what ``vllm-dspark-pp plan`` predicts for both drafters;
+  3. the no-speculation engine, same runs.
+* child 2, plugin off (``VLLM_PLUGINS=dspark_bench``): the DSpark engine of 1., same runs, so
+  the plugin's cost is the on/off ratio at every concurrency.
+
+Child 1 stops starting work when only ``--reserve-s`` of the budget is left, so that child 2
+always gets its turn; repeats are the outer loop, so a budget cut loses repeats, not rows.
+
+Why not ``vllm bench throughput``/``serve``: neither switches the synthetic acceptance length
+within one engine, reports the draft/target split or the drafter's memory, and each engine
+start costs 40-90 s at these shapes (torch.compile + CUDA graphs); offline ``LLM.generate``
+with C prompts at once is what ``vllm bench throughput`` does, and its per-request metrics give
+TTFT/TPOT. CPU dry run (tiny pair, eager):
+
+    VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_CPU_OMP_THREADS_BIND=nobind \\
+    VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. python benchmarks/perf_real_shapes.py --shape tiny \\
+        --concurrency 1,2 --output-len 16 --input-len 16 --repeats 1 --eager --out /tmp/perf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+from real_shapes import SHAPES, ShapePaths, engine_kwargs, write_shape  # noqa: E402
+
+PLUGIN = "dspark_pp"
+BENCH_PLUGIN = "dspark_bench"
+CONNECTOR_DIR = REPO / "tests" / "e2e" / "producer"
+
+
+def log(msg: str) -> None:
+    print(f"[perf {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- pure helpers
+def request_latencies(arrival: float, first_ts: float, last_ts: float, num_gen: int,
+                      first_latency: float) -> tuple[float, float | None]:
+    """(TTFT s, TPOT s) of one finished request from vLLM's RequestStateStats fields: TTFT is
+    vLLM's ``first_token_latency``; TPOT the mean gap after the first token."""
+    tpot = (last_ts - first_ts) / (num_gen - 1) if num_gen > 1 else None
+    return first_latency, tpot
+
+
+def aggregate_runs(records: list[dict]) -> list[dict]:
+    """Median over repeats of every (engine, plugin, acceptance length, concurrency) run."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("type") != "run":
+            continue
+        key = (r["engine"], r["plugin"], r.get("acceptance_length"), r["concurrency"])
+        groups.setdefault(key, []).append(r)
+
+    def med(rs, k):
+        xs = [x[k] for x in rs if x.get(k) is not None]
+        return statistics.median(xs) if xs else None
+
+    rows = []
+    for (engine, plugin, al, c), rs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2] or 0, kv[0][3])):
+        rows.append(
+            {
+                "engine": engine,
+                "plugin": plugin,
+                "acceptance_length": al,
+                "concurrency": c,
+                "repeats": len(rs),
+                "output_tok_s": med(rs, "output_tok_s"),
+                "output_tok_s_all": [x["output_tok_s"] for x in rs],
+                "tpot_ms": med(rs, "tpot_ms_mean"),
+                "ttft_ms": med(rs, "ttft_ms_mean"),
+                "measured_acceptance_length": med(rs, "measured_acceptance_length"),
+                "target_ms": med(rs, "target_ms"),
+                "draft_ms": med(rs, "draft_ms"),
+                "step_ms": med(rs, "step_ms"),
+            }
+        )
+    return rows
+
+
+def plugin_ratios(rows: list[dict]) -> list[dict]:
+    """Plugin on / off output tok/s at every (acceptance length, concurrency) both measured."""
+    on = {(r["acceptance_length"], r["concurrency"]): r for r in rows
+          if r["engine"] == "dspark" and r["plugin"] == "on"}
+    out = []
+    for r in rows:
+        if r["engine"] != "dspark" or r["plugin"] != "off":
+            continue
+        key = (r["acceptance_length"], r["concurrency"])
+        if key in on and r["output_tok_s"]:
+            out.append({"acceptance_length": key[0], "concurrency": key[1],
+                        "on_tok_s": on[key]["output_tok_s"], "off_tok_s": r["output_tok_s"],
+                        "ratio": on[key]["output_tok_s"] / r["output_tok_s"]})
+    return out
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """DSpark (plugin on) over no speculation, per acceptance length and concurrency."""
+    base = {r["concurrency"]: r for r in rows if r["engine"] == "nospec"}
+    out = []
+    for r in rows:
+        if r["engine"] == "dspark" and r["plugin"] == "on" and r["concurrency"] in base:
+            b = base[r["concurrency"]]["output_tok_s"]
+            if b:
+                out.append({"acceptance_length": r["acceptance_length"],
+                            "concurrency": r["concurrency"], "speedup": r["output_tok_s"] / b})
+    return out
+
+
+def build_result(meta: dict, records: list[dict]) -> dict:
+    rows = aggregate_runs(records)
+    mem = {r["engine"]: r for r in records if r.get("type") == "memory"}
+    return {
+        **meta,
+        "engines": [r for r in records if r.get("type") == "engine"],
+        "rows": rows,
+        "plugin_ratio": plugin_ratios(rows),
+        "speedup": speedups(rows),
+        "memory": mem,
+        "plan": next((r for r in records if r.get("type") == "plan"), None),
+        "skipped": [r for r in records if r.get("type") == "skip"],
+        "errors": [r for r in records if r.get("type") == "error"],
+        "runs": [r for r in records if r.get("type") == "run"],
+    }
+
+
+def summary_table(result: dict) -> str:
+    head = (f"{'engine':<7} {'plug':<4} {'AL':>5} {'C':>3} {'tok/s':>9} {'TPOT ms':>8} "
+            f"{'TTFT ms':>8} {'AL meas':>7} {'tgt ms':>7} {'dft ms':>7} {'n':>2}")
+    lines = [head, "-" * len(head)]
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for r in result["rows"]:
+        lines.append(
+            f"{r['engine']:<7} {r['plugin']:<4} {f(r['acceptance_length'], '5.2f'):>5} "
+            f"{r['concurrency']:>3} {f(r['output_tok_s'], '9.1f'):>9} {f(r['tpot_ms'], '8.2f'):>8} "
+            f"{f(r['ttft_ms'], '8.1f'):>8} {f(r['measured_acceptance_length'], '7.2f'):>7} "
+            f"{f(r['target_ms'], '7.2f'):>7} {f(r['draft_ms'], '7.2f'):>7} {r['repeats']:>2}"
+        )
+    for p in result["plugin_ratio"]:
+        lines.append(f"plugin on/off AL={p['acceptance_length']} C={p['concurrency']}: "
+                     f"{p['ratio']:.3f}")
+    for name, m in result["memory"].items():
+        d = (m.get("draft_load") or {})
+        lines.append(f"memory {name}: draft allocated {d.get('allocated_delta_bytes')} B, "
+                     f"own params {d.get('param_bytes_own')} B ({d.get('draft_class')})")
+    for s in result["skipped"]:
+        lines.append(f"SKIPPED {s.get('what')}: {s.get('why')}")
+    for e in result["errors"]:
+        lines.append(f"ERROR {e.get('what')}: {str(e.get('error'))[:200]}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- child
+def _spec_counters(llm) -> dict:
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    names = {"vllm:spec_decode_num_drafts": "num_drafts",
+             "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+    for m in llm.get_metrics():
+        if m.name in names and hasattr(m, "value"):
+            out[names[m.name]] += int(m.value)
+    return out
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    lo, hi = min(1000, vocab // 4), max(vocab - 1000, vocab // 2)
+    return [{"prompt_token_ids": [rng.randrange(lo, hi) for _ in range(length)]} for _ in range(n)]
+
+
+def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
+    before = _spec_counters(llm)
+    llm.collective_rpc("dspark_bench_ctl", args=("enable",))
+    prompts = _prompts(c, a["input_len"], a["vocab"], seed)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    per_worker = llm.collective_rpc("dspark_bench_ctl", args=("collect",))
+    steps = per_worker[-1]  # the last PP stage samples and drafts
+    after = _spec_counters(llm)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttfts, tpots = [], []
+    for o in outs:
+        m = o.metrics
+        if m is None:
+            continue
+        ttft, tpot = request_latencies(m.arrival_time, m.first_token_ts, m.last_token_ts,
+                                       m.num_generation_tokens, m.first_token_latency)
+        ttfts.append(ttft)
+        if tpot is not None:
+            tpots.append(tpot)
+    d = {k: after[k] - before[k] for k in after}
+    main = (steps.get("summary") or {}).get("main") or {}
+    return {
+        "concurrency": c,
+        "wall_s": wall,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / wall if wall > 0 else None,
+        "ttft_ms_mean": 1e3 * statistics.mean(ttfts) if ttfts else None,
+        "tpot_ms_mean": 1e3 * statistics.mean(tpots) if tpots else None,
+        "tpot_ms_median": 1e3 * statistics.median(tpots) if tpots else None,
+        "spec_counters": d,
+        "measured_acceptance_length": (1 + d["num_accepted_tokens"] / d["num_drafts"])
+        if d["num_drafts"] else None,
+        "target_ms": main.get("target_ms"),
+        "draft_ms": main.get("draft_ms"),
+        "step_ms": main.get("step_ms"),
+        "step_num_reqs": (steps.get("summary") or {}).get("main_num_reqs"),
+        "step_summary": steps.get("summary"),
+        "step_summary_per_worker": [w.get("summary") for w in per_worker]
+        if len(per_worker) > 1 else None,
+    }
+
+
+def _shutdown(llm) -> None:
+    import gc
+    import threading
+
+    t = threading.Thread(target=llm.llm_engine.engine_core.shutdown, daemon=True)
+    t.start()
+    t.join(30)
+    del llm
+    gc.collect()
+    _wait_gpu_released()
+
+
+def _wait_gpu_released(limit_s: float = 60.0, below_mib: int = 4096) -> None:
+    """Wait until the finished engine's processes gave the GPU memory back (nvidia-smi; this
+    process never initialises CUDA, so vLLM keeps forking its engine core)."""
+    t_end = time.monotonic() + limit_s
+    while time.monotonic() < t_end:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                                  "--format=csv,noheader,nounits"], capture_output=True,
+                                 text=True, timeout=10).stdout
+            used = [int(x) for x in out.split() if x.strip().isdigit()]
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            return  # no nvidia-smi (CPU dry run)
+        if not used or max(used) < below_mib:
+            return
+        time.sleep(1)
+
+
+def child_main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["records"])
+    deadline = spec["deadline_unix"]
+    a = spec["args"]
+
+    def emit(rec: dict) -> None:
+        rec["t_unix"] = time.time()
+        with out.open("a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+
+    def left() -> float:
+        return deadline - time.time()
+
+    from vllm import LLM, SamplingParams
+
+    for phase in spec["phases"]:
+        name, plugin = phase["engine"], spec["plugin"]
+        if left() < phase.get("min_s", 60):
+            emit({"type": "skip", "what": f"{name} engine (plugin {plugin})",
+                  "why": f"budget: {left():.0f} s left"})
+            continue
+        t0 = time.monotonic()
+        try:
+            llm = LLM(**{"disable_log_stats": False, **phase["llm"]})
+        except Exception as e:  # noqa: BLE001
+            emit({"type": "error", "what": f"{name} engine start (plugin {plugin})",
+                  "error": f"{type(e).__name__}: {e}"})
+            continue
+        start_s = time.monotonic() - t0
+        emit({"type": "engine", "engine": name, "plugin": plugin, "start_s": round(start_s, 1)})
+        try:
+            mem = llm.collective_rpc("dspark_bench_ctl", args=("memory",))[-1]
+            emit({"type": "memory", "engine": f"{name}/{plugin}", **mem})
+            if phase.get("plan"):
+                emit({"type": "plan", **_plan_prediction(phase["plan"])})
+            if phase.get("runs", True):
+                sp = SamplingParams(temperature=0.0, max_tokens=a["output_len"], ignore_eos=True,
+                                    detokenize=False)
+                warm = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+                                      detokenize=False)
+                llm.generate(_prompts(max(a["concurrency"]), a["input_len"], a["vocab"], 1),
+                             warm, use_tqdm=False)
+                als = phase.get("acceptance_lengths") or [None]
+                seed = 100
+                stop = False
+                for rep in range(a["repeats"]):
+                    for al in als:
+                        if al is not None:
+                            got = llm.collective_rpc("dspark_bench_ctl",
+                                                     args=("set_acceptance_length", al))
+                            if not any(g.get("applied") for g in got):
+                                raise RuntimeError(f"no worker switched to AL {al}: {got}")
+                        for c in a["concurrency"]:
+                            if left() < phase.get("run_reserve_s", 10):
+                                emit({"type": "skip", "what": f"{name}/{plugin} rep {rep} AL {al} "
+                                      f"C {c} and later", "why": f"budget: {left():.0f} s left"})
+                                stop = True
+                                break
+                            seed += 1
+                            r = _one_run(llm, sp, c, a, seed)
+                            r.update(type="run", engine=name, plugin=plugin,
+                                     acceptance_length=al, repeat=rep)
+                            emit(r)
+                        if stop:
+                            break
+                    if stop:
+                        break
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            emit({"type": "error", "what": f"{name} runs (plugin {plugin})",
+                  "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]})
+        finally:
+            _shutdown(llm)
+    os._exit(0)  # do not linger in vLLM's atexit handlers
+
+
+def _plan_prediction(p: dict) -> dict:
+    """What ``vllm-dspark-pp plan`` predicts for the drafter of this shape (both roles)."""
+    from vllm_dspark_pp.plan import make_plan
+
+    out = {}
+    for role in ("kv_both", "kv_producer"):
+        kvt = {"kv_connector": "DSparkDraftKVFileConnector",
+               "kv_connector_module_path": "dspark_pp_draft_kv_connector", "kv_role": role,
+               "kv_connector_extra_config": {"shared_storage_path": p["store"]}}
+        plan = make_plan(p["target"], speculative_config=p["speculative_config"],
+                         kv_transfer_config=kvt, extra_engine_args={"max_model_len": 1024})
+        out[role] = plan.extra
+    return out
+
+
+# --------------------------------------------------------------------------- parent
+def make_hook_dist(root: Path) -> Path:
+    """A throw-away distribution that registers benchmarks/dspark_bench_hooks.py as a vLLM
+    general plugin named ``dspark_bench`` (found through importlib.metadata on PYTHONPATH)."""
+    d = root / "dspark_bench_hooks-0.0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: dspark-bench-hooks\nVersion: 0.0\n")
+    (d / "entry_points.txt").write_text(
+        f"[vllm.general_plugins]\n{BENCH_PLUGIN} = dspark_bench_hooks:register\n")
+    return root
+
+
+def run_child(spec: dict, work: Path, env: dict, timeout_s: float, log_path: Path,
+              records: Path) -> str:
+    spec_path = work / f"child_{spec['plugin']}_{int(time.time() * 1000)}.json"
+    spec_path.write_text(json.dumps(spec))
+    seen = records.read_text().count("\n") if records.exists() else 0
+    with log_path.open("ab") as logf:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_child",
+                                 str(spec_path)], env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        t_end = time.monotonic() + timeout_s
+        status = "ok"
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > t_end:
+                    status = f"killed after {timeout_s:.0f} s"
+                    break
+                time.sleep(2)
+                seen = _progress(records, seen)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+    _progress(records, seen)
+    if status == "ok" and proc.returncode not in (0, None):
+        status = f"exit code {proc.returncode}"
+    return status
+
+
+def _progress(records: Path, seen: int) -> int:
+    if not records.exists():
+        return seen
+    lines = records.read_text().splitlines()
+    for line in lines[seen:]:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        t = r.get("type")
+        if t == "run":
+            al = r.get("acceptance_length")
+            log(f"{r['engine']}/{r['plugin']} AL={al} C={r['concurrency']} rep={r['repeat']}: "
+                f"{(r['output_tok_s'] or 0):.1f} tok/s, TPOT {r['tpot_ms_mean']}, "
+                f"AL meas {r['measured_acceptance_length']}, target {r['target_ms']} ms, "
+                f"draft {r['draft_ms']} ms")
+        elif t == "engine":
+            log(f"engine {r['engine']} (plugin {r['plugin']}) up in {r['start_s']} s")
+        elif t in ("skip", "error"):
+            log(f"{t.upper()}: {r.get('what')}: {r.get('why') or str(r.get('error'))[:300]}")
+        elif t == "memory":
+            log(f"memory {r['engine']}: {r.get('draft_load')}")
+    return len(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES) + ["tiny"], default="qwen3-8b")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/perf-out"))
+    ap.add_argument("--concurrency", default="1,4,16,32,64")
+    ap.add_argument("--acceptance-lengths", default="3.99,6.1")
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument("--reserve-s", type=float, default=150.0,
+                    help="budget kept for the plugin-off child")
+    ap.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (CPU dry runs)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--phases", default="dspark,producer,nospec,off",
+                    help="which parts to run, in this order within the plugin-on child")
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a._child:
+        return child_main(a._child)
+
+    t_start = time.time()
+    deadline = t_start + a.budget_s
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="dspark-perf-"))
+    records = out / f"perf_{a.shape}.jsonl"
+    log_path = out / f"perf_{a.shape}.log"
+    for p in (records, log_path):
+        if p.exists():
+            p.unlink()
+
+    if a.shape == "tiny":
+        from vllm_dspark_pp.tiny_models import make_tiny_models
+
+        tp = make_tiny_models(work / "tiny", dtype="float32")
+        paths = ShapePaths("tiny", tp.target, tp.draft)
+        vocab = json.loads((Path(tp.target) / "config.json").read_text())["vocab_size"]
+    else:
+        paths = write_shape(a.shape, work / "shapes")
+        vocab = SHAPES[a.shape].vocab_size
+    concurrency = [int(x) for x in a.concurrency.split(",") if x]
+    als = [float(x) for x in a.acceptance_lengths.split(",") if x]
+    common = dict(max_model_len=max(1024, a.input_len + a.output_len + 64),
+                  max_num_seqs=max(concurrency),
+                  pipeline_parallel_size=a.pipeline_parallel_size)
+    if a.eager:
+        common.update(enforce_eager=True, dtype="float32")
+    else:
+        common["gpu_memory_utilization"] = a.gpu_memory_utilization
+    k = a.num_speculative_tokens
+    spec_llm = engine_kwargs(paths, spec=True, k=k, acceptance_length=als[0], **common)
+    nospec_llm = engine_kwargs(paths, spec=False, **common)
+    store = work / "producer-kv"
+    store.mkdir()
+    kvt = {"kv_connector": "DSparkDraftKVFileConnector",
+           "kv_connector_module_path": "dspark_pp_draft_kv_connector", "kv_role": "kv_producer",
+           "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    prod_common = dict(common, enforce_eager=True)
+    if not a.eager:
+        prod_common["gpu_memory_utilization"] = 0.35
+    producer_llm = engine_kwargs(paths, spec=True, k=k, kv_transfer_config=kvt,
+                                 **{kk: v for kk, v in prod_common.items()})
+    plan_req = {"target": paths.target, "store": str(store),
+                "speculative_config": {"method": "dspark", "model": paths.draft,
+                                       "num_speculative_tokens": k}}
+    run_args = {"concurrency": concurrency, "input_len": a.input_len, "output_len": a.output_len,
+                "repeats": a.repeats, "vocab": vocab}
+    phases_on = []
+    wanted = [p.strip() for p in a.phases.split(",") if p.strip()]
+    for p in wanted:
+        if p == "dspark":
+            phases_on.append({"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als,
+                              "min_s": 60})
+        elif p == "producer":
+            phases_on.append({"engine": "producer", "llm": producer_llm, "runs": False,
+                              "plan": plan_req, "min_s": 40})
+        elif p == "nospec":
+            phases_on.append({"engine": "nospec", "llm": nospec_llm, "min_s": 60})
+    phases_off = ([{"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als, "min_s": 60}]
+                  if "off" in wanted else [])
+
+    hooks_root = make_hook_dist(work / "hooks")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE), str(hooks_root), str(REPO), str(CONNECTOR_DIR), env.get("PYTHONPATH", "")])
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if a.pipeline_parallel_size > 1:  # several GPUs of one host: no NVLink multicast
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    meta = {
+        "shape": a.shape,
+        "shape_config": SHAPES[a.shape].__dict__ if a.shape in SHAPES else _tiny_shape(paths),
+        "k": k,
+        "acceptance_lengths": als,
+        "concurrency": concurrency,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "repeats": a.repeats,
+        "pipeline_parallel_size": a.pipeline_parallel_size,
+        "eager": a.eager,
+        "budget_s": a.budget_s,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "engine_kwargs": {"dspark": spec_llm, "nospec": nospec_llm, "producer": producer_llm},
+    }
+    meta.update(_versions())
+    log(f"shape {a.shape}: target {paths.target}, draft {paths.draft}; budget {a.budget_s:.0f} s")
+
+    children = []
+    if phases_on:
+        children.append(("on", phases_on, f"{PLUGIN},{BENCH_PLUGIN}",
+                         deadline - (a.reserve_s if phases_off else 0)))
+    if phases_off:
+        children.append(("off", phases_off, BENCH_PLUGIN, deadline))
+    statuses = {}
+    for plugin, phases, plugins_env, child_deadline in children:
+        left = child_deadline - time.time()
+        log(f"child plugin={plugin}: phases {[p['engine'] for p in phases]}, {left:.0f} s")
+        if left < 30:
+            with records.open("a") as f:
+                f.write(json.dumps({"type": "skip", "what": f"child plugin {plugin}",
+                                    "why": f"budget: {left:.0f} s left"}) + "\n")
+            continue
+        cenv = dict(env, VLLM_PLUGINS=plugins_env)
+        spec = {"plugin": plugin, "phases": phases, "records": str(records),
+                "deadline_unix": child_deadline, "args": run_args}
+        # Hard limit: the child's own deadline plus grace for an engine start in flight.
+        statuses[plugin] = run_child(spec, work, cenv, max(left + 30, 60), log_path, records)
+        log(f"child plugin={plugin}: {statuses[plugin]}")
+    recs = [json.loads(x) for x in records.read_text().splitlines() if x.strip()] \
+        if records.exists() else []
+    result = build_result(meta, recs)
+    result["child_status"] = statuses
+    result["wall_s"] = round(time.time() - t_start, 1)
+    res_path = out / f"perf_{a.shape}.json"
+    res_path.write_text(json.dumps(result, indent=1, default=str))
+    log(f"wrote {res_path} ({len(result['runs'])} runs) in {result['wall_s']} s")
+    print(summary_table(result), flush=True)
+    return 0 if result["rows"] else 1
+
+
+def _tiny_shape(paths: ShapePaths) -> dict:
+    t = json.loads((Path(paths.target) / "config.json").read_text())
+    d = json.loads((Path(paths.draft) / "config.json").read_text())
+    return {"name": "tiny", "hidden_size": t["hidden_size"], "num_layers": t["num_hidden_layers"],
+            "vocab_size": t["vocab_size"], "draft_layers": d["num_hidden_layers"],
+            "target_layer_ids": d["target_layer_ids"], "markov_rank": d["markov_rank"]}
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("vllm", "torch", "vllm-dspark-pp"):
+        try:
+            out[f"{pkg}_version"] = version(pkg)
+        except PackageNotFoundError:
+            out[f"{pkg}_version"] = None
+    try:
+        out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                     "--format=csv,noheader"], capture_output=True, text=True,
+                                    timeout=20).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        out["gpu"] = None
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
