@@ -36,8 +36,6 @@ num_logits).all()` on PP rank 0); see docs/sync-scheduling.md. Run them without 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from e2e import tiny_pair
 from e2e.harness import run_generate
@@ -57,19 +55,10 @@ PROMPTS = [
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 32}
 UNCHUNKED = {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}
 
-# The trained pair's cases.
-PAIR_NUM_PROMPTS = 16
-PAIR_MAX_TOKENS = 64  # above every held-out answer of these prompts (23-56 tokens + EOS)
-# Budget = 16 requests x (1 + k) tokens: decode steps are never cut by it, prefill is chunked.
-PAIR_LLM = {"enable_chunked_prefill": True, "max_num_batched_tokens": 128, "max_num_seqs": PAIR_NUM_PROMPTS}
-PAIR_SAMPLING = {"max_tokens": PAIR_MAX_TOKENS, "ignore_eos": False}
+# The trained pair's cases: settings in e2e/tiny_pair.py.
 
 
-def _plugin_env() -> dict:
-    # Off switch used to show the failure on stock vLLM (any non-matching name disables ours).
-    if os.environ.get("DSPARK_E2E_PLUGINS") == "none":
-        return {"VLLM_PLUGINS": "no-such-plugin"}
-    return {}
+_plugin_env = tiny_pair.plugin_env  # DSPARK_E2E_PLUGINS=none: stock vLLM
 
 
 def _run(tiny, timeout, *, pp, spec, extra=None, **kw):
@@ -157,12 +146,7 @@ def test_pp2_dspark_abort_mid_stream(tiny_models, e2e_timeout_s, reference):
 # ------------------------------------------------------------------ the trained tiny pair
 
 
-def _run_pair(timeout, *, pp, spec, sampling=PAIR_SAMPLING, **kw):
-    cfg = {"model": tiny_pair.TARGET, "pipeline_parallel_size": pp, **PAIR_LLM}
-    if spec:
-        cfg["speculative_config"] = tiny_pair.spec_config()
-    prompts = tiny_pair.heldout_prompts(PAIR_NUM_PROMPTS)
-    return run_generate(cfg, prompts, timeout, sampling=sampling, env=_plugin_env(), **kw)
+_run_pair = tiny_pair.run_pair
 
 
 def _describe(m: dict) -> str:
@@ -177,22 +161,7 @@ def _assert_same_counters(ref, got, what):
     )
 
 
-@pytest.fixture(scope="module")
-def pair_reference(e2e_timeout_s):
-    """Trained pair, PP=1, no speculation (top-2 logprobs to diagnose a mismatch)."""
-    ok, why = tiny_pair.available()
-    if not ok:
-        pytest.fail(why)
-    ref = _run_pair(e2e_timeout_s, pp=1, spec=False, sampling=dict(PAIR_SAMPLING, logprobs=2))
-    # Every answer ran to its EOS inside the limit (the corpus' answers end with '#### n' + EOS).
-    assert ref.finish_reasons == ["stop"] * PAIR_NUM_PROMPTS, ref.finish_reasons
-    assert all(10 <= len(t) < PAIR_MAX_TOKENS for t in ref.tokens), [len(t) for t in ref.tokens]
-    return ref
-
-
-@pytest.fixture(scope="module")
-def pair_pp1(e2e_timeout_s):
-    return _run_pair(e2e_timeout_s, pp=1, spec=True)
+# pair_reference and pair_pp1 (PP=1 no-spec / PP=1 DSpark) are session fixtures in e2e/conftest.py.
 
 
 def test_pair_pp1_dspark_is_lossless_and_accepts(pair_reference, pair_pp1):

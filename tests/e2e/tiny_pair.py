@@ -17,6 +17,8 @@ import os
 from functools import cache
 from pathlib import Path
 
+from e2e.harness import run_generate
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAIR_DIR = REPO_ROOT / "models" / "tiny-pair"
 TARGET = str(PAIR_DIR / "target")
@@ -61,3 +63,26 @@ def heldout_prompts(n: int, min_tokens: int = 0) -> list[list[int]]:
     if len(out) < n:
         raise AssertionError(f"only {len(out)} held-out prompts have >= {min_tokens} tokens (wanted {n})")
     return out
+
+
+# ------------------------------------------------ the parity runs' settings (shared by several files)
+PAIR_NUM_PROMPTS = 16
+PAIR_MAX_TOKENS = 64  # above every held-out answer of these prompts (23-56 tokens + EOS)
+# Budget = 16 requests x (1 + k) tokens: decode steps are never cut by it, prefill is chunked.
+PAIR_LLM = {"enable_chunked_prefill": True, "max_num_batched_tokens": 128, "max_num_seqs": PAIR_NUM_PROMPTS}
+PAIR_SAMPLING = {"max_tokens": PAIR_MAX_TOKENS, "ignore_eos": False}
+
+
+def plugin_env() -> dict:
+    """``DSPARK_E2E_PLUGINS=none`` runs the children on stock vLLM (shows the failures we fix)."""
+    if os.environ.get("DSPARK_E2E_PLUGINS") == "none":
+        return {"VLLM_PLUGINS": "no-such-plugin"}
+    return {}
+
+
+def run_pair(timeout, *, pp, spec, sampling=PAIR_SAMPLING, **kw):
+    """The pair on the first PAIR_NUM_PROMPTS held-out prompts with the parity settings."""
+    cfg = {"model": TARGET, "pipeline_parallel_size": pp, **PAIR_LLM}
+    if spec:
+        cfg["speculative_config"] = spec_config()
+    return run_generate(cfg, heldout_prompts(PAIR_NUM_PROMPTS), timeout, sampling=sampling, env=plugin_env(), **kw)
