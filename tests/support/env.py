@@ -12,24 +12,12 @@ import os
 import subprocess
 import sys
 
-CPU_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "TRITON_INTERPRET": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-# Engine children of the CPU tiers: a small KV cache, and a stuck PP rank surfaces as an engine
-# error (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS) before the runner's hard limit.
-CPU_E2E_EXTRA = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "45",
-    "VLLM_ENGINE_READY_TIMEOUT_S": "120",
-}
+from vllm_dspark_pp.dev import cpu_env as _dev_cpu_env
+
+# The one copy lives in the package's dev tooling (the demo uses it too); the CPU e2e tier gives
+# its engine children CPU_ENV + CPU_E2E_EXTRA.
+CPU_ENV = _dev_cpu_env.CPU_ENV
+CPU_E2E_EXTRA = _dev_cpu_env.CPU_ENGINE_EXTRA
 
 
 def test_device() -> str:

@@ -11,9 +11,13 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "vllm_dspark_pp"
-FEATURES = ("protocol", "producer", "sync_drafts", "plan")
-# The `eval gsm8k` and `train-tiny-pair` commands run dev tooling (imported when invoked).
-DEV_COMMANDS = ("vllm_dspark_pp.cli.eval", "vllm_dspark_pp.cli.train_tiny_pair")
+FEATURES = ("protocol", "producer", "sync_drafts", "plan", "start_checks")
+# The `eval gsm8k`, `train-tiny-pair` and `demo` commands run dev tooling (imported when invoked).
+DEV_COMMANDS = (
+    "vllm_dspark_pp.cli.eval",
+    "vllm_dspark_pp.cli.train_tiny_pair",
+    "vllm_dspark_pp.cli.demo",
+)
 FORBIDDEN_AT_RUNTIME = ("tests", "support", "tools", "benchmarks", "vllm_dspark_pp.dev")
 
 

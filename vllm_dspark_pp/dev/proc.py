@@ -68,21 +68,29 @@ def _wait(proc: subprocess.Popen, timeout: float) -> None:
         pass
 
 
-def kill_group(proc: subprocess.Popen, grace_s: float = 0.0, settle_s: float = 10.0) -> None:
-    """End the child's whole process group: SIGTERM first when ``grace_s`` > 0, then SIGKILL;
-    reap the child and wait (up to ``settle_s``) until no member of the group still runs."""
-    if grace_s > 0 and proc.poll() is None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        _wait(proc, grace_s)
+def kill_group(proc: subprocess.Popen, grace_s: float = 0.0, settle_s: float = 10.0) -> bool:
+    """End the child's whole process group and wait (up to ``settle_s``) until no member of it
+    still runs. With ``grace_s`` > 0 the group gets SIGTERM first and up to ``grace_s`` to exit;
+    then SIGKILL. Returns True when no SIGKILL was needed (the group had ended by itself or on
+    SIGTERM)."""
+    pgid = proc.pid
+    if grace_s > 0 and live_group_members(pgid):
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while live_group_members(pgid) and time.monotonic() < deadline:
+            proc.poll()
+            time.sleep(0.1)
+    clean = not live_group_members(pgid)
     # stragglers (engine core, workers) die with the group even if the leader exited
-    _signal_group(proc.pid, signal.SIGKILL)
+    _signal_group(pgid, signal.SIGKILL)
     _wait(proc, settle_s)
     deadline = time.monotonic() + settle_s
-    while live_group_members(proc.pid) and time.monotonic() < deadline:
+    while live_group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
     f = _pgid_file(proc)
     if f is not None:
         f.unlink(missing_ok=True)
+    return clean
 
 
 def run_with_timeout(

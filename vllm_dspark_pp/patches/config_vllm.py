@@ -1,11 +1,13 @@
-"""Attach the KV-transfer config to the speculative config, and refuse unsupported producers.
+"""Refuse, at start, DSpark configs that cannot work (unsupported producers included).
 
 WHAT: Wraps ``VllmConfig.__post_init__``: after vLLM's checks, for a DSpark prefill-only
 producer (``producer.roles.prefill_only_role``: kv_role='kv_producer'), refuses at start
 (NotImplementedError)
 (a) a draft family without a context-KV-only build and (b) PP>1 over NIXL connectors
 (NixlConnector, NixlPullConnector, NixlPushConnector, also inside MultiConnector), naming
-MooncakeConnector as the supported path.
+MooncakeConnector as the supported path. For every DSpark config it also runs
+``vllm_dspark_pp.start_checks.check_dspark`` (a DSpark drafter, k at most its block size, aux
+taps within the target's depth).
 
 WHY: Fail at start, not at step 10,000: both cases would otherwise start and then break or
 silently transfer incomplete draft context KV.
@@ -14,7 +16,8 @@ UPSTREAM: vLLM PR #56957 (DSpark prefill-only producers under PP).
 
 RETIRE WHEN: upstream vLLM builds the context-only drafter itself and validates the connector.
 
-TESTED BY: tests/unit/producer/test_config_patch.py, tests/unit/producer/test_roles.py
+TESTED BY: tests/unit/producer/test_config_patch.py, tests/unit/producer/test_roles.py,
+tests/unit/test_bad_configs.py
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ TARGET = "vllm.config.vllm"
 def apply() -> None:
     from vllm.config.vllm import VllmConfig
 
+    from vllm_dspark_pp import start_checks
     from vllm_dspark_pp.patches._util import wrap
     from vllm_dspark_pp.producer import roles
     from vllm_dspark_pp.producer.drafter import check_draft_supported
@@ -32,6 +36,8 @@ def apply() -> None:
     def make(orig):
         def __post_init__(self, *args, **kwargs):
             result = orig(self, *args, **kwargs)
+            if self.speculative_config is not None:
+                start_checks.check_dspark(self)
             if roles.prefill_only_role(self):
                 spec = self.speculative_config
                 if getattr(spec, "draft_model_config", None) is not None:

@@ -49,7 +49,8 @@ def take_from_spec_dict(spec: dict | None) -> tuple[dict | None, int | None]:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise FixedGraphBatchError(
             f"--speculative-config {KEY!r} must be a positive integer (a request count), "
-            f"got {value!r}"
+            f"got {value!r}; set it to a whole number between 1 and --max-num-seqs (e.g. 8), "
+            f"or remove the key"
         )
     return spec, value
 

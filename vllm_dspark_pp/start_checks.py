@@ -1,0 +1,114 @@
+"""Start-up checks of a DSpark speculative config that vLLM 0.34.0 does not make.
+
+Each check runs when vLLM builds its ``VllmConfig`` (``patches/config_vllm.py``), so a bad
+``vllm serve`` / ``LLM(...)`` fails before any process is spawned, with a message that names the
+fix. Without them these configurations start and then misbehave:
+
+* a draft that is not a DSpark drafter under ``"method": "dspark"`` (e.g. the target itself):
+  vLLM 0.34.0 relabels any draft it does not recognize as a DeepSeek-V4 DSpark drafter
+  (``DSparkDraftModel``, ``model_type`` deepseek_v4) and fails late, at model build;
+* ``num_speculative_tokens`` larger than the drafter's trained ``block_size``: the drafter is
+  asked for query positions it was never trained on (vLLM accepts any k);
+* drafter aux taps (``target_layer_ids``) beyond the target's depth: the tap is never produced,
+  so with PP > 1 no stage relays it and the last stage waits for a tensor nobody sends.
+
+See docs/bad-configs.md for the full table of refused configurations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DSparkConfigError(ValueError):
+    """A DSpark speculative config that cannot work; the message names the fix."""
+
+
+def _draft_architectures(spec: Any) -> list[str]:
+    draft = getattr(spec, "draft_model_config", None)
+    archs = list(getattr(draft, "architectures", None) or [])
+    hf = getattr(draft, "hf_config", None)
+    archs += [a for a in (getattr(hf, "architectures", None) or []) if a not in archs]
+    return archs
+
+
+def _draft_block_size(spec: Any) -> int | None:
+    hf = spec.draft_model_config.hf_config
+    for name in ("block_size", "dspark_block_size"):
+        value = getattr(hf, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+_IN_TARGET_DSPARK = ("deepseek_v4", "deepseek_v41")
+
+
+def check_is_dspark_draft(spec: Any) -> None:
+    draft, target = spec.draft_model_config, spec.target_model_config
+    draft_type = getattr(draft.hf_config, "model_type", None)
+    target_type = getattr(getattr(target, "hf_config", None), "model_type", None)
+    if draft_type in _IN_TARGET_DSPARK and target_type not in _IN_TARGET_DSPARK:
+        # vLLM 0.34.0 (dspark/config.py adapt_draft_model_config) takes a draft it does not
+        # recognize as a self-contained DSpark checkpoint for a DeepSeek-V4 target's built-in
+        # drafter and relabels it DSparkDraftModel / deepseek_v4, whatever it really is.
+        raise DSparkConfigError(
+            f"--speculative-config method 'dspark': the draft model {draft.model!r} is not a "
+            f"self-contained DSpark drafter (vLLM recognizes one by 'dspark' in its path and a "
+            f"DSpark architecture in its config.json, e.g. deepseek-ai/dspark_qwen3_8b_block7), "
+            f"and only DeepSeek-V4 targets carry their DSpark drafter inside the target "
+            f"checkpoint; this target is {target_type!r}. Point 'model' at a DSpark draft "
+            f"checkpoint for this target, or use the method that matches this draft (e.g. "
+            f"'dflash', 'eagle3', 'draft_model')."
+        )
+    archs = _draft_architectures(spec)
+    if not any("dspark" in a.lower() for a in archs):
+        raise DSparkConfigError(
+            f"--speculative-config method 'dspark' needs a DSpark drafter, but the draft model "
+            f"{spec.draft_model_config.model!r} has architectures {archs}. Point 'model' at a "
+            f"DSpark draft checkpoint (its config.json lists a *DSpark* architecture), or use the "
+            f"method that matches this draft (e.g. 'dflash', 'eagle3', 'draft_model')."
+        )
+
+
+def check_block_size(spec: Any) -> None:
+    block = _draft_block_size(spec)
+    k = spec.num_speculative_tokens
+    if block is not None and k is not None and k > block:
+        raise DSparkConfigError(
+            f"--speculative-config num_speculative_tokens={k} exceeds the DSpark drafter's "
+            f"block_size={block} (the number of positions it was trained to draft, config.json "
+            f"of {spec.draft_model_config.model!r}). Set num_speculative_tokens to at most "
+            f"{block} (or leave it out: vLLM then uses the block size)."
+        )
+
+
+def check_taps_within_target(vllm_config: Any) -> None:
+    spec = vllm_config.speculative_config
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+        get_eagle3_aux_layers_from_config,
+    )
+
+    taps = list(get_eagle3_aux_layers_from_config(spec) or ())
+    num_layers = vllm_config.model_config.get_total_num_hidden_layers()
+    # Aux id L is the residual stream entering target layer L (L = num_layers: after the last).
+    bad = [t for t in taps if not 0 <= t <= num_layers]
+    if bad:
+        raise DSparkConfigError(
+            f"the DSpark drafter {spec.draft_model_config.model!r} taps target layers "
+            f"{[t - 1 for t in bad]} (its target_layer_ids), but the target "
+            f"{vllm_config.model_config.model!r} has {num_layers} layers "
+            f"(ids 0..{num_layers - 1}). "
+            f"The drafter was trained for a deeper target: use the DSpark drafter trained for "
+            f"this target."
+        )
+
+
+def check_dspark(vllm_config: Any) -> None:
+    """Run every check on a VllmConfig whose speculative method is DSpark (no-op otherwise)."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "dspark" or spec.draft_model_config is None:
+        return
+    check_is_dspark_draft(spec)
+    check_block_size(spec)
+    check_taps_within_target(vllm_config)
