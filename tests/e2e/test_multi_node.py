@@ -42,28 +42,13 @@ HANDSHAKE_TIMEOUT_S = 20.0  # VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S on the nodes of
 SILENT_TIMEOUT_S = 10.0  # ... of the no-plugin test (node 0 waits it plus a 5 s grace)
 
 
-def _pair_serve_args() -> list[str]:
-    """engines.PAIR_LLM (the parity runs' scheduler settings) as ``vllm serve`` flags."""
-    llm = engines.PAIR_LLM
-    assert llm["enable_chunked_prefill"] is True
-    return [
-        "--enable-chunked-prefill",
-        "--max-num-batched-tokens",
-        str(llm["max_num_batched_tokens"]),
-        "--max-num-seqs",
-        str(llm["max_num_seqs"]),
-        "--seed",
-        "0",
-    ]
-
-
 @contextlib.contextmanager
 def two_nodes(tmp_path, *, spec1=None, env0=None, env1=None):
     """Node 0 (API server, PP rank 0) and node 1 (headless, PP rank 1) on loopback."""
     spec = tiny_pair.spec_config()
     api_port, master_port = free_port(), free_port()
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-    common += _pair_serve_args()
+    common += engines.pair_serve_args()
     node0 = Server(
         serve_argv(
             tiny_pair.TARGET, pp=2, spec=spec, port=api_port, extra=common + ["--node-rank", "0"]
@@ -197,7 +182,7 @@ def test_ray_pp2_dspark_parity(tmp_path, pair_reference, pair_pp1):
         pp=2,
         spec=tiny_pair.spec_config(),
         port=port,
-        extra=_pair_serve_args() + ["--distributed-executor-backend", "ray"],
+        extra=engines.pair_serve_args() + ["--distributed-executor-backend", "ray"],
     )
     server = Server(
         argv, tmp_path / "ray.log", env={"RAY_USAGE_STATS_ENABLED": "0"}, port=port, name="ray"

@@ -53,6 +53,20 @@ CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 32}
 UNCHUNKED = {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}
 
 
+def pair_serve_args() -> list[str]:
+    """:data:`PAIR_LLM` (the shared runs' scheduler settings) as ``vllm serve`` flags."""
+    assert PAIR_LLM["enable_chunked_prefill"] is True
+    return [
+        "--enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(PAIR_LLM["max_num_batched_tokens"]),
+        "--max-num-seqs",
+        str(PAIR_LLM["max_num_seqs"]),
+        "--seed",
+        "0",
+    ]
+
+
 def plugin_env() -> dict:
     # Off switch used to show the failure on stock vLLM (any non-matching name disables ours).
     if os.environ.get("DSPARK_E2E_PLUGINS") == "none":

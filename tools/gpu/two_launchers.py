@@ -41,19 +41,6 @@ from vllm_dspark_pp.protocol import handshake  # noqa: E402
 SILENT_TIMEOUT_S = 15.0
 
 
-def _pair_args() -> list[str]:
-    llm = engines.PAIR_LLM
-    return [
-        "--enable-chunked-prefill",
-        "--max-num-batched-tokens",
-        str(llm["max_num_batched_tokens"]),
-        "--max-num-seqs",
-        str(llm["max_num_seqs"]),
-        "--seed",
-        "0",
-    ]
-
-
 class Run:
     def __init__(self, args):
         self.args = args
@@ -90,7 +77,11 @@ class Run:
     def single(self, name: str, spec: dict | None) -> tuple[list, list, dict]:
         port = free_port()
         argv = serve_argv(
-            tiny_pair.TARGET, pp=1, spec=spec, port=port, extra=_pair_args() + self.gpu_args()
+            tiny_pair.TARGET,
+            pp=1,
+            spec=spec,
+            port=port,
+            extra=engines.pair_serve_args() + self.gpu_args(),
         )
         srv = self.server(name, argv, "0", port=port).start()
         try:
@@ -103,7 +94,7 @@ class Run:
         spec = tiny_pair.spec_config()
         api, master = free_port(), free_port()
         common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master)]
-        common += _pair_args() + self.gpu_args()
+        common += engines.pair_serve_args() + self.gpu_args()
         n0 = self.server(
             f"{name}_node0",
             serve_argv(
