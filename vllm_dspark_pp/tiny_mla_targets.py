@@ -25,9 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dspark_pp import tiny_mla_drafts
-from vllm_dspark_pp.tiny_models import _write_json, _write_tokenizer
+from vllm_dspark_pp.tiny_models import SPECIAL_TOKENS, _write_json, _write_tokenizer
 
 VOCAB = 512
+# The drafts' noise (mask) token fed to the parallel-drafting slots: the tokenizer's ``<|mask|>``
+# (``tiny_models.SPECIAL_TOKENS``). vLLM's DSpark speculator resolves it in
+# ``v1/worker/gpu/spec_decode/utils.get_parallel_drafting_token_id`` and refuses a draft config
+# without one; the released configs carry ``dspark_noise_token_id`` (DeepSeek-V4-Flash: 128799, a
+# reserved id near the end of its vocabulary; Kimi-K3's DSpark draft: 163839, also as
+# ``ptd_token_id``).
+NOISE_TOKEN_ID = SPECIAL_TOKENS.index("<|mask|>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +93,8 @@ def k3_draft_fields(*, gpu: bool = False, target_layers: int = 4) -> dict[str, A
     out = cfg.to_dict()
     out.update({"architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
                 "num_target_layers": 2, "target_layer_ids": [0, target_layers - 1],
-                "vocab_size": VOCAB, "torch_dtype": "bfloat16"})
+                "vocab_size": VOCAB, "torch_dtype": "bfloat16",
+                "dspark_noise_token_id": NOISE_TOKEN_ID, "ptd_token_id": NOISE_TOKEN_ID})
     return out
 
 
@@ -104,11 +112,17 @@ def make_tiny_k3_pair(out: str | Path, *, gpu: bool = False, num_layers: int = 4
     return TinyPair(str(out / "k3-target"), str(out / "k3-dspark"), "kimi-k3")
 
 
+DSV4_BLOCK = 4  # the tests' num_speculative_tokens
+
+
 def dsv4_fields(*, gpu: bool = True) -> dict[str, Any]:
     cfg = tiny_mla_drafts.tiny_dsv4_config(gpu=gpu)
     out = cfg.to_dict()
+    # The DSpark fields of a released DeepSeek-V4-Flash config.json (its drafter reads the
+    # target's config): the noise token for the parallel-drafting slots and the draft block.
     out.update({"architectures": ["DeepseekV4ForCausalLM"], "vocab_size": VOCAB,
-                "torch_dtype": "bfloat16", "eos_token_id": 2})
+                "torch_dtype": "bfloat16", "eos_token_id": 2,
+                "dspark_noise_token_id": NOISE_TOKEN_ID, "dspark_block_size": DSV4_BLOCK})
     return out
 
 
