@@ -114,10 +114,31 @@ def make_tiny_k3_pair(out: str | Path, *, gpu: bool = False, num_layers: int = 4
 
 DSV4_BLOCK = 4  # the tests' num_speculative_tokens
 
+# The attention geometry of a released DeepSeek-V4-Flash config where the tiny config of
+# ``tiny_mla_drafts`` (built for CPU module checks) departs from it in ways the CUDA engine cares
+# about:
+# * one compressed-sparse (ratio 4, with the Lightning Indexer) and one heavily-compressed
+#   (ratio 128) layer. With ratio-128 layers only, no backend declares a KV-cache layout, vLLM
+#   resolves the layer-outermost LBNHC, the DeepSeek-V4 page sizes (37440 / 32832 / 1728 B) cannot
+#   be unified, and the planner's full-allocation fallback promotes the compressor state caches to
+#   the 256-token block (``v1/core/kv_cache_planning._try_get_full_allocation_fallback_groups``),
+#   which the CuTe DSL C128 compressor refuses ("requires state-cache block_size=8, got 256").
+#   The indexer's backend (``DeepseekV4IndexerBackend``) asks for a block-outermost layout, under
+#   which vLLM packs the groups and the state caches keep their 4 / 8-token blocks.
+# * the indexer's 128-wide heads (64 of them) and top-512: the fused quant+cache compressor takes
+#   head_dim 128 or 512 only, and FlashMLA's sparse decode wants a top-k width that is a multiple
+#   of its 64 / 128-wide tiles.
+DSV4_GPU_ATTENTION = {
+    "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+    "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512,
+}
+
 
 def dsv4_fields(*, gpu: bool = True) -> dict[str, Any]:
     cfg = tiny_mla_drafts.tiny_dsv4_config(gpu=gpu)
     out = cfg.to_dict()
+    if gpu:
+        out.update(DSV4_GPU_ATTENTION)
     # The DSpark fields of a released DeepSeek-V4-Flash config.json (its drafter reads the
     # target's config): the noise token for the parallel-drafting slots and the draft block.
     out.update({"architectures": ["DeepseekV4ForCausalLM"], "vocab_size": VOCAB,
