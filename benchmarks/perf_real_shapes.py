@@ -4,7 +4,8 @@ at real model shapes on one GPU (config-only folders, dummy weights, synthetic a
 
 One command per shape on the GPU machine (see docs/results/performance.md for the exact lines):
 
-    python3 benchmarks/perf_real_shapes.py --shape qwen3-8b --out $OUT --budget-s 480
+    python3 benchmarks/perf_real_shapes.py --shape qwen3-8b --phases nospec,producer \\
+        --out $OUT --budget-s 380
 
 What runs: one child process (own process group, hard timeout) per *phase*, in the order of
 ``--phases`` (default ``producer,nospec,dspark,off``); children append records to a JSONL file
@@ -44,8 +45,9 @@ with C prompts at once is what ``vllm bench throughput`` does, and its per-reque
 TTFT/TPOT. CPU dry run (tiny pair, eager):
 
     VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= VLLM_CPU_OMP_THREADS_BIND=nobind \\
-    VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. python benchmarks/perf_real_shapes.py --shape tiny \\
-        --concurrency 1,2 --output-len 16 --input-len 16 --repeats 1 --eager --out /tmp/perf
+    VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. python benchmarks/perf_real_shapes.py --shape tiny -k 4 --acceptance-lengths 2.5,3.5 \\
+        --concurrency 1,2 --output-len 16 --input-len 16 --repeats 1 --eager --out /tmp/perf \\
+        --budget-s 900
 """
 
 from __future__ import annotations
