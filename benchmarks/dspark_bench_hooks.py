@@ -22,12 +22,16 @@ The timers are installed on the live model runner and speculator *instances* by 
 ``dspark_bench_ctl("enable")`` RPC, i.e. after start-up (profiling, compilation and CUDA-graph
 capture never see them). The drafter's memory is measured at load: the allocator's
 ``memory_allocated`` before and after ``DraftModelSpeculator.load_model`` (the speculator's own
-load, which calls vLLM's or this plugin's ``load_draft_model``) and the peak in between; the
-whole model load (target + draft) is vLLM's own ``model_memory_usage``.
+load, which calls vLLM's or this plugin's ``load_draft_model``), each after ``gc.collect()``,
+and the peak in between; the whole model load (target + draft) is vLLM's own
+``model_memory_usage`` (also measured after ``gc.collect()``). The first GPU run (2026-12-03)
+read the allocator without ``gc.collect()`` and so counted the drafter's replaced embedding and
+LM head copies (docs/results/performance.md).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Any
@@ -72,6 +76,7 @@ def _patch_speculator_base(module) -> None:
         torch = _cuda()
         before = peak0 = None
         if torch is not None:
+            gc.collect()
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -93,11 +98,20 @@ def _patch_speculator_base(module) -> None:
             rec["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
         if torch is not None:
             torch.cuda.synchronize()
-            after = torch.cuda.memory_allocated()
+            after_no_gc = torch.cuda.memory_allocated()
             peak0 = torch.cuda.max_memory_allocated()
+            # vLLM replaces the drafter's own embedding / LM head by the target's; on the first
+            # H200 run the replaced copies were still allocated when load_model returned, and
+            # vLLM's model_memory_usage (taken after its own gc.collect()) did not hold them. The
+            # steady-state figure is the one after gc.collect(); the one before is kept.
+            gc.collect()
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_allocated()
             rec.update(
                 allocated_delta_bytes=after - before,
+                allocated_delta_bytes_before_gc=after_no_gc - before,
                 peak_delta_bytes=peak0 - before,
+                gc_collected=True,
             )
         _STATE["mem"]["draft_load"] = rec
         return out

@@ -4,30 +4,39 @@ at real model shapes on one GPU (config-only folders, dummy weights, synthetic a
 
 One command per shape on the GPU machine (see docs/results/performance.md for the exact lines):
 
-    python3 benchmarks/perf_real_shapes.py --shape qwen3-8b --out $OUT --budget-s 480
+    python3 benchmarks/perf_real_shapes.py --shape qwen3-8b --phases nospec,producer \\
+        --out $OUT --budget-s 380
 
-What runs (every engine in its own child process group with a hard timeout; children append
-records to a JSONL file the parent turns into ONE JSON, ``OUT/perf_<shape>.json``, also when the
-budget or a timeout stops them early):
+What runs: one child process (own process group, hard timeout) per *phase*, in the order of
+``--phases`` (default ``producer,nospec,dspark,off``); children append records to a JSONL file
+the parent turns into ONE JSON, ``OUT/perf_<shape>.json``, also when the budget or a timeout
+stops them early:
 
-* child 1, plugin on (``VLLM_PLUGINS=dspark_pp,dspark_bench``):
-  1. DSpark k=7 engine (``rejection_sample_method="synthetic"``); for each repeat, each
-     acceptance length (``--acceptance-lengths``, default 3.99 and 6.1; switched in place on
-     the worker between runs, see ``dspark_bench_hooks._set_acceptance_length``, so one engine
-     serves both), each concurrency C: ``LLM.generate`` of C random 128-token prompts at once,
-     512 output tokens, ``ignore_eos``. Per run: output tok/s (tokens / wall time), TTFT and
-     TPOT per request from ``RequestOutput.metrics``, the spec-decode counters (measured
-     acceptance length), and the per-step target/draft GPU times (``dspark_bench_hooks``).
-     The drafter's allocator-measured memory at load (full drafter) comes from the same engine.
-  2. the prefill-only producer engine (``kv_role=kv_producer`` through the test file connector
-     of tests/e2e/producer, eager, no requests): the context-KV-only drafter's memory at load,
-     and what ``vllm-dspark-pp plan`` predicts for both drafters;
-  3. the no-speculation engine, same runs.
-* child 2, plugin off (``VLLM_PLUGINS=dspark_bench``): the DSpark engine of 1., same runs, so
+* ``producer`` (plugin on): the prefill-only producer engine (``kv_role=kv_producer`` through the
+  test file connector of tests/e2e/producer, eager, no requests): the context-KV-only drafter's
+  memory at load, and what ``vllm-dspark-pp plan`` predicts for both drafters;
+* ``nospec`` (plugin on): the target alone, same runs as ``dspark``;
+* ``dspark`` (plugin on, ``VLLM_PLUGINS=dspark_pp,dspark_bench``): DSpark k=7
+  (``rejection_sample_method="synthetic"``); for each repeat, each acceptance length
+  (``--acceptance-lengths``, default 3.99 and 6.1; switched in place on the worker between runs,
+  see ``dspark_bench_hooks._set_acceptance_length``, so one engine serves both), each
+  concurrency C: ``LLM.generate`` of C random 128-token prompts at once, 512 output tokens,
+  ``ignore_eos``. Per run: output tok/s (tokens / wall time), TTFT and TPOT per request from
+  ``RequestOutput.metrics``, the spec-decode counters (measured acceptance length), and the
+  per-step target/draft GPU times (``dspark_bench_hooks``). The full drafter's
+  allocator-measured memory at load comes from the same engine;
+* ``off`` (plugin off, ``VLLM_PLUGINS=dspark_bench``): the ``dspark`` engine and runs again, so
   the plugin's cost is the on/off ratio at every concurrency.
 
-Child 1 stops starting work when only ``--reserve-s`` of the budget is left, so that child 2
-always gets its turn; repeats are the outer loop, so a budget cut loses repeats, not rows.
+Budget: every phase has a reserved minimum (``PHASE_MIN_S``: engine start with a cold compile
+cache, one pass over the runs, shutdown). A phase may use the budget left minus the minimums of
+the phases after it (``phase_allotment``), so a long phase can never starve a later one; the
+phases are in priority order, so when the budget is short the LAST ones are skipped (the parent
+prints the schedule first; ``--print-schedule`` prints it without running anything). Repeats
+are the outer loop within a phase, so a budget cut loses repeats, not rows. Results of several
+calls for one shape (e.g. ``--phases nospec,producer`` after a run that measured ``dspark,off``)
+are combined with ``--merge A.json B.json``; plot_perf.py and pp_projection.py merge same-shape
+JSONs by themselves.
 
 Why not ``vllm bench throughput``/``serve``: neither switches the synthetic acceptance length
 within one engine, reports the draft/target split or the drafter's memory, and each engine
@@ -35,10 +44,11 @@ start costs 40-90 s at these shapes (torch.compile + CUDA graphs); offline ``LLM
 with C prompts at once is what ``vllm bench throughput`` does, and its per-request metrics give
 TTFT/TPOT. CPU dry run (tiny pair, eager):
 
-    VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=
-    VLLM_CPU_OMP_THREADS_BIND=nobind \\
-    VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. python benchmarks/perf_real_shapes.py --shape tiny \\
-        --concurrency 1,2 --output-len 16 --input-len 16 --repeats 1 --eager --out /tmp/perf
+    VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= \\
+    VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. \\
+    python benchmarks/perf_real_shapes.py --shape tiny -k 4 --acceptance-lengths 2.5,3.5 \\
+        --concurrency 1,2 --output-len 16 --input-len 16 --repeats 1 --eager --out /tmp/perf \\
+        --budget-s 900
 """
 
 from __future__ import annotations
@@ -210,6 +220,154 @@ def summary_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- phases / budget
+PHASES = ("producer", "nospec", "dspark", "off")
+DEFAULT_PHASES = "producer,nospec,dspark,off"
+# Seconds a phase needs at least (child start + vLLM import ~15 s, engine start with a cold
+# compile cache: DSpark 149 s / warm 100 s on the H200 at the Qwen3-8B shape (2026-12-03), one
+# pass over 2 ALs x 5 concurrencies ~12 s (no spec ~20 s), shutdown ~10 s); the producer engine is
+# eager (no compile, no CUDA graphs) and runs no requests.
+PHASE_MIN_S = {"producer": 90.0, "nospec": 190.0, "dspark": 190.0, "off": 190.0}
+PHASE_PLUGIN = {"producer": "on", "nospec": "on", "dspark": "on", "off": "off"}
+PHASE_ENGINE = {"producer": "producer", "nospec": "nospec", "dspark": "dspark", "off": "dspark"}
+GRACE_S = 45.0  # hard-kill margin past a phase's deadline (an engine start or shutdown in flight)
+
+
+def parse_phases(text: str) -> list[str]:
+    """``--phases`` as a list in priority order; unknown or repeated names raise ValueError."""
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in out if p not in PHASES]
+    if bad:
+        raise ValueError(f"unknown phase(s) {bad}: choose from {','.join(PHASES)}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"phase listed twice in {text!r}")
+    if not out:
+        raise ValueError(f"no phase in {text!r}: choose from {','.join(PHASES)}")
+    return out
+
+
+def phase_allotment(remaining_s: float, mins: list[float]) -> float:
+    """Seconds the first of ``mins`` (this phase, then the later ones) may use when
+    ``remaining_s`` of the budget are left: everything but the later phases' minimums, at least
+    its own minimum (earlier phases have priority); 0 = skip (not even its minimum is left)."""
+    own, later = mins[0], sum(mins[1:])
+    if remaining_s < own:
+        return 0.0
+    return max(own, remaining_s - later)
+
+
+def schedule(budget_s: float, phases: list[str], mins: dict | None = None) -> list[dict]:
+    """The plan the parent follows, assuming every phase takes exactly its minimum: per phase
+    its minimum, the seconds it may use (``allot_s``; 0 = skipped) and when it would start."""
+    mins = mins or PHASE_MIN_S
+    out, t = [], 0.0
+    for i, p in enumerate(phases):
+        allot = phase_allotment(budget_s - t, [mins[x] for x in phases[i:]])
+        out.append({"phase": p, "min_s": mins[p], "allot_s": allot, "start_s": t})
+        if allot:
+            t += mins[p]
+    return out
+
+
+def schedule_text(budget_s: float, phases: list[str]) -> str:
+    rows = schedule(budget_s, phases)
+    need = sum(r["min_s"] for r in rows)
+    lines = [f"phases in priority order, budget {budget_s:.0f} s, minimums {need:.0f} s:"]
+    for r in rows:
+        lines.append(
+            f"  {r['phase']:<8} plugin {PHASE_PLUGIN[r['phase']]:<3} min {r['min_s']:.0f} s"
+            + (f", may use {r['allot_s']:.0f} s" if r["allot_s"] else ", SKIPPED")
+        )
+    if need > budget_s:
+        lines.append(
+            f"  WARNING: budget {budget_s:.0f} s < {need:.0f} s of minimums: the last "
+            "phases may be skipped; raise --budget-s or split --phases over two calls"
+        )
+    return "\n".join(lines)
+
+
+def result_records(result: dict) -> list[dict]:
+    """The records a result JSON was built from (inverse of ``build_result``)."""
+    recs = list(result.get("runs") or []) + list((result.get("memory") or {}).values())
+    recs += list(result.get("engines") or [])
+    if result.get("plan"):
+        recs.append(result["plan"])
+    return recs + list(result.get("skipped") or []) + list(result.get("errors") or [])
+
+
+def _skip_key(rec: dict) -> tuple[str, str] | None:
+    """(engine, plugin) a skip record is about, from its fields or its ``what`` text."""
+    import re
+
+    if rec.get("engine") and rec.get("plugin"):
+        return rec["engine"], rec["plugin"]
+    what = str(rec.get("what") or "")
+    head = what.split(" ", 1)[0]
+    if "/" in head:
+        e, p = head.split("/", 1)
+        return e, p
+    m = re.search(r"\(plugin (\w+)\)", what)
+    return (head, m.group(1)) if head and m else None
+
+
+def _measured_keys(result: dict) -> set[tuple[str, str]]:
+    keys = {(r["engine"], r["plugin"]) for r in result.get("runs") or []}
+    for name in result.get("memory") or {}:
+        if "/" in name:
+            keys.add(tuple(name.split("/", 1)))
+    return keys
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from several runs of ONE shape (e.g. ``dspark,off`` in one call and
+    ``nospec,producer`` in the next): all records rebuilt together (medians over every repeat of
+    both); a skip record of one run is dropped when another run measured that engine."""
+    if not results:
+        raise ValueError("nothing to merge")
+    shapes = {r.get("shape") for r in results}
+    if len(shapes) != 1:
+        raise ValueError(f"cannot merge results of different shapes {sorted(map(str, shapes))}")
+    if len(results) == 1:
+        return results[0]
+    recs = []
+    for i, r in enumerate(results):
+        others = set().union(*(_measured_keys(o) for j, o in enumerate(results) if j != i))
+        for rec in result_records(r):
+            if rec.get("type") == "skip" and _skip_key(rec) in others:
+                continue
+            recs.append(rec)
+    derived = {
+        "engines",
+        "rows",
+        "plugin_ratio",
+        "speedup",
+        "memory",
+        "plan",
+        "skipped",
+        "errors",
+        "runs",
+        "child_status",
+        "wall_s",
+        "_path",
+    }
+    meta = {k: v for k, v in results[0].items() if k not in derived}
+
+    def joined(key):
+        vals = []
+        for r in results:
+            if r.get(key) is not None and str(r[key]) not in vals:
+                vals.append(str(r[key]))
+        return "; ".join(vals) or None
+
+    meta["command"] = joined("command")
+    meta["date_utc"] = joined("date_utc")
+    meta["merged_from"] = len(results)
+    out = build_result(meta, recs)
+    out["child_status"] = {k: v for r in results for k, v in (r.get("child_status") or {}).items()}
+    out["wall_s"] = round(sum(r.get("wall_s") or 0 for r in results), 1)
+    return out
+
+
 # --------------------------------------------------------------------------- child
 def _spec_counters(llm) -> dict:
     from vllm_dspark_pp.dev.metrics import spec_metrics_from_llm  # the one metrics reader
@@ -328,11 +486,13 @@ def child_main(spec_path: str) -> int:
 
     for phase in spec["phases"]:
         name, plugin = phase["engine"], spec["plugin"]
-        if left() < phase.get("min_s", 60):
+        if left() < phase.get("min_s", 15):
             emit(
                 {
                     "type": "skip",
                     "what": f"{name} engine (plugin {plugin})",
+                    "engine": name,
+                    "plugin": plugin,
                     "why": f"budget: {left():.0f} s left",
                 }
             )
@@ -459,11 +619,11 @@ def make_hook_dist(root: Path) -> Path:
 def run_child(
     spec: dict, work: Path, env: dict, timeout_s: float, log_path: Path, records: Path
 ) -> str:
+    from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+
     spec_path = work / f"child_{spec['plugin']}_{int(time.time() * 1000)}.json"
     spec_path.write_text(json.dumps(spec))
     seen = records.read_text().count("\n") if records.exists() else 0
-    from vllm_dspark_pp.dev.proc import kill_group, start_in_session
-
     with log_path.open("ab") as logf:
         proc = start_in_session(
             [sys.executable, str(Path(__file__).resolve()), "--_child", str(spec_path)],
@@ -526,21 +686,46 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=480.0)
-    ap.add_argument(
-        "--reserve-s", type=float, default=150.0, help="budget kept for the plugin-off child"
-    )
     ap.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (CPU dry runs)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument(
         "--phases",
-        default="dspark,producer,nospec,off",
-        help="which parts to run, in this order within the plugin-on child",
+        default=DEFAULT_PHASES,
+        help=f"which of {','.join(PHASES)} to run, in priority order (each in its "
+        "own child process with a reserved share of --budget-s)",
+    )
+    ap.add_argument(
+        "--print-schedule",
+        action="store_true",
+        help="print the phases' budget schedule and exit (no engine, no GPU)",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="merge result JSONs of one shape into OUT/perf_<shape>.json and exit",
     )
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
         return child_main(a._child)
+    try:
+        phase_names = parse_phases(a.phases)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.print_schedule:
+        print(schedule_text(a.budget_s, phase_names))
+        return 0
+    if a.merge:
+        merged = merge_results([json.loads(Path(x).read_text()) for x in a.merge])
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        dest = Path(a.out) / f"perf_{merged['shape']}.json"
+        dest.write_text(json.dumps(merged, indent=1, default=str))
+        log(f"merged {len(a.merge)} results into {dest}")
+        print(summary_table(merged), flush=True)
+        return 0
 
     t_start = time.time()
     deadline = t_start + a.budget_s
@@ -606,30 +791,12 @@ def main(argv=None) -> int:
         "repeats": a.repeats,
         "vocab": vocab,
     }
-    phases_on = []
-    wanted = [p.strip() for p in a.phases.split(",") if p.strip()]
-    for p in wanted:
-        if p == "dspark":
-            phases_on.append(
-                {"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als, "min_s": 60}
-            )
-        elif p == "producer":
-            phases_on.append(
-                {
-                    "engine": "producer",
-                    "llm": producer_llm,
-                    "runs": False,
-                    "plan": plan_req,
-                    "min_s": 40,
-                }
-            )
-        elif p == "nospec":
-            phases_on.append({"engine": "nospec", "llm": nospec_llm, "min_s": 60})
-    phases_off = (
-        [{"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als, "min_s": 60}]
-        if "off" in wanted
-        else []
-    )
+    phase_specs = {
+        "producer": {"engine": "producer", "llm": producer_llm, "runs": False, "plan": plan_req},
+        "nospec": {"engine": "nospec", "llm": nospec_llm},
+        "dspark": {"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als},
+        "off": {"engine": "dspark", "llm": spec_llm, "acceptance_lengths": als},
+    }
 
     hooks_root = make_hook_dist(work / "hooks")
     env = dict(os.environ)
@@ -661,46 +828,47 @@ def main(argv=None) -> int:
     meta.update(_versions())
     log(f"shape {a.shape}: target {paths.target}, draft {paths.draft}; budget {a.budget_s:.0f} s")
 
-    children = []
-    if phases_on:
-        children.append(
-            (
-                "on",
-                phases_on,
-                f"{PLUGIN},{BENCH_PLUGIN}",
-                deadline - (a.reserve_s if phases_off else 0),
-            )
-        )
-    if phases_off:
-        children.append(("off", phases_off, BENCH_PLUGIN, deadline))
+    log(schedule_text(a.budget_s, phase_names))
     statuses = {}
-    for plugin, phases, plugins_env, child_deadline in children:
-        left = child_deadline - time.time()
-        log(f"child plugin={plugin}: phases {[p['engine'] for p in phases]}, {left:.0f} s")
-        if left < 30:
+    for i, name in enumerate(phase_names):
+        engine, plugin = PHASE_ENGINE[name], PHASE_PLUGIN[name]
+        remaining = deadline - time.time()
+        allot = phase_allotment(remaining, [PHASE_MIN_S[p] for p in phase_names[i:]])
+        if not allot:
             with records.open("a") as f:
                 f.write(
                     json.dumps(
                         {
                             "type": "skip",
-                            "what": f"child plugin {plugin}",
-                            "why": f"budget: {left:.0f} s left",
+                            "what": f"{engine} engine (plugin {plugin})",
+                            "engine": engine,
+                            "plugin": plugin,
+                            "t_unix": time.time(),
+                            "why": f"budget: {remaining:.0f} s left, phase {name} "
+                            f"needs {PHASE_MIN_S[name]:.0f} s",
                         }
                     )
                     + "\n"
                 )
+            log(f"SKIP phase {name}: {remaining:.0f} s left < {PHASE_MIN_S[name]:.0f} s")
             continue
+        log(
+            f"phase {name} (engine {engine}, plugin {plugin}): may use {allot:.0f} s "
+            f"of {remaining:.0f} s left"
+        )
+        plugins_env = f"{PLUGIN},{BENCH_PLUGIN}" if plugin == "on" else BENCH_PLUGIN
         cenv = dict(env, VLLM_PLUGINS=plugins_env)
         spec = {
             "plugin": plugin,
-            "phases": phases,
+            "phases": [phase_specs[name]],
             "records": str(records),
-            "deadline_unix": child_deadline,
+            "deadline_unix": time.time() + allot,
             "args": run_args,
         }
-        # Hard limit: the child's own deadline plus grace for an engine start in flight.
-        statuses[plugin] = run_child(spec, work, cenv, max(left + 30, 60), log_path, records)
-        log(f"child plugin={plugin}: {statuses[plugin]}")
+        statuses[f"{engine}/{plugin}"] = run_child(
+            spec, work, cenv, allot + GRACE_S, log_path, records
+        )
+        log(f"phase {name}: {statuses[f'{engine}/{plugin}']}")
     recs = (
         [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
         if records.exists()

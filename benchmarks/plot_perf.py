@@ -20,12 +20,34 @@ MIB = 2**20
 
 
 def load(paths: list[str | Path]) -> list[dict]:
-    out = []
+    """Result JSONs, one per shape: several JSONs of one shape (calls with different
+    ``--phases``) are merged (``perf_real_shapes.merge_results``)."""
+    from perf_real_shapes import merge_results
+
+    by_shape: dict[str, list[dict]] = {}
     for p in paths:
         r = json.loads(Path(p).read_text())
-        r["_path"] = str(p)
-        out.append(r)
-    return sorted(out, key=lambda r: r.get("shape", ""))
+        by_shape.setdefault(r.get("shape", ""), []).append(r)
+    return [merge_results(rs) for _, rs in sorted(by_shape.items())]
+
+
+def plan_bytes(res: dict) -> dict | None:
+    """What ``vllm-dspark-pp plan`` predicts (bytes) for this result's shape, computed from its
+    ``shape_config`` with the plan's own function (config-only draft: embedding and LM head
+    shared with the target); None when the shape config is not a real shape's."""
+    cfg = res.get("shape_config")
+    if not isinstance(cfg, dict) or "intermediate_size" not in cfg:
+        return None
+    try:
+        from real_shapes import SHAPES, draft_config
+
+        from vllm_dspark_pp.plan import draft_load_bytes
+    except ImportError:
+        return None
+    shape = SHAPES.get(cfg.get("name"))
+    if shape is None:
+        return None
+    return draft_load_bytes(draft_config(shape), 2, own_embed=False, own_head=False)
 
 
 def _f(x, fmt: str) -> str:
@@ -91,25 +113,33 @@ def step_table(res: dict) -> str:
 def memory_table(res: dict) -> str:
     mem = res.get("memory") or {}
     plan = res.get("plan") or {}
+    pb = plan_bytes(res)
     lines = [
-        "| drafter | allocator delta at load | peak during load | own parameters | plan predicts |",
-        "|---|---:|---:|---:|---|",
+        "| drafter | allocator delta at load | gc before reading | peak during load | "
+        "own parameters | plan predicts | allocator / plan |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
-    for key, label, role in (
-        ("dspark/on", "full DSpark drafter", "kv_both"),
-        ("producer/on", "context-KV-only drafter (producer)", "kv_producer"),
+
+    def mib(x):
+        return "-" if x is None else f"{x / MIB:.1f} MiB"
+
+    for key, label, pkey in (
+        ("dspark/on", "full DSpark drafter", "full"),
+        ("producer/on", "context-KV-only drafter (producer)", "context_only"),
     ):
         d = (mem.get(key) or {}).get("draft_load") or {}
-        pred = ((plan.get(role) or {}).get("draft bytes")) or "-"
-
-        def mib(x):
-            return "-" if x is None else f"{x / MIB:.1f} MiB"
-
+        pred = pb[pkey] if pb else None
+        got = d.get("allocated_delta_bytes")
+        gc_note = "-" if not d else ("yes" if d.get("gc_collected") else "no (first run)")
         lines.append(
-            f"| {label} | {mib(d.get('allocated_delta_bytes'))} | "
-            f"{mib(d.get('peak_delta_bytes'))} | {mib(d.get('param_bytes_own'))} | "
-            f"{pred} |"
+            f"| {label} | {mib(got)} | {gc_note} | {mib(d.get('peak_delta_bytes'))} | "
+            f"{mib(d.get('param_bytes_own'))} | {mib(pred)} | "
+            f"{_f(got / pred if got and pred else None, '.3f')} |"
         )
+    for role in ("kv_both", "kv_producer"):
+        text = (plan.get(role) or {}).get("draft bytes")
+        if text:
+            lines.append(f"\n`vllm-dspark-pp plan` on the GPU machine ({role}): {text}")
     return "\n".join(lines)
 
 

@@ -137,6 +137,30 @@ def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict
                 found = c
                 break
         overtake[str(al)] = found
+    # no speculation: the same model with k=0, tau=1, no draft, no aux taps relayed, one token
+    # per request broadcast; only from measured no-spec rows (never derived from DSpark rows)
+    nospec_rows = []
+    for r in sorted(
+        (r for r in res["rows"] if r["engine"] == "nospec"), key=lambda r: r["concurrency"]
+    ):
+        if r.get("target_ms") is None or r.get("step_ms") is None:
+            continue
+        c, t_target = r["concurrency"], r["target_ms"]
+        t_rest = max(r["step_ms"] - t_target, 0.0)
+        t_x = c * hidden * BF16 * 2 / (link_gbps * 1e9) * 1e3 + bcast_us / 1e3
+        t_tok = bcast_us / 1e3 + c * 8 / (link_gbps * 1e9) * 1e3
+        two_wave = max(t_target / 2 + t_x, t_target / 2 + t_rest + t_tok)
+        nospec_rows.append(
+            {
+                "concurrency": c,
+                "target_ms": t_target,
+                "rest_ms": t_rest,
+                "pp1_tok_s_model": c / (t_target + t_rest) * 1e3,
+                "pp1_tok_s_measured": r.get("output_tok_s"),
+                "pp2_one_wave_tok_s": c / (t_target + t_x + t_rest + t_tok) * 1e3,
+                "pp2_two_waves_tok_s": c / two_wave * 1e3,
+            }
+        )
     return {
         "shape": res.get("shape"),
         "k": k,
@@ -146,6 +170,7 @@ def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict
         "bcast_us": bcast_us,
         "rows": out_rows,
         "overtake_concurrency": overtake,
+        "nospec_rows": nospec_rows,
     }
 
 
@@ -178,6 +203,38 @@ def markdown(p: dict, gloo: dict | None = None) -> str:
             for al, c in p["overtake_concurrency"].items()
         ),
     ]
+    ns = {r["concurrency"]: r for r in p.get("nospec_rows") or []}
+    if not ns:
+        lines += [
+            "",
+            "No speculation at PP=2, and DSpark's speedup over it at PP=2: cannot be "
+            "computed yet: this result has no measured no-speculation rows (run "
+            "`perf_real_shapes.py --phases nospec`); nothing here is derived from them.",
+        ]
+    else:
+        lines += [
+            "",
+            "No speculation (measured PP=1 rows, same model with k=0) and DSpark's "
+            "PP=2 two-wave speedup over it:",
+            "",
+            "| C | PP=1 tok/s (model / measured) | PP=2 1 wave | PP=2 2 waves | "
+            "DSpark/no-spec PP=2 2 waves (per AL) |",
+            "|---:|---:|---:|---:|---|",
+        ]
+        for c, n in sorted(ns.items()):
+            sp = ", ".join(
+                f"AL {r['acceptance_length']:g}: "
+                f"{r['pp2_two_waves_tok_s'] / n['pp2_two_waves_tok_s']:.2f}x"
+                for r in p["rows"]
+                if r["concurrency"] == c
+            )
+            meas = n["pp1_tok_s_measured"]
+            lines.append(
+                f"| {c} | {n['pp1_tok_s_model']:.0f} / "
+                f"{meas if meas is None else round(meas)} | "
+                f"{n['pp2_one_wave_tok_s']:.0f} | {n['pp2_two_waves_tok_s']:.0f} | "
+                f"{sp or '-'} |"
+            )
     lines += [
         "",
         "Token exchange bytes per step (k=7): "
@@ -206,7 +263,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("result")
+    ap.add_argument("result", nargs="+", help="result JSON(s) of ONE shape (merged)")
     ap.add_argument("--gloo", type=Path, default=None)
     ap.add_argument("--link-gbps", type=float, default=300.0)
     ap.add_argument("--bcast-us", type=float, default=20.0)
@@ -219,7 +276,9 @@ def main(argv=None) -> int:
         help="write into this file's PROJECTION block (docs/performance-bound.md)",
     )
     a = ap.parse_args(argv)
-    res = json.loads(Path(a.result).read_text())
+    from perf_real_shapes import merge_results
+
+    res = merge_results([json.loads(Path(x).read_text()) for x in a.result])
     p = project(res, a.link_gbps, a.bcast_us)
     gloo = json.loads(a.gloo.read_text()) if a.gloo and a.gloo.exists() else None
     md = markdown(p, gloo)

@@ -131,10 +131,8 @@ def test_plot_writes_tables_and_png(tmp_path):
     md = md_path.read_text()
     assert "| DSpark k=7, AL 3.99 | 4 | 1200.0 | 3.00x |" in md
     assert "| 3.99 | 1 | 300.0 | 303.0 | 0.990 |" in md
-    assert (
-        "| full DSpark drafter | 3072.0 MiB | 5120.0 MiB | 2048.0 MiB | full drafter 1.00 MiB |"
-        in md
-    )
+    assert "| full DSpark drafter | 3072.0 MiB | no (first run) | 5120.0 MiB | 2048.0 MiB |" in md
+    assert "`vllm-dspark-pp plan` on the GPU machine (kv_both): full drafter 1.00 MiB" in md
     assert "nospec rep 2 C 64" in md  # what was not measured is listed
     png = tmp_path / "perf_qwen3-8b.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

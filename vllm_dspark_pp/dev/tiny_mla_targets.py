@@ -25,9 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dspark_pp.dev import tiny_mla_drafts
-from vllm_dspark_pp.tiny_models import _write_json, _write_tokenizer
+from vllm_dspark_pp.tiny_models import SPECIAL_TOKENS, _write_json, _write_tokenizer
 
 VOCAB = 512
+# The drafts' noise (mask) token fed to the parallel-drafting slots: the tokenizer's ``<|mask|>``
+# (``tiny_models.SPECIAL_TOKENS``). vLLM's DSpark speculator resolves it in
+# ``v1/worker/gpu/spec_decode/utils.get_parallel_drafting_token_id`` and refuses a draft config
+# without one; the released configs carry ``dspark_noise_token_id`` (DeepSeek-V4-Flash: 128799, a
+# reserved id near the end of its vocabulary; Kimi-K3's DSpark draft: 163839, also as
+# ``ptd_token_id``).
+NOISE_TOKEN_ID = SPECIAL_TOKENS.index("<|mask|>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +117,8 @@ def k3_draft_fields(*, gpu: bool = False, target_layers: int = 4) -> dict[str, A
             "target_layer_ids": [0, target_layers - 1],
             "vocab_size": VOCAB,
             "torch_dtype": "bfloat16",
+            "dspark_noise_token_id": NOISE_TOKEN_ID,
+            "ptd_token_id": NOISE_TOKEN_ID,
         }
     )
     return out
@@ -129,15 +138,45 @@ def make_tiny_k3_pair(out: str | Path, *, gpu: bool = False, num_layers: int = 4
     return TinyPair(str(out / "k3-target"), str(out / "k3-dspark"), "kimi-k3")
 
 
+DSV4_BLOCK = 4  # the tests' num_speculative_tokens
+
+# The attention geometry of a released DeepSeek-V4-Flash config where the tiny config of
+# ``tiny_mla_drafts`` (built for CPU module checks) departs from it in ways the CUDA engine cares
+# about:
+# * one compressed-sparse (ratio 4, with the Lightning Indexer) and one heavily-compressed
+#   (ratio 128) layer. With ratio-128 layers only, no backend declares a KV-cache layout, vLLM
+#   resolves the layer-outermost LBNHC, the DeepSeek-V4 page sizes (37440 / 32832 / 1728 B) cannot
+#   be unified, and the planner's full-allocation fallback promotes the compressor state caches to
+#   the 256-token block (``v1/core/kv_cache_planning._try_get_full_allocation_fallback_groups``),
+#   which the CuTe DSL C128 compressor refuses ("requires state-cache block_size=8, got 256").
+#   The indexer's backend (``DeepseekV4IndexerBackend``) asks for a block-outermost layout, under
+#   which vLLM packs the groups and the state caches keep their 4 / 8-token blocks.
+# * the indexer's 128-wide heads (64 of them) and top-512: the fused quant+cache compressor takes
+#   head_dim 128 or 512 only, and FlashMLA's sparse decode wants a top-k width that is a multiple
+#   of its 64 / 128-wide tiles.
+DSV4_GPU_ATTENTION = {
+    "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+}
+
+
 def dsv4_fields(*, gpu: bool = True) -> dict[str, Any]:
     cfg = tiny_mla_drafts.tiny_dsv4_config(gpu=gpu)
     out = cfg.to_dict()
+    if gpu:
+        out.update(DSV4_GPU_ATTENTION)
+    # The DSpark fields of a released DeepSeek-V4-Flash config.json (its drafter reads the
+    # target's config): the noise token for the parallel-drafting slots and the draft block.
     out.update(
         {
             "architectures": ["DeepseekV4ForCausalLM"],
             "vocab_size": VOCAB,
             "torch_dtype": "bfloat16",
             "eos_token_id": 2,
+            "dspark_noise_token_id": NOISE_TOKEN_ID,
+            "dspark_block_size": DSV4_BLOCK,
         }
     )
     return out

@@ -1,0 +1,129 @@
+"""The tiny Kimi-K3 / DeepSeek-V4 GPU targets pass the two start-up checks that stopped every
+engine of the first H200 run of tests/gpu/test_dsv4_k3_engine.py (2026-12-03, issue 16).
+
+1. vLLM's DSpark speculator resolves the noise (mask) token of the draft config
+   (``v1/worker/gpu/spec_decode/utils.get_parallel_drafting_token_id``, called from the DFlash
+   speculator's ``__init__``); the tiny drafts had none ("Model config must specify ...").
+2. DeepSeek-V4's compressor state caches keep their 4 / 8-token blocks through vLLM's KV-cache
+   planning: the target is constructed on CPU (vLLM's CUDA model class, its two CUDA-only
+   constructor calls stood in for), the KV-cache layout is resolved from its layers' backends as
+   the engine core does (``resolve_kv_cache_layout``), and vLLM's planner groups the specs. With
+   the old tiny config (ratio-128 layers only) the layout is LBNHC, the page sizes do not unify and
+   the fallback gives the C128 state cache the 256-token block, the block the CuTe DSL compressor
+   refused on the H200 ("requires state-cache block_size=8, got 256");
+   ``test_old_dsv4_config_reproduces_the_state_block_256`` keeps that failure visible.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_dspark_pp.dev import tiny_mla_targets as t
+
+
+def _engine_config(pair, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=pair.target,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=8,
+        enforce_eager=True,
+        **kw,
+    ).create_engine_config()
+
+
+@pytest.mark.parametrize("fam", ["k3", "dsv4"])
+def test_draft_config_names_the_noise_token(fam, tmp_path):
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    make = t.make_tiny_k3_pair if fam == "k3" else t.make_tiny_dsv4_pair
+    pair = make(tmp_path, gpu=True)
+    cfg = _engine_config(pair, speculative_config=pair.speculative_config(4))
+    draft = cfg.speculative_config.draft_model_config
+    assert draft.architectures == (["K3DSparkModel"] if fam == "k3" else ["DSparkDraftModel"])
+    assert get_parallel_drafting_token_id(draft.hf_config) == t.NOISE_TOKEN_ID
+    vocab = json.loads(
+        (tmp_path / ("k3-target" if fam == "k3" else "dsv4") / "tokenizer.json").read_text()
+    )["model"]["vocab"]
+    assert vocab["<|mask|>"] == t.NOISE_TOKEN_ID
+
+
+def _dsv4_groups(pair, monkeypatch):
+    """(resolved layout name, {layer: block size after planning}) for the DSV4 target."""
+    import vllm.models.deepseek_v4.nvidia.flashmla as flashmla
+    import vllm.models.deepseek_v4.nvidia.model as dsv4
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+
+    # The GPU run's cache dtype: DeepSeek-V4's CUDA attention picks fp8_ds_mla by itself there.
+    cfg = _engine_config(pair, kv_cache_dtype="fp8_ds_mla")
+    assert cfg.cache_config.block_size == 256
+    cfg.compilation_config.static_forward_context = {}
+    from vllm.distributed import parallel_state
+
+    with monkeypatch.context() as m, set_current_vllm_config(cfg), torch.device("cpu"):
+        if parallel_state._EP is None:  # dist_env's world was set up for a dense model
+            m.setattr(parallel_state, "_EP", parallel_state.get_tp_group())  # one rank: same
+        # Construction only: an aux stream and events (used to overlap work at run time) and the
+        # fp8 einsum recipe (reads the CUDA capability) are the constructor's CUDA calls.
+        m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
+        m.setattr(torch.cuda, "Event", lambda *a, **k: None)
+        m.setattr(flashmla, "compute_fp8_einsum_recipe", lambda: (None, False))
+        dsv4.DeepseekV4ForCausalLM(vllm_config=cfg, prefix="")
+    ctx = cfg.compilation_config.static_forward_context
+    with set_current_vllm_config(cfg):
+        specs = {
+            n: s
+            for n, layer in ctx.items()
+            if hasattr(layer, "get_kv_cache_spec")
+            and (s := layer.get_kv_cache_spec(cfg)) is not None
+        }
+    backends = {ctx[n].get_attn_backend() for n in specs}
+    supported = [x.name for x in get_supported_kv_cache_layouts(backends)]
+    layout = resolve_kv_cache_layout(cfg, [supported], specs.values())
+    groups = get_kv_cache_groups(cfg, dict(specs))
+    blocks = {}
+    for g in groups:
+        inner = getattr(g.kv_cache_spec, "kv_cache_specs", None) or {
+            n: g.kv_cache_spec for n in g.layer_names
+        }
+        blocks.update({n: s.block_size for n, s in inner.items()})
+    return layout, blocks
+
+
+def _state_blocks(blocks):
+    return {n: b for n, b in blocks.items() if n.endswith("compressor.state_cache")}
+
+
+def test_dsv4_state_caches_keep_their_blocks(tmp_path, plugin, dist_env, monkeypatch):
+    pair = t.make_tiny_dsv4_pair(tmp_path, gpu=True)
+    layout, blocks = _dsv4_groups(pair, monkeypatch)
+    assert layout.is_block_outermost, layout
+    states = _state_blocks(blocks)
+    # layer 0: ratio 4 (its compressor and the indexer's); layer 1: ratio 128 (CuTe C128: 8)
+    assert states == {
+        "model.layers.0.attn.compressor.state_cache": 4,
+        "model.layers.0.attn.indexer.compressor.state_cache": 4,
+        "model.layers.1.attn.compressor.state_cache": 8,
+    }, states
+
+
+def test_old_dsv4_config_reproduces_the_state_block_256(tmp_path, plugin, dist_env, monkeypatch):
+    pair = t.make_tiny_dsv4_pair(tmp_path, gpu=True)
+    path = tmp_path / "dsv4" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["layer_types"] = ["heavily_compressed_attention"] * 2  # the first run's tiny config
+    path.write_text(json.dumps(cfg))
+    layout, blocks = _dsv4_groups(pair, monkeypatch)
+    assert layout.name == "LBNHC"
+    assert set(_state_blocks(blocks).values()) == {256}, blocks
