@@ -3,7 +3,7 @@
 
 One command (< 10 minutes), on a machine with >= 2 GPUs after the kit is booted:
 
-    source /tmp/site/env.sh && python3 tests/multi_gpu/run_pd_pp2.py --out $OUT
+    source /tmp/site/env.sh && PYTHONPATH=tests python3 tests/multi_gpu/run_pd_pp2.py --out $OUT
 
 Producer: ``vllm serve --pipeline-parallel-size 2`` on GPUs 0,1, ``kv_producer``; decoder: PP=1
 ``kv_consumer`` on GPU 2 when three or more GPUs exist, else sharing GPU 1 with producer stage 1;
@@ -20,18 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-# A script run by hand on the GPU machine (not collected by pytest): make tests/support importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from run_pp2_aggregated import MAX_TOKENS, random_pair, waves  # noqa: E402
-from support.gpu import GPUCaseFailure, run_llm  # noqa: E402
-from support.parity import acceptance_close, compare_tokens  # noqa: E402
-from support.pd_run import run_pd  # noqa: E402
+from run_pp2_aggregated import MAX_TOKENS, random_pair, waves
+from support.gpu import GPUCaseFailure, run_llm
+from support.parity import acceptance_close, compare_tokens
+from support.pd_run import run_pd
 
-from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count  # noqa: E402
+from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,8 @@
 One command (< 10 minutes; or two with --part parity / --part startup), on a machine with >= 2 GPUs
 after the kit is booted:
 
-    source /tmp/site/env.sh && python3 tests/multi_gpu/run_pp2_aggregated.py --out $OUT
+    source /tmp/site/env.sh && PYTHONPATH=tests \
+        python3 tests/multi_gpu/run_pp2_aggregated.py --out $OUT
     [--trained-pair DIR]
 
 For each model pair (the random-weight tiny pair, generated here, and the trained tiny pair when
@@ -29,16 +30,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-# A script run by hand on the GPU machine (not collected by pytest): make tests/support importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.gpu import GPUCaseFailure, run_llm  # noqa: E402
-from support.parity import acceptance_close, compare_tokens  # noqa: E402
+from support.gpu import GPUCaseFailure, run_llm
+from support.parity import acceptance_close, compare_tokens
 
-from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count  # noqa: E402
+from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count
 
 WAVES_SEED = 4321
 MAX_TOKENS = 48

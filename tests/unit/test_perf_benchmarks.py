@@ -191,11 +191,12 @@ def test_shape_folders_carry_the_published_draft_shape(tmp_path):
 def test_real_shape_builds_vllm_engine_config(tmp_path):
     """vLLM 0.34.0 builds the Qwen3-8B-shaped pair (CPU platform, no weights)."""
     code = (
-        "import json,sys; sys.path.insert(0, sys.argv[1]); import real_shapes as r; "
+        "import json,sys; import real_shapes as r; "
         "p = r.write_shape('qwen3-8b', sys.argv[2]); print(json.dumps(r.check_engine_config(p)))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(BENCH), str(tmp_path)],
+        cwd=str(BENCH),  # the benchmark scripts import each other from their folder
         capture_output=True,
         text=True,
         timeout=240,
