@@ -44,6 +44,27 @@ _K3_KEEP = re.compile(
     r"(?:k|v|q|kv|prob)_scale$))"
 )
 
+#: The MLA latent geometry an attention impl takes from its layer (keyword names of vLLM 0.34.0's
+#: ``MLAAttentionImpl.__init__``).
+_MLA_LATENT_DIMS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "qk_head_dim",
+    "v_head_dim",
+)
+#: Impl arguments the context-KV-only layer has no use for: it never attends (no ``kv_b_proj``, no
+#: indexer, no window, no ALiBi, no soft cap) and shares no KV cache.
+_IMPL_ARGS_NOT_USED = (
+    "alibi_slopes",
+    "sliding_window",
+    "logits_soft_cap",
+    "kv_sharing_target_layer_name",
+    "kv_b_proj",
+    "indexer",
+)
+
 
 #: Whether a Kimi-K3 DSpark checkpoint tensor feeds the context-only drafter; the rest.
 is_k3_context_kv_weight, k3_skipped_weight_names = weight_filter(_K3_KEEP)
@@ -120,29 +141,22 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             _init_kv_cache_quant(self, quant_config, prefix)
             # The backend's impl writes the cache on the per-layer insert path
             # (do_kv_cache_update); it is never asked to attend, so no kv_b_proj.
-            self.impl = self.attn_backend.get_impl_cls()(
+            latent_dims = {dim: getattr(self, dim) for dim in _MLA_LATENT_DIMS}
+            unused = dict.fromkeys(_IMPL_ARGS_NOT_USED)
+            impl_cls = self.attn_backend.get_impl_cls()
+            self.impl = impl_cls(
                 num_heads=self.num_local_heads,
                 head_size=self.head_size,
                 scale=self.scale,
                 num_kv_heads=1,
-                alibi_slopes=None,
-                sliding_window=None,
                 kv_cache_dtype=self.kv_cache_dtype,
-                logits_soft_cap=None,
                 attn_type=AttentionType.DECODER,
-                kv_sharing_target_layer_name=None,
-                q_lora_rank=self.q_lora_rank,
-                kv_lora_rank=self.kv_lora_rank,
-                qk_nope_head_dim=self.qk_nope_head_dim,
-                qk_rope_head_dim=self.qk_rope_head_dim,
-                qk_head_dim=self.qk_head_dim,
-                v_head_dim=self.v_head_dim,
-                kv_b_proj=None,
-                indexer=None,
+                **latent_dims,
+                **unused,
             )
+            # A backend that reads the decode-context-parallel world needs it set (1 rank).
             if getattr(self.impl, "dcp_world_size", -1) < 1:
-                self.impl.dcp_world_size = 1
-                self.impl.dcp_rank = 0
+                self.impl.dcp_world_size, self.impl.dcp_rank = 1, 0
             forward_context = get_current_vllm_config().compilation_config
             if prefix in forward_context.static_forward_context:
                 raise ValueError(f"Duplicate layer name: {prefix}")
