@@ -43,7 +43,14 @@ from pathlib import Path
 from vllm_dspark_pp.dev.metrics import counter_delta, parse_prometheus
 from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus as spec_counters
 from vllm_dspark_pp.dev.pd_proxy import PDProxy
-from vllm_dspark_pp.dev.serve import Server, free_port, free_port_block, http_json, http_text
+from vllm_dspark_pp.dev.serve import (
+    Server,
+    free_port,
+    free_port_block,
+    greedy_completion_body,
+    http_json,
+    http_text,
+)
 
 #: What a DSpark prefill-only producer logs (same strings as pd_run.PREFILL_MARKERS).
 PREFILL_MARKERS = (
@@ -141,14 +148,7 @@ def _kv_view(m: dict[str, float]) -> dict[str, float]:
 def _complete(
     url: str, model: str, ids: list[int], max_tokens: int, ignore_eos: bool, timeout: float
 ) -> dict:
-    body = {
-        "model": model,
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": ignore_eos,
-        "return_token_ids": True,
-    }
+    body = greedy_completion_body(model, ids, max_tokens, ignore_eos)
     try:
         out = http_json(url + "/v1/completions", body, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - a failed request is a result here

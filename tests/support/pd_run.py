@@ -28,6 +28,7 @@ from vllm_dspark_pp.dev.serve import (
     Timings,
     free_port,
     free_port_block,
+    greedy_completion_body,
     http_json,
     http_text,
 )
@@ -154,14 +155,7 @@ def run_pd(
         with PDProxy(pre.url, dec.url, bootstrap, seen_id, timeout_s=request_timeout_s) as proxy:
 
             def one(ids: list[int]) -> list[int]:
-                body = {
-                    "model": model,
-                    "prompt": ids,
-                    "max_tokens": max_tokens,
-                    "temperature": 0.0,
-                    "ignore_eos": ignore_eos,
-                    "return_token_ids": True,
-                }
+                body = greedy_completion_body(model, ids, max_tokens, ignore_eos)
                 out = http_json(
                     proxy.url + "/v1/completions", body, timeout=2 * request_timeout_s + 10
                 )

@@ -99,6 +99,18 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict
         return json.loads(r.read().decode())
 
 
+def greedy_completion_body(model: str, prompt, max_tokens: int, ignore_eos: bool = False) -> dict:
+    """The ``/v1/completions`` body of a greedy request that returns token ids."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+        "return_token_ids": True,
+    }
+
+
 def http_text(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
