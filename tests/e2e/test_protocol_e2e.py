@@ -1,6 +1,7 @@
 """PP=2 generation on the CPU platform through the patched PP exchange (fixed-width aligned
 broadcasts, draft broadcast, handshake, fixed DSpark graph batch) stays lossless under async
-scheduling, with a request aborted mid-stream.
+scheduling, with a request aborted mid-stream; and the same abort under synchronous scheduling
+(no fixed graph batch), the case the old ``test_pp2_dspark_abort_mid_stream`` covered.
 
 Random-weight pair (k=3, ``dspark_pp_fixed_graph_batch`` 4; 6 requests, one aborted), against the
 shared PP=1 no-spec reference
@@ -19,15 +20,15 @@ pytestmark = pytest.mark.e2e
 ABORTED = 2
 
 
-def test_pp2_dspark_async_fixed_graph_batch_with_an_abort_is_lossless(
-    tiny_models, e2e_timeout_s, random_reference
-):
+@pytest.mark.parametrize("mode", ["async", "sync"], ids=["async-fixed-batch", "sync"])
+def test_pp2_dspark_with_an_abort_is_lossless(tiny_models, e2e_timeout_s, random_reference, mode):
     spec = {
         "method": "dspark",
         "model": str(tiny_models.draft),
         "num_speculative_tokens": 3,
-        "dspark_pp_fixed_graph_batch": 4,
     }
+    if mode == "async":
+        spec["dspark_pp_fixed_graph_batch"] = 4
     res = run_random(
         tiny_models,
         e2e_timeout_s,
@@ -38,10 +39,11 @@ def test_pp2_dspark_async_fixed_graph_batch_with_an_abort_is_lossless(
             "enable_chunked_prefill": True,
             "max_num_batched_tokens": 32,
         },
-        async_scheduling=True,
+        async_scheduling=mode == "async",
         abort={"index": ABORTED, "after_tokens": 5},
     )
-    assert res.config["async_scheduling"] is True and res.config["pipeline_parallel_size"] == 2
+    assert res.config["async_scheduling"] is (mode == "async")
+    assert res.config["pipeline_parallel_size"] == 2
     assert res.config["num_speculative_tokens"] == 3
     assert res.aborted
     for i, (ref_t, got_t) in enumerate(zip(random_reference.tokens, res.tokens, strict=True)):
