@@ -64,6 +64,22 @@ def refusing(what: str):
     return refused
 
 
+def layer_holding(attn_cls: type, name: str) -> type:
+    """A decoder-layer module named ``name`` whose only child is ``self_attn = attn_cls(**kwargs)``
+    (the layer shape every family's checkpoint names expect) and whose forward is refused."""
+    from torch import nn
+
+    def __init__(self: Any, **kwargs: Any) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = attn_cls(**kwargs)
+
+    return type(
+        name,
+        (nn.Module,),
+        {"__init__": __init__, "forward": refusing("draft decoder layer forward")},
+    )
+
+
 class RefuseDrafting:
     """Every drafting entry point of a DSpark drafter, refused."""
 

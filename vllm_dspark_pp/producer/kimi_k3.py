@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 from vllm_dspark_pp.producer.drafter import (
     K3_ARCH,
     RefuseDrafting,
+    layer_holding,
     platform_module,
     refuse_platform,
     refusing,
@@ -200,12 +201,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
 
         forward = refusing("draft attention forward")
 
-    class K3DSparkContextKVLayer(nn.Module):
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__()
-            self.self_attn = K3DSparkContextKVAttention(**kwargs)
-
-        forward = refusing("draft decoder layer forward")
+    K3DSparkContextKVLayer = layer_holding(K3DSparkContextKVAttention, "K3DSparkContextKVLayer")
 
     class K3DSparkContextKVModel(nn.Module):
         """context_proj/context_norm + context_kv_proj + per-layer latent KV cache."""

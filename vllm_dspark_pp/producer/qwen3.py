@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer.drafter import RefuseDrafting, _refuse, refusing, weight_filter
+from vllm_dspark_pp.producer.drafter import (
+    RefuseDrafting,
+    _refuse,
+    layer_holding,
+    refusing,
+    weight_filter,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -153,12 +159,9 @@ def _build_qwen3_classes() -> tuple[type, type]:
 
         forward = refusing("draft attention forward")
 
-    class Qwen3DSparkContextKVLayer(nn.Module):
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__()
-            self.self_attn = Qwen3DSparkContextKVAttention(**kwargs)
-
-        forward = refusing("draft decoder layer forward")
+    Qwen3DSparkContextKVLayer = layer_holding(
+        Qwen3DSparkContextKVAttention, "Qwen3DSparkContextKVLayer"
+    )
 
     base = qd.DFlashQwen3Model
 
