@@ -161,8 +161,8 @@ def child_main(spec_path: str, result_path: str) -> int:
             force_async_scheduling()
         import vllm.v1.core.sched.scheduler as sched_mod
         from vllm import LLM, SamplingParams
-        from vllm.sampling_params import RequestOutputKind
         from vllm.plugins import load_general_plugins
+        from vllm.sampling_params import RequestOutputKind
 
         load_general_plugins()  # so our timers wrap the plugin's patches, not the reverse
         import vllm_dspark_pp.patches as reg
