@@ -28,6 +28,7 @@ Why hand-written: vLLM has no record of its scheduler outputs per step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -98,7 +99,9 @@ def compare(cases: list[dict]) -> list[str]:
         if mp:
             lines.append(
                 f"{tag}: TTFT ms on {c['ttft_ms']} vs off {off['ttft_ms']} "
-                f"(mean {c['ttft_ms_mean']:.2f} vs {off['ttft_ms_mean']:.2f})"
+                f"(mean {c['ttft_ms_mean']:.2f} vs {off['ttft_ms_mean']:.2f}); front-end GCs "
+                f"(gen, ms) on {c.get('gc')} vs off {off.get('gc')}; tracked objects on "
+                f"{c.get('gc_objects')} vs off {off.get('gc_objects')}"
             )
             continue
         same = c["schedules_until_all_first"] == off["schedules_until_all_first"]
@@ -204,9 +207,32 @@ def child_main(spec_path: str, result_path: str) -> int:
         for rep in range(spec["repeats"]):
             ps = prompts(100 + rep)
             if spec["case"].get("mp"):
-                outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+                # front-end garbage collections during the call (a pause while the C requests
+                # are being added splits them over more engine steps)
+                gcs, t_gc = [], {}
+
+                def on_gc(phase, info, gcs=gcs, t_gc=t_gc):
+                    if phase == "start":
+                        t_gc["t"] = time.perf_counter()
+                    elif "t" in t_gc:
+                        gcs.append((info["generation"], time.perf_counter() - t_gc.pop("t")))
+
+                gc.callbacks.append(on_gc)
+                t0 = time.perf_counter()
+                try:
+                    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+                finally:
+                    gc.callbacks.remove(on_gc)
+                wall = time.perf_counter() - t0
                 ttft = [1e3 * o.metrics.first_token_latency for o in outs if o.metrics]
-                runs.append({"ttft_ms": [round(x, 2) for x in ttft]})
+                runs.append(
+                    {
+                        "ttft_ms": [round(x, 2) for x in ttft],
+                        "wall_ms": round(1e3 * wall, 2),
+                        "gc": [(g, round(1e3 * d, 3)) for g, d in gcs],
+                        "gc_objects": len(gc.get_objects()),
+                    }
+                )
                 continue
             schedules.clear()
             for v in timing.values():
@@ -276,6 +302,8 @@ def case_summary(res: dict) -> dict:
         ttft = [x for r in runs for x in r["ttft_ms"]]
         out["ttft_ms"] = [r["ttft_ms"] for r in runs]
         out["ttft_ms_mean"] = statistics.mean(ttft) if ttft else float("nan")
+        out["gc"] = [r.get("gc") for r in runs]
+        out["gc_objects"] = runs[-1].get("gc_objects")
         return out
     out["steps_until_all_first"] = [r["steps_until_all_first"] for r in runs]
     out["schedules_until_all_first"] = [
