@@ -19,23 +19,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from support.tiny_dsv4_cpu import build_dsv4_target, engine_config, resolve_layout
 
 from vllm_dspark_pp.dev import tiny_mla_targets as t
 
 
 def _engine_config(pair, **kw):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=pair.target,
-        load_format="dummy",
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=8,
-        enforce_eager=True,
-        **kw,
-    ).create_engine_config()
+    return engine_config(pair, **kw)
 
 
 @pytest.mark.parametrize("fam", ["k3", "dsv4"])
@@ -56,41 +46,13 @@ def test_draft_config_names_the_noise_token(fam, tmp_path):
 
 def _dsv4_groups(pair, monkeypatch):
     """(resolved layout name, {layer: block size after planning}) for the DSV4 target."""
-    import vllm.models.deepseek_v4.nvidia.flashmla as flashmla
-    import vllm.models.deepseek_v4.nvidia.model as dsv4
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.utils import (
-        get_supported_kv_cache_layouts,
-        resolve_kv_cache_layout,
-    )
     from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
 
     # The GPU run's cache dtype: DeepSeek-V4's CUDA attention picks fp8_ds_mla by itself there.
     cfg = _engine_config(pair, kv_cache_dtype="fp8_ds_mla")
     assert cfg.cache_config.block_size == 256
-    cfg.compilation_config.static_forward_context = {}
-    from vllm.distributed import parallel_state
-
-    with monkeypatch.context() as m, set_current_vllm_config(cfg), torch.device("cpu"):
-        if parallel_state._EP is None:  # dist_env's world was set up for a dense model
-            m.setattr(parallel_state, "_EP", parallel_state.get_tp_group())  # one rank: same
-        # Construction only: an aux stream and events (used to overlap work at run time) and the
-        # fp8 einsum recipe (reads the CUDA capability) are the constructor's CUDA calls.
-        m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
-        m.setattr(torch.cuda, "Event", lambda *a, **k: None)
-        m.setattr(flashmla, "compute_fp8_einsum_recipe", lambda: (None, False))
-        dsv4.DeepseekV4ForCausalLM(vllm_config=cfg, prefix="")
-    ctx = cfg.compilation_config.static_forward_context
-    with set_current_vllm_config(cfg):
-        specs = {
-            n: s
-            for n, layer in ctx.items()
-            if hasattr(layer, "get_kv_cache_spec")
-            and (s := layer.get_kv_cache_spec(cfg)) is not None
-        }
-    backends = {ctx[n].get_attn_backend() for n in specs}
-    supported = [x.name for x in get_supported_kv_cache_layouts(backends)]
-    layout = resolve_kv_cache_layout(cfg, [supported], specs.values())
+    specs = build_dsv4_target(cfg, monkeypatch)
+    layout = resolve_layout(cfg, specs)
     groups = get_kv_cache_groups(cfg, dict(specs))
     blocks = {}
     for g in groups:
