@@ -12,6 +12,11 @@ engine of the first H200 run of tests/gpu/test_dsv4_k3_engine.py (2026-12-03, is
    the fallback gives the C128 state cache the 256-token block, the block the CuTe DSL compressor
    refused on the H200 ("requires state-cache block_size=8, got 256");
    ``test_old_dsv4_config_reproduces_the_state_block_256`` keeps that failure visible.
+3. (the second H200 run) Every MoE layer of the DeepSeek-V4 target and of its DSpark draft gets a
+   CUDA router that scores sqrt-softplus: the models are built with vLLM's router factory
+   answering as on CUDA. The old config (no ``topk_method: noaux_tc``) gave the draft's layers
+   FusedTopKRouter ("Unsupported scoring function: sqrtsoftplus");
+   ``test_old_dsv4_config_reproduces_unsupported_sqrtsoftplus`` keeps that failure visible.
 """
 
 from __future__ import annotations
@@ -20,22 +25,18 @@ import json
 
 import pytest
 import torch
+from support.tiny_dsv4_cpu import (
+    build_dsv4_target,
+    construct_on_cpu,
+    engine_config,
+    resolve_layout,
+)
 
 from vllm_dspark_pp.dev import tiny_mla_targets as t
 
 
 def _engine_config(pair, **kw):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=pair.target,
-        load_format="dummy",
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=8,
-        enforce_eager=True,
-        **kw,
-    ).create_engine_config()
+    return engine_config(pair, **kw)
 
 
 @pytest.mark.parametrize("fam", ["k3", "dsv4"])
@@ -54,67 +55,15 @@ def test_draft_config_names_the_noise_token(fam, tmp_path):
     assert vocab["<|mask|>"] == t.NOISE_TOKEN_ID
 
 
-def _build_on_cpu(cfg, cls, monkeypatch, *, cuda_router=False):
-    """Construct a DeepSeek-V4 model class of vLLM's CUDA implementation on CPU (a fresh layer
-    registry). ``cuda_router``: vLLM's MoE router factory answers as on a CUDA platform (its only
-    platform question is ``is_cpu``, which on CPU picks the all-schemes CPURouter)."""
-    import vllm.model_executor.layers.fused_moe.router.router_factory as router_factory
-    import vllm.models.deepseek_v4.nvidia.flashmla as flashmla
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    cfg.compilation_config.static_forward_context = {}
-    with monkeypatch.context() as m, set_current_vllm_config(cfg), torch.device("cpu"):
-        if parallel_state._EP is None:  # dist_env's world was set up for a dense model
-            m.setattr(parallel_state, "_EP", parallel_state.get_tp_group())  # one rank: same
-        # Construction only: an aux stream and events (used to overlap work at run time) and the
-        # fp8 einsum recipe (reads the CUDA capability) are the constructor's CUDA calls.
-        m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
-        m.setattr(torch.cuda, "Event", lambda *a, **k: None)
-        m.setattr(flashmla, "compute_fp8_einsum_recipe", lambda: (None, False))
-        if cuda_router:
-            m.setattr(router_factory, "current_platform", _NotCpu(router_factory.current_platform))
-        return cls(vllm_config=cfg, prefix="")
-
-
-class _NotCpu:
-    """The platform with ``is_cpu()`` answering False; every other answer is the real one's."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def is_cpu(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 def _dsv4_groups(pair, monkeypatch):
     """(resolved layout name, {layer: block size after planning}) for the DSV4 target."""
-    import vllm.models.deepseek_v4.nvidia.model as dsv4
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.utils import (
-        get_supported_kv_cache_layouts,
-        resolve_kv_cache_layout,
-    )
     from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
 
     # The GPU run's cache dtype: DeepSeek-V4's CUDA attention picks fp8_ds_mla by itself there.
     cfg = _engine_config(pair, kv_cache_dtype="fp8_ds_mla")
     assert cfg.cache_config.block_size == 256
-    _build_on_cpu(cfg, dsv4.DeepseekV4ForCausalLM, monkeypatch)
-    ctx = cfg.compilation_config.static_forward_context
-    with set_current_vllm_config(cfg):
-        specs = {
-            n: s
-            for n, layer in ctx.items()
-            if hasattr(layer, "get_kv_cache_spec")
-            and (s := layer.get_kv_cache_spec(cfg)) is not None
-        }
-    backends = {ctx[n].get_attn_backend() for n in specs}
-    supported = [x.name for x in get_supported_kv_cache_layouts(backends)]
-    layout = resolve_kv_cache_layout(cfg, [supported], specs.values())
+    specs = build_dsv4_target(cfg, monkeypatch)
+    layout = resolve_layout(cfg, specs)
     groups = get_kv_cache_groups(cfg, dict(specs))
     blocks = {}
     for g in groups:
@@ -165,7 +114,7 @@ def _cuda_moe_layers(pair, monkeypatch):
     )
     layers = {}
     for cls in (DeepseekV4ForCausalLM, DSparkDeepseekV4ForCausalLM):
-        model = _build_on_cpu(cfg, cls, monkeypatch, cuda_router=True)
+        model = construct_on_cpu(cfg, cls, monkeypatch, cuda_router=True)
         for mod in model.modules():
             if isinstance(mod, DeepseekV4MoE):  # its prefix: the layer index vLLM routes by
                 layers[f"{cls.__name__}:{mod.prefix}"] = mod
