@@ -1,6 +1,7 @@
 """The tiny DeepSeek-V4 GPU target (``tiny_mla_targets.make_tiny_dsv4_pair(gpu=True)``) built on
-CPU, for the KV-cache planning checks: vLLM's CUDA model class constructed with its two CUDA-only
-constructor calls stood in for, then the per-layer KV-cache specs its layers register.
+CPU, for the KV-cache planning and MoE router checks: vLLM's CUDA model classes constructed with
+their CUDA-only constructor calls stood in for, then the per-layer KV-cache specs its layers
+register.
 
 Needs the ``plugin`` and ``dist_env`` fixtures of tests/unit/producer (a one-process world).
 """
@@ -25,11 +26,15 @@ def engine_config(pair, **kw):
     ).create_engine_config()
 
 
-def build_dsv4_target(cfg, monkeypatch) -> dict:
-    """Construct the DeepSeek-V4 target into ``cfg`` (its layers land in the config's static
-    forward context) and return ``{layer name: KV-cache spec}`` as the engine collects them."""
+def construct_on_cpu(cfg, cls, monkeypatch, *, cuda_router: bool = False):
+    """Construct a DeepSeek-V4 model class of vLLM's CUDA implementation (the target, or the
+    DSpark drafter) into ``cfg`` on CPU, with a fresh layer registry; returns the model.
+
+    ``cuda_router``: vLLM's MoE router factory answers as on a CUDA platform. Its only platform
+    question is ``is_cpu`` (on CPU it picks the all-schemes CPURouter before anything else), so
+    every MoE layer gets the router class a CUDA engine builds for the same config."""
+    import vllm.model_executor.layers.fused_moe.router.router_factory as router_factory
     import vllm.models.deepseek_v4.nvidia.flashmla as flashmla
-    import vllm.models.deepseek_v4.nvidia.model as dsv4
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
 
@@ -42,7 +47,31 @@ def build_dsv4_target(cfg, monkeypatch) -> dict:
         m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
         m.setattr(torch.cuda, "Event", lambda *a, **k: None)
         m.setattr(flashmla, "compute_fp8_einsum_recipe", lambda: (None, False))
-        dsv4.DeepseekV4ForCausalLM(vllm_config=cfg, prefix="")
+        if cuda_router:
+            m.setattr(router_factory, "current_platform", _NotCpu(router_factory.current_platform))
+        return cls(vllm_config=cfg, prefix="")
+
+
+class _NotCpu:
+    """The platform with ``is_cpu()`` answering False; every other answer is the real one's."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def build_dsv4_target(cfg, monkeypatch) -> dict:
+    """Construct the DeepSeek-V4 target into ``cfg`` (its layers land in the config's static
+    forward context) and return ``{layer name: KV-cache spec}`` as the engine collects them."""
+    import vllm.models.deepseek_v4.nvidia.model as dsv4
+    from vllm.config import set_current_vllm_config
+
+    construct_on_cpu(cfg, dsv4.DeepseekV4ForCausalLM, monkeypatch)
     ctx = cfg.compilation_config.static_forward_context
     with set_current_vllm_config(cfg):
         return {
