@@ -1,9 +1,16 @@
 """Kimi-K3 and DeepSeek-V4 DSpark in real engines on one GPU (issue 16).
 
-Run history (docs/results/gpu-dsv4-k3.md): 2026-12-03 on the H200, all 6 tests failed at engine
-start-up on causes in the tiny test configs (no DSpark noise token in the drafts; the DeepSeek-V4
-target had no ratio-4 layer, so its compressor state caches got 256-token blocks). Both fixed and
-checked on CPU (tests/unit/producer/test_tiny_mla_targets_startup.py); not yet re-run on a GPU.
+Run history (docs/results/gpu-dsv4-k3.md), both on the H200 on 2026-12-03:
+run 1, all 6 tests failed at engine start-up on causes in the tiny test configs (no DSpark noise
+token in the drafts; the DeepSeek-V4 target had no ratio-4 layer, so its compressor state caches
+got 256-token blocks); both fixed. Run 2 (12:27 UTC, 195 s): the Kimi-K3 aggregated parity test
+and the finite-logits/acceptance test passed (graphs and eager: 360 of 360 tokens identical to no
+speculation, acceptance 25.00 % both, per position [180, 0, 0, 0]); 4 failed: the Kimi-K3 PD
+prefiller and the PD control's (the context-KV-only draft layer had no ``prefill_backend`` for
+vLLM's MLA metadata builder), DeepSeek-V4 aggregated (the draft's MoE got FusedTopKRouter, which
+has no sqrtsoftplus, because the tiny config lacked ``topk_method: noaux_tc``) and DeepSeek-V4 PD
+(Mooncake block-size sync, handled separately). The first two are fixed and checked on CPU
+(tests/unit/producer/test_context_kv_mla.py, test_tiny_mla_targets_startup.py); not yet re-run.
 
 Knobs for a short lease: ``DSPARK_DSV4K3_FAMILIES`` (``k3``, ``dsv4`` or ``k3,dsv4``, the
 default) starts only that family's engines, the other family's tests skip (a skip is not a

@@ -17,6 +17,21 @@ from __future__ import annotations
 
 from typing import Any
 
+# The MoE routing of the released DeepSeek-V4-Flash config.json: sqrt-softplus scores with the
+# aux-free correction bias (``topk_method: noaux_tc``) on every routed layer but the hash-routed
+# ones (its first ``num_hash_layers: 3`` of 43; the MTP stages are biased, not hashed). Scaled to
+# two target layers: layer 0 hash-routed, layer 1 biased (both of vLLM's DeepSeek-V4 routings:
+# the hash table and the biased top-k), and the draft's stages (layers 2, 3) biased as released.
+# Without ``noaux_tc`` vLLM gives a non-hash layer no ``e_score_correction_bias`` and its CUDA
+# router factory falls back to FusedTopKRouter, which has no sqrt-softplus (the 2026-12-03 H200
+# run: "Unsupported scoring function: sqrtsoftplus" in the draft's MoE).
+DSV4_ROUTING = {
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "mlp_layer_types": ["hash_moe", "moe"],
+}
+
 
 def tiny_dsv4_config(*, gpu: bool = False) -> Any:
     """A tiny DeepSeek-V4 config carrying the DSpark draft fields (the DeepSeek-V4 drafter reads
@@ -62,6 +77,7 @@ def tiny_dsv4_config(*, gpu: bool = False) -> Any:
         index_topk=8,
         hc_mult=2,
         hc_sinkhorn_iters=2,
+        **DSV4_ROUTING,
         **dims,
     )
     cfg.architectures = ["DSparkDraftModel"]

@@ -4,7 +4,8 @@ Kimi-K3 DSpark (``K3DSparkModel`` -> ``vllm/models/kimi_k3/nvidia/dspark_mla.py`
     Built: ``model.context_proj`` + ``model.context_norm``, ``model.context_kv_proj`` (every
     layer's ``kv_a_proj_with_mqa`` stacked), and per draft layer the latent KV cache layer
     ``model.layers.<N+i>.self_attn`` (an MLA attention layer: ``kv_a_layernorm``, the rotary
-    table, the MLA backend/impl used to write the cache, KV-cache quant scales). Skipped:
+    table, the MLA backend/impl used to write the cache, KV-cache quant scales, the MLA prefill
+    backend object vLLM's metadata builders clone). Skipped:
     embedding, LM head, ``q_a_proj``/``q_a_layernorm``/``q_b_proj``/``kv_b_proj``/``o_proj``,
     the per-layer ``fused_qkv_a_proj``, MLPs, layer norms, ``final_norm``, Markov and
     confidence heads.
@@ -65,6 +66,8 @@ _IMPL_ARGS_NOT_USED = (
     "kv_b_proj",
     "indexer",
 )
+#: The dimensions an MLA prefill backend is built with (besides head count, scale and config).
+_MLA_PREFILL_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 #: Whether a Kimi-K3 DSpark checkpoint tensor feeds the context-only drafter; the rest.
@@ -95,6 +98,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
         maybe_prefix,
     )
     from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
     from vllm.v1.attention.selector import get_attn_backend
 
     dspark = platform_module(K3_ARCH, K3_NVIDIA_MODULE, module_name)
@@ -158,11 +162,39 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             # A backend that reads the decode-context-parallel world needs it set (1 rank).
             if getattr(self.impl, "dcp_world_size", -1) < 1:
                 self.impl.dcp_world_size, self.impl.dcp_rank = 1, 0
-            forward_context = get_current_vllm_config().compilation_config
-            if prefix in forward_context.static_forward_context:
+            vllm_config = get_current_vllm_config()
+            self._refuse_context_parallel(vllm_config.parallel_config)
+            # What vLLM's MLA metadata builders read from the group's first layer besides the
+            # latent dims and impl: no DCP manager (one rank), and a prefill backend that each
+            # builder clones (mla_attention.py MLACommonMetadataBuilder.__init__). This layer
+            # never runs prefill attention; the builders need the object all the same.
+            self.dcp_manager = None
+            prefill_cls = get_mla_prefill_backend(vllm_config)
+            self.prefill_backend = prefill_cls(
+                num_heads=self.num_local_heads,
+                scale=self.scale,
+                vllm_config=vllm_config,
+                **{dim: getattr(self, dim) for dim in _MLA_PREFILL_DIMS},
+            )
+            registry = vllm_config.compilation_config.static_forward_context
+            if prefix in registry:
                 raise ValueError(f"Duplicate layer name: {prefix}")
-            forward_context.static_forward_context[prefix] = self
+            registry[prefix] = self
             self.kv_cache = torch.tensor([])
+
+        @staticmethod
+        def _refuse_context_parallel(parallel: Any) -> None:
+            """Decode/prefill context parallelism needs a DCP manager built from kv_b_proj,
+            which this layer does not have: refuse at start-up instead of failing in the
+            metadata builder."""
+            dcp = parallel.decode_context_parallel_size
+            pcp = parallel.prefill_context_parallel_size
+            if dcp > 1 or pcp > 1:
+                raise ValueError(
+                    "The context-KV-only Kimi-K3 DSpark drafter (prefill-only KV producer) "
+                    f"supports no context parallelism (decode_context_parallel_size={dcp}, "
+                    f"prefill_context_parallel_size={pcp}); run the producer with both at 1."
+                )
 
         def _make_rope(self, config: Any) -> Any:
             rope = dict(config.rope_parameters)

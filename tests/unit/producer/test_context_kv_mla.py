@@ -252,6 +252,64 @@ def test_k3_kv_cache_layer_names_and_specs_equal(k3_pair):
         )
 
 
+def test_k3_mla_metadata_builder_constructs_for_the_context_only_group(k3_pair, monkeypatch):
+    """vLLM's Triton MLA metadata builder (the class the H200 engine picked for this group; it
+    extends MLACommonMetadataBuilder) is constructed on CPU for the draft KV group of each
+    drafter, as init_attn_backend does. Before the context-only layer had a prefill backend
+    this raised the H200 run's AttributeError (mla_attention.py: ``prefill_backend.clone()``).
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    # the builder reserves its decode workspace when a workspace manager exists; growing it
+    # empties the accelerator cache, which CPU-only torch lacks
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(torch.device("cpu"))
+    full, fcfg, ctx, ccfg = k3_pair
+    built = []
+    for model, cfg in ((full, fcfg), (ctx, ccfg)):
+        names = model.get_draft_kv_cache_layer_names()
+        layers = cfg.compilation_config.static_forward_context
+        spec = layers[names[0]].get_kv_cache_spec(cfg)
+        with set_current_vllm_config(cfg):
+            built.append(TritonMLAMetadataBuilder(spec, names, cfg, torch.device("cpu")))
+    f_b, c_b = built
+    assert type(c_b._prefill_backend) is type(f_b._prefill_backend)
+    for attr in ("num_heads", "scale", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        assert getattr(c_b._prefill_backend, attr) == getattr(f_b._prefill_backend, attr), attr
+    # a clone per builder, not the layer's own object (DBO micro-batches keep state on it)
+    assert (
+        c_b._prefill_backend
+        is not ccfg.compilation_config.static_forward_context[
+            ctx.get_draft_kv_cache_layer_names()[0]
+        ].prefill_backend
+    )
+    for attr in (
+        "mla_dims",
+        "num_heads",
+        "non_causal_multi_token_decode",
+        "dcp_world_size",
+        "reorder_batch_threshold",
+    ):
+        assert getattr(c_b, attr) == getattr(f_b, attr), attr
+    assert c_b.non_causal_multi_token_decode and c_b.dcp_manager is None
+    assert c_b.chunked_prefill_workspace.shape == f_b.chunked_prefill_workspace.shape
+
+
+def test_k3_context_only_refuses_decode_context_parallel(producer_cfg):
+    """DCP > 1 would make the builder read a DCP manager this layer cannot build (it has no
+    kv_b_proj): refused at construction, naming the setting."""
+    cfg = tiny.shim_vllm_config(
+        producer_cfg, target_hf=producer_cfg.model_config.hf_config, draft_hf=tiny.tiny_k3_config()
+    )
+    cfg.parallel_config = copy.copy(cfg.parallel_config)
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+        _build(cfg, kimi_k3.k3_context_kv_class())
+
+
 def test_k3_loads_only_context_weights_equal_to_the_full_drafter(k3_pair, k3_checkpoint):
     full, _, ctx, _ = k3_pair
     full_loaded = full.load_weights(iter(k3_checkpoint.items()))
@@ -563,6 +621,30 @@ def test_dsv4_tree_names_and_specs_equal_the_full_drafter(dsv4_full_and_ctx):
             c_attn.rotary_emb.cos_sin_cache, f_attn.rotary_emb.cos_sin_cache, rtol=0, atol=0
         )
         assert f_attn.swa_cache_layer.block_size == c_attn.swa_cache_layer.block_size
+
+
+def test_dsv4_swa_metadata_builder_constructs_for_both_drafters(dsv4_full_and_ctx):
+    """The DeepSeek-V4 draft KV group's metadata builder (vLLM's FlashMLA SWA builder, the
+    backend's own class) constructs on CPU for both drafters, as init_attn_backend does. Unlike
+    the MLA builders it reads only the KV spec and the configs, never the layer, and the group's
+    layers are vLLM's own DeepseekV4SWACache objects in both: the K3 ``prefill_backend`` gap has
+    no DeepSeek-V4 counterpart (checked against vllm 0.34.0 sparse_swa.py / nvidia/flashmla.py).
+    """
+    from vllm.config import set_current_vllm_config
+
+    full, fcfg, ctx, ccfg = dsv4_full_and_ctx
+    built = []
+    for model, cfg in ((full, fcfg), (ctx, ccfg)):
+        names = model.get_draft_kv_cache_layer_names()
+        layer = cfg.compilation_config.static_forward_context[names[0]]
+        assert type(layer).__name__ == "DeepseekV4SWACache"
+        builder_cls = layer.get_attn_backend().get_builder_cls()
+        with set_current_vllm_config(cfg):
+            built.append(builder_cls(layer.get_kv_cache_spec(cfg), names, cfg, torch.device("cpu")))
+    f_b, c_b = built
+    assert type(f_b) is type(c_b)
+    for attr in ("window_size", "block_size", "decode_threshold", "compress_ratio", "head_size"):
+        assert getattr(c_b, attr) == getattr(f_b, attr), attr
 
 
 def test_dsv4_loaded_context_weights_equal_the_full_drafter(dsv4_full_and_ctx):

@@ -223,3 +223,24 @@ def test_single_group_plan_is_refused_with_the_fix_named(k3_pair, plugin, dist_e
     with pytest.raises(ValueError) as err:
         _groups(cfg, specs, "LBNHC")
     assert str(err.value) == MESSAGE and "MooncakeConnector" in MESSAGE
+
+
+@pytest.mark.parametrize("drafter", ["full", "context_only"])
+def test_k3_plan_keeps_mooncakes_configured_block_size(
+    k3_pair, drafter, plugin, dist_env, monkeypatch
+):
+    """The Mooncake block-size patch (mooncake_blocks.transfer_block_size) leaves Kimi-K3 alone:
+    its real hybrid plan (KDA + target MLA + split draft MLA groups, block-outermost) has one
+    block size, so the configured value passes through unchanged."""
+    import types
+
+    from vllm_dspark_pp.mooncake_blocks import group_block_sizes, transfer_block_size
+
+    cfg, specs, _ = _specs_of(k3_pair, drafter, monkeypatch)
+    groups = _groups(cfg, specs, "BLNHC")
+    plan = types.SimpleNamespace(transfer_groups=tuple(groups))
+    sizes = group_block_sizes(plan)
+    assert len(sizes) >= 3 and len(set(sizes)) == 1, sizes
+    configured = cfg.cache_config.block_size
+    assert transfer_block_size(plan, configured) == configured
+    assert transfer_block_size(plan, configured + 1) == configured + 1  # vLLM's value, untouched
