@@ -36,6 +36,7 @@ import statistics
 import time
 from typing import Any
 
+FIRST_STEPS_KEPT = 6  # steps of each run reported one by one (``collect``)
 _STATE: dict[str, Any] = {"steps": [], "cur": None, "mem": {}, "installed": False}
 
 
@@ -259,7 +260,13 @@ def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
         return _STATE["installed"]
     if cmd == "collect":
         steps = _resolve()
-        return {"summary": summarize_steps(steps), "steps": len(steps)}
+        # the first steps of a run as they were (the prefill steps decide TTFT; the medians
+        # of summarize_steps hide them)
+        first = [
+            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
+            for s in steps[:FIRST_STEPS_KEPT]
+        ]
+        return {"summary": summarize_steps(steps), "steps": len(steps), "first_steps": first}
     if cmd == "memory":
         torch = _cuda()
         out = dict(_STATE["mem"])

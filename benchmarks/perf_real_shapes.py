@@ -233,6 +233,46 @@ PHASE_ENGINE = {"producer": "producer", "nospec": "nospec", "dspark": "dspark", 
 GRACE_S = 45.0  # hard-kill margin past a phase's deadline (an engine start or shutdown in flight)
 
 
+OFF_MODES = ("exclude", "skip")
+
+
+def phase_env(plugin: str, off_mode: str = "exclude", skip_patches: str = "") -> dict:
+    """Environment a phase's child gets on top of the common one.
+
+    Plugin on: ``VLLM_PLUGINS`` names both plugins; ``skip_patches`` (comma-separated patch names,
+    diagnosis only) goes to ``VLLM_DSPARK_PP_SKIP_PATCHES``. Plugin off, ``off_mode``:
+    ``exclude`` leaves the plugin out of ``VLLM_PLUGINS`` (what users do); ``skip`` loads it with
+    every patch skipped but the start-up config check (``config_vllm``), so ``VLLM_PLUGINS`` --
+    a torch.compile cache key in vLLM (``envs.compile_factors``) -- is the same as plugin on and
+    both engines share one compile cache."""
+    from vllm_dspark_pp.patches import SKIP_ENV, registry
+
+    both = f"{PLUGIN},{BENCH_PLUGIN}"
+    if plugin == "on":
+        out = {"VLLM_PLUGINS": both}
+        out[SKIP_ENV] = skip_patches
+        return out
+    if off_mode == "exclude":
+        return {"VLLM_PLUGINS": BENCH_PLUGIN, SKIP_ENV: ""}
+    if off_mode == "skip":
+        names = [i.name for i in registry() if i.name != "config_vllm"]
+        return {"VLLM_PLUGINS": both, SKIP_ENV: ",".join(names)}
+    raise ValueError(f"unknown off mode {off_mode!r}: choose from {', '.join(OFF_MODES)}")
+
+
+def parse_phase_mins(text: str) -> dict:
+    """``--phase-min-s off=120,dspark=120`` as PHASE_MIN_S overrides."""
+    out = {}
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        name, _, value = part.partition("=")
+        if name not in PHASES or not value:
+            raise ValueError(f"--phase-min-s: {part!r} is not PHASE=SECONDS ({','.join(PHASES)})")
+        out[name] = float(value)
+    return out
+
+
 def parse_phases(text: str) -> list[str]:
     """``--phases`` as a list in priority order; unknown or repeated names raise ValueError."""
     out = [p.strip() for p in text.split(",") if p.strip()]
@@ -430,6 +470,7 @@ def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
         "step_ms": main.get("step_ms"),
         "step_num_reqs": (steps.get("summary") or {}).get("main_num_reqs"),
         "step_summary": steps.get("summary"),
+        "first_steps": steps.get("first_steps"),
         "step_summary_per_worker": [w.get("summary") for w in per_worker]
         if len(per_worker) > 1
         else None,
@@ -707,12 +748,35 @@ def main(argv=None) -> int:
         metavar="JSON",
         help="merge result JSONs of one shape into OUT/perf_<shape>.json and exit",
     )
+    ap.add_argument(
+        "--off-mode",
+        choices=OFF_MODES,
+        default="exclude",
+        help="plugin off = left out of VLLM_PLUGINS (exclude) or loaded with every patch but "
+        "config_vllm skipped (skip: same VLLM_PLUGINS, so the torch.compile cache is shared)",
+    )
+    ap.add_argument(
+        "--skip-patches",
+        default="",
+        help="plugin-on phases: patch names not applied (VLLM_DSPARK_PP_SKIP_PATCHES; diagnosis)",
+    )
+    ap.add_argument(
+        "--phase-min-s",
+        default="",
+        help="override the phases' reserved minimum seconds, e.g. off=110,dspark=110",
+    )
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
         return child_main(a._child)
     try:
         phase_names = parse_phases(a.phases)
+        PHASE_MIN_S.update(parse_phase_mins(a.phase_min_s))
+        for plugin in ("on", "off"):
+            phase_env(plugin, a.off_mode, a.skip_patches)
+        from vllm_dspark_pp.patches import skipped_patches
+
+        skipped_patches(value=a.skip_patches)  # unknown names fail here, before any engine
     except ValueError as e:
         ap.error(str(e))
     if a.print_schedule:
@@ -821,6 +885,9 @@ def main(argv=None) -> int:
         "pipeline_parallel_size": a.pipeline_parallel_size,
         "eager": a.eager,
         "budget_s": a.budget_s,
+        "off_mode": a.off_mode,
+        "skip_patches": a.skip_patches or None,
+        "phase_order": phase_names,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "engine_kwargs": {"dspark": spec_llm, "nospec": nospec_llm, "producer": producer_llm},
@@ -856,8 +923,7 @@ def main(argv=None) -> int:
             f"phase {name} (engine {engine}, plugin {plugin}): may use {allot:.0f} s "
             f"of {remaining:.0f} s left"
         )
-        plugins_env = f"{PLUGIN},{BENCH_PLUGIN}" if plugin == "on" else BENCH_PLUGIN
-        cenv = dict(env, VLLM_PLUGINS=plugins_env)
+        cenv = dict(env, **phase_env(plugin, a.off_mode, a.skip_patches))
         spec = {
             "plugin": plugin,
             "phases": [phase_specs[name]],

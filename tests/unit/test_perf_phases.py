@@ -307,3 +307,50 @@ def test_projection_says_when_no_spec_rows_are_missing_and_uses_them_when_presen
     assert n[4]["pp2_two_waves_tok_s"] > n[4]["pp2_one_wave_tok_s"]
     md = pp_projection.markdown(p)
     assert "cannot be computed" not in md and "DSpark/no-spec PP=2 2 waves" in md
+
+
+def test_phase_env_plugin_off_modes_and_skipped_patches():
+    from vllm_dspark_pp.patches import SKIP_ENV, registry
+
+    both = f"{perf.PLUGIN},{perf.BENCH_PLUGIN}"
+    assert perf.phase_env("on") == {"VLLM_PLUGINS": both, SKIP_ENV: ""}
+    assert perf.phase_env("on", skip_patches="v1_engine_core")[SKIP_ENV] == "v1_engine_core"
+    assert perf.phase_env("off") == {"VLLM_PLUGINS": perf.BENCH_PLUGIN, SKIP_ENV: ""}
+    skip = perf.phase_env("off", "skip")
+    # same VLLM_PLUGINS as plugin on (vLLM's compile cache key), every patch but config_vllm off
+    assert skip["VLLM_PLUGINS"] == both
+    names = [i.name for i in registry()]
+    assert skip[SKIP_ENV].split(",") == [n for n in names if n != "config_vllm"]
+    with pytest.raises(ValueError):
+        perf.phase_env("off", "nope")
+
+
+def test_parse_phase_mins():
+    assert perf.parse_phase_mins("off=110, dspark=120.5") == {"off": 110.0, "dspark": 120.5}
+    assert perf.parse_phase_mins("") == {}
+    for bad in ("spec=10", "off", "off="):
+        with pytest.raises(ValueError):
+            perf.parse_phase_mins(bad)
+
+
+def test_print_schedule_honours_phase_min_overrides():
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "perf_real_shapes.py"),
+            "--phases",
+            "off,dspark",
+            "--off-mode",
+            "skip",
+            "--phase-min-s",
+            "off=110,dspark=110",
+            "--budget-s",
+            "280",
+            "--print-schedule",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SKIPPED" not in out.stdout and "off" in out.stdout and "dspark" in out.stdout

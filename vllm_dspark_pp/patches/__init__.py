@@ -15,6 +15,7 @@ version and the patches applied. ``docs/patches.md`` is generated from :func:`re
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import re
 import threading
@@ -22,6 +23,12 @@ from dataclasses import dataclass
 from types import ModuleType
 
 FIELDS = ("WHAT", "WHY", "UPSTREAM", "RETIRE WHEN", "TESTED BY")
+
+#: Diagnosis only (e.g. which patch costs what in a benchmark): comma-separated patch names this
+#: process does not apply. ``config_vllm`` cannot be skipped: it refuses PP>1 while any patch is
+#: skipped (the PP protocol patches keep pipelines from hanging).
+SKIP_ENV = "VLLM_DSPARK_PP_SKIP_PATCHES"
+_UNSKIPPABLE = "config_vllm"
 
 _lock = threading.Lock()
 _applied: list[str] = []
@@ -66,6 +73,24 @@ def applied_patches() -> list[str]:
     return list(_applied)
 
 
+def skipped_patches(names: list[str] | None = None, value: str | None = None) -> list[str]:
+    """The patch names :data:`SKIP_ENV` (or ``value``) asks to skip; unknown names and
+    ``config_vllm`` raise ``ValueError`` (at start-up: ``register`` runs this)."""
+    value = os.environ.get(SKIP_ENV, "") if value is None else value
+    skip = [s.strip() for s in value.split(",") if s.strip()]
+    if not skip:
+        return []
+    known = names if names is not None else [info.name for info in registry()]
+    unknown = sorted(set(skip) - set(known))
+    if unknown:
+        raise ValueError(f"{SKIP_ENV} names unknown patches {unknown}; known: {', '.join(known)}")
+    if _UNSKIPPABLE in skip:
+        raise ValueError(
+            f"{SKIP_ENV} cannot skip {_UNSKIPPABLE}: it refuses PP>1 while patches are skipped"
+        )
+    return skip
+
+
 def apply_all() -> list[str]:
     """Apply every registered patch once in this process; later calls do nothing."""
     global _done
@@ -76,11 +101,22 @@ def apply_all() -> list[str]:
 
         from vllm_dspark_pp.version import __version__
 
-        for info in registry():
+        infos = registry()
+        skip = skipped_patches([info.name for info in infos])
+        for info in infos:
+            if info.name in skip:
+                continue
             info.module.apply()
             _applied.append(info.name)
         _done = True
         _ensure_vllm_logging()
+        if skip:
+            init_logger("vllm.dspark_pp").warning(
+                "vllm-dspark-pp: %s=%s: NOT applying %s (diagnosis only; PP>1 is refused)",
+                SKIP_ENV,
+                os.environ.get(SKIP_ENV),
+                ", ".join(skip),
+            )
         init_logger("vllm.dspark_pp").info(
             "vllm-dspark-pp %s applied %d patches: %s",
             __version__,

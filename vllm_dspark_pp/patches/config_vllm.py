@@ -11,13 +11,15 @@ taps within the target's depth).
 
 WHY: Fail at start, not at step 10,000: both cases would otherwise start and then break or
 silently transfer incomplete draft context KV.
+It also refuses PP>1 while ``VLLM_DSPARK_PP_SKIP_PATCHES`` (a diagnosis knob) skips any patch:
+without the protocol patches a pipeline can hang.
 
 UPSTREAM: vLLM PR #56957 (DSpark prefill-only producers under PP).
 
 RETIRE WHEN: upstream vLLM builds the context-only drafter itself and validates the connector.
 
 TESTED BY: tests/unit/producer/test_config_patch.py, tests/unit/producer/test_roles.py,
-tests/unit/test_bad_configs.py
+tests/unit/test_bad_configs.py, tests/unit/test_skip_patches.py
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def apply() -> None:
     from vllm.config.vllm import VllmConfig
 
     from vllm_dspark_pp import start_checks
+    from vllm_dspark_pp.patches import SKIP_ENV, skipped_patches
     from vllm_dspark_pp.patches._util import wrap
     from vllm_dspark_pp.producer import roles
     from vllm_dspark_pp.producer.drafter import check_draft_supported
@@ -36,6 +39,12 @@ def apply() -> None:
     def make(orig):
         def __post_init__(self, *args, **kwargs):
             result = orig(self, *args, **kwargs)
+            skipped = skipped_patches()
+            if skipped and self.parallel_config.pipeline_parallel_size > 1:
+                raise ValueError(
+                    f"vllm-dspark-pp: {SKIP_ENV} skips {', '.join(skipped)}; pipeline "
+                    f"parallelism needs every patch (unset {SKIP_ENV})"
+                )
             if self.speculative_config is not None:
                 start_checks.check_dspark(self)
             if roles.prefill_only_role(self):
