@@ -42,7 +42,10 @@ RETIRE WHEN: vLLM's Mooncake connector stops reading the rewritten ``cache_confi
 TESTED BY: tests/unit/producer/test_mooncake_block_size.py (the real tiny DeepSeek-V4 target's
 KV-cache plan on CPU: stock worker fails as on the H200, the patched scheduler and uniproc and
 multiproc workers agree on 256; single-block-size plans unchanged; shutdown of a half-built
-worker), tests/gpu/test_dsv4_k3_engine.py::test_pd_over_mooncake (GPU).
+worker), tests/unit/producer/test_mooncake_dsv4_transfer.py (both PD sides of the tiny DeepSeek-V4
+target with DSpark drafters: workers built by vLLM's own ``__init__``, registration, scheduling
+and a pulled request page for page; the workers fail as on the H200 without this patch),
+tests/gpu/test_dsv4_k3_engine.py::test_pd_over_mooncake (GPU).
 """
 
 from __future__ import annotations
