@@ -29,8 +29,9 @@ executor: 256 for DeepSeek-V4, exactly what a stock multiproc worker uses (kerne
 physical block per logical block, which matches the model runner's per-group kernel blocks).
 Models whose transfer groups share one block size (Qwen3, Kimi-K3) keep vLLM's value unchanged.
 
-UPSTREAM: no vLLM issue or PR found for MooncakeConnector (searched 2026-12-03); NIXL's
-``_sync_block_size_with_kernel`` (nixl/base_worker.py:1141) reads the same rewritten value.
+UPSTREAM: no vLLM issue or PR found for MooncakeConnector (searched 2026-12-03). NixlConnector
+needs no such patch: its worker takes the lcm of the transfer groups' block sizes (256), not the
+rewritten value (nixl/base_worker.py:698-708; tests/unit/producer/test_nixl_block_size.py).
 Related work in vllm-ascend's own Mooncake connector: PR #14920 (derive the DSV4 Mooncake block
 size from the KV spec), PR #15646 (sync the Mooncake block size from the workers), issue #14479
 (the core.py min() rewrite overriding --block-size for DeepSeek-V4).
