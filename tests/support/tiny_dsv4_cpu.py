@@ -94,3 +94,26 @@ def resolve_layout(cfg, specs: dict):
     backends = {ctx[n].get_attn_backend() for n in specs}
     supported = [x.name for x in get_supported_kv_cache_layouts(backends)]
     return resolve_kv_cache_layout(cfg, [supported], specs.values())
+
+
+def plan_as_engine_core(cfg, specs: dict, kv_bytes: int = 1 << 30):
+    """vLLM's KV-cache planning for one worker as the engine core runs it: the layout resolved
+    from the layers' backends, then the worker's and the scheduler's KV-cache configs. Returns
+    ``(layout, worker config, scheduler config, rewritten)``; ``rewritten`` is the value the
+    engine core then writes into ``cache_config.block_size`` (the smallest prefix-cacheable
+    group block, vllm/v1/engine/core.py:364-378). ``cfg`` itself is left unchanged."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    layout = resolve_layout(cfg, specs)
+    with set_current_vllm_config(cfg):
+        groups = get_global_kv_cache_groups(cfg, [specs])
+        (kv_cfg,) = get_kv_cache_configs(cfg, [specs], [kv_bytes], groups)
+    sched_cfg = generate_scheduler_kv_cache_config([kv_cfg])
+    rewritten = min(
+        g.kv_cache_spec.block_size
+        for g in sched_cfg.kv_cache_groups
+        if g.kv_cache_spec.prefix_cacheable
+    )
+    return layout, kv_cfg, sched_cfg, rewritten

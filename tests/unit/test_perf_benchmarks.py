@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.perf_records import run_record
 from support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,31 +26,13 @@ plot_perf = load_script("benchmarks/plot_perf.py")
 pp_projection = load_script("benchmarks/pp_projection.py")
 
 
-def _run(engine, plugin, al, c, rep, tok_s, tpot=5.0, ttft=20.0, tgt=4.0, dft=1.0, step=6.0):
-    return {
-        "type": "run",
-        "engine": engine,
-        "plugin": plugin,
-        "acceptance_length": al,
-        "concurrency": c,
-        "repeat": rep,
-        "output_tok_s": tok_s,
-        "tpot_ms_mean": tpot,
-        "ttft_ms_mean": ttft,
-        "measured_acceptance_length": al,
-        "target_ms": tgt,
-        "draft_ms": dft if engine == "dspark" else None,
-        "step_ms": step,
-    }
-
-
 def _records():
     recs = []
     for c in (1, 4):
         for rep, scale in enumerate((1.0, 1.2, 0.9)):
-            recs.append(_run("nospec", "on", None, c, rep, 100.0 * c * scale, dft=None))
-            recs.append(_run("dspark", "on", 3.99, c, rep, 300.0 * c * scale))
-            recs.append(_run("dspark", "off", 3.99, c, rep, 303.0 * c * scale))
+            recs.append(run_record("nospec", "on", None, c, rep, 100.0 * c * scale, dft=None))
+            recs.append(run_record("dspark", "on", 3.99, c, rep, 300.0 * c * scale))
+            recs.append(run_record("dspark", "off", 3.99, c, rep, 303.0 * c * scale))
     recs.append(
         {
             "type": "memory",

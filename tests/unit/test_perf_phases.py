@@ -11,6 +11,7 @@ import time as real_time
 from pathlib import Path
 
 import pytest
+from support.perf_records import run_record
 from support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,21 +167,18 @@ def test_parent_runs_each_phase_in_its_own_child_in_order(tmp_path, monkeypatch)
 
 
 def _run(engine, plugin, al, c, rep, tok_s):
-    return {
-        "type": "run",
-        "engine": engine,
-        "plugin": plugin,
-        "acceptance_length": al,
-        "concurrency": c,
-        "repeat": rep,
-        "output_tok_s": tok_s,
-        "tpot_ms_mean": 2.0,
-        "ttft_ms_mean": 20.0,
-        "measured_acceptance_length": al or 1.0,
-        "target_ms": 5.0,
-        "draft_ms": 1.0 if engine == "dspark" else None,
-        "step_ms": 7.0 if al else 5.5,
-    }
+    return run_record(
+        engine,
+        plugin,
+        al,
+        c,
+        rep,
+        tok_s,
+        tpot=2.0,
+        tgt=5.0,
+        step=7.0 if al else 5.5,
+        measured=al or 1.0,
+    )
 
 
 def _first_run():

@@ -171,6 +171,31 @@ DSV4_CONTEXT_NAMES = frozenset(
 )
 
 
+def k3_mla_dims(*, gpu: bool = False) -> dict[str, int]:
+    """The tiny Kimi-K3 MLA geometry, shared by the target and its DSpark draft (one KV-cache
+    geometry on both sides, as in the released model). ``gpu=True``: the latent width the CUDA
+    MLA backends are built for (``kv_lora_rank`` 512 + RoPE 64 = a 576-wide latent row)."""
+    if gpu:
+        return {
+            "hidden_size": 256,
+            "num_attention_heads": 16,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 512,
+        }
+    return {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+    }
+
+
 def tiny_k3_config(*, gpu: bool = False) -> Any:
     """A tiny Kimi-K3 DSpark draft config (vLLM's ``K3DSparkConfig``).
 
@@ -179,29 +204,8 @@ def tiny_k3_config(*, gpu: bool = False) -> Any:
     """
     from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
 
-    dims = (
-        {
-            "hidden_size": 256,
-            "num_attention_heads": 16,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
-            "q_lora_rank": 64,
-            "kv_lora_rank": 512,
-            "target_hidden_size": 256,
-        }
-        if gpu
-        else {
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 16,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "target_hidden_size": 64,
-        }
-    )
+    dims = k3_mla_dims(gpu=gpu)
+    dims["target_hidden_size"] = dims["hidden_size"]
     cfg = K3DSparkConfig(
         vocab_size=512,
         intermediate_size=96,

@@ -55,27 +55,7 @@ class TinyPair:
 def k3_target_fields(*, gpu: bool = False, num_layers: int = 4) -> dict[str, Any]:
     """A tiny Kimi-K3 text config (``KimiLinearConfig`` fields): KDA on odd layers (1-based
     ``kda_layers``), NoPE MLA on the even ones, MoE from layer 1 on."""
-    mla = (
-        {
-            "hidden_size": 256,
-            "num_attention_heads": 16,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
-            "q_lora_rank": 64,
-            "kv_lora_rank": 512,
-        }
-        if gpu
-        else {
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 16,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-        }
-    )
+    mla = tiny_mla_drafts.k3_mla_dims(gpu=gpu)
     kda_layers = [i + 1 for i in range(num_layers) if i % 2 == 0]
     return {
         "architectures": ["KimiLinearForCausalLM"],

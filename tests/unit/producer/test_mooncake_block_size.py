@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from support.tiny_dsv4_cpu import build_dsv4_target, engine_config, resolve_layout
+from support.tiny_dsv4_cpu import build_dsv4_target, engine_config, plan_as_engine_core
 
 from vllm_dspark_pp import mooncake_blocks as mb
 from vllm_dspark_pp.dev import tiny_mla_targets as t
@@ -51,10 +51,6 @@ def _mooncake(role: str) -> dict:
 def dsv4(tmp_path_factory, plugin, dist_env):
     """(config, worker KV-cache config, scheduler KV-cache config, block size after the engine
     core's rewrite) for the tiny DeepSeek-V4 target as a Mooncake prefiller."""
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-
     pair = t.make_tiny_dsv4_pair(tmp_path_factory.mktemp("mc-dsv4"), gpu=True)
     # the GPU run's cache dtype: DeepSeek-V4's CUDA attention picks fp8_ds_mla by itself there
     cfg = engine_config(
@@ -64,17 +60,7 @@ def dsv4(tmp_path_factory, plugin, dist_env):
     assert cfg.cache_config.block_size == 256
     with pytest.MonkeyPatch.context() as m:
         specs = build_dsv4_target(cfg, m)
-    resolve_layout(cfg, specs)
-    with set_current_vllm_config(cfg):
-        groups = get_global_kv_cache_groups(cfg, [specs])
-        (kv_cfg,) = get_kv_cache_configs(cfg, [specs], [1 << 30], groups)
-    sched_cfg = generate_scheduler_kv_cache_config([kv_cfg])
-    # vllm/v1/engine/core.py:364-378: the smallest block of the prefix-cacheable groups
-    rewritten = min(
-        g.kv_cache_spec.block_size
-        for g in sched_cfg.kv_cache_groups
-        if g.kv_cache_spec.prefix_cacheable
-    )
+    _, kv_cfg, sched_cfg, rewritten = plan_as_engine_core(cfg, specs)
     return cfg, kv_cfg, sched_cfg, rewritten
 
 

@@ -33,7 +33,12 @@ import ctypes
 
 import pytest
 import torch
-from support.tiny_dsv4_cpu import build_dsv4_target, construct_on_cpu, engine_config, resolve_layout
+from support.tiny_dsv4_cpu import (
+    build_dsv4_target,
+    construct_on_cpu,
+    engine_config,
+    plan_as_engine_core,
+)
 
 from vllm_dspark_pp import mooncake_blocks as mb
 from vllm_dspark_pp.dev import tiny_mla_targets as t
@@ -99,7 +104,6 @@ def _side(tmp_path, pair, role, drafter_cls, monkeypatch):
     """(config, KV-cache config, {layer: spec}) for one side, after the engine core's
     block-size rewrite, with the target's and the drafter's layers in the forward context."""
     from vllm.config import set_current_vllm_config
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
     extra = {"bootstrap_server_address": "127.0.0.1:1"} if role == "kv_producer" else {}
     cfg = engine_config(
@@ -125,16 +129,8 @@ def _side(tmp_path, pair, role, drafter_cls, monkeypatch):
     ctx.update(target_ctx)
     specs = {**specs, **draft_specs}
     assert cfg.model_config.use_mla  # MooncakeConnector then leaves the layout to the backends
-    assert resolve_layout(cfg, specs).is_block_outermost
-    with set_current_vllm_config(cfg):
-        groups = get_global_kv_cache_groups(cfg, [specs])
-        (kv_cfg,) = get_kv_cache_configs(cfg, [specs], [KV_BYTES], groups)
-    # vllm/v1/engine/core.py: cache_config.block_size becomes the smallest prefix-cacheable block
-    cfg.cache_config.block_size = min(
-        g.kv_cache_spec.block_size
-        for g in kv_cfg.kv_cache_groups
-        if g.kv_cache_spec.prefix_cacheable
-    )
+    layout, kv_cfg, _, cfg.cache_config.block_size = plan_as_engine_core(cfg, specs, KV_BYTES)
+    assert layout.is_block_outermost
     return cfg, kv_cfg, draft_specs
 
 
