@@ -677,3 +677,38 @@ def test_dsv4_loaded_context_weights_equal_the_full_drafter(dsv4_full_and_ctx):
     for f, c in zip(*outs, strict=True):
         assert f.abs().sum() > 0
         torch.testing.assert_close(c, f, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fam", ["k3", "dsv4"])
+def test_nan_norm_draft_config_makes_the_context_states_nan(producer_cfg, fam):
+    """The premise of the GPU PD control: with the draft config's ``rms_norm_eps`` set to NaN the
+    context-KV-only drafter's context states (``combine_hidden_states``: what every layer's context
+    key and value is projected from) are all NaN; with the real eps they are finite."""
+    import math
+
+    from vllm.config import set_current_vllm_config
+
+    def states(eps):
+        if fam == "k3":
+            draft = tiny.tiny_k3_config()
+            target = producer_cfg.model_config.hf_config
+            cls = kimi_k3.k3_context_kv_class()
+            shapes = tiny.k3_checkpoint_shapes(tiny.tiny_k3_config())
+            width = draft.target_hidden_size * draft.num_target_layers
+        else:
+            draft = target = tiny.tiny_dsv4_config()
+            cls = deepseek_v4.dsv4_context_kv_class(deepseek_v4.DSV4_NVIDIA_MODULE)
+            shapes = tiny.dsv4_checkpoint_shapes(tiny.tiny_dsv4_config())
+            width = draft.hidden_size * 2
+        draft.rms_norm_eps = eps
+        cfg = tiny.shim_vllm_config(producer_cfg, target_hf=target, draft_hf=draft)
+        ctx = _build(cfg, cls)
+        ctx.load_weights(iter(tiny.make_checkpoint(shapes, seed=5).items()))
+        _repack_linears(ctx)
+        aux = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
+        with set_current_vllm_config(cfg):
+            return ctx.combine_hidden_states(aux)
+
+    ok, bad = states(1e-6), states(math.nan)
+    assert torch.isfinite(ok).all()
+    assert torch.isnan(bad).all()

@@ -169,3 +169,25 @@ def test_old_dsv4_config_reproduces_unsupported_sqrtsoftplus(
     n_experts = router.global_num_experts
     with pytest.raises(ValueError, match="Unsupported scoring function: sqrtsoftplus"):
         router._compute_routing(torch.zeros(3, 8), torch.zeros(3, n_experts), None)
+
+
+@pytest.mark.parametrize("fam", ["k3", "dsv4"])
+def test_pd_control_draft_is_nan_only_in_the_draft(fam, tmp_path):
+    """The GPU PD control (tests/gpu/test_dsv4_k3_engine.py) hands the prefiller a copy of the
+    draft with ``rms_norm_eps = NaN``. vLLM must read that copy as the same draft architecture
+    with a NaN eps, and leave the target's eps alone (for DeepSeek-V4 the copy is the whole target
+    directory, used only as the draft)."""
+    import math
+
+    from support.pd_run import nan_norm_draft
+
+    make = t.make_tiny_k3_pair if fam == "k3" else t.make_tiny_dsv4_pair
+    pair = make(tmp_path, gpu=True)
+    good = _engine_config(pair, speculative_config=pair.speculative_config(4))
+    bad_dir = nan_norm_draft(pair.draft, str(tmp_path / "control"))
+    bad = _engine_config(pair, speculative_config={**pair.speculative_config(4), "model": bad_dir})
+    g, b = good.speculative_config.draft_model_config, bad.speculative_config.draft_model_config
+    assert b.architectures == g.architectures
+    assert math.isnan(b.hf_config.rms_norm_eps) and g.hf_config.rms_norm_eps == 1e-6
+    assert bad.model_config.hf_config.rms_norm_eps == 1e-6
+    assert good.model_config.hf_config.rms_norm_eps == 1e-6
