@@ -22,6 +22,7 @@ Each engine runs in its own subprocess with a hard timeout (no hang can outlive 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,10 @@ needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU"
 
 def _run(tmp: Path, name: str, llm: dict, max_tokens: int, env: dict | None = None) -> dict:
     """One engine through the shared runner (own process group, hard deadline)."""
-    env = {**(env or {}), "PYTHONPATH": str(CONNECTOR_DIR)}
+    # Prepend, never replace: on the GPU machine vLLM itself is on PYTHONPATH (/tmp/site); the
+    # H200 suite run of 2026-12-03 failed both tests with "No module named 'vllm'" in the child.
+    path = [str(CONNECTOR_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**(env or {}), "PYTHONPATH": os.pathsep.join(path)}
     res = run_llm(
         name,
         {"disable_log_stats": False, **llm},
