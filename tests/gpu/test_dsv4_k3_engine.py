@@ -10,7 +10,11 @@ prefiller and the PD control's (the context-KV-only draft layer had no ``prefill
 vLLM's MLA metadata builder), DeepSeek-V4 aggregated (the draft's MoE got FusedTopKRouter, which
 has no sqrtsoftplus, because the tiny config lacked ``topk_method: noaux_tc``) and DeepSeek-V4 PD
 (Mooncake block-size sync, handled separately). The first two are fixed and checked on CPU
-(tests/unit/producer/test_context_kv_mla.py, test_tiny_mla_targets_startup.py); not yet re-run.
+(tests/unit/producer/test_context_kv_mla.py, test_tiny_mla_targets_startup.py). Run 3 (15:00
+UTC, 181 s): 5 passed, both families' aggregated parity (360/360, 25.00 % graphs and eager) and
+PD over Mooncake (decoder == aggregated, 25.00 % both); the K3 PD control failed: its RoPE-base
+corruption left acceptance unchanged, so it was replaced by the NaN-norm control below (not yet
+run on the GPU).
 
 Knobs for a short lease: ``DSPARK_DSV4K3_FAMILIES`` (``k3``, ``dsv4`` or ``k3,dsv4``, the
 default) starts only that family's engines, the other family's tests skip (a skip is not a
