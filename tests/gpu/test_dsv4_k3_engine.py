@@ -39,8 +39,9 @@ Per family: ``base`` (no speculation, eager, top-2 logprobs for the near-tie rul
 (DSpark, CUDA graphs, decode capture sizes 4 and 8, waves of 3/5/7 requests: every decode batch
 is padded), ``eager`` (DSpark, eager); PD over MooncakeConnector (``pd_run.run_pd``, graphs) and a
 PD control whose prefiller writes a non-finite draft context KV (a draft config that differs only
-in ``rms_norm_eps``, set to NaN: same layer names and shapes, so Mooncake moves the pages, but the
-context norm makes every context key and value NaN). The decoder's draft, which attends over the
+in ``rms_norm_eps``, set to -1e30: same layer names and shapes, so Mooncake moves the pages, but
+the context norm takes the root of a negative number and makes every context key and value NaN;
+``support.draft_controls`` says why not NaN itself). The decoder's draft, which attends over the
 pulled pages, then drafts nothing the target accepts; if the decoder ignored or recomputed the
 pulled draft KV, the control's acceptance would equal the PD run's and the test fails.
 
@@ -95,10 +96,10 @@ def _need(fam):
 
 
 def _control_draft(pair, tmp):
-    """A copy of the draft whose only change is ``rms_norm_eps = NaN`` (the corrupted-context
+    """A copy of the draft whose only change is ``rms_norm_eps = -1e30`` (the corrupted-context
     control; the prefiller alone loads it). For DeepSeek-V4 the draft lives in the target's
     checkpoint: the copy is the whole directory, and only the prefiller's *draft* reads it."""
-    from support.pd_run import nan_norm_draft
+    from support.draft_controls import nan_norm_draft
 
     return nan_norm_draft(pair.draft, tmp)
 
@@ -295,6 +296,6 @@ def test_pd_corrupted_draft_kv_control(jobs, fam):
     assert bad["num_draft_tokens"] > 0, bad
     assert acceptance_rate(bad) < acceptance_rate(good) - 2.0, (
         f"[{fam}] the decoder drafted as well from a NaN draft context KV (prefiller's draft "
-        "rms_norm_eps = NaN) as from the real one: it does not read the pulled draft KV pages "
+        "rms_norm_eps = -1e30) as from the real one: it does not read the pulled draft KV pages "
         f"(or the prefiller never wrote them): {good} vs {bad}"
     )

@@ -212,23 +212,3 @@ def run_pd(
             pre.save_log("pd")
             dec.save_log("pd")
 
-
-def nan_norm_draft(draft_dir: str, out_dir: str) -> str:
-    """A copy of ``draft_dir`` whose config differs only in ``rms_norm_eps = NaN``: the same layer
-    names, shapes and (dummy, seeded) weights, but every norm, the context norm included, outputs
-    NaN, so a prefill-only producer loading it writes a NaN draft context KV. The PD control's
-    prefiller draft (``run_pd(prefill_speculative_config=...)``); for a draft that lives in its
-    target's checkpoint (DeepSeek-V4) the whole directory is copied and only the draft reads it."""
-    import math
-    import shutil
-    from pathlib import Path
-
-    src = Path(draft_dir)
-    dst = Path(out_dir) / f"{src.name}-nan-norm-control"
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    cfg = json.loads((dst / "config.json").read_text())
-    if "rms_norm_eps" not in cfg:
-        raise AssertionError(f"{draft_dir}/config.json has no rms_norm_eps to corrupt")
-    cfg["rms_norm_eps"] = math.nan
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1))  # json writes NaN, HF reads it
-    return str(dst)

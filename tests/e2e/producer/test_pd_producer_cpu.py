@@ -258,3 +258,43 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, 
         assert bad.metrics != agg.metrics, (
             "corrupted draft KV did not change the decoder's acceptance"
         )
+
+
+def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(pd_stores, e2e_timeout_s):
+    """The GPU PD control's mechanism (tests/gpu/test_dsv4_k3_engine.py), end to end on CPU: a
+    producer whose draft config has ``rms_norm_eps = -1e30`` (``draft_controls.nan_norm_draft``;
+    its target untouched) writes a NaN draft context KV; the decoder, with the real draft, reads
+    it, stays lossless, and accepts fewer drafts than the aggregated engine. If the decoder
+    ignored or recomputed the stored draft KV, its acceptance would equal the aggregated one."""
+    import torch
+    from support.draft_controls import nan_norm_draft
+
+    tmp = pd_stores["tmp"]
+    nan_store = tmp / "nan-norm"
+    nan_store.mkdir()
+    spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
+    prod = run_generate(
+        dict(BASE, speculative_config=spec, kv_transfer_config=_kv("kv_producer", nan_store)),
+        PROMPTS,
+        timeout_s=e2e_timeout_s,
+        sampling={"max_tokens": 1},
+        env=ENV,
+    )
+    assert len(builds_in_log(prod.log_text)) == 1, "the producer must build the context-only drafter"
+    kv = _load_store(nan_store)
+    for (req, layer), t in kv.items():
+        finite = bool(torch.isfinite(t).all())
+        assert finite is (layer in TARGET_LAYERS), f"{req}/{layer}: finite={finite}"
+
+    agg = pd_stores["agg"]["sync"]
+    dec = run_generate(
+        dict(BASE, kv_transfer_config=_kv("kv_consumer", nan_store)),
+        PROMPTS,
+        timeout_s=e2e_timeout_s,
+        sampling=SAMPLING,
+        env=ENV,
+    )
+    rate = lambda m: m["num_accepted_tokens"] / m["num_draft_tokens"]  # noqa: E731
+    print(f"decoder on the NaN-norm producer's store: {dec.metrics}\naggregated: {agg.metrics}")
+    assert dec.tokens == agg.tokens, "greedy output must stay lossless whatever the draft KV"
+    assert rate(dec.metrics) < rate(agg.metrics) - 0.02, (dec.metrics, agg.metrics)

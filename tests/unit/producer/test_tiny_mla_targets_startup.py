@@ -174,12 +174,10 @@ def test_old_dsv4_config_reproduces_unsupported_sqrtsoftplus(
 @pytest.mark.parametrize("fam", ["k3", "dsv4"])
 def test_pd_control_draft_is_nan_only_in_the_draft(fam, tmp_path):
     """The GPU PD control (tests/gpu/test_dsv4_k3_engine.py) hands the prefiller a copy of the
-    draft with ``rms_norm_eps = NaN``. vLLM must read that copy as the same draft architecture
-    with a NaN eps, and leave the target's eps alone (for DeepSeek-V4 the copy is the whole target
+    draft with ``rms_norm_eps = -1e30``. vLLM must read that copy as the same draft architecture
+    with that eps, and leave the target's eps alone (for DeepSeek-V4 the copy is the whole target
     directory, used only as the draft)."""
-    import math
-
-    from support.pd_run import nan_norm_draft
+    from support.draft_controls import NAN_NORM_EPS, nan_norm_draft
 
     make = t.make_tiny_k3_pair if fam == "k3" else t.make_tiny_dsv4_pair
     pair = make(tmp_path, gpu=True)
@@ -188,6 +186,6 @@ def test_pd_control_draft_is_nan_only_in_the_draft(fam, tmp_path):
     bad = _engine_config(pair, speculative_config={**pair.speculative_config(4), "model": bad_dir})
     g, b = good.speculative_config.draft_model_config, bad.speculative_config.draft_model_config
     assert b.architectures == g.architectures
-    assert math.isnan(b.hf_config.rms_norm_eps) and g.hf_config.rms_norm_eps == 1e-6
+    assert b.hf_config.rms_norm_eps == NAN_NORM_EPS and g.hf_config.rms_norm_eps == 1e-6
     assert bad.model_config.hf_config.rms_norm_eps == 1e-6
     assert good.model_config.hf_config.rms_norm_eps == 1e-6
