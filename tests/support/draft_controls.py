@@ -23,9 +23,11 @@ def nan_norm_draft(draft_dir: str, out_dir: str) -> str:
     Not ``eps = NaN``: vLLM 0.34.0 asserts that the draft layers' norm eps are equal
     (``qwen3_dflash.py:663``, and for Kimi-K3 ``dspark_mla.py:244``, which compares every layer
     with the first, itself included), and NaN != NaN stops the engine at start-up (seen on CPU,
-    tests/e2e/producer/test_pd_producer_cpu.py). -1e30 equals itself and is plain JSON. The PD control's
-    prefiller draft (``run_pd(prefill_speculative_config=...)``); for a draft that lives in its
-    target's checkpoint (DeepSeek-V4) the whole directory is copied and only the draft reads it."""
+    tests/e2e/producer/test_pd_producer_cpu.py). -1e30 equals itself and is plain JSON.
+
+    The PD control's prefiller draft (``run_pd(prefill_speculative_config=...)``); for a draft
+    that lives in its target's checkpoint (DeepSeek-V4) the whole directory is copied and only
+    the draft reads it."""
     src = Path(draft_dir)
     dst = Path(out_dir) / f"{src.name}-nan-norm-control"
     shutil.copytree(src, dst, dirs_exist_ok=True)

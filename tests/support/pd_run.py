@@ -211,4 +211,3 @@ def run_pd(
         if not ok:
             pre.save_log("pd")
             dec.save_log("pd")
-

@@ -280,7 +280,7 @@ def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(pd_stores, e2e_ti
         sampling={"max_tokens": 1},
         env=ENV,
     )
-    assert len(builds_in_log(prod.log_text)) == 1, "the producer must build the context-only drafter"
+    assert len(builds_in_log(prod.log_text)) == 1, "the producer builds the context-only drafter"
     kv = _load_store(nan_store)
     for (req, layer), t in kv.items():
         finite = bool(torch.isfinite(t).all())
