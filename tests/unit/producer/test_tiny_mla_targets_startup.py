@@ -189,3 +189,35 @@ def test_pd_control_draft_is_nan_only_in_the_draft(fam, tmp_path):
     assert b.hf_config.rms_norm_eps == NAN_NORM_EPS and g.hf_config.rms_norm_eps == 1e-6
     assert bad.model_config.hf_config.rms_norm_eps == 1e-6
     assert good.model_config.hf_config.rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("fam", ["k3", "dsv4"])
+def test_aux_taps_resolve_to_the_drafts_target_layers(fam, pp, tmp_path):
+    """What a -pp N DeepSeek-V4 / Kimi-K3 DSpark deployment relies on in vLLM 0.34.0 (issue 16):
+    the target layers whose outputs feed the draft come from the draft config through vLLM's
+    EAGLE-3 fallback chain (``eagle3_utils.get_eagle3_aux_layers_from_config``: Kimi-K3 via
+    ``target_layer_ids``, DeepSeek-V4 via ``dspark_target_layer_ids``, both with the +1 of
+    "output of layer i" semantics), every tap names a real target layer, and both CUDA target
+    models declare that their aux hidden states cross pipeline stages (otherwise vLLM refuses
+    such methods under PP: ``verify_supports_aux_hidden_states_over_pp``)."""
+    from vllm.models.deepseek_v4.nvidia.model import DeepseekV4Model
+    from vllm.models.kimi_k3.nvidia.model import KimiLinearModel
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    make = t.make_tiny_k3_pair if fam == "k3" else t.make_tiny_dsv4_pair
+    pair = make(tmp_path, gpu=True)
+    cfg = _engine_config(
+        pair, speculative_config=pair.speculative_config(4), pipeline_parallel_size=pp
+    )
+    assert cfg.parallel_config.pipeline_parallel_size == pp
+    draft = json.loads(
+        (tmp_path / ("k3-dspark" if fam == "k3" else "dsv4") / "config.json").read_text()
+    )
+    ids = draft["target_layer_ids"] if fam == "k3" else draft["dspark_target_layer_ids"]
+    taps = get_eagle3_aux_layers_from_config(cfg.speculative_config)
+    assert taps == tuple(i + 1 for i in ids)
+    n = cfg.model_config.hf_config.num_hidden_layers
+    assert all(1 <= tap <= n for tap in taps), (taps, n)
+    inner = KimiLinearModel if fam == "k3" else DeepseekV4Model
+    assert inner.supports_aux_hidden_states_over_pp is True
