@@ -174,29 +174,20 @@ def jobs(tmp_path_factory):
             ),
         ]
         prompts = waves[-1]  # the 7-request wave, concurrently
-        j.submit(
-            f"{fam}_pd",
-            run_pd,
-            pair.target,
-            spec,
-            prompts,
-            timeout_s=TIMEOUT_S,
-            common_args=common,
-            max_tokens=MAX_TOKENS,
-        )
-        # every family: the prefiller alone loads a NaN-norm copy of the draft
-        bad = {**spec, "model": _control_draft(pair, tmp)}
-        j.submit(
-            f"{fam}_pd_control",
-            run_pd,
-            pair.target,
-            spec,
-            prompts,
-            timeout_s=TIMEOUT_S,
-            common_args=common,
-            max_tokens=MAX_TOKENS,
-            prefill_speculative_config=bad,
-        )
+        # the control's prefiller alone loads a NaN-norm copy of the draft
+        control = {**spec, "model": _control_draft(pair, tmp)}
+        for job, prefill_spec in ((f"{fam}_pd", None), (f"{fam}_pd_control", control)):
+            j.submit(
+                job,
+                run_pd,
+                pair.target,
+                spec,
+                prompts,
+                timeout_s=TIMEOUT_S,
+                common_args=common,
+                max_tokens=MAX_TOKENS,
+                prefill_speculative_config=prefill_spec,
+            )
     yield j
     j.shutdown()
     print("\n=== DSV4/K3 SUMMARY ===")
