@@ -18,7 +18,7 @@ run on the GPU).
 
 Knobs for a short lease: ``DSPARK_DSV4K3_FAMILIES`` (``k3``, ``dsv4`` or ``k3,dsv4``, the
 default) starts only that family's engines, the other family's tests skip (a skip is not a
-pass); ``DSPARK_DSV4K3_MAX_JOBS`` (default: all, 11 jobs = 17 engines for both families) caps how
+pass); ``DSPARK_DSV4K3_MAX_JOBS`` (default: all, 10 jobs = 14 engines for both families) caps how
 many jobs run at once (a PD job is two engines). A queued job's own timeout starts when it starts,
 so a cap lengthens the run: keep the default under tools/gpu/run_groups.sh's fixed budget.
 ``DSPARK_DSV4K3_JOBS`` (comma-separated job names, e.g. ``k3_pd,k3_pd_control``) starts only those
