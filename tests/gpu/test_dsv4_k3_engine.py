@@ -273,8 +273,8 @@ def test_pd_over_mooncake(jobs, fam):
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_pd_corrupted_draft_kv_control(jobs, fam):
     _need(fam)
-    good = jobs.result(f"{fam}_pd")["decoder_spec"]
-    bad = jobs.result(f"{fam}_pd_control")["decoder_spec"]
+    good_pd, bad_pd = jobs.result(f"{fam}_pd"), jobs.result(f"{fam}_pd_control")
+    good, bad = good_pd["decoder_spec"], bad_pd["decoder_spec"]
     SUMMARY[f"{fam}_pd_control"] = {
         "good": good,
         "corrupted": bad,
@@ -290,3 +290,6 @@ def test_pd_corrupted_draft_kv_control(jobs, fam):
         "rms_norm_eps = -1e30) as from the real one: it does not read the pulled draft KV pages "
         f"(or the prefiller never wrote them): {good} vs {bad}"
     )
+    # lossless whatever the draft proposes: the NaN pages are the draft's alone
+    rep = compare_tokens(good_pd["tokens"], bad_pd["tokens"], None)
+    assert rep.ok, f"[{fam}] a corrupted draft changed the decoder's greedy output: {rep}"
