@@ -76,18 +76,23 @@ class _NoContext:
 def _patch(module) -> None:
     from vllm_dspark_pp.mooncake_blocks import group_block_sizes, transfer_block_size
 
+    def adopt_plan_block_size(obj, role: str) -> None:
+        """Set ``obj.block_size`` (the connector's logical block) from the KV-cache plan."""
+        configured = obj.block_size
+        obj.block_size = transfer_block_size(obj.kv_cache_config, configured)
+        if obj.block_size != configured:
+            _logger().info(
+                "MooncakeConnector %s: logical block size %d from the attention KV groups, not "
+                "cache_config.block_size %d (transfer group block sizes %s)",
+                role,
+                obj.block_size,
+                configured,
+                group_block_sizes(obj.kv_cache_config),
+            )
+
     def make_sync(orig):
         def _sync_block_size_with_kernel(self) -> None:
-            configured = self.block_size
-            self.block_size = transfer_block_size(self.kv_cache_config, configured)
-            if self.block_size != configured:
-                _logger().info(
-                    "MooncakeConnector worker: logical block size %d from the attention KV "
-                    "groups, not cache_config.block_size %d (transfer group block sizes %s)",
-                    self.block_size,
-                    configured,
-                    group_block_sizes(self.kv_cache_config),
-                )
+            adopt_plan_block_size(self, "worker")
             return orig(self)
 
         return _sync_block_size_with_kernel
@@ -95,15 +100,7 @@ def _patch(module) -> None:
     def make_init(orig):
         def __init__(self, *args, **kwargs) -> None:
             orig(self, *args, **kwargs)
-            configured = self.block_size
-            self.block_size = transfer_block_size(self.kv_cache_config, configured)
-            if self.block_size != configured:
-                _logger().info(
-                    "MooncakeConnector scheduler: logical block size %d from the attention KV "
-                    "groups, not cache_config.block_size %d",
-                    self.block_size,
-                    configured,
-                )
+            adopt_plan_block_size(self, "scheduler")
 
         return __init__
 

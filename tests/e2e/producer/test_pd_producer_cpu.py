@@ -97,6 +97,18 @@ def _kv(role: str, store: Path) -> dict:
     }
 
 
+def _decode(store: Path, timeout_s: float, **kw):
+    """A PP=1 ``kv_consumer`` decoder (full drafter) on ``store``, the held-out prompts."""
+    return run_generate(
+        dict(BASE, kv_transfer_config=_kv("kv_consumer", store)),
+        PROMPTS,
+        timeout_s=timeout_s,
+        sampling=SAMPLING,
+        env=ENV,
+        **kw,
+    )
+
+
 def _load_store(store: Path) -> dict[tuple[str, str], object]:
     import safetensors.torch as st
 
@@ -225,14 +237,7 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, 
     pads that step with placeholder drafts nobody proposed (one wasted, never-accepted draft per
     such prompt; issue 13)."""
     agg = pd_stores["agg"][mode]
-    dec = run_generate(
-        dict(BASE, kv_transfer_config=_kv("kv_consumer", pd_stores["prod_store"])),
-        PROMPTS,
-        timeout_s=e2e_timeout_s,
-        sampling=SAMPLING,
-        async_scheduling=mode == "async",
-        env=ENV,
-    )
+    dec = _decode(pd_stores["prod_store"], e2e_timeout_s, async_scheduling=mode == "async")
     print(f"decoder ({mode}): {dec.metrics}\naggregated ({mode}): {agg.metrics}")
     assert dec.config["async_scheduling"] is (mode == "async")
     assert dec.tokens == agg.tokens
@@ -246,13 +251,7 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, 
     ):  # the docstring's control
         bad_store = pd_stores["tmp"] / "bad"
         _corrupt_draft_layers(pd_stores["prod_store"], bad_store)
-        bad = run_generate(
-            dict(BASE, kv_transfer_config=_kv("kv_consumer", bad_store)),
-            PROMPTS,
-            timeout_s=e2e_timeout_s,
-            sampling=SAMPLING,
-            env=ENV,
-        )
+        bad = _decode(bad_store, e2e_timeout_s)
         print(f"decoder on corrupted draft KV: {bad.metrics}")
         assert bad.tokens == agg.tokens, "greedy output must stay lossless whatever the draft KV"
         assert bad.metrics != agg.metrics, (
@@ -287,13 +286,7 @@ def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(pd_stores, e2e_ti
         assert finite is (layer in TARGET_LAYERS), f"{req}/{layer}: finite={finite}"
 
     agg = pd_stores["agg"]["sync"]
-    dec = run_generate(
-        dict(BASE, kv_transfer_config=_kv("kv_consumer", nan_store)),
-        PROMPTS,
-        timeout_s=e2e_timeout_s,
-        sampling=SAMPLING,
-        env=ENV,
-    )
+    dec = _decode(nan_store, e2e_timeout_s)
     rate = lambda m: m["num_accepted_tokens"] / m["num_draft_tokens"]  # noqa: E731
     print(f"decoder on the NaN-norm producer's store: {dec.metrics}\naggregated: {agg.metrics}")
     assert dec.tokens == agg.tokens, "greedy output must stay lossless whatever the draft KV"
