@@ -16,7 +16,9 @@ __all__ = ["register", "__version__", "PROTOCOL_VERSION", "SUPPORTED_VLLM_VERSIO
 def register() -> None:
     """Entry point for ``vllm.general_plugins``. Re-entrant and idempotent."""
     from vllm_dspark_pp.patches import apply_all
+    from vllm_dspark_pp.stack_dumps import install_if_requested
     from vllm_dspark_pp.version import check_vllm_version
 
+    install_if_requested()  # first: a hang in the checks or patches can then be located too
     check_vllm_version()
     apply_all()

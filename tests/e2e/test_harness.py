@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -21,6 +22,11 @@ def test_hard_limit_kills_the_whole_process_group(tiny_models):
             {"model": tiny_models.target, "pipeline_parallel_size": 2}, [[5, 6, 7]], timeout_s=8
         )
     assert info.value.hung and "HUNG" in str(info.value)
+    # before the kill, every process of the case printed where it was (vllm_dspark_pp.stack_dumps)
+    # (faulthandler's frame lines read 'File "...", line N in func', a traceback's ', in func')
+    # (how many processes existed at 8 s depends on the machine's speed)
+    assert re.search(r"asked [1-9]\d* process", str(info.value)), str(info.value)
+    assert re.search(r'\.py", line \d+ in \w+\n', str(info.value)), str(info.value)
     assert time.monotonic() - t0 < 40
     # Killed workers may linger as zombies until PID 1 reaps them (killpg(pgid, 0) still succeeds
     # then); what must hold is that nothing of the group still runs.

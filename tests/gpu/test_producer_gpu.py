@@ -35,7 +35,7 @@ pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONNECTOR_DIR = REPO / "tests" / "e2e" / "producer"
-TIMEOUT_S = 420
+TIMEOUT_S = float(os.environ.get("DSPARK_PRODUCER_GPU_TIMEOUT_S", "420"))  # per engine
 
 WORDS = (
     "the quick brown fox jumps over the lazy dog while a small cat sleeps on a warm mat near "

@@ -3,10 +3,11 @@
 :func:`run_engine` writes the spec (see :mod:`vllm_dspark_pp.dev.engine_worker`), starts
 ``python -m vllm_dspark_pp.dev.engine_worker`` in its own session, waits at most ``timeout_s``
 (start-up, warm-up, generation and shutdown included), then kills the whole process group
-whatever happened, so no engine core or PP worker outlives the case. It returns an
-:class:`EngineRun` (the worker's JSON, the log, whether it timed out); the CPU e2e tier
-(``tests/support/e2e.py``) and the GPU tier (``tests/support/gpu.py``) turn that into their
-results and failures.
+whatever happened, so no engine core or PP worker outlives the case; a case past its deadline
+first prints every process's Python stacks into its log (:mod:`vllm_dspark_pp.stack_dumps`).
+It returns an :class:`EngineRun` (the worker's JSON, the log, whether it timed out); the CPU
+e2e tier (``tests/support/e2e.py``) and the GPU tier (``tests/support/gpu.py``) turn that into
+their results and failures.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+from vllm_dspark_pp.dev.proc import dump_group_stacks, kill_group, start_in_session
+from vllm_dspark_pp.stack_dumps import ENV as STACKS_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A checkout (tests, benchmarks) rather than an installed copy (site-packages on the GPU machine)
@@ -50,6 +52,7 @@ def child_env(base: dict, extra: dict | None = None) -> dict:
     """``os.environ`` + ``base`` + ``extra``, with the project root first on ``PYTHONPATH`` (the
     worker and vLLM's plugin entry point must import this checkout in every child)."""
     env = dict(os.environ)
+    env[STACKS_ENV] = "1"  # a case that overruns its deadline prints every process's stacks
     env.update(base)
     env.update(extra or {})
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -84,6 +87,11 @@ def run_engine(
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
+                n = dump_group_stacks(proc.pid)
+                log.write(
+                    f"\n[run_engine] deadline {timeout_s:.0f} s passed: asked {n} "
+                    "process(es) for their Python stacks (above), killing the group\n".encode()
+                )
             finally:
                 kill_group(proc)  # whatever happened, nothing of this case survives it
         wall = time.monotonic() - t0

@@ -134,6 +134,10 @@ def main(spec_path: str, result_path: str) -> int:
         spec = json.load(f)
     result: dict = {"ok": False, "phase": "import", "name": spec.get("name")}
     t0 = time.monotonic()
+    # before vLLM is imported: a hang while importing it can be located too
+    from vllm_dspark_pp.stack_dumps import install_if_requested
+
+    install_if_requested()
 
     def dump() -> None:
         result["wall_s"] = round(time.monotonic() - t0, 2)

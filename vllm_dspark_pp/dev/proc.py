@@ -68,6 +68,23 @@ def _wait(proc: subprocess.Popen, timeout: float) -> None:
         pass
 
 
+def dump_group_stacks(pgid: int, settle_s: float = 3.0) -> int:
+    """Send SIGUSR1 to every running member of group ``pgid`` and give them ``settle_s`` to
+    write their Python stacks (members started with ``DSPARK_PP_STACKS_ON_SIGUSR1=1`` that
+    loaded the plugin or registered the dump themselves: :mod:`vllm_dspark_pp.stack_dumps`; any
+    other member ends, as SIGUSR1's default action, which is fine right before the group is
+    killed). Returns how many members were signalled."""
+    members = live_group_members(pgid)
+    for pid in members:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if members:
+        time.sleep(settle_s)
+    return len(members)
+
+
 def kill_group(proc: subprocess.Popen, grace_s: float = 0.0, settle_s: float = 10.0) -> bool:
     """End the child's whole process group and wait (up to ``settle_s``) until no member of it
     still runs. With ``grace_s`` > 0 the group gets SIGTERM first and up to ``grace_s`` to exit;
