@@ -1,6 +1,6 @@
 """Kimi-K3 and DeepSeek-V4 DSpark in real engines on one GPU (issue 16).
 
-Run history (docs/results/gpu-dsv4-k3.md), both on the H200 on 2026-12-03:
+Run history (docs/results/gpu-dsv4-k3.md), all on the H200 on 2026-12-03:
 run 1, all 6 tests failed at engine start-up on causes in the tiny test configs (no DSpark noise
 token in the drafts; the DeepSeek-V4 target had no ratio-4 layer, so its compressor state caches
 got 256-token blocks); both fixed. Run 2 (12:27 UTC, 195 s): the Kimi-K3 aggregated parity test
@@ -13,8 +13,9 @@ has no sqrtsoftplus, because the tiny config lacked ``topk_method: noaux_tc``) a
 (tests/unit/producer/test_context_kv_mla.py, test_tiny_mla_targets_startup.py). Run 3 (15:00
 UTC, 181 s): 5 passed, both families' aggregated parity (360/360, 25.00 % graphs and eager) and
 PD over Mooncake (decoder == aggregated, 25.00 % both); the K3 PD control failed: its RoPE-base
-corruption left acceptance unchanged, so it was replaced by the NaN-norm control below (not yet
-run on the GPU).
+corruption left acceptance unchanged, so it was replaced by the NaN-norm control below. Run 4
+(17:24 UTC, 199 s): all 7 passed; the NaN-norm control for both families: 25.00 % -> 0.00 %
+(0 / 644), greedy output equal to the uncorrupted PD run's.
 
 Knobs for a short lease: ``DSPARK_DSV4K3_FAMILIES`` (``k3``, ``dsv4`` or ``k3,dsv4``, the
 default) starts only that family's engines, the other family's tests skip (a skip is not a

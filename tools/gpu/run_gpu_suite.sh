@@ -57,6 +57,11 @@ PY
   exit 3
 fi
 
+if [ -f "$SITE/env.sh" ]; then # a booted kit: torch and vLLM must come from it
+  python3 tools/gpu/check_kit.py "$SITE" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || exit 3
+fi
+
 say "installing the project into $SITE (entry point vllm.general_plugins -> dspark_pp)"
 rm -rf build ./*.egg-info
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target "$SITE" . 2>&1 \

@@ -23,6 +23,9 @@ PGIDS=$(mktemp -d /tmp/dspark-gpu-pgids.XXXX)
 export DSPARK_PP_TEST_DEVICE=gpu PYTHONUNBUFFERED=1 DSPARK_GPU_ARTIFACTS=$ART DSPARK_PGID_DIR=$PGIDS
 say() { echo "[gpu-groups $(date +%H:%M:%S)] $*"; }
 
+if [ -f /tmp/site/env.sh ]; then # a booted kit: torch and vLLM must come from it
+  python3 tools/gpu/check_kit.py /tmp/site || exit 3
+fi
 say "installing the project into /tmp/site (the plugin's entry point)"
 rm -rf build ./*.egg-info
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site . 2>&1 \
