@@ -67,3 +67,20 @@ def test_without_the_variable_sigusr1_keeps_its_default_meaning(tmp_path):
     finally:
         kill_group(proc)
         err.close()
+
+
+def test_a_server_not_ready_by_its_deadline_leaves_its_stacks_in_its_log():
+    from vllm_dspark_pp.dev.serve import CaseFailure, Server
+
+    class NeverReady(Server):  # the plugin loaded, /health never answered
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", CHILD]
+
+    with NeverReady("never-ready", "unused", [], base_env={}) as srv:
+        deadline = time.monotonic() + 20
+        while "ready" not in srv.log_text().splitlines() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(CaseFailure) as info:
+            srv.wait_ready(time.monotonic())
+        assert "1 process(es) printed their Python stacks" in str(info.value)
+        assert "waiting_for_a_peer_that_never_answers" in srv.log_text()

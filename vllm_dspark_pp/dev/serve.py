@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_dspark_pp.dev.engine import child_env
-from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+from vllm_dspark_pp.dev.proc import dump_group_stacks, kill_group, start_in_session
 
 # Given to every GPU child (on top of the caller's environment).
 GPU_CHILD_ENV = {
@@ -181,8 +181,10 @@ class Server:
             except (urllib.error.URLError, OSError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
+                n = dump_group_stacks(self.proc.pid)  # where each process waits, into the log
                 raise CaseFailure(
-                    f"server {self.name} not ready before its deadline\n{tail(self.log_text())}"
+                    f"server {self.name} not ready before its deadline ({n} process(es) printed "
+                    f"their Python stacks into its log)\n{tail(self.log_text())}"
                 )
             time.sleep(1.0)
 
