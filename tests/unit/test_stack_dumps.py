@@ -82,5 +82,27 @@ def test_a_server_not_ready_by_its_deadline_leaves_its_stacks_in_its_log():
             time.sleep(0.1)
         with pytest.raises(CaseFailure) as info:
             srv.wait_ready(time.monotonic())
-        assert "1 process(es) printed their Python stacks" in str(info.value)
+        assert "printed their Python stacks into its log" in str(info.value)
         assert "waiting_for_a_peer_that_never_answers" in srv.log_text()
+
+
+def test_the_demo_server_shares_the_wait_and_its_stack_dump(tmp_path):
+    from vllm_dspark_pp.dev.serve import free_port
+    from vllm_dspark_pp.dev.serve_demo import Server
+
+    log = tmp_path / "demo.log"
+    srv = Server([sys.executable, "-c", CHILD], log, port=free_port(), name="demo", cpu=False)
+    srv.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "ready" not in srv.log_tail(10**6).splitlines() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(TimeoutError, match="printed their Python stacks"):
+            srv.wait_ready(0.0)
+        assert "waiting_for_a_peer_that_never_answers" in log.read_text()
+    finally:
+        srv.stop(grace_s=1.0)
+    done = Server([sys.executable, "-c", "pass"], tmp_path / "x.log", port=free_port(), cpu=False)
+    done.start().wait_exit(20)
+    with pytest.raises(RuntimeError, match="exited with code 0"):
+        done.wait_ready(30.0)

@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,43 @@ def http_text(url: str, timeout: float = 10.0) -> str:
         return r.read().decode()
 
 
+def wait_for_health(
+    proc: subprocess.Popen,
+    url: str,
+    deadline: float,
+    *,
+    poll_s: float = 1.0,
+    progress: Callable[[float], None] | None = None,
+    progress_every_s: float = 15.0,
+) -> str:
+    """Poll ``url/health`` until it answers 200 (the one copy for every ``vllm serve`` helper).
+
+    Returns "ready"; "exited" when ``proc`` ends first; "late" when the monotonic ``deadline``
+    passes, after asking every process of ``proc``'s group for its Python stacks (they go into
+    the server's log: :mod:`vllm_dspark_pp.stack_dumps`). ``progress(elapsed_s)`` is called every
+    ``progress_every_s`` while waiting.
+    """
+    t0 = time.monotonic()
+    next_note = t0 + progress_every_s
+    while True:
+        if proc.poll() is not None:
+            return "exited"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return "ready"
+        except (urllib.error.URLError, OSError, TimeoutError):
+            pass
+        now = time.monotonic()
+        if now > deadline:
+            dump_group_stacks(proc.pid)
+            return "late"
+        if progress is not None and now >= next_note:
+            progress(now - t0)
+            next_note = now + progress_every_s
+        time.sleep(poll_s)
+
+
 class Server:
     """``vllm serve`` in its own process group; use as a context manager (always killed)."""
 
@@ -168,25 +206,17 @@ class Server:
 
     def wait_ready(self, deadline: float) -> None:
         """Poll /health until it answers 200; fail at once if the process dies."""
-        while True:
-            if not self.alive():
-                rc = self.proc.returncode if self.proc else None
-                raise CaseFailure(
-                    f"server {self.name} exited (rc={rc}) during start-up\n{tail(self.log_text())}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                n = dump_group_stacks(self.proc.pid)  # where each process waits, into the log
-                raise CaseFailure(
-                    f"server {self.name} not ready before its deadline ({n} process(es) printed "
-                    f"their Python stacks into its log)\n{tail(self.log_text())}"
-                )
-            time.sleep(1.0)
+        state = wait_for_health(self.proc, self.url, deadline)
+        if state == "exited":
+            raise CaseFailure(
+                f"server {self.name} exited (rc={self.proc.returncode}) during start-up\n"
+                f"{tail(self.log_text())}"
+            )
+        if state == "late":
+            raise CaseFailure(
+                f"server {self.name} not ready before its deadline (its processes printed their "
+                f"Python stacks into its log)\n{tail(self.log_text())}"
+            )
 
     def stop(self) -> None:
         if self.proc is not None:

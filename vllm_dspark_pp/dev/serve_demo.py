@@ -26,7 +26,7 @@ from vllm_dspark_pp.dev import cpu_env as _cpu_env
 from vllm_dspark_pp.dev.engine import child_env
 from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus
 from vllm_dspark_pp.dev.proc import kill_group, live_group_members, start_in_session
-from vllm_dspark_pp.dev.serve import free_port, http_json
+from vllm_dspark_pp.dev.serve import free_port, http_json, wait_for_health
 
 __all__ = [
     "Server",
@@ -116,25 +116,23 @@ class Server:
 
     def wait_ready(self, timeout_s: float, progress_every_s: float = 15.0) -> None:
         """Poll ``/health`` until 200; raise if the server exits or the deadline passes."""
-        t0 = time.monotonic()
-        next_note = t0 + progress_every_s
-        while True:
-            rc = self.exited()
-            if rc is not None:
-                raise RuntimeError(f"{self.name} exited with code {rc} before it was ready")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            now = time.monotonic()
-            if now - t0 > timeout_s:
-                raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s")
-            if now >= next_note:
-                say(f"waiting for {self.name} ({now - t0:.0f} s, loading models and warming up)")
-                next_note = now + progress_every_s
-            time.sleep(0.5)
+        state = wait_for_health(
+            self.proc,
+            self.url,
+            time.monotonic() + timeout_s,
+            poll_s=0.5,
+            progress=lambda s: say(
+                f"waiting for {self.name} ({s:.0f} s, loading models and warming up)"
+            ),
+            progress_every_s=progress_every_s,
+        )
+        if state == "exited":
+            raise RuntimeError(f"{self.name} exited with code {self.exited()} before it was ready")
+        if state == "late":
+            raise TimeoutError(
+                f"{self.name} not ready after {timeout_s:.0f} s (its processes printed their "
+                f"Python stacks into {self.log_path})"
+            )
 
     def wait_exit(self, timeout_s: float) -> int | None:
         try:
