@@ -19,6 +19,15 @@ def register() -> None:
     from vllm_dspark_pp.stack_dumps import install_if_requested
     from vllm_dspark_pp.version import check_vllm_version
 
-    install_if_requested()  # first: a hang in the checks or patches can then be located too
+    dumps = install_if_requested()  # first: a hang in the checks or patches can be located too
     check_vllm_version()
-    apply_all()
+    apply_all()  # also sets up vLLM's logging in a bare process
+    if dumps:
+        import os
+
+        from vllm.logger import init_logger
+
+        init_logger("vllm.dspark_pp").info(
+            "pid %d prints its Python stacks on SIGUSR1 (DSPARK_PP_STACKS_ON_SIGUSR1=1)",
+            os.getpid(),
+        )

@@ -36,9 +36,12 @@ def _start(tmp_path, env_value: str | None):
     proc = start_in_session(
         [sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=err
     )
+    seen = []
     for line in proc.stdout:  # vLLM's logger writes to stdout first
         if line.strip() == b"ready":
+            proc.seen = b"".join(seen).decode(errors="replace")
             return proc, err
+        seen.append(line)
     raise AssertionError((tmp_path / "stderr.txt").read_text())
 
 
@@ -50,6 +53,8 @@ def test_plugin_processes_print_their_stacks_on_sigusr1_and_keep_running(tmp_pat
         text = (tmp_path / "stderr.txt").read_text()
         assert "waiting_for_a_peer_that_never_answers" in text, text
         assert "most recent call first" in text, text
+        # the log names the pid to signal (users signal those, not a whole group)
+        assert f"pid {proc.pid} prints its Python stacks on SIGUSR1" in proc.seen, proc.seen
     finally:
         kill_group(proc)
         err.close()
