@@ -7,7 +7,9 @@ runners (``vllm_dspark_pp.dev.engine.run_engine``, the ``vllm serve`` helpers) s
 children and, when a case overruns its deadline, signal the whole process group before killing
 it, so a hang's log ends with where each process was waiting instead of just stopping.
 
-Without the variable nothing is installed and SIGUSR1 keeps its default meaning.
+Each process that installs it logs ``pid N prints its Python stacks on SIGUSR1`` (from
+``register()``), so a user signals exactly those (docs/bad-configs.md). Without the variable
+nothing is installed and SIGUSR1 keeps its default meaning.
 """
 
 from __future__ import annotations

@@ -201,9 +201,6 @@ class Server:
         except OSError:
             return ""
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def wait_ready(self, deadline: float) -> None:
         """Poll /health until it answers 200; fail at once if the process dies."""
         state = wait_for_health(self.proc, self.url, deadline)
