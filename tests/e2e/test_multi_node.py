@@ -29,10 +29,10 @@ import contextlib
 import time
 
 import pytest
-from support import engines, tiny_pair
+from support import engines, pp_launch, tiny_pair
 
 from vllm_dspark_pp.dev import serve_demo
-from vllm_dspark_pp.dev.serve_demo import Server, free_port, live_group_members, serve_argv
+from vllm_dspark_pp.dev.serve_demo import Server, free_port, serve_argv
 from vllm_dspark_pp.protocol import handshake
 
 pytestmark = pytest.mark.e2e
@@ -44,41 +44,25 @@ SILENT_TIMEOUT_S = 10.0  # ... of the no-plugin test (node 0 waits it plus a 5 s
 
 @contextlib.contextmanager
 def two_nodes(tmp_path, *, spec1=None, env0=None, env1=None):
-    """Node 0 (API server, PP rank 0) and node 1 (headless, PP rank 1) on loopback."""
-    spec = tiny_pair.spec_config()
-    api_port, master_port = free_port(), free_port()
-    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-    common += engines.pair_serve_args()
-    node0 = Server(
-        serve_argv(
-            tiny_pair.TARGET, pp=2, spec=spec, port=api_port, extra=common + ["--node-rank", "0"]
-        ),
-        tmp_path / "node0.log",
-        env=dict(env0 or {}),
-        port=api_port,
-        name="node 0",
+    """Node 0 (API server, PP rank 0) and node 1 (headless, PP rank 1) on loopback
+    (tests/support/pp_launch.py: the same composition as the one-GPU PP tier)."""
+    dep = pp_launch.deployment(
+        "two_nodes",
+        tiny_pair.TARGET,
+        pp=2,
+        spec=tiny_pair.spec_config(),
+        log_dir=tmp_path,
+        extra=engines.pair_serve_args(),
+        env_per_rank={0: dict(env0 or {}), 1: dict(env1 or {})},
+        spec_per_rank={1: spec1} if spec1 else None,
     )
-    node1 = Server(
-        serve_argv(
-            tiny_pair.TARGET,
-            pp=2,
-            spec=spec1 or spec,
-            port=None,
-            extra=common + ["--node-rank", "1"],
-        ),
-        tmp_path / "node1.log",
-        env=dict(env1 or {}),
-        name="node 1 (headless)",
-    )
+    node0, node1 = dep.nodes
     try:
-        node0.start()
-        node1.start()
+        dep.start()
         yield node0, node1
     finally:
-        for node in (node0, node1):
-            node.stop(grace_s=10.0)
-        for node in (node0, node1):
-            assert not live_group_members(node.proc.pid), f"{node.name} left processes behind"
+        left = dep.stop()
+        assert not left, f"launchers left processes behind: {left}"
 
 
 def _logs(*nodes) -> str:

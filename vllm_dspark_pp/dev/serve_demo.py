@@ -63,12 +63,14 @@ def serve_argv(
     spec: dict | None = None,
     port: int | None = None,
     extra: list[str] | None = None,
+    base: list[str] | None = None,
 ) -> list[str]:
-    """The ``vllm serve`` command line (``port`` None: headless, no API server)."""
+    """The ``vllm serve`` command line (``port`` None: headless, no API server); ``base``
+    replaces the CPU settings :data:`CPU_SERVE_ARGS` (a GPU deployment passes its own)."""
     exe = Path(sys.executable).with_name("vllm")  # the venv's console script
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     argv = [*launcher, "serve", target, "-pp", str(pp)]
-    argv += CPU_SERVE_ARGS
+    argv += CPU_SERVE_ARGS if base is None else list(base)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     if port is None:

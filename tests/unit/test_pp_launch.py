@@ -1,0 +1,86 @@
+"""The launcher composition of the PP tiers (tests/support/pp_launch.py), without starting anything:
+each stage's command line and environment for the CPU tier, the one-GPU layout (every stage on
+GPU 0, its own NCCL host id, sockets over loopback) and the one-GPU-per-stage layout."""
+
+from __future__ import annotations
+
+import pytest
+from support import pp_launch
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_every_stage_is_one_launcher_of_the_same_deployment(tmp_path, pp):
+    dep = pp_launch.deployment(
+        "t", "/m/target", pp=pp, spec={"method": "dspark", "model": "/m/d"}, log_dir=tmp_path
+    )
+    assert len(dep.nodes) == pp
+    masters = {_flag(n.argv, "--master-port") for n in dep.nodes}
+    assert len(masters) == 1 and None not in masters
+    for rank, node in enumerate(dep.nodes):
+        argv = node.argv
+        assert _flag(argv, "--nnodes") == str(pp) and _flag(argv, "-pp") == str(pp)
+        assert _flag(argv, "--node-rank") == str(rank)
+        assert _flag(argv, "--master-addr") == "127.0.0.1"
+        assert ("--headless" in argv) == (rank > 0)
+        assert (_flag(argv, "--port") is not None) == (rank == 0)
+        assert '"method": "dspark"' in _flag(argv, "--speculative-config")
+    assert dep.head.port is not None and all(n.port is None for n in dep.nodes[1:])
+
+
+def test_one_gpu_layout_gives_each_stage_gpu0_and_its_own_nccl_host(tmp_path):
+    dep = pp_launch.deployment(
+        "pp3", "/m/t", pp=3, spec=None, log_dir=tmp_path, device="gpu", gpu_layout="shared"
+    )
+    envs = [n.env for n in dep.nodes]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "0", "0"]
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 3  # NCCL: three hosts, no duplicate GPU
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" for e in envs)
+    assert len({e["VLLM_CACHE_ROOT"] for e in envs}) == 3  # no compile-cache race
+    assert not any(n.cpu for n in dep.nodes)  # the platform is vLLM's choice (CUDA)
+
+
+def test_per_stage_layout_is_one_knob(tmp_path, monkeypatch):
+    monkeypatch.setenv(pp_launch.LAYOUT_ENV, "per-stage")
+    dep = pp_launch.deployment("pp2", "/m/t", pp=2, spec=None, log_dir=tmp_path, device="gpu")
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in dep.nodes] == ["0", "1"]
+    assert not any("NCCL_HOSTID" in n.env for n in dep.nodes)
+
+
+def test_cpu_launchers_get_no_device_settings(tmp_path):
+    dep = pp_launch.deployment("c", "/m/t", pp=2, spec=None, log_dir=tmp_path)
+    for n in dep.nodes:
+        assert n.cpu and "CUDA_VISIBLE_DEVICES" not in n.env and "NCCL_HOSTID" not in n.env
+        assert "--enforce-eager" in n.argv  # the CPU serve settings
+
+
+def test_fault_cases_change_one_rank_only(tmp_path):
+    dep = pp_launch.deployment(
+        "f",
+        "/m/t",
+        pp=2,
+        spec={"method": "dspark", "num_speculative_tokens": 7},
+        log_dir=tmp_path,
+        device="gpu",
+        env={"A": "1"},
+        env_per_rank={1: {"VLLM_PLUGINS": "none"}},
+        spec_per_rank={1: {"method": "dspark", "num_speculative_tokens": 5}},
+        base_args=["--dtype", "bfloat16"],
+    )
+    n0, n1 = dep.nodes
+    assert n0.env["A"] == n1.env["A"] == "1"
+    assert "VLLM_PLUGINS" not in n0.env and n1.env["VLLM_PLUGINS"] == "none"
+    assert '"num_speculative_tokens": 7' in _flag(n0.argv, "--speculative-config")
+    assert '"num_speculative_tokens": 5' in _flag(n1.argv, "--speculative-config")
+    assert "--enforce-eager" not in n0.argv and _flag(n0.argv, "--dtype") == "bfloat16"
+
+
+def test_bad_layout_and_pp1_are_refused_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv(pp_launch.LAYOUT_ENV, "two-per-gpu")
+    with pytest.raises(ValueError, match="shared, per-stage"):
+        pp_launch.deployment("x", "/m/t", pp=2, spec=None, log_dir=tmp_path, device="gpu")
+    with pytest.raises(ValueError, match="pp >= 2"):
+        pp_launch.deployment("x", "/m/t", pp=1, spec=None, log_dir=tmp_path)
