@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 # Bumped whenever the PP token-exchange schedule or the handshake payload changes shape.
 # Ranks exchange it at start-up (see vllm_dspark_pp.protocol.handshake) and refuse to run on a
 # mismatch.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Exactly the releases the whole test suite passed on. Widen only after a full run on the new
 # release: a half-patched PP rank would post a different collective sequence and hang NCCL.

@@ -16,10 +16,17 @@ The model runner patch brackets each ``sample_tokens`` with :meth:`begin_step` /
 step, that every planned payload was posted exactly once (a missing draft broadcast on the last
 rank would leave every other rank waiting). The warm-up patch runs vLLM's warm-up inside
 :meth:`exchange_disabled`.
+
+Under adaptive verification with PP (``ExchangeSpec.admitted_counts``) the drafts payload has one
+more column, each request's admitted draft count; every rank (the last one included) records the
+column per request slot when it posts the payload, and :meth:`admitted_counts_for` hands the
+counts to the next verify step on the host (see ``protocol/adaptive.py``).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +48,48 @@ from vllm_dspark_pp.protocol.schedule import (
 _TORCH_DTYPE = {"int64": torch.int64, "int32": torch.int32}
 
 
+#: Seconds a verify step may wait on the host for admitted counts already posted (the wait only
+#: covers a device-to-host copy of a broadcast whose sender already ran; a longer one is a bug).
+ADMITTED_TIMEOUT_ENV = "VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S"
+
+
 class ExchangeError(RuntimeError):
     """This rank was about to post a collective its schedule does not contain."""
+
+
+class AdmittedCounts:
+    """One step's admitted draft counts on their way to the host (one row per batch row)."""
+
+    def __init__(self, column: torch.Tensor, stream: Any) -> None:
+        if column.device.type == "cpu":
+            self.cpu, self.event = column.to(torch.int32).clone(), None
+            return
+        self.cpu = torch.empty(column.shape, dtype=torch.int32, pin_memory=True)
+        self.cpu.copy_(column, non_blocking=True)
+        self.event = stream.record_event()
+
+    def values(self) -> np.ndarray:
+        if self.event is not None and not self.event.query():
+            deadline = time.monotonic() + float(os.environ.get(ADMITTED_TIMEOUT_ENV, "60"))
+            while not self.event.query():
+                if time.monotonic() > deadline:
+                    raise ExchangeError(
+                        "PP exchange: the admitted draft counts of an earlier step never "
+                        f"arrived (waited {ADMITTED_TIMEOUT_ENV} seconds); the last PP rank "
+                        "stopped posting its draft broadcasts"
+                    )
+                time.sleep(0.0002)
+        return self.cpu.numpy()
+
+
+def admitted_counts_from_config() -> bool:
+    """Whether this process's vLLM config ships admitted counts (adaptive verification, PP)."""
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    from vllm_dspark_pp.protocol.adaptive import ships_admitted_counts
+
+    cfg = get_current_vllm_config_or_none()
+    return cfg is not None and ships_admitted_counts(cfg)
 
 
 @dataclass
@@ -75,6 +122,12 @@ def counts_views(counts: torch.Tensor, num_reqs: int) -> tuple[torch.Tensor, tor
     return counts[0, :num_reqs], counts[1, :num_reqs]
 
 
+def draft_columns(drafts: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``[N, k]`` draft tokens of a drafts payload, contiguous (vLLM's post-update asserts
+    it, vllm/v1/worker/gpu/input_batch.py:667); a copy when the payload has the admitted column."""
+    return drafts if drafts.shape[1] == k else drafts[:, :k].contiguous()
+
+
 def is_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGN_BYTES == 0
 
@@ -89,10 +142,38 @@ class DSparkExchange:
 
     def __init__(self, max_num_reqs: int, num_speculative_steps: int, device: Any) -> None:
         super().__init__(max_num_reqs, num_speculative_steps, device)
-        self.exchange_spec = ExchangeSpec(num_speculative_steps)
         self.exchange_enabled = True
         self.exchange_step = None
         self.exchange_step_index = 0
+        # The last rank's admitted counts of the current step (set before broadcast_drafts).
+        self.step_admitted: torch.Tensor | None = None
+        self._step_idx_np = np.zeros(0, dtype=np.intp)
+        # Per request slot: the generation, record and row of its latest admitted count.
+        self.admitted_gen = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.admitted_rec: list[AdmittedCounts | None] = [None] * max_num_reqs
+        self.admitted_row = np.zeros(max_num_reqs, dtype=np.int64)
+        self.set_admitted_counts(num_speculative_steps > 0 and admitted_counts_from_config())
+
+    def set_admitted_counts(self, enabled: bool) -> None:
+        """Ship admitted draft counts in the drafts payload (every rank alike)."""
+        self.exchange_spec = ExchangeSpec(self.num_speculative_steps, admitted_counts=enabled)
+
+    def _keep_admitted(self, column: torch.Tensor, idx_mapping_np: np.ndarray) -> None:
+        record = AdmittedCounts(column, self.broadcast_stream)
+        for row, slot in enumerate(idx_mapping_np):
+            self.admitted_gen[slot] = self.req_idx_gen_np[slot]
+            self.admitted_rec[slot] = record
+            self.admitted_row[slot] = row
+
+    def admitted_counts_for(self, idx_mapping_np: np.ndarray) -> np.ndarray:
+        """Each slot's admitted draft count from its latest draft broadcast (-1: none, or the
+        slot's request was freed since). Every PP rank returns the same values."""
+        out = np.full(len(idx_mapping_np), -1, dtype=np.int32)
+        for i, slot in enumerate(idx_mapping_np):
+            record = self.admitted_rec[slot]
+            if record is not None and self.admitted_gen[slot] == self.req_idx_gen_np[slot]:
+                out[i] = record.values()[self.admitted_row[slot]]
+        return out
 
     # -- one width for every step (replaces pp_utils.py:104-106)
     def _sample_len(self, input_batch: Any = None) -> int:
@@ -177,6 +258,7 @@ class DSparkExchange:
         step = self._current_step(None)
         nst = step.num_spec_tokens if step.num_spec_tokens is not None else 1
         sched = step.schedule = schedule_for(self, input_batch, nst)
+        self._step_idx_np = np.asarray(input_batch.idx_mapping_np)
         self.sampled_tokens_broadcast = sched.posts
         if not sched.posts:
             return
@@ -228,15 +310,27 @@ class DSparkExchange:
                 f"PP exchange step {step.index}: drafts broadcast but the schedule has none "
                 f"(num_spec_tokens={step.num_spec_tokens})"
             )
+        k = self.exchange_spec.num_speculative_steps
         with torch.cuda.stream(self.broadcast_stream):
             self.broadcast_stream.wait_stream(self.main_stream)
             tensor = draft_tokens
+            if self.exchange_spec.admitted_counts:
+                # Column k: the admitted counts the adaptive manager decided this step (no
+                # decision: all k drafts, i.e. no trim).
+                tensor = alloc_payload(drafts_p, draft_tokens.device, fill=k)
+                tensor[:, :k].copy_(draft_tokens[:, :k])
+                if self.step_admitted is not None:
+                    tensor[:, k].copy_(self.step_admitted)
+                    self.step_admitted.record_stream(self.broadcast_stream)
             if tensor.dtype != torch.int64:
                 tensor = tensor.to(torch.int64)
             if not tensor.is_contiguous() or not is_aligned(tensor):
                 tensor = tensor.contiguous().clone()
             self._post(step, tensor, drafts_p)
             draft_tokens.record_stream(self.broadcast_stream)
+            if self.exchange_spec.admitted_counts:
+                self._keep_admitted(tensor[:, k], self._step_idx_np)
+        self.step_admitted = None
 
     def receive(self, input_batch: Any, recv_drafts: bool) -> bool:
         """Non-last rank: post the receives of the step's schedule; returns True iff every row of
@@ -261,6 +355,10 @@ class DSparkExchange:
             buffers = {p.name: alloc_payload(p, self.device) for p in sched.payloads}
             for p in sched.payloads:
                 self._post(step, buffers[p.name], p)
+            if DRAFTS in buffers and self.exchange_spec.admitted_counts:
+                k = self.exchange_spec.num_speculative_steps
+                self._keep_admitted(buffers[DRAFTS][:, k], input_batch.idx_mapping_np)
+                buffers[DRAFTS] = draft_columns(buffers[DRAFTS], k)
             event = self.broadcast_stream.record_event()
             for t in buffers.values():
                 t.record_stream(self.main_stream)
@@ -301,7 +399,11 @@ def prewarm_deferred_post_update(model_runner: Any, num_reqs: int = 3) -> int:
             sampled_tokens=buffers[SAMPLED],
             num_sampled=num_sampled,
             num_rejected=num_rejected,
-            draft_tokens=buffers.get(DRAFTS),
+            draft_tokens=(
+                draft_columns(buffers[DRAFTS], spec.num_speculative_steps)
+                if DRAFTS in buffers
+                else None
+            ),
         )
     if torch.device(device).type != "cpu":
         torch.accelerator.synchronize()

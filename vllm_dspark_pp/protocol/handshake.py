@@ -47,6 +47,7 @@ FIELDS = (
     "method",
     "num_speculative_tokens",
     "fixed_graph_batch",
+    "adaptive_verification",
 )
 
 
@@ -63,11 +64,13 @@ class HandshakeFacts:
     method: str | None
     num_speculative_tokens: int
     fixed_graph_batch: int | None
+    adaptive_verification: bool = False  # ships admitted counts (protocol/adaptive.py)
 
 
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
     import vllm
 
+    from vllm_dspark_pp.protocol.adaptive import ships_admitted_counts
     from vllm_dspark_pp.protocol.graph_batch import fixed_graph_batch
 
     spec = vllm_config.speculative_config
@@ -79,6 +82,7 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
         method=None if spec is None else spec.method,
         num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         fixed_graph_batch=fixed_graph_batch(vllm_config),
+        adaptive_verification=ships_admitted_counts(vllm_config),
     )
 
 
@@ -235,13 +239,14 @@ def run_handshake(
     store.set(verdict_key, _encode({"ok": True}))
     _logger().info(
         "PP handshake: %d ranks agree (protocol %s, vLLM %s, method %s, k=%s, fixed graph batch "
-        "%s)",
+        "%s, adaptive verification %s)",
         world,
         mine.get("protocol"),
         mine.get("vllm_version"),
         mine.get("method"),
         mine.get("num_speculative_tokens"),
         mine.get("fixed_graph_batch"),
+        mine.get("adaptive_verification"),
     )
 
 

@@ -21,8 +21,11 @@ Payloads of one step, in order (see docs/protocol.md):
 2. ``counts``: ``[2, C]`` int32 with ``C = N`` rounded up to a multiple of 4, so that both rows
    (``num_sampled``, ``num_rejected``) start on a 16-byte boundary. Triton specializes kernels on
    pointer alignment; a misaligned row view would compile a second variant while serving.
-3. ``drafts`` (only when ``k > 0`` and the step schedules drafts): ``[N, k]`` int64, posted by the
-   last rank after the drafter ran. It is the only draft broadcast of a step.
+3. ``drafts`` (only when ``k > 0`` and the step schedules drafts): ``[N, D]`` int64, posted by the
+   last rank after the drafter ran. It is the only draft broadcast of a step. ``D = k``, or
+   ``k + 1`` under adaptive verification with PP (``ExchangeSpec.admitted_counts``): column ``k``
+   then holds each request's admitted draft count, the number of its drafts every PP rank
+   verifies in the request's next step (docs/protocol.md, "Adaptive verification under PP").
 
 A step whose batch has no request needing its sampled output (only non-final prefill chunks,
 prefills finishing at their length cap, or no requests) posts nothing at all, on any rank.
@@ -63,10 +66,18 @@ class ExchangeSpec:
     start-up handshake checks it)."""
 
     num_speculative_steps: int = 0
+    # Adaptive verification under PP: the drafts payload carries one more column, the admitted
+    # draft count of each request (same value on every rank: the handshake checks it).
+    admitted_counts: bool = False
 
     @property
     def sample_width(self) -> int:
         return self.num_speculative_steps + 1 if self.num_speculative_steps > 0 else 1
+
+    @property
+    def draft_width(self) -> int:
+        """Columns of the drafts payload: ``k`` drafts, then the admitted count if shipped."""
+        return self.num_speculative_steps + (1 if self.admitted_counts else 0)
 
 
 @dataclass(frozen=True)
@@ -171,7 +182,7 @@ def step_schedule(
         Payload(COUNTS, (2, counts_row_len(num_reqs)), "int32"),
     ]
     if spec.num_speculative_steps > 0 and num_spec_tokens > 0:
-        payloads.append(Payload(DRAFTS, (num_reqs, spec.num_speculative_steps), "int64"))
+        payloads.append(Payload(DRAFTS, (num_reqs, spec.draft_width), "int64"))
     return StepSchedule(num_reqs, tuple(payloads), need_sampled_mask=mask)
 
 

@@ -30,8 +30,13 @@ def _init(rank: int, world: int, port: int, timeout_s: float = 60.0):
     return dist
 
 
-def exchange_worker(rank: int, world: int, port: int, seeds: list[int], queue) -> None:
-    """Replay seeded cases through the real patched PPHandler with real gloo broadcasts."""
+def exchange_worker(
+    rank: int, world: int, port: int, seeds: list[int], corrupt_rank: int | None, queue
+) -> None:
+    """Replay seeded cases through the real patched PPHandler with real gloo broadcasts. In
+    adaptive cases every rank also builds each verify step's token count from its admitted counts
+    and checks it against the previous rank's (the activations check of protocol/adaptive.py);
+    ``corrupt_rank`` keeps every received count + 1 (the control)."""
     result = {"rank": rank, "ok": False}
     try:
         import dataclasses
@@ -53,36 +58,89 @@ def exchange_worker(rank: int, world: int, port: int, seeds: list[int], queue) -
             return real_broadcast(tensor, src=src, group=group)
 
         dist.broadcast = recording_broadcast
+        if corrupt_rank == rank:
+            from vllm_dspark_pp.protocol import handler as exchange
+
+            real_keep = exchange.DSparkExchange._keep_admitted
+            exchange.DSparkExchange._keep_admitted = lambda self, col, idx: real_keep(
+                self, col + 1, idx
+            )
+        result["verify_steps"] = 0
         last = world - 1
         with ps.cpu_streams():
             for seed in seeds:
                 case = dataclasses.replace(ps.random_case(seed), pp_size=world)
-                h = ps.make_handler(rank, world, case.k, case.max_num_reqs, dist.group.WORLD)
+                h = ps.make_handler(
+                    rank, world, case.k, case.max_num_reqs, dist.group.WORLD, case.adaptive
+                )
                 ring = deque([None] * world)
                 gen = np.zeros(case.max_num_reqs, dtype=np.int64)
                 gen_at = {}
+                expected_admitted: dict = {}
                 for t, step in enumerate(case.steps):
                     steps += 1
                     if rank == last:
                         ps.last_rank_execute(h, step)
-                        ps.last_rank_step(h, seed, t, step, case.k)
-                        continue
-                    out = ps.non_last_execute(h, step)
-                    src = ring.popleft()
-                    ring.append(None)
-                    pr._check_delivery(case, rank, t, src, out, gen_at, gen, problems)
+                    else:
+                        out = ps.non_last_execute(h, step)
+                        src = ring.popleft()
+                        ring.append(None)
+                        pr._check_delivery(case, rank, t, src, out, gen_at, gen, problems)
                     for slot in step.freed:
                         gen[slot] += 1
-                    ps.non_last_sample(h, step)
-                    if h.queue[-1] is not None:
-                        ring[-1] = t
-                        gen_at[t] = gen[step.batch.idx_mapping_np].copy()
-                        pr._check_received(case, rank, t, step, h.queue[-1], problems)
+                    if case.adaptive:
+                        adaptive_checks(
+                            dist, case, t, step, rank, h, gen, expected_admitted, problems, result
+                        )
+                    if rank == last:
+                        ps.last_rank_step(h, seed, t, step, case.k)
+                    else:
+                        ps.non_last_sample(h, step)
+                        if h.queue[-1] is not None:
+                            ring[-1] = t
+                            gen_at[t] = gen[step.batch.idx_mapping_np].copy()
+                            pr._check_received(case, rank, t, step, h.queue[-1], problems)
+                    pr.keep_expected_admitted(case, t, step, gen, expected_admitted)
         dist.barrier()
         result.update(ok=True, log=log, problems=problems, steps=steps)
     except Exception:
         result["error"] = traceback.format_exc()
     _report(queue, result)
+
+
+def adaptive_checks(dist, case, t, step, rank, h, gen, expected, problems, result) -> None:
+    """Before step t: this rank's admitted counts equal the last rank's sends; if the step
+    verifies drafts, every rank builds its token count from them and compares it with the
+    previous rank's (an all_gather that every rank posts, then a second one of the verdicts, so
+    a rank that fails stops every rank at the same step instead of leaving them waiting)."""
+    import protocol_replay as pr
+    import torch
+
+    from vllm_dspark_pp.protocol.adaptive import admitted_layout, check_activation_tokens
+
+    pr.check_admitted(case, t, {rank: h}, gen, expected, problems)
+    b = step.batch
+    if b is None or int(b.num_drafts_np.sum()) == 0:
+        return
+    result["verify_steps"] += 1
+    shipped = h.admitted_counts_for(b.idx_mapping_np)
+    admitted = admitted_layout(b.num_drafts_np, shipped, 1 << 30)
+    n = int((b.num_scheduled_tokens - b.num_drafts_np).sum() + admitted.sum())
+    mine = torch.tensor([n], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    error = None
+    try:
+        if rank > 0:
+            check_activation_tokens(t, n, int(every[rank - 1]), rank)
+    except RuntimeError as e:
+        error = e
+    verdicts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(verdicts, torch.tensor([int(error is not None)], dtype=torch.int64))
+    if error is not None:
+        raise error
+    if any(int(v) for v in verdicts):
+        raise RuntimeError(f"step {t}: another rank found a batch-shape mismatch")
 
 
 HANDSHAKE_SCENARIOS = {

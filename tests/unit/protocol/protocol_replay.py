@@ -8,9 +8,12 @@ from collections import deque
 
 import numpy as np
 import torch
+
+from vllm_dspark_pp.protocol.schedule import need_sampled_mask
 from protocol_sim import (
     Case,
     FakeGroup,
+    admitted_for,
     aligned,
     last_rank_execute,
     last_rank_step,
@@ -63,8 +66,10 @@ def replay(case: Case, monkeypatch_broadcast) -> tuple[dict[int, list], list[str
     wire = RecordingWire(world)
     monkeypatch_broadcast(wire.broadcast)
     handlers = {
-        r: make_handler(r, world, case.k, case.max_num_reqs, FakeGroup(r)) for r in range(world)
+        r: make_handler(r, world, case.k, case.max_num_reqs, FakeGroup(r), case.adaptive)
+        for r in range(world)
     }
+    expected_admitted: dict[int, tuple[int, int]] = {}  # slot -> (generation, count)
     problems = wire.problems
     # the ring each non-last rank should hold: step index of each pending receive
     ring = {r: deque([None] * world) for r in range(last)}
@@ -80,7 +85,9 @@ def replay(case: Case, monkeypatch_broadcast) -> tuple[dict[int, list], list[str
             _check_delivery(case, r, t, src, out, gen_at, gen, problems)
         for slot in step.freed:
             gen[slot] += 1
+        check_admitted(case, t, handlers, gen, expected_admitted, problems)
         last_rank_step(handlers[last], case.seed, t, step, case.k)
+        keep_expected_admitted(case, t, step, gen, expected_admitted)
         for r in range(last):
             non_last_sample(handlers[r], step)
             slot = handlers[r].queue[-1]
@@ -89,6 +96,34 @@ def replay(case: Case, monkeypatch_broadcast) -> tuple[dict[int, list], list[str
                 gen_at[t] = gen[step.batch.idx_mapping_np].copy()
                 _check_received(case, r, t, step, slot, problems)
     return wire.log, problems
+
+
+def keep_expected_admitted(case, t, step, gen, expected):
+    """What every rank should hold after step t: the counts of the step's draft broadcast."""
+    if not case.adaptive or step.batch is None or step.num_spec_tokens == 0:
+        return
+    if need_sampled_mask(step.batch) is None:
+        return  # the step posts nothing
+    counts = admitted_for(case.seed, t, step.batch, case.k)
+    for row, slot in enumerate(step.batch.idx_mapping_np):
+        expected[int(slot)] = (int(gen[slot]), int(counts[row]))
+
+
+def check_admitted(case, t, handlers, gen, expected, problems):
+    """Before step t: every rank returns the same admitted count for every slot, the one the last
+    rank sent in the slot's latest draft broadcast (-1: none, or freed since)."""
+    slots = np.arange(case.max_num_reqs)
+    want = np.array(
+        [
+            expected[s][1] if s in expected and expected[s][0] == gen[s] else -1
+            for s in slots.tolist()
+        ],
+        dtype=np.int32,
+    )
+    for r, h in handlers.items():
+        got = h.admitted_counts_for(slots)
+        if not np.array_equal(got, want):
+            problems.append(f"step {t}: rank {r} admitted counts {got.tolist()} != {want.tolist()}")
 
 
 def _check_received(case, r, t, step, slot, problems):
@@ -148,12 +183,15 @@ def minimal_reproducer(seed: int, monkeypatch_broadcast, check) -> str:
     case = random_case(seed)
     n = len(case.steps)
     for m in range(1, n + 1):
-        sub = Case(case.seed, case.pp_size, case.k, case.max_num_reqs, case.steps[:m])
+        sub = Case(
+            case.seed, case.pp_size, case.k, case.max_num_reqs, case.steps[:m], case.adaptive
+        )
         if check(sub, monkeypatch_broadcast):
             n = m
             break
     lines = [
         f"minimal reproducer: seed={seed} pp_size={case.pp_size} k={case.k} "
+        f"adaptive={case.adaptive} "
         f"max_num_reqs={case.max_num_reqs} first {n} steps "
         f"(rerun: protocol_replay.replay(protocol_sim.random_case({seed}) with steps[:{n}]))"
     ]

@@ -126,15 +126,20 @@ class FakePPGroup:
         return self._bgroup
 
 
-def make_handler(rank: int, world_size: int, k: int, max_num_reqs: int, broadcast_group):
-    """The real (patched) vLLM PPHandler for one rank, on CPU."""
+def make_handler(
+    rank: int, world_size: int, k: int, max_num_reqs: int, broadcast_group, adaptive=False
+):
+    """The real (patched) vLLM PPHandler for one rank, on CPU (``adaptive``: the drafts payload
+    carries admitted draft counts)."""
     from vllm.v1.worker.gpu import pp_utils
 
     fake = FakePPGroup(rank, world_size, broadcast_group)
     saved = pp_utils.get_pp_group
     pp_utils.get_pp_group = lambda: fake
     try:
-        return pp_utils.PPHandler(max_num_reqs, k, torch.device("cpu"))
+        handler = pp_utils.PPHandler(max_num_reqs, k, torch.device("cpu"))
+        handler.set_admitted_counts(adaptive)
+        return handler
     finally:
         pp_utils.get_pp_group = saved
 
@@ -204,14 +209,17 @@ class Case:
     k: int
     max_num_reqs: int
     steps: list[Step]
+    adaptive: bool = False  # adaptive verification: admitted counts ride with the drafts
 
 
 def random_case(seed: int, num_steps: int = 24) -> Case:
     """A seeded random engine run: prefill chunks, decodes with and without drafts, aborts,
-    preemptions, max-length finishes and empty steps; PP size 2..4; k in {0, 1, 2, 3, 5}."""
+    preemptions, max-length finishes and empty steps; PP size 2..4; k in {0, 1, 2, 3, 5};
+    adaptive verification (admitted counts) in every other block of 15 seeds with k > 0."""
     rng = random.Random(seed)
     pp_size = 2 + seed % 3
     k = [0, 1, 2, 3, 5][(seed // 3) % 5]
+    adaptive = k > 0 and (seed // 15) % 2 == 1
     max_num_reqs = rng.choice([1, 2, 3, 5, 8, 13])
     chunk = rng.choice([3, 7, 16, 64])
     free_slots = list(range(max_num_reqs))
@@ -297,7 +305,7 @@ def random_case(seed: int, num_steps: int = 24) -> Case:
             # prefill chunks advance by the chunk; a decode by 1 + its accepted drafts
             reqs[rid]["computed"] += n - d + rng.randint(0, d)
         steps.append(Step(freed, batch, num_spec_tokens))
-    return Case(seed, pp_size, k, max_num_reqs, steps)
+    return Case(seed, pp_size, k, max_num_reqs, steps, adaptive)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,6 +323,12 @@ def payload_for(seed: int, step_idx: int, batch: Batch, k: int):
     return sampled, num_sampled, num_rejected, drafts.contiguous()
 
 
+def admitted_for(seed: int, step_idx: int, batch: Batch, k: int) -> torch.Tensor:
+    """The admitted draft counts the last rank decides in a step (int32, 0..k)."""
+    g = torch.Generator().manual_seed(seed * 7919 + step_idx)
+    return torch.randint(0, k + 1, (batch.num_reqs,), generator=g, dtype=torch.int32)
+
+
 def last_rank_step(handler, seed, step_idx, step: Step, k: int):
     """What GPUModelRunner.sample_tokens does on the last rank (0.34.0 call pattern)."""
     if step.batch is None:
@@ -323,6 +337,8 @@ def last_rank_step(handler, seed, step_idx, step: Step, k: int):
     handler.begin_step(step.num_spec_tokens)
     handler.broadcast(sampled, ns, nr, step.batch)
     if k > 0 and step.num_spec_tokens > 0:
+        if handler.exchange_spec.admitted_counts:
+            handler.step_admitted = admitted_for(seed, step_idx, step.batch, k)
         handler.broadcast_drafts(drafts)
     handler.end_step()
 

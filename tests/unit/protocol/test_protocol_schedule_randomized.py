@@ -2,9 +2,13 @@
 
 1,200 seeded cases (seeds 0..1199): mixes of chunked prefills, decodes with and without drafts,
 skipped drafts, aborts, preemptions, max-length finishes and empty steps, PP sizes 2..4
-(seed % 3 + 2), k in {0, 1, 2, 3, 5}. Every rank must post the identical collective sequence,
+(seed % 3 + 2), k in {0, 1, 2, 3, 5}, adaptive verification (the drafts payload carries each
+request's admitted draft count) in every other block of 15 seeds with k > 0. Every rank must post
+the identical collective sequence,
 every posted buffer and every view handed to the post-update kernel must be 16-byte aligned, the
-received data must equal the sent data and the ring must deliver it pp_size steps later.
+received data must equal the sent data and the ring must deliver it pp_size steps later; before
+every step every rank must return the same admitted count for every request slot, the one of the
+slot's latest draft broadcast.
 A failing seed prints a minimal reproducer.
 """
 
@@ -45,11 +49,12 @@ def _fails(case, patch_broadcast) -> str | None:
 def test_every_rank_posts_the_same_collectives_1200_seeds(patch_broadcast):
     assert NUM_CASES >= 1000 or os.environ.get("DSPARK_PP_RANDOM_CASES")
     posted = steps = 0
-    pp_sizes, ks = set(), set()
+    pp_sizes, ks, adaptive = set(), set(), set()
     for seed in SEEDS:
         case = random_case(seed)
         pp_sizes.add(case.pp_size)
         ks.add(case.k)
+        adaptive.add((case.adaptive, case.pp_size, case.k))
         err = _fails(case, patch_broadcast)
         if err:
             repro = protocol_replay.minimal_reproducer(seed, patch_broadcast, _fails)
@@ -57,6 +62,7 @@ def test_every_rank_posts_the_same_collectives_1200_seeds(patch_broadcast):
         posted += len(_last_logs[0])
         steps += len(case.steps)
     assert pp_sizes == {2, 3, 4} and ks == {0, 1, 2, 3, 5}
+    assert {(p, k) for a, p, k in adaptive if a} == {(p, k) for p in (2, 3, 4) for k in (1, 2, 3, 5)}
     assert posted > 0
     print(f"{NUM_CASES} seeded cases (seeds 0..{NUM_CASES - 1}), {steps} steps: identical")
 
@@ -129,3 +135,29 @@ def test_a_broken_schedule_on_one_side_is_caught(patch_broadcast, monkeypatch, c
     print(f"caught at seed {seed}: {err}\n{repro}")
     assert "collective #" in err and "rank" in err
     assert f"seed={seed}" in repro and "step 0:" in repro
+
+
+def test_a_corrupted_admitted_count_on_one_rank_is_caught(patch_broadcast, monkeypatch, capsys):
+    """Control for the admitted counts: rank 0 keeps count + 1 for every request; the per-step
+    comparison must catch it at the first step that reads a count."""
+    real = pp_exchange.DSparkExchange._keep_admitted
+
+    def corrupted(self, column, idx_mapping_np):
+        if not self.is_last_rank and self.broadcast_group.rank == 0:
+            column = column + 1
+        return real(self, column, idx_mapping_np)
+
+    monkeypatch.setattr(pp_exchange.DSparkExchange, "_keep_admitted", corrupted)
+    caught = None
+    for seed in SEEDS:
+        case = random_case(seed)
+        if not case.adaptive:
+            continue
+        err = _fails(case, patch_broadcast)
+        if err:
+            caught = (seed, err)
+            break
+    assert caught is not None, "a corrupted admitted count went unnoticed"
+    seed, err = caught
+    print(f"caught at seed {seed}: {err}")
+    assert "rank 0 admitted counts" in err

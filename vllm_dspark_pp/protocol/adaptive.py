@@ -1,0 +1,269 @@
+"""Adaptive verification under PP: the last stage decides, every stage applies the same counts.
+
+vLLM 0.34.0 decides a verify step's trimmed layout inside that step's ``prepare_inputs``, on the
+one rank that holds a speculator (the last PP stage). Under PP the first stage runs the step
+before the last stage has seen it, so the decision cannot be shipped from the verify step
+itself. Here the last stage decides at the end of the step that *drafted* (right after
+``record_confidences``): for each request, how many of its ``k`` drafts the next verify step
+checks (its admitted count). The count rides as one more column of the step's drafts payload
+(``ExchangeSpec.admitted_counts``) and every stage, the last one included, builds the verify
+step from the same host-side counts (:class:`ShippedCounts`), so every stage computes the same
+token count, CUDA graph and layout. See docs/protocol.md, "Adaptive verification under PP".
+
+The decision reuses vLLM's own pieces: the budget is vLLM's
+``AdaptiveVerificationManager.get_num_tokens`` applied to the next verify batch as the drafting
+batch predicts it (each request: one bonus token, ``k`` drafts), and the per-request split is
+vLLM's ranking kernel ``assign_draft_token_budget`` on the fresh confidences. The step-cost curve
+is the pipeline's: every stage profiles its own forward at the same token counts and the last
+stage prices a verify position at the sum of the stages' costs (:func:`pipeline_verify_curve`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+#: Every stage publishes its profiled verify-cost curve under this prefix (one key per stage).
+CURVE_PREFIX = "vllm_dspark_pp/adaptive_cost"
+
+
+def uncovered_reason(vllm_config: Any) -> str | None:
+    """Why this PP config's adaptive verification is not covered by the plugin (None: covered).
+
+    Covered: DSpark drafts, aggregated serving or a PD decoder (kv_consumer), TP = DP = 1, no
+    context parallelism, no batch-sharded sampling."""
+    from vllm_dspark_pp.producer import roles
+
+    spec = vllm_config.speculative_config
+    par = vllm_config.parallel_config
+    if spec is None or spec.method != "dspark":
+        method = None if spec is None else spec.method
+        return f"only DSpark drafts ship admitted counts (method is {method!r})"
+    if roles.prefill_only_role(vllm_config):
+        return "a DSpark prefill-only producer never verifies drafts"
+    kv = vllm_config.kv_transfer_config
+    if kv is not None and kv.kv_connector is not None and kv.kv_role != "kv_consumer":
+        return f"with a KV connector only the PD decoder (kv_consumer) is covered, not {kv.kv_role}"
+    if par.tensor_parallel_size != 1 or par.data_parallel_size != 1:
+        return "only TP=1 and DP=1 are covered (not verified with several ranks per stage)"
+    if par.decode_context_parallel_size != 1 or par.prefill_context_parallel_size != 1:
+        return "context parallelism is not covered"
+    if par.enable_batch_sharded_sampling:
+        return "batch-sharded sampling needs vLLM's host copy of the ranked counts"
+    return None
+
+
+def ships_admitted_counts(vllm_config: Any) -> bool:
+    """Whether this config runs adaptive verification under PP through the plugin."""
+    spec = vllm_config.speculative_config
+    return (
+        vllm_config.parallel_config.pipeline_parallel_size > 1
+        and spec is not None
+        and bool(spec.enable_adaptive_verification)
+        and uncovered_reason(vllm_config) is None
+    )
+
+
+def next_verify_batch(req_ids: list[str], k: int) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """The verify step the drafting batch predicts, in ``get_num_tokens``' argument form."""
+    return {r: 1 + k for r in req_ids}, {r: [0] * k for r in req_ids}
+
+
+def decide_admitted_counts(manager: Any, input_batch: Any, rows: np.ndarray) -> Any:
+    """Last stage, after ``record_confidences``: each row's admitted draft count for its next
+    verify step (int32 on the device; rows not in ``rows`` get 0)."""
+    import torch
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import assign_draft_token_budget
+
+    k = manager.num_speculative_steps
+    n = input_batch.num_reqs
+    idx_mapping = input_batch.idx_mapping[:n]
+    device = idx_mapping.device
+    capacities = torch.zeros(n, dtype=torch.int32, device=device)
+    if not rows.any():
+        return capacities
+    capacities[torch.from_numpy(rows).to(device)] = k
+    req_ids = [r for r, keep in zip(input_batch.req_ids, rows, strict=True) if keep]
+    # vLLM's budget (host, from its host copy of earlier confidences); undo its stash, which
+    # belongs to the verify step's prepare_inputs.
+    saved = manager._batch_budget
+    num_tokens = manager.get_num_tokens(*next_verify_batch(req_ids, k))
+    manager._batch_budget = saved
+    budget = num_tokens - len(req_ids)
+    if budget < k * len(req_ids):
+        assign_draft_token_budget(
+            manager._confidence_probs, idx_mapping, capacities, budget, manager._draft_survival
+        )
+    return capacities
+
+
+def admitted_layout(
+    scheduled: np.ndarray, shipped: np.ndarray, max_drafts: int
+) -> np.ndarray:
+    """Drafts each request verifies: its shipped count (none shipped: all scheduled), never more
+    than scheduled, and in all at most ``max_drafts`` (vLLM's one-chunk logits bound), taken
+    off the last rows first. The same arrays give the same answer on every stage."""
+    admitted = np.where(shipped < 0, scheduled, np.minimum(scheduled, shipped)).astype(np.int32)
+    excess = int(admitted.sum()) - max(0, max_drafts)
+    for i in range(len(admitted) - 1, -1, -1):
+        if excess <= 0:
+            break
+        cut = min(excess, int(admitted[i]))
+        admitted[i] -= cut
+        excess -= cut
+    return admitted
+
+
+class ShippedCounts:
+    """Mixed into vLLM's ``AdaptiveVerificationManager`` on every PP stage (see
+    patches/v1_worker_gpu_model_runner__adaptive.py). ``pp_handler``, ``is_last_stage`` and
+    ``pipeline_ranks`` are set by the patch."""
+
+    pp_handler: Any = None
+    is_last_stage: bool = True
+    pipeline_ranks: tuple[int, ...] = ()
+    stage: int = 0
+
+    # -- the decision (last stage; vLLM calls this right before broadcast_drafts, sample_tokens)
+    def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
+        super().record_confidences(confidence_probs, input_batch)
+        handler = self.pp_handler
+        step = getattr(handler, "exchange_step", None)
+        schedule = getattr(step, "schedule", None)
+        if schedule is None or schedule.need_sampled_mask is None:
+            return  # nothing is broadcast this step: no decision to ship
+        handler.step_admitted = decide_admitted_counts(
+            self, input_batch, np.asarray(schedule.need_sampled_mask, dtype=bool)
+        )
+
+    # -- applying it (every stage; replaces the budget of adaptive_verification.py:399-467)
+    def get_num_tokens(
+        self, num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]
+    ) -> int:
+        req_ids = list(num_tokens_per_req)
+        scheduled = np.array([len(draft_tokens.get(r, ())) for r in req_ids], dtype=np.int32)
+        non_draft = np.array([num_tokens_per_req[r] for r in req_ids], dtype=np.int32) - scheduled
+        slots = np.array([self.req_states.req_id_to_index[r] for r in req_ids], dtype=np.intp)
+        shipped = self.pp_handler.admitted_counts_for(slots)
+        max_drafts = self._max_total_logits - len(req_ids) * self.num_bonus_tokens
+        admitted = admitted_layout(scheduled, shipped, max_drafts)
+        # vLLM's compact_batch and reallocate_drafts read this stash; with the per-request
+        # "scheduled" counts equal to the admitted ones its ranking kernel is not run and the
+        # device layout is exactly these counts (adaptive_verification.py:533-545).
+        self._batch_budget = (
+            dict(zip(req_ids, admitted.tolist(), strict=True)),
+            dict(zip(req_ids, non_draft.tolist(), strict=True)),
+            int(admitted.sum()),
+        )
+        return int(non_draft.sum()) + int(admitted.sum())
+
+    # -- the pipeline's cost curve (replaces the tables' input, adaptive_verification.py:350-371)
+    def set_cost_curves(self, draft_curve: list, verify_curve: list) -> None:
+        store = _store()
+        if not self.is_last_stage:
+            publish_curve(store, self.pipeline_ranks, self.stage, verify_curve)
+            return  # only the last stage decides
+        others = fetch_curves(store, self.pipeline_ranks, range(len(self.pipeline_ranks) - 1))
+        super().set_cost_curves(draft_curve, pipeline_verify_curve([verify_curve, *others]))
+
+
+def pipeline_verify_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """A verify position costs every stage: the pipeline's curve is the stages' sum at each
+    token count every stage profiled."""
+    common = set.intersection(*({int(n) for n, _ in c} for c in curves)) if curves else set()
+    return [
+        (n, float(sum(dict((int(a), b) for a, b in c)[n] for c in curves))) for n in sorted(common)
+    ]
+
+
+def _store() -> Any:
+    from vllm_dspark_pp.protocol.handshake import default_store
+
+    return default_store()
+
+
+def _curve_key(ranks: tuple[int, ...], stage: int) -> str:
+    return f"{CURVE_PREFIX}/{'-'.join(map(str, ranks))}/stage{stage}"
+
+
+def publish_curve(store: Any, ranks: tuple[int, ...], stage: int, curve: list) -> None:
+    store.set(_curve_key(ranks, stage), json.dumps([[int(n), float(c)] for n, c in curve]))
+
+
+def fetch_curves(
+    store: Any, ranks: tuple[int, ...], stages: Any, timeout: float | None = None
+) -> list[list[tuple[int, float]]]:
+    """Every listed stage's curve, waiting at most the handshake timeout (only non-blocking
+    ``check`` calls), else a start-up error naming the silent stages."""
+    from vllm_dspark_pp.protocol.handshake import _poll, timeout_s
+
+    keys = {s: _curve_key(ranks, s) for s in stages}
+    deadline = time.monotonic() + (timeout_s() if timeout is None else timeout)
+    missing = _poll(store, list(keys.values()), deadline)
+    if missing:
+        silent = sorted(s for s, key in keys.items() if key in missing)
+        raise RuntimeError(
+            f"vllm-dspark-pp adaptive verification: PP stage(s) {silent} published no "
+            "profiled step cost; every stage must profile with the plugin installed"
+        )
+    return [[(int(n), float(c)) for n, c in json.loads(store.get(keys[s]))] for s in keys]
+
+
+def shipped_counts_class(manager_cls: type) -> type:
+    """``class ShippedCountsVerification(ShippedCounts, AdaptiveVerificationManager)``."""
+    if issubclass(manager_cls, ShippedCounts):
+        return manager_cls
+    return type(
+        "ShippedCountsVerification",
+        (ShippedCounts, manager_cls),
+        {"__module__": __name__, "__doc__": ShippedCounts.__doc__},
+    )
+
+
+def profile_stage_curve(runner: Any, manager: Any) -> None:
+    """A non-last stage times the dummy runs vLLM's last stage times (the same token counts, the
+    same ``batches_to_profile``) with vLLM's own ``StepTimingCollector``: vLLM records each
+    step's start on every stage (model_runner.py:2113-2116) but its ``_dummy_run`` returns on a
+    non-last stage before the end marks (model_runner.py:977-991), so they are closed here. The
+    curve then goes through ``set_initial_cost_curves`` to ``ShippedCounts.set_cost_curves``,
+    which publishes it for the last stage."""
+    import torch
+
+    timing = runner.step_timing
+    with torch.inference_mode(), timing.collect() as samples:
+        for batch in manager.batches_to_profile(runner.cudagraph_manager.captured_token_counts()):
+            runner._dummy_run(**batch, skip_eplb=True)
+            timing.forward_end()
+            timing.drafter_start()
+            timing.drafter_end()
+    manager.set_initial_cost_curves(samples)
+
+
+def check_received_activations(runner: Any, received: Any, input_batch: Any) -> None:
+    """Non-first stage, right after ``prepare_inputs``: compare the received activations' token
+    count (known from the metadata, without waiting for the data) with this stage's batch."""
+    tensors = object.__getattribute__(received, "tensors")
+    first = next(iter(tensors.values()), None)
+    if first is None:
+        return
+    runner._dspark_pp_steps = getattr(runner, "_dspark_pp_steps", 0) + 1
+    check_activation_tokens(
+        runner._dspark_pp_steps,
+        int(input_batch.num_tokens_after_padding),
+        int(first.shape[0]),
+        getattr(runner.adaptive_verification, "stage", -1),
+    )
+
+
+def check_activation_tokens(step: int, expected: int, received: int, stage: int) -> None:
+    """Before a non-first stage's forward: the activations it received must cover the tokens
+    its own batch shape says (a stage that decided another shape fails here, loudly)."""
+    if received != expected:
+        raise RuntimeError(
+            f"vllm-dspark-pp: PP stage {stage} built a batch of {expected} tokens in step {step} "
+            f"but received activations for {received} tokens from the previous stage: the "
+            "stages disagree on the (adaptive verification) batch shape"
+        )
