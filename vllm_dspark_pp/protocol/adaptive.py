@@ -45,8 +45,12 @@ def uncovered_reason(vllm_config: Any) -> str | None:
     if roles.prefill_only_role(vllm_config):
         return "a DSpark prefill-only producer never verifies drafts"
     kv = vllm_config.kv_transfer_config
-    if kv is not None and kv.kv_connector is not None and kv.kv_role != "kv_consumer":
-        return f"with a KV connector only the PD decoder (kv_consumer) is covered, not {kv.kv_role}"
+    if kv is not None and kv.kv_connector is not None:
+        if kv.is_kv_producer or not kv.is_kv_consumer:
+            return (
+                "with a KV connector only the PD decoder (kv_consumer) is covered, "
+                f"not {kv.kv_role}"
+            )
     if par.tensor_parallel_size != 1 or par.data_parallel_size != 1:
         return "only TP=1 and DP=1 are covered (not verified with several ranks per stage)"
     if par.decode_context_parallel_size != 1 or par.prefill_context_parallel_size != 1:
@@ -76,7 +80,7 @@ def decide_admitted_counts(manager: Any, input_batch: Any, rows: np.ndarray) -> 
     """Last stage, after ``record_confidences``: each row's admitted draft count for its next
     verify step (int32 on the device; rows not in ``rows`` get 0)."""
     import torch
-    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import assign_draft_token_budget
+    from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
 
     k = manager.num_speculative_steps
     n = input_batch.num_reqs
@@ -86,15 +90,19 @@ def decide_admitted_counts(manager: Any, input_batch: Any, rows: np.ndarray) -> 
     if not rows.any():
         return capacities
     capacities[torch.from_numpy(rows).to(device)] = k
+    if manager.cost_tables is None:  # not profiled (yet): verify every draft
+        return capacities
     req_ids = [r for r, keep in zip(input_batch.req_ids, rows, strict=True) if keep]
-    # vLLM's budget (host, from its host copy of earlier confidences); undo its stash, which
-    # belongs to the verify step's prepare_inputs.
+    # vLLM's own budget (host, from its host copy of earlier confidences; not the ShippedCounts
+    # override); its stash belongs to the verify step's prepare_inputs, so it is put back.
     saved = manager._batch_budget
-    num_tokens = manager.get_num_tokens(*next_verify_batch(req_ids, k))
+    num_tokens = av.AdaptiveVerificationManager.get_num_tokens(
+        manager, *next_verify_batch(req_ids, k)
+    )
     manager._batch_budget = saved
     budget = num_tokens - len(req_ids)
     if budget < k * len(req_ids):
-        assign_draft_token_budget(
+        av.assign_draft_token_budget(
             manager._confidence_probs, idx_mapping, capacities, budget, manager._draft_survival
         )
     return capacities

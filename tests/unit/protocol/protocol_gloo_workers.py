@@ -148,6 +148,7 @@ HANDSHAKE_SCENARIOS = {
     "agree": ({}, ()),
     "versions": ({0: {"protocol": 2, "vllm_version": "0.35.0"}}, ()),
     "k": ({1: {"num_speculative_tokens": 5}}, ()),
+    "adaptive": ({0: {"adaptive_verification": True}}, ()),
     "silent_rank": ({}, (1,)),
     "silent_last": ({}, (2,)),
 }
@@ -175,6 +176,7 @@ def handshake_worker(
                 method="dspark",
                 num_speculative_tokens=3,
                 fixed_graph_batch=None,
+                adaptive_verification=False,
             )
             facts.update(overrides.get(rank, {}))
             dist.barrier()

@@ -1,5 +1,5 @@
 """The PP start-up handshake over three real gloo processes: agreement passes; mismatched
-versions, mismatched k and a silent rank (a rank without the plugin) each fail every
+versions, mismatched k, mismatched adaptive verification and a silent rank (a rank without the plugin) each fail every
 participating rank fast, with one message naming the rank and the field."""
 
 from __future__ import annotations
@@ -49,6 +49,16 @@ def test_mismatched_k_fails_every_rank(outcomes):
         msg = got[r]["message"]
         assert "PP rank 1 has num_speculative_tokens=5" in msg, msg
         assert "PP rank 2 (last) has num_speculative_tokens=3" in msg, msg
+        assert got[r]["elapsed"] < TIMEOUT
+
+
+@pytest.mark.timeout(200)
+def test_ranks_disagreeing_on_adaptive_verification_fail_every_rank(outcomes):
+    """One rank would ship admitted counts in the drafts payload ([N, k+1]) and the others not."""
+    got = outcomes["adaptive"]
+    for r in range(3):
+        assert got[r]["outcome"] == "error", got[r]
+        assert "PP rank 0 has adaptive_verification=True" in got[r]["message"], got[r]
         assert got[r]["elapsed"] < TIMEOUT
 
 

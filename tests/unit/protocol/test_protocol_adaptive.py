@@ -1,0 +1,299 @@
+"""Adaptive verification under PP (protocol/adaptive.py, the two ``__adaptive`` patches), on CPU.
+
+What CPU can run: the drafts payload with the admitted column, the layout every stage builds from
+shipped counts through vLLM's real ``compact_batch`` and ``reallocate_drafts``, the pipeline cost
+curve and its store transport (with a silent stage), the activations check, and vLLM's real
+``_validate_adaptive_verification`` with the plugin's wrapper (the refusal kept for every
+configuration not covered, with its reason). Full CUDA graphs (which vLLM requires for adaptive
+verification) cannot run here: tests/gpu/test_pp_adaptive_one_gpu.py runs the engine.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_dspark_pp.protocol import adaptive
+from vllm_dspark_pp.protocol.schedule import ExchangeSpec, step_schedule
+
+
+class _Decodes:
+    def __init__(self, n):
+        self.num_reqs = n
+        self.num_computed_tokens_np = np.full(n, 9, dtype=np.int32)
+        self.num_scheduled_tokens = np.full(n, 4, dtype=np.int32)
+        self.prefill_len_np = np.full(n, 5, dtype=np.int32)
+        self.max_seq_len_np = None
+        self.is_prefilling_np = np.zeros(n, dtype=bool)
+
+
+@pytest.mark.parametrize("admitted", [False, True])
+def test_the_drafts_payload_has_one_admitted_column_exactly_when_counts_ship(admitted):
+    sched = step_schedule(ExchangeSpec(3, admitted_counts=admitted), _Decodes(5), 3)
+    assert sched.drafts.shape == (5, 4 if admitted else 3)
+    assert [p.name for p in sched.payloads] == ["sampled", "counts", "drafts"]
+    # no drafts scheduled: no drafts payload, whatever the setting
+    assert step_schedule(ExchangeSpec(3, admitted_counts=admitted), _Decodes(5), 0).drafts is None
+
+
+def test_admitted_layout_takes_the_shipped_count_never_more_than_scheduled():
+    scheduled = np.array([3, 3, 0, 2], dtype=np.int32)
+    shipped = np.array([1, -1, 2, 3], dtype=np.int32)
+    assert adaptive.admitted_layout(scheduled, shipped, 100).tolist() == [1, 3, 0, 2]
+    # vLLM's one-chunk logits bound: trimmed from the last rows
+    assert adaptive.admitted_layout(scheduled, shipped, 4).tolist() == [1, 3, 0, 0]
+    assert adaptive.admitted_layout(scheduled, shipped, 0).tolist() == [0, 0, 0, 0]
+
+
+class _Handler:
+    def __init__(self, counts):
+        self.counts = counts
+
+    def admitted_counts_for(self, slots):
+        return np.array([self.counts.get(int(s), -1) for s in slots], dtype=np.int32)
+
+
+def _shipped_manager(counts, k=3, max_num_reqs=8):
+    """A real vLLM AdaptiveVerificationManager turned ShippedCounts, with CPU buffers (its
+    __init__ needs CUDA streams, so the fields its methods read are set here)."""
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import (
+        AdaptiveVerificationManager,
+    )
+
+    cls = adaptive.shipped_counts_class(AdaptiveVerificationManager)
+    m = object.__new__(cls)
+    m.req_states = SimpleNamespace(
+        req_id_to_index={f"r{i}": i for i in range(max_num_reqs)}, device=torch.device("cpu")
+    )
+    m.num_speculative_steps = k
+    m.num_bonus_tokens = 1
+    m._max_total_logits = 1 << 20
+    m._batch_budget = None
+    m.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32)
+    m._batch_draft_capacity = torch.zeros(max_num_reqs, dtype=torch.int32)
+    m._num_non_draft_tokens = torch.zeros(max_num_reqs, dtype=torch.int32)
+    m._cu_num_logits = torch.zeros(max_num_reqs + 1, dtype=torch.int32)
+    m._copy_admitted_drafts_to_host = False
+    m.pp_handler = _Handler(counts)
+    return m
+
+
+@pytest.fixture
+def cpu_h2d(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
+
+    def h2d(array, out=None, **kwargs):
+        t = torch.from_numpy(np.asarray(array))
+        if out is None:
+            return t.clone()
+        out[: len(t)].copy_(t)
+        return out
+
+    monkeypatch.setattr(av, "async_tensor_h2d", h2d)
+
+
+def test_every_stage_builds_the_layout_of_the_shipped_counts_through_vllms_own_code(cpu_h2d):
+    """get_num_tokens (ours) -> vLLM's compact_batch and reallocate_drafts: the device layout is
+    exactly the shipped counts, vLLM's ranking kernel is not needed (it would fail on CPU)."""
+    m = _shipped_manager({0: 1, 1: 3, 2: 0})
+    tokens = {"r0": 4, "r1": 4, "r2": 4, "r3": 1}
+    drafts = {"r0": [7] * 3, "r1": [7] * 3, "r2": [7] * 3}
+    assert m.get_num_tokens(tokens, drafts) == 4 + 1 + 3 + 0
+    req_ids = ["r0", "r1", "r2", "r3"]
+    num_drafts = np.array([3, 3, 3, 0], dtype=np.int32)
+    scheduled = np.array([4, 4, 4, 1], dtype=np.int32)
+    cu = np.array([0, 4, 8, 12, 13], dtype=np.int32)
+    host_tokens, _ = m.compact_batch(num_drafts, scheduled, cu)
+    assert int(host_tokens.sum()) == 8  # vLLM's host placeholder: the same total
+    cu_logits, qsl, total_drafts, admitted = m.reallocate_drafts(
+        req_ids, torch.arange(4, dtype=torch.int64)
+    )
+    assert total_drafts == 4 and admitted is None
+    assert qsl[:5].tolist() == [0, 2, 6, 7, 8]  # 1+1, 1+3, 1+0, 1
+    assert cu_logits.tolist() == [0, 2, 6, 7, 8]
+
+
+def test_no_shipped_count_verifies_every_scheduled_draft(cpu_h2d):
+    m = _shipped_manager({})
+    assert m.get_num_tokens({"r0": 4, "r1": 1}, {"r0": [1, 2, 3]}) == 5
+
+
+def test_decide_counts_use_vllms_budget_and_ranking(monkeypatch):
+    """Last stage: the budget comes from vLLM's get_num_tokens on the predicted verify batch
+    (one bonus + k drafts per request that samples), the split from vLLM's ranking kernel."""
+    from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
+
+    seen = {}
+
+    def budget(self, tokens, drafts):
+        seen["batch"] = (dict(tokens), {r: len(d) for r, d in drafts.items()})
+        self._batch_budget = "stash of the verify step"
+        return len(tokens) + 4  # a budget of 4 drafts
+
+    def ranking(conf, idx, capacities, draft_budget, survival):
+        seen["ranking"] = (capacities.tolist(), draft_budget)
+        capacities.copy_(torch.tensor([2, 0, 2], dtype=torch.int32))
+
+    monkeypatch.setattr(av.AdaptiveVerificationManager, "get_num_tokens", budget)
+    monkeypatch.setattr(av, "assign_draft_token_budget", ranking)
+    m = _shipped_manager({}, k=3)
+    m._batch_budget = "stash of the verify step"
+    m.cost_tables = ("draft", "verify")
+    m._confidence_probs = m._draft_survival = None
+    batch = SimpleNamespace(
+        num_reqs=3, req_ids=["r0", "r1", "r2"], idx_mapping=torch.tensor([0, 1, 2])
+    )
+    counts = adaptive.decide_admitted_counts(m, batch, np.array([True, False, True]))
+    assert seen["batch"] == ({"r0": 4, "r2": 4}, {"r0": 3, "r2": 3})
+    assert seen["ranking"] == ([3, 0, 3], 4)
+    assert counts.tolist() == [2, 0, 2]
+    assert m._batch_budget == "stash of the verify step"  # vLLM's own stash left as it was
+
+
+def test_the_pipeline_curve_is_the_sum_of_the_stages():
+    last = [(8, 1.0), (16, 2.0), (32, 4.0)]
+    first = [(8, 0.5), (16, 1.5), (32, 3.0)]
+    assert adaptive.pipeline_verify_curve([last, first]) == [(8, 1.5), (16, 3.5), (32, 7.0)]
+
+
+def _stage_manager(stage, world, captured):
+    class Base:
+        def set_cost_curves(self, draft_curve, verify_curve):
+            captured["tables"] = (draft_curve, verify_curve)
+
+    m = object.__new__(adaptive.shipped_counts_class(Base))
+    m.is_last_stage = stage == world - 1
+    m.stage = stage
+    m.pipeline_ranks = tuple(range(10, 10 + world))
+    return m
+
+
+def test_stages_publish_their_curves_and_the_last_one_prices_the_pipeline(monkeypatch):
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(adaptive, "_store", lambda: store)
+    captured = {}
+    _stage_manager(0, 3, captured).set_cost_curves([], [(8, 0.5), (16, 1.0)])
+    _stage_manager(1, 3, captured).set_cost_curves([], [(8, 0.25), (16, 0.5)])
+    assert "tables" not in captured  # earlier stages build no tables
+    _stage_manager(2, 3, captured).set_cost_curves([(1, 0.1)], [(8, 1.0), (16, 2.0)])
+    assert captured["tables"] == ([(1, 0.1)], [(8, 1.75), (16, 3.5)])
+
+
+def test_a_stage_that_never_publishes_fails_the_last_stage_at_start(monkeypatch):
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(adaptive, "_store", lambda: store)
+    monkeypatch.setenv("VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S", "0.5")
+    _stage_manager(0, 3, {}).set_cost_curves([], [(8, 0.5)])
+    with pytest.raises(RuntimeError, match=r"PP stage\(s\) \[1\] published no profiled step cost"):
+        _stage_manager(2, 3, {}).set_cost_curves([(1, 0.1)], [(8, 1.0)])
+
+
+def test_received_activations_of_another_token_count_fail_at_once():
+    runner = SimpleNamespace(adaptive_verification=SimpleNamespace(stage=1))
+    batch = SimpleNamespace(num_tokens_after_padding=16)
+    ok = SimpleNamespace(tensors={"hidden_states": torch.zeros(16, 2)})
+    adaptive.check_received_activations(runner, ok, batch)
+    bad = SimpleNamespace(tensors={"hidden_states": torch.zeros(12, 2)})
+    with pytest.raises(RuntimeError, match="stage 1 built a batch of 16 tokens in step 2"):
+        adaptive.check_received_activations(runner, bad, batch)
+
+
+# ---------------------------------------------------------------- the refusal (config patch)
+
+
+def _config(method="dspark", pp=2, tp=1, dp=1, kv_role=None, sharded=False, dcp=1):
+    """The fields vLLM's _validate_adaptive_verification and ours read (a real VllmConfig
+    cannot be built with full CUDA graphs on the CPU platform)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    kv = None if kv_role is None else KVTransferConfig(kv_connector="MooncakeConnector", kv_role=kv_role)
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            enable_adaptive_verification=True,
+            method=method,
+            num_speculative_tokens=3,
+            draft_model_config=None,
+        ),
+        lora_config=None,
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+            decode_cudagraph_capture_request_sizes=None,
+        ),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=pp,
+            tensor_parallel_size=tp,
+            data_parallel_size=dp,
+            decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=1,
+            enable_batch_sharded_sampling=sharded,
+        ),
+        kv_transfer_config=kv,
+    )
+
+
+@pytest.fixture
+def validate():
+    from vllm.config.vllm import VllmConfig
+
+    from vllm_dspark_pp.patches import config_vllm__adaptive
+
+    config_vllm__adaptive.apply()
+    return VllmConfig._validate_adaptive_verification
+
+
+def test_vllms_pp_refusal_stands_without_the_patch():
+    from vllm.config.vllm import VllmConfig
+
+    from vllm_dspark_pp.patches._util import original
+
+    with pytest.raises(ValueError, match="not currently compatible with pipeline parallelism"):
+        original(VllmConfig, "_validate_adaptive_verification")(_config())
+
+
+@pytest.mark.parametrize("kv_role", [None, "kv_consumer"])
+def test_dspark_under_pp_is_covered_aggregated_and_as_pd_decoder(validate, kv_role):
+    cfg = _config(kv_role=kv_role)
+    validate(cfg)  # no refusal
+    assert adaptive.ships_admitted_counts(cfg)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        (dict(method="eagle3"), "only DSpark drafts ship admitted counts (method is 'eagle3')"),
+        (dict(kv_role="kv_producer"), "prefill-only producer never verifies"),
+        (dict(kv_role="kv_both"), "only the PD decoder (kv_consumer) is covered, not kv_both"),
+        (dict(tp=2), "only TP=1 and DP=1 are covered"),
+        (dict(dp=2), "only TP=1 and DP=1 are covered"),
+        (dict(dcp=2), "context parallelism is not covered"),
+        (dict(sharded=True), "batch-sharded sampling"),
+    ],
+)
+def test_the_refusal_stays_for_every_uncovered_config_with_its_reason(validate, kwargs, reason):
+    cfg = _config(**kwargs)
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    msg = str(err.value)
+    assert "not currently compatible with pipeline parallelism" in msg and reason in msg, msg
+    assert not adaptive.ships_admitted_counts(cfg)
+
+
+def test_vllms_other_adaptive_checks_still_run_first(validate):
+    cfg = _config()
+    cfg.lora_config = object()
+    with pytest.raises(ValueError, match="not currently compatible with LoRA"):
+        validate(cfg)
+
+
+def test_pp1_and_adaptive_off_are_untouched(validate):
+    validate(_config(pp=1))
+    assert not adaptive.ships_admitted_counts(_config(pp=1))
+    cfg = _config()
+    cfg.speculative_config.enable_adaptive_verification = False
+    validate(cfg)
+    assert not adaptive.ships_admitted_counts(cfg)
