@@ -34,7 +34,7 @@ def apply() -> None:
     from vllm.config.vllm import VllmConfig
 
     from vllm_dspark_pp.patches._util import wrap
-    from vllm_dspark_pp.protocol.adaptive import uncovered_reason
+    from vllm_dspark_pp.protocol.adaptive_config import uncovered_reason
 
     def make(orig):
         def _validate_adaptive_verification(self):

@@ -26,49 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from vllm_dspark_pp.protocol.adaptive_config import (  # noqa: F401 - re-exported
+    ships_admitted_counts,
+    uncovered_reason,
+)
+
 #: Every stage publishes its profiled verify-cost curve under this prefix (one key per stage).
 CURVE_PREFIX = "vllm_dspark_pp/adaptive_cost"
-
-
-def uncovered_reason(vllm_config: Any) -> str | None:
-    """Why this PP config's adaptive verification is not covered by the plugin (None: covered).
-
-    Covered: DSpark drafts, aggregated serving or a PD decoder (kv_consumer), TP = DP = 1, no
-    context parallelism, no batch-sharded sampling."""
-    from vllm_dspark_pp.producer import roles
-
-    spec = vllm_config.speculative_config
-    par = vllm_config.parallel_config
-    if spec is None or spec.method != "dspark":
-        method = None if spec is None else spec.method
-        return f"only DSpark drafts ship admitted counts (method is {method!r})"
-    if roles.prefill_only_role(vllm_config):
-        return "a DSpark prefill-only producer never verifies drafts"
-    kv = vllm_config.kv_transfer_config
-    if kv is not None and kv.kv_connector is not None:
-        if kv.is_kv_producer or not kv.is_kv_consumer:
-            return (
-                "with a KV connector only the PD decoder (kv_consumer) is covered, "
-                f"not {kv.kv_role}"
-            )
-    if par.tensor_parallel_size != 1 or par.data_parallel_size != 1:
-        return "only TP=1 and DP=1 are covered (not verified with several ranks per stage)"
-    if par.decode_context_parallel_size != 1 or par.prefill_context_parallel_size != 1:
-        return "context parallelism is not covered"
-    if par.enable_batch_sharded_sampling:
-        return "batch-sharded sampling needs vLLM's host copy of the ranked counts"
-    return None
-
-
-def ships_admitted_counts(vllm_config: Any) -> bool:
-    """Whether this config runs adaptive verification under PP through the plugin."""
-    spec = vllm_config.speculative_config
-    return (
-        vllm_config.parallel_config.pipeline_parallel_size > 1
-        and spec is not None
-        and bool(spec.enable_adaptive_verification)
-        and uncovered_reason(vllm_config) is None
-    )
 
 
 def next_verify_batch(req_ids: list[str], k: int) -> tuple[dict[str, int], dict[str, list[int]]]:
@@ -95,17 +59,35 @@ def decide_admitted_counts(manager: Any, input_batch: Any, rows: np.ndarray) -> 
     req_ids = [r for r, keep in zip(input_batch.req_ids, rows, strict=True) if keep]
     # vLLM's own budget (host, from its host copy of earlier confidences; not the ShippedCounts
     # override); its stash belongs to the verify step's prepare_inputs, so it is put back.
-    saved = manager._batch_budget
-    num_tokens = av.AdaptiveVerificationManager.get_num_tokens(
-        manager, *next_verify_batch(req_ids, k)
-    )
-    manager._batch_budget = saved
+    saved, states = manager._batch_budget, manager.req_states
+    manager.req_states = _SamplingNext(states)
+    try:
+        num_tokens = av.AdaptiveVerificationManager.get_num_tokens(
+            manager, *next_verify_batch(req_ids, k)
+        )
+    finally:
+        manager._batch_budget, manager.req_states = saved, states
     budget = num_tokens - len(req_ids)
     if budget < k * len(req_ids):
         av.assign_draft_token_budget(
             manager._confidence_probs, idx_mapping, capacities, budget, manager._draft_survival
         )
     return capacities
+
+
+class _SamplingNext:
+    """vLLM's request states as the next verify step sees them: a request whose output this step
+    needs has its prompt computed by then (vLLM's budget counts it as a sampling request)."""
+
+    def __init__(self, states: Any) -> None:
+        self._states = states
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._states, name)
+
+    @property
+    def num_computed_tokens_np(self) -> np.ndarray:
+        return np.maximum(self._states.num_computed_tokens_np, self._states.prefill_len.np)
 
 
 def admitted_layout(
@@ -158,6 +140,7 @@ class ShippedCounts:
         shipped = self.pp_handler.admitted_counts_for(slots)
         max_drafts = self._max_total_logits - len(req_ids) * self.num_bonus_tokens
         admitted = admitted_layout(scheduled, shipped, max_drafts)
+        self.count_verified(int(admitted.sum()), int(scheduled.sum()))
         # vLLM's compact_batch and reallocate_drafts read this stash; with the per-request
         # "scheduled" counts equal to the admitted ones its ranking kernel is not run and the
         # device layout is exactly these counts (adaptive_verification.py:533-545).
@@ -167,6 +150,24 @@ class ShippedCounts:
             int(admitted.sum()),
         )
         return int(non_draft.sum()) + int(admitted.sum())
+
+    verify_steps: int = 0
+    verified_drafts: int = 0
+    scheduled_drafts: int = 0
+
+    def count_verified(self, verified: int, scheduled: int) -> None:
+        self.verify_steps += 1
+        self.verified_drafts += verified
+        self.scheduled_drafts += scheduled
+        if self.verify_steps in (1, 10) or self.verify_steps % 100 == 0:
+            _logger().info(
+                "DSpark PP adaptive verification (stage %d): %d verify steps, %d of %d scheduled "
+                "drafts verified",
+                self.stage,
+                self.verify_steps,
+                self.verified_drafts,
+                self.scheduled_drafts,
+            )
 
     # -- the pipeline's cost curve (replaces the tables' input, adaptive_verification.py:350-371)
     def set_cost_curves(self, draft_curve: list, verify_curve: list) -> None:
@@ -185,6 +186,12 @@ def pipeline_verify_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[i
     return [
         (n, float(sum(dict((int(a), b) for a, b in c)[n] for c in curves))) for n in sorted(common)
     ]
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm_dspark_pp.adaptive")
 
 
 def _store() -> Any:

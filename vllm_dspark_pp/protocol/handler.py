@@ -86,7 +86,7 @@ def admitted_counts_from_config() -> bool:
     """Whether this process's vLLM config ships admitted counts (adaptive verification, PP)."""
     from vllm.config.vllm import get_current_vllm_config_or_none
 
-    from vllm_dspark_pp.protocol.adaptive import ships_admitted_counts
+    from vllm_dspark_pp.protocol.adaptive_config import ships_admitted_counts
 
     cfg = get_current_vllm_config_or_none()
     return cfg is not None and ships_admitted_counts(cfg)

@@ -70,7 +70,7 @@ class HandshakeFacts:
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
     import vllm
 
-    from vllm_dspark_pp.protocol.adaptive import ships_admitted_counts
+    from vllm_dspark_pp.protocol.adaptive_config import ships_admitted_counts
     from vllm_dspark_pp.protocol.graph_batch import fixed_graph_batch
 
     spec = vllm_config.speculative_config

@@ -66,7 +66,10 @@ def _shipped_manager(counts, k=3, max_num_reqs=8):
     cls = adaptive.shipped_counts_class(AdaptiveVerificationManager)
     m = object.__new__(cls)
     m.req_states = SimpleNamespace(
-        req_id_to_index={f"r{i}": i for i in range(max_num_reqs)}, device=torch.device("cpu")
+        req_id_to_index={f"r{i}": i for i in range(max_num_reqs)},
+        device=torch.device("cpu"),
+        num_computed_tokens_np=np.zeros(max_num_reqs, dtype=np.int32),
+        prefill_len=SimpleNamespace(np=np.full(max_num_reqs, 5, dtype=np.int32)),
     )
     m.num_speculative_steps = k
     m.num_bonus_tokens = 1
@@ -130,6 +133,8 @@ def test_decide_counts_use_vllms_budget_and_ranking(monkeypatch):
 
     def budget(self, tokens, drafts):
         seen["batch"] = (dict(tokens), {r: len(d) for r, d in drafts.items()})
+        # a request prefilled in the drafting step samples in its next step
+        seen["computed"] = self.req_states.num_computed_tokens_np[:3].tolist()
         self._batch_budget = "stash of the verify step"
         return len(tokens) + 4  # a budget of 4 drafts
 
@@ -151,6 +156,7 @@ def test_decide_counts_use_vllms_budget_and_ranking(monkeypatch):
     assert seen["ranking"] == ([3, 0, 3], 4)
     assert counts.tolist() == [2, 0, 2]
     assert m._batch_budget == "stash of the verify step"  # vLLM's own stash left as it was
+    assert seen["computed"] == [5, 5, 5] and m.req_states.num_computed_tokens_np[0] == 0
 
 
 def test_the_pipeline_curve_is_the_sum_of_the_stages():

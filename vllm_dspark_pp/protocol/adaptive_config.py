@@ -1,0 +1,50 @@
+"""Which PP configurations run adaptive verification through the plugin (config facts only).
+
+Kept apart from ``protocol/adaptive.py`` so the handshake and the handler can ask without
+importing the run-time side (which itself uses the handshake's store helpers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def uncovered_reason(vllm_config: Any) -> str | None:
+    """Why this PP config's adaptive verification is not covered by the plugin (None: covered).
+
+    Covered: DSpark drafts, aggregated serving or a PD decoder (kv_consumer), TP = DP = 1, no
+    context parallelism, no batch-sharded sampling."""
+    from vllm_dspark_pp.producer import roles
+
+    spec = vllm_config.speculative_config
+    par = vllm_config.parallel_config
+    if spec is None or spec.method != "dspark":
+        method = None if spec is None else spec.method
+        return f"only DSpark drafts ship admitted counts (method is {method!r})"
+    if roles.prefill_only_role(vllm_config):
+        return "a DSpark prefill-only producer never verifies drafts"
+    kv = vllm_config.kv_transfer_config
+    if kv is not None and kv.kv_connector is not None:
+        if kv.is_kv_producer or not kv.is_kv_consumer:
+            return (
+                "with a KV connector only the PD decoder (kv_consumer) is covered, "
+                f"not {kv.kv_role}"
+            )
+    if par.tensor_parallel_size != 1 or par.data_parallel_size != 1:
+        return "only TP=1 and DP=1 are covered (not verified with several ranks per stage)"
+    if par.decode_context_parallel_size != 1 or par.prefill_context_parallel_size != 1:
+        return "context parallelism is not covered"
+    if par.enable_batch_sharded_sampling:
+        return "batch-sharded sampling needs vLLM's host copy of the ranked counts"
+    return None
+
+
+def ships_admitted_counts(vllm_config: Any) -> bool:
+    """Whether this config runs adaptive verification under PP through the plugin."""
+    spec = vllm_config.speculative_config
+    return (
+        vllm_config.parallel_config.pipeline_parallel_size > 1
+        and spec is not None
+        and bool(spec.enable_adaptive_verification)
+        and uncovered_reason(vllm_config) is None
+    )
