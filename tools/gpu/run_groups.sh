@@ -6,7 +6,8 @@
 #   source /tmp/site/env.sh && bash tools/gpu/run_groups.sh OUTDIR GROUP [GROUP ...]
 #
 # Groups: pd_mooncake (issue 13: PD over Mooncake, async + sync, with its aggregated references),
-#         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL).
+#         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL),
+#         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -58,7 +59,11 @@ for g in "$@"; do
     DSPARK_GPU_NIXL=1 DSPARK_NIXL_OUT="$OUTDIR/nixl" DSPARK_NIXL_READY_S=$((BUDGET / 2)) \
       run_group "$g" tests/gpu/test_pd_nixl.py --timeout=$((BUDGET - 20)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl)" ;;
+  pp_adaptive)
+    DSPARK_GPU_PP_READY_S=$((BUDGET / 2)) \
+      run_group "$g" tests/gpu/test_pp_adaptive_one_gpu.py --timeout=$((BUDGET - 20)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp_adaptive)" ;;
   esac
 done
 wait

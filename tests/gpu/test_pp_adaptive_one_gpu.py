@@ -1,0 +1,227 @@
+"""One GPU, two PP stages: DSpark adaptive verification under PP (issue 30).
+
+vLLM 0.34.0 refuses ``enable_adaptive_verification`` with PP; the plugin ships the last stage's
+per-request admitted draft counts to every stage in the drafts payload and lifts the refusal for
+DSpark (docs/protocol.md, "Adaptive verification under PP"). Adaptive verification needs full
+CUDA graphs, so only a GPU runs it end to end. Four deployments start at once on GPU 0 (the PP=2
+ones through tests/support/pp_launch.py: two ``vllm serve`` launchers, ``--nnodes 2``, node 1
+headless, each its own ``NCCL_HOSTID``, NCCL over loopback sockets):
+
+* ``ref``: PP=1 without speculation, eager (the parity reference);
+* ``pp1_adaptive``: PP=1 DSpark with adaptive verification (vLLM's own path);
+* ``pp2_adaptive``: PP=2 DSpark with adaptive verification (the plugin's path);
+* ``pp2_corrupt`` (the control): as ``pp2_adaptive``, but stage 0 reads every admitted count off
+  by one (tests/support/adaptive_probe): it must fail loudly at its first verify step, naming the
+  batch-shape disagreement, and never hang.
+
+Every adaptive deployment runs with the probe on PYTHONPATH: cost tables pinned to a steep verify
+cost (``DSPARK_TEST_VERIFY_COST_SLOPE``, so the budget binds and PP=1 and PP=2 price alike) and a
+running total of the drafts each verify step verifies, per process. The held-out prompts are sent
+one at a time (one request in flight), greedy, to every deployment.
+
+Checks: PP=2 adaptive greedy == PP=1 without speculation (lossless) and == PP=1 adaptive; the
+drafts verified, the verify steps, the drafts and acceptance counters of PP=2 equal PP=1's; both
+PP=2 stages verified the same drafts in the same number of steps; the budget did bind (fewer
+drafts verified than scheduled); the control fails with the plugin's message within a minute.
+
+    source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT pp_adaptive
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from gpu_common import DRYRUN_CPU, GRAPH_COMPILATION_CONFIG, PAIR_DTYPE, Jobs, require_cuda
+from support import pp_launch, tiny_pair
+
+from vllm_dspark_pp.dev import serve_demo
+from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV
+
+pytestmark = pytest.mark.gpu
+
+NUM_PROMPTS = 7
+MAX_TOKENS = 64
+READY_S = float(os.environ.get("DSPARK_GPU_PP_READY_S", "330"))
+REQUEST_S = 120.0
+CONTROL_FAIL_S = 60.0
+KV_BYTES = 512 << 20
+MEM_SHARE = "0.05"  # only for vLLM's start-up check: the KV budget is fixed
+SLOPE = os.environ.get("DSPARK_TEST_VERIFY_COST_SLOPE", "3.0")
+PROBE_DIR = Path(__file__).resolve().parents[1] / "support" / "adaptive_probe"
+LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-adapt-"))
+DISAGREE = "stages disagree on the (adaptive verification) batch shape"
+PROBE = re.compile(r"ADAPTIVE_PROBE pid=(\d+) verify_steps=(\d+) verified_drafts=(\d+)")
+
+
+def _args(graphs: bool) -> list[str]:
+    args = ["--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "8",
+            "--seed", "0", "--gpu-memory-utilization", MEM_SHARE,
+            "--kv-cache-memory-bytes", str(KV_BYTES)]  # fmt: skip
+    if graphs:  # adaptive verification needs full CUDA graphs: never --enforce-eager here
+        return args + ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
+    return args + ["--enforce-eager"]
+
+
+def _spec() -> dict:
+    return {**tiny_pair.spec_config(), "enable_adaptive_verification": True}
+
+
+def _env(corrupt: bool = False) -> dict:
+    env = dict(GPU_CHILD_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PROBE_DIR), os.environ.get("PYTHONPATH", "")) if p
+    )
+    env["DSPARK_TEST_VERIFY_COST_SLOPE"] = SLOPE
+    if corrupt:
+        env["DSPARK_TEST_CORRUPT_STAGE0"] = "1"
+    return env
+
+
+def _pp1(name: str, spec: dict | None, graphs: bool) -> serve_demo.Server:
+    port = serve_demo.free_port()
+    return serve_demo.Server(
+        serve_demo.serve_argv(tiny_pair.TARGET, pp=1, spec=spec, port=port, base=_args(graphs)),
+        LOG_DIR / f"{name}.log",
+        env={**_env(), "VLLM_CACHE_ROOT": str(LOG_DIR / f"{name}_cache")},
+        port=port,
+        name=name,
+        cpu=False,
+    )
+
+
+def _pp2(name: str, corrupt: bool = False) -> pp_launch.Deployment:
+    return pp_launch.deployment(
+        name,
+        tiny_pair.TARGET,
+        pp=2,
+        spec=_spec(),
+        log_dir=LOG_DIR,
+        device="gpu",
+        base_args=_args(graphs=True),
+        env=_env(corrupt),
+    )
+
+
+def _ask_one_at_a_time(url: str, prompts) -> list[list[int]]:
+    return [
+        serve_demo.complete(url, tiny_pair.TARGET, p, MAX_TOKENS, timeout_s=REQUEST_S)[0][
+            "token_ids"
+        ]
+        for p in prompts
+    ]
+
+
+def _probe_totals(text: str) -> dict[int, tuple[int, int]]:
+    """pid -> (verify steps, drafts verified): each process's last probe line."""
+    out: dict[int, tuple[int, int]] = {}
+    for pid, steps, verified in PROBE.findall(text):
+        out[int(pid)] = (int(steps), int(verified))
+    return out
+
+
+def _run_server(server: serve_demo.Server, prompts) -> dict:
+    try:
+        server.start()
+        server.wait_ready(READY_S)
+        tokens = _ask_one_at_a_time(server.url, prompts)
+        metrics = serve_demo.spec_metrics(server.url, settle_s=3.0)
+        return {"tokens": tokens, "metrics": metrics, "log": server.log_tail(10**8)}
+    finally:
+        server.stop()
+
+
+def _run_pp2(dep: pp_launch.Deployment, prompts) -> dict:
+    try:
+        dep.start()
+        dep.wait_ready(READY_S)
+        tokens = _ask_one_at_a_time(dep.url, prompts)
+        metrics = serve_demo.spec_metrics(dep.url, settle_s=3.0)
+        return {
+            "tokens": tokens,
+            "metrics": metrics,
+            "node_logs": [n.log_tail(10**8) for n in dep.nodes],
+        }
+    finally:
+        left = dep.stop()
+        assert not left, f"{dep.name}: processes left running: {left}"
+
+
+def _run_control(dep: pp_launch.Deployment, prompt) -> dict:
+    """Ask one question; the deployment must fail with the plugin's message within
+    CONTROL_FAIL_S (the request errors or the engine stops), never hang."""
+    try:
+        dep.start()
+        dep.wait_ready(READY_S)
+        t0 = time.monotonic()
+        outcome = "answered"
+        try:
+            serve_demo.complete(dep.url, tiny_pair.TARGET, prompt, MAX_TOKENS, CONTROL_FAIL_S)
+        except Exception as e:  # noqa: BLE001 - any failure of the request is the expected one
+            outcome = f"request failed: {type(e).__name__}"
+        while DISAGREE not in dep.logs() and time.monotonic() - t0 < CONTROL_FAIL_S:
+            time.sleep(0.5)
+        return {
+            "outcome": outcome,
+            "seconds": round(time.monotonic() - t0, 1),
+            "message": DISAGREE in dep.logs(),
+            "logs": dep.logs(20000),
+        }
+    finally:
+        dep.stop()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    if DRYRUN_CPU:
+        pytest.skip("adaptive verification needs full CUDA graphs: no CPU dry run")
+    require_cuda()
+    ok, why = tiny_pair.available()
+    if not ok:
+        pytest.skip(why)
+    prompts = tiny_pair.heldout_prompts(NUM_PROMPTS)
+    jobs = Jobs()
+    jobs.submit("ref", _run_server, _pp1("ref", None, graphs=False), prompts)
+    jobs.submit("pp1_adaptive", _run_server, _pp1("pp1_adaptive", _spec(), graphs=True), prompts)
+    jobs.submit("pp2_adaptive", _run_pp2, _pp2("pp2_adaptive"), prompts)
+    jobs.submit("pp2_corrupt", _run_control, _pp2("pp2_corrupt", corrupt=True), prompts[0])
+    yield jobs
+    jobs.shutdown()
+
+
+def test_pp2_adaptive_is_lossless(runs):
+    ref = runs.result("ref")["tokens"]
+    pp2 = runs.result("pp2_adaptive")["tokens"]
+    assert all(len(t) > 0 for t in ref)
+    assert pp2 == ref, "PP=2 adaptive verification changed the greedy output"
+    assert runs.result("pp1_adaptive")["tokens"] == ref
+
+
+def test_pp2_verifies_what_pp1_verifies(runs):
+    pp1 = runs.result("pp1_adaptive")
+    pp2 = runs.result("pp2_adaptive")
+    one = list(_probe_totals(pp1["log"]).values())
+    stages = [list(_probe_totals(log).values()) for log in pp2["node_logs"]]
+    assert len(one) == 1 and all(len(s) == 1 for s in stages), (one, stages)
+    steps, verified = one[0]
+    assert stages[0][0] == stages[1][0], f"the two stages verified differently: {stages}"
+    assert stages[1][0] == (steps, verified), f"PP=2 {stages[1][0]} != PP=1 {(steps, verified)}"
+    k = tiny_pair.num_speculative_tokens()
+    assert 0 < verified < k * steps, f"the budget never bound ({verified} of {k * steps})"
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"):
+        assert pp2["metrics"][key] == pp1["metrics"][key], key
+    text = "\n".join(pp2["node_logs"])
+    assert "adaptive verification True" in text  # the handshake agreed on it
+    print(f"verify steps {steps}, drafts verified {verified} of {k * steps}; {pp2['metrics']}")
+
+
+def test_control_a_stage_with_other_counts_fails_loudly_and_at_once(runs):
+    res = runs.result("pp2_corrupt")
+    assert res["message"], f"no batch-shape error ({res['outcome']}):\n{res['logs'][-6000:]}"
+    assert res["seconds"] < CONTROL_FAIL_S, res
+    print(f"control: {res['outcome']} after {res['seconds']} s")
