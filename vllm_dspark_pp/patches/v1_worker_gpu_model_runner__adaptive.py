@@ -12,9 +12,9 @@ from those counts. With the manager on every stage, the CUDA graph mode
 (model_runner.py:787-791) and the varlen decode graphs (model_runner.py:809) are the same on
 every stage.
 (2) wraps ``GPUModelRunner.profile_adaptive_verification`` (model_runner.py:1224-1234) on
-non-last stages, which vLLM cannot time (``_dummy_run`` returns before its timing events there,
-model_runner.py:977-991): the stage times the same dummy runs itself and publishes its verify
-curve; the last stage sums every stage's curve (the pipeline's cost of a verify position).
+non-last stages, which vLLM cannot time (``_dummy_run`` returns there, model_runner.py:978-980,
+before its timing marks at 991-1032): the stage times the same dummy runs with vLLM's collector
+and publishes its verify curve; the last stage sums every stage's curve (the pipeline's cost).
 (3) wraps ``execute_model`` / ``prepare_inputs`` so that a non-first stage checks, before its
 forward copies them (model_runner.py:2094-2103), that the activations it received cover exactly
 the tokens of its own batch: stages that disagree on a batch shape fail at once with a message,

@@ -90,9 +90,7 @@ class _SamplingNext:
         return np.maximum(self._states.num_computed_tokens_np, self._states.prefill_len.np)
 
 
-def admitted_layout(
-    scheduled: np.ndarray, shipped: np.ndarray, max_drafts: int
-) -> np.ndarray:
+def admitted_layout(scheduled: np.ndarray, shipped: np.ndarray, max_drafts: int) -> np.ndarray:
     """Drafts each request verifies: its shipped count (none shipped: all scheduled), never more
     than scheduled, and in all at most ``max_drafts`` (vLLM's one-chunk logits bound), taken
     off the last rows first. The same arrays give the same answer on every stage."""
@@ -242,9 +240,9 @@ def profile_stage_curve(runner: Any, manager: Any) -> None:
     """A non-last stage times the dummy runs vLLM's last stage times (the same token counts, the
     same ``batches_to_profile``) with vLLM's own ``StepTimingCollector``: vLLM records each
     step's start on every stage (model_runner.py:2113-2116) but its ``_dummy_run`` returns on a
-    non-last stage before the end marks (model_runner.py:977-991), so they are closed here. The
-    curve then goes through ``set_initial_cost_curves`` to ``ShippedCounts.set_cost_curves``,
-    which publishes it for the last stage."""
+    non-last stage (model_runner.py:978-980) before the end marks (991-1032), so they are closed
+    here. The curve then goes through ``set_initial_cost_curves`` to
+    ``ShippedCounts.set_cost_curves``, which publishes it for the last stage."""
     import torch
 
     timing = runner.step_timing

@@ -8,8 +8,6 @@ from collections import deque
 
 import numpy as np
 import torch
-
-from vllm_dspark_pp.protocol.schedule import need_sampled_mask
 from protocol_sim import (
     Case,
     FakeGroup,
@@ -23,6 +21,8 @@ from protocol_sim import (
     payload_for,
     random_case,
 )
+
+from vllm_dspark_pp.protocol.schedule import need_sampled_mask
 
 
 class RecordingWire:

@@ -214,10 +214,13 @@ def _config(method="dspark", pp=2, tp=1, dp=1, kv_role=None, sharded=False, dcp=
     """The fields vLLM's _validate_adaptive_verification and ours read (a real VllmConfig
     cannot be built with full CUDA graphs on the CPU platform)."""
     from vllm.config.compilation import CUDAGraphMode
-
     from vllm.config.kv_transfer import KVTransferConfig
 
-    kv = None if kv_role is None else KVTransferConfig(kv_connector="MooncakeConnector", kv_role=kv_role)
+    kv = (
+        None
+        if kv_role is None
+        else KVTransferConfig(kv_connector="MooncakeConnector", kv_role=kv_role)
+    )
     return SimpleNamespace(
         speculative_config=SimpleNamespace(
             enable_adaptive_verification=True,

@@ -47,9 +47,7 @@ def test_gloo_a_rank_with_corrupted_admitted_counts_stops_every_rank_at_once():
     from rank 0's: rank 1 raises the batch-shape error in the first step that reads a corrupted
     count, and the other ranks stop in that same step (no rank waits in a collective)."""
     t0 = time.monotonic()
-    results = run_processes(
-        exchange_worker, 3, lambda r: (ADAPTIVE_SEEDS, 1), timeout_s=100
-    )
+    results = run_processes(exchange_worker, 3, lambda r: (ADAPTIVE_SEEDS, 1), timeout_s=100)
     elapsed = time.monotonic() - t0
     assert sorted(results) == [0, 1, 2], f"ranks missing (a rank hung?): {results}"
     errors = {r: res.get("error") or "" for r, res in results.items()}

@@ -1,6 +1,7 @@
 """The PP start-up handshake over three real gloo processes: agreement passes; mismatched
-versions, mismatched k, mismatched adaptive verification and a silent rank (a rank without the plugin) each fail every
-participating rank fast, with one message naming the rank and the field."""
+versions, mismatched k, mismatched adaptive verification and a silent rank (a rank without the
+plugin) each fail every participating rank fast, with one message naming the rank and the
+field."""
 
 from __future__ import annotations
 

@@ -62,7 +62,9 @@ def test_every_rank_posts_the_same_collectives_1200_seeds(patch_broadcast):
         posted += len(_last_logs[0])
         steps += len(case.steps)
     assert pp_sizes == {2, 3, 4} and ks == {0, 1, 2, 3, 5}
-    assert {(p, k) for a, p, k in adaptive if a} == {(p, k) for p in (2, 3, 4) for k in (1, 2, 3, 5)}
+    assert {(p, k) for a, p, k in adaptive if a} == {
+        (p, k) for p in (2, 3, 4) for k in (1, 2, 3, 5)
+    }
     assert posted > 0
     print(f"{NUM_CASES} seeded cases (seeds 0..{NUM_CASES - 1}), {steps} steps: identical")
 
