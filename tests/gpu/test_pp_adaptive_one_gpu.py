@@ -125,31 +125,22 @@ def _probe_totals(text: str) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _run_server(server: serve_demo.Server, prompts) -> dict:
+def _run(deployment, prompts) -> dict:
+    """Start a ``Server`` (PP=1) or a ``pp_launch.Deployment`` (PP=2), ask every prompt, read the
+    metrics and every node's log, stop it."""
+    nodes = getattr(deployment, "nodes", [deployment])
     try:
-        server.start()
-        server.wait_ready(READY_S)
-        tokens = _ask_one_at_a_time(server.url, prompts)
-        metrics = serve_demo.spec_metrics(server.url, settle_s=3.0)
-        return {"tokens": tokens, "metrics": metrics, "log": server.log_tail(10**8)}
-    finally:
-        server.stop()
-
-
-def _run_pp2(dep: pp_launch.Deployment, prompts) -> dict:
-    try:
-        dep.start()
-        dep.wait_ready(READY_S)
-        tokens = _ask_one_at_a_time(dep.url, prompts)
-        metrics = serve_demo.spec_metrics(dep.url, settle_s=3.0)
+        deployment.start()
+        deployment.wait_ready(READY_S)
+        tokens = _ask_one_at_a_time(deployment.url, prompts)
+        metrics = serve_demo.spec_metrics(deployment.url, settle_s=3.0)
         return {
             "tokens": tokens,
             "metrics": metrics,
-            "node_logs": [n.log_tail(10**8) for n in dep.nodes],
+            "node_logs": [n.log_tail(10**8) for n in nodes],
         }
     finally:
-        left = dep.stop()
-        assert not left, f"{dep.name}: processes left running: {left}"
+        deployment.stop()
 
 
 def _run_control(dep: pp_launch.Deployment, prompt) -> dict:
@@ -186,9 +177,9 @@ def runs():
         pytest.skip(why)
     prompts = tiny_pair.heldout_prompts(NUM_PROMPTS)
     jobs = Jobs()
-    jobs.submit("ref", _run_server, _pp1("ref", None, graphs=False), prompts)
-    jobs.submit("pp1_adaptive", _run_server, _pp1("pp1_adaptive", _spec(), graphs=True), prompts)
-    jobs.submit("pp2_adaptive", _run_pp2, _pp2("pp2_adaptive"), prompts)
+    jobs.submit("ref", _run, _pp1("ref", None, graphs=False), prompts)
+    jobs.submit("pp1_adaptive", _run, _pp1("pp1_adaptive", _spec(), graphs=True), prompts)
+    jobs.submit("pp2_adaptive", _run, _pp2("pp2_adaptive"), prompts)
     jobs.submit("pp2_corrupt", _run_control, _pp2("pp2_corrupt", corrupt=True), prompts[0])
     yield jobs
     jobs.shutdown()
@@ -205,7 +196,7 @@ def test_pp2_adaptive_is_lossless(runs):
 def test_pp2_verifies_what_pp1_verifies(runs):
     pp1 = runs.result("pp1_adaptive")
     pp2 = runs.result("pp2_adaptive")
-    one = list(_probe_totals(pp1["log"]).values())
+    one = list(_probe_totals(pp1["node_logs"][0]).values())
     stages = [list(_probe_totals(log).values()) for log in pp2["node_logs"]]
     assert len(one) == 1 and all(len(s) == 1 for s in stages), (one, stages)
     steps, verified = one[0]

@@ -46,6 +46,17 @@ def _fails(case, patch_broadcast) -> str | None:
     return "; ".join(problems[:3]) or None
 
 
+def _first_failure(patch_broadcast, eligible) -> tuple[int, str] | None:
+    """The first seed (among cases ``eligible`` accepts) whose replay fails, with its error."""
+    for seed in SEEDS:
+        case = random_case(seed)
+        if eligible(case):
+            err = _fails(case, patch_broadcast)
+            if err:
+                return seed, err
+    return None
+
+
 def test_every_rank_posts_the_same_collectives_1200_seeds(patch_broadcast):
     assert NUM_CASES >= 1000 or os.environ.get("DSPARK_PP_RANDOM_CASES")
     posted = steps = 0
@@ -122,15 +133,7 @@ def test_a_broken_schedule_on_one_side_is_caught(patch_broadcast, monkeypatch, c
         return StepSchedule(sched.num_reqs, payloads, sched.need_sampled_mask)
 
     monkeypatch.setattr(pp_exchange, "schedule_for", broken)
-    caught = None
-    for seed in SEEDS:
-        case = random_case(seed)
-        if case.k == 0:
-            continue
-        err = _fails(case, patch_broadcast)
-        if err:
-            caught = (seed, err)
-            break
+    caught = _first_failure(patch_broadcast, lambda case: case.k > 0)
     assert caught is not None, "a broken non-last schedule went unnoticed"
     seed, err = caught
     repro = protocol_replay.minimal_reproducer(seed, patch_broadcast, _fails)
@@ -150,15 +153,7 @@ def test_a_corrupted_admitted_count_on_one_rank_is_caught(patch_broadcast, monke
         return real(self, column, idx_mapping_np)
 
     monkeypatch.setattr(pp_exchange.DSparkExchange, "_keep_admitted", corrupted)
-    caught = None
-    for seed in SEEDS:
-        case = random_case(seed)
-        if not case.adaptive:
-            continue
-        err = _fails(case, patch_broadcast)
-        if err:
-            caught = (seed, err)
-            break
+    caught = _first_failure(patch_broadcast, lambda case: case.adaptive)
     assert caught is not None, "a corrupted admitted count went unnoticed"
     seed, err = caught
     print(f"caught at seed {seed}: {err}")
