@@ -121,8 +121,8 @@ class ShippedCounts:
         handler = self.pp_handler
         step = getattr(handler, "exchange_step", None)
         schedule = getattr(step, "schedule", None)
-        if schedule is None or schedule.need_sampled_mask is None:
-            return  # nothing is broadcast this step: no decision to ship
+        if schedule is None or schedule.drafts is None:
+            return  # no drafts broadcast this step: no decision to ship
         handler.step_admitted = decide_admitted_counts(
             self, input_batch, np.asarray(schedule.need_sampled_mask, dtype=bool)
         )

@@ -259,6 +259,7 @@ class DSparkExchange:
         nst = step.num_spec_tokens if step.num_spec_tokens is not None else 1
         sched = step.schedule = schedule_for(self, input_batch, nst)
         self._step_idx_np = np.asarray(input_batch.idx_mapping_np)
+        self.step_admitted = None  # decided later in this step (after propose), or not at all
         self.sampled_tokens_broadcast = sched.posts
         if not sched.posts:
             return

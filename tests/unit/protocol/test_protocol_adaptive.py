@@ -306,3 +306,42 @@ def test_pp1_and_adaptive_off_are_untouched(validate):
     cfg.speculative_config.enable_adaptive_verification = False
     validate(cfg)
     assert not adaptive.ships_admitted_counts(cfg)
+
+
+def test_a_step_without_a_draft_broadcast_leaves_no_counts_for_the_next(patch_broadcast):
+    """The last rank's decision belongs to its step: a step that drafts nothing (skipped drafts)
+    must not hand its counts to the next step's draft broadcast (another batch)."""
+    from protocol_sim import Batch, make_handler
+
+    posted = []
+    patch_broadcast(lambda tensor, src, group=None, async_op=False: posted.append(tensor.clone()))
+    h = make_handler(1, 2, 3, 8, SimpleNamespace(rank=1), adaptive=True)
+
+    def batch(n):
+        return Batch(
+            req_ids=[f"r{i}" for i in range(n)],
+            idx_mapping_np=np.arange(n, dtype=np.intp),
+            num_computed_tokens_np=np.full(n, 9, dtype=np.int32),
+            num_scheduled_tokens=np.full(n, 4, dtype=np.int32),
+            prefill_len_np=np.full(n, 5, dtype=np.int32),
+            max_seq_len_np=None,
+            is_prefilling_np=np.zeros(n, dtype=bool),
+            num_drafts_np=np.full(n, 3, dtype=np.int32),
+        )
+
+    def step(n, num_spec, admitted=None):
+        h.begin_step(num_spec)
+        h.broadcast(torch.zeros(n, 4, dtype=torch.int64), torch.ones(n, dtype=torch.int32),
+                    torch.zeros(n, dtype=torch.int32), batch(n))  # fmt: skip
+        if admitted is not None:
+            h.step_admitted = torch.tensor(admitted, dtype=torch.int32)
+        if num_spec:
+            h.broadcast_drafts(torch.zeros(n, 3, dtype=torch.int64))
+        h.end_step()
+
+    step(2, 0, admitted=[1, 2])  # decided, but the step broadcasts no drafts
+    step(3, 3)  # no decision this step: every request verifies all k drafts
+    assert posted[-1].shape == (3, 4) and posted[-1][:, 3].tolist() == [3, 3, 3]
+    assert h.admitted_counts_for(np.arange(3)).tolist() == [3, 3, 3]
+    step(3, 3, admitted=[0, 1, 2])
+    assert h.admitted_counts_for(np.arange(3)).tolist() == [0, 1, 2]
