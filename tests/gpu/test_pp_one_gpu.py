@@ -278,6 +278,7 @@ def _stock(name, async_scheduling, waves, guard) -> dict:
             line.strip()[:240]
             for line in text.splitlines()
             if re.search(r"Error|error:|Traceback|Fatal Python error|File \"", line)
+            and "WARNING" not in line
         ]
         rec["log_excerpt"] = errors[:60]
         rec["log_dir"] = str(LOG_DIR)
