@@ -58,7 +58,7 @@ for g in "$@"; do
     ;;
   pp)
     mkdir -p "$ART/pp" # every launcher's log comes back in artifacts.tgz
-    DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_READY_S=$((BUDGET / 2)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET / 2)) \
+    DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 250)) \
       run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   pd_pp)
@@ -67,7 +67,7 @@ for g in "$@"; do
     ;;
   dsv4k3_pp)
     mkdir -p "$ART/dsv4k3_pp"
-    DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_PP_READY_S=$((BUDGET / 2)) \
+    DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
       run_group "$g" tests/gpu/test_dsv4_k3_pp.py --timeout=$((BUDGET - 20)) &
     ;;
   nixl)
