@@ -9,7 +9,8 @@
 #         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL),
 #         pp (issue 25: PP=2/3 on one GPU, several ranks through NCCL; tests/gpu/test_pp_one_gpu.py),
 #         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
-#         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py).
+#         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
+#         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -70,12 +71,15 @@ for g in "$@"; do
     DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
       run_group "$g" tests/gpu/test_dsv4_k3_pp.py --timeout=$((BUDGET - 20)) &
     ;;
+  router)
+    run_group "$g" tests/gpu/test_dsv4_router_256.py --timeout=$((BUDGET - 20)) &
+    ;;
   nixl)
     mkdir -p "$OUTDIR/nixl"
     DSPARK_GPU_NIXL=1 DSPARK_NIXL_OUT="$OUTDIR/nixl" DSPARK_NIXL_READY_S=$((BUDGET / 2)) \
       run_group "$g" tests/gpu/test_pd_nixl.py --timeout=$((BUDGET - 20)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp)" ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router)" ;;
   esac
 done
 wait
