@@ -95,6 +95,10 @@ def test_two_launchers_pp2_dspark_parity(tmp_path, pair_reference, pair_pp1):
     assert "DP group leader: node_rank=0" in log0 and "world_size=2, local_world_size=1" in log0
     assert "PP handshake: 2 ranks agree (protocol" in log0 + log1
     assert "k=7" in (log0 + log1).split("PP handshake: 2 ranks agree", 1)[1].splitlines()[0]
+    # each stage names the exchange's transport (the one-GPU tier requires nccl there)
+    for log in (log0, log1):
+        line = log.split("DSpark PP exchange:", 1)[1].splitlines()[0]
+        assert line.endswith(" over gloo"), line
 
 
 def _expect_start_failure(node0, node1, limit_s: float) -> tuple[float, str]:

@@ -97,9 +97,15 @@ def fixed_graph_batch_key() -> str | None:
 class Jobs:
     """Named background jobs; ``result(name)`` waits for one and re-raises its failure."""
 
-    def __init__(self, only: frozenset[str] | None = None):
+    def __init__(
+        self,
+        only: frozenset[str] | None = None,
+        max_workers: int = 8,
+        knob: str = "DSPARK_GPU_JOBS",
+    ):
         self._only = only
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpu-job")
+        self._knob = knob
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gpu-job")
         self._futures: dict[str, Future] = {}
         self._skipped: dict[str, str] = {}
         self._started: dict[str, float] = {}
@@ -109,7 +115,7 @@ class Jobs:
     def submit(self, name: str, fn, *args, **kwargs) -> None:
         if self._only is not None and name not in self._only:
             self.skip(
-                name, f"job {name!r} not selected by DSPARK_GPU_JOBS={','.join(sorted(self._only))}"
+                name, f"job {name!r} not selected by {self._knob}={','.join(sorted(self._only))}"
             )
             return
 

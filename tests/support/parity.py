@@ -120,3 +120,27 @@ def acceptance_close(a: dict, b: dict, points: float = 2.0) -> tuple[bool, str]:
     if not a.get("num_draft_tokens") or not b.get("num_draft_tokens"):
         return False, desc + ": a run drafted NO tokens (speculation did not engage)"
     return abs(ra - rb) <= points, desc
+
+
+def within_points(a: int, b: int, scale: int, points: float = 2.0) -> bool:
+    """``a`` and ``b`` differ by at most ``points`` percent of ``scale`` (at least 1 allowed)."""
+    return abs(a - b) <= max(1.0, points / 100.0 * scale)
+
+
+def counters_close(got: dict, ref: dict, points: float = 2.0) -> tuple[bool, str]:
+    """The acceptance rule plus the same number of drafts and the same accepted tokens per draft
+    position, each within ``points`` percent of the reference's drafts."""
+    ok, desc = acceptance_close(got, ref, points)
+    n = int(ref.get("num_drafts", 0))
+    problems = []
+    if not within_points(int(got.get("num_drafts", 0)), n, n, points):
+        problems.append(f"drafts {got.get('num_drafts')} vs {n}")
+    gp, rp = list(got.get("accepted_per_pos") or []), list(ref.get("accepted_per_pos") or [])
+    if len(gp) != len(rp) or not rp:
+        problems.append(f"per-position counters missing or of another length: {gp} vs {rp}")
+    else:
+        bad = [i for i, (x, y) in enumerate(zip(gp, rp, strict=True)) if not within_points(x, y, n)]
+        if bad:
+            problems.append(f"accepted per position differ at {bad}: {gp} vs {rp}")
+    desc += f"; drafts {got.get('num_drafts')} vs {n}; per position {gp} vs {rp}"
+    return ok and not problems, desc + ("" if not problems else "; " + "; ".join(problems))

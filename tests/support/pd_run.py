@@ -82,6 +82,7 @@ def run_pd(
     decode_args: list[str] = (),
     prefill_speculative_config: dict | None = None,
     prefill_env: dict | None = None,
+    prefill_followers: list[tuple[list[str], dict]] = (),
     decode_env: dict | None = None,
     max_tokens: int = 48,
     ignore_eos: bool = True,
@@ -116,6 +117,27 @@ def run_pd(
             **(prefill_env or {}),
         },
     )
+    # A PP producer of several launchers: node 0 is ``pre`` (API server, bootstrap), every other
+    # node a headless launcher with its own (args, env) (tests/support/pp_launch.py composes them).
+    followers = [
+        Server(
+            f"prefill-node{i + 1}",
+            model,
+            [
+                *common_args,
+                *pre_spec,
+                "--kv-transfer-config",
+                json.dumps(mooncake_kv_config("kv_producer", engine_id)),
+                *args,
+            ],
+            env={
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport),
+                "VLLM_PORT": str(free_port_block()),
+                **env,
+            },
+        )
+        for i, (args, env) in enumerate(prefill_followers)
+    ]
     dec = Server(
         "decode",
         model,
@@ -134,13 +156,22 @@ def run_pd(
             **(decode_env or {}),
         },
     )
+
+    def producer_logs() -> str:
+        return "\n".join(x.log_text() for x in (pre, *followers))
+
     ok = False
     try:
         step = "start servers"
         pre.start()
+        for f in followers:
+            f.start()
         dec.start()
         step = "wait for the prefiller's /health"
         pre.wait_ready(deadline)
+        dead = [f"{f.name} (exit {f.proc.poll()})" for f in followers if f.proc.poll() is not None]
+        if dead:
+            raise GPUCaseFailure(f"producer launchers exited: {', '.join(dead)}")
         t.mark("prefill ready")
         step = "wait for the decoder's /health"
         dec.wait_ready(deadline)
@@ -197,17 +228,19 @@ def run_pd(
             "proxy": stats,
             "timings": t.describe(),
             # What the prefiller's log says it built (patch log lines of vllm_dspark_pp).
-            "prefill_log_markers": {marker: marker in pre.log_text() for marker in PREFILL_MARKERS},
+            "prefill_log_markers": {m: m in producer_logs() for m in PREFILL_MARKERS},
+            "producer_logs": {x.name: x.log_text() for x in (pre, *followers)},
         }
     except Exception as e:
         raise GPUCaseFailure(
             f"PD run failed at step {step!r} ({t.describe()}): {type(e).__name__}: {e}\n"
             f"--- prefiller log tail ---\n{pre.log_text()[-3000:]}\n"
-            f"--- decoder log tail ---\n{dec.log_text()[-3000:]}"
+            + "".join(f"--- {f.name} log tail ---\n{f.log_text()[-2000:]}\n" for f in followers)
+            + f"--- decoder log tail ---\n{dec.log_text()[-3000:]}"
         ) from e
     finally:
-        pre.stop()
-        dec.stop()
+        for x in (pre, *followers, dec):
+            x.stop()
         if not ok:
-            pre.save_log("pd")
-            dec.save_log("pd")
+            for x in (pre, *followers, dec):
+                x.save_log("pd")

@@ -24,6 +24,7 @@ device's free memory and would count the other engines' allocations) and a small
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,11 +169,12 @@ def deployment(
         raise ValueError("a launcher deployment needs pp >= 2 (PP=1 is a plain vllm serve)")
     chosen = layout(gpu_layout) if device == "gpu" else SHARED
     api_port, master_port = free_port(), free_port()
+    cache = Path(tempfile.mkdtemp(prefix=f"dspark-{name}-cache-")) if own_cache else None
     nodes = []
     for rank in range(pp):
         node_env = {**stage_env(rank, device=device, gpu_layout=chosen, tag=name)}
-        if own_cache:  # compile caches of launchers started together must not race
-            node_env["VLLM_CACHE_ROOT"] = str(Path(log_dir) / f"{name}_cache{rank}")
+        if cache is not None:  # compile caches of launchers started together must not race
+            node_env["VLLM_CACHE_ROOT"] = str(cache / f"node{rank}")
         node_env.update(env or {})
         node_env.update((env_per_rank or {}).get(rank, {}))
         argv = launcher_argv(
@@ -196,3 +198,31 @@ def deployment(
             )
         )
     return Deployment(name, nodes)
+
+
+def serve_waves(
+    url: str,
+    model: str,
+    waves: list[list[list[int]]],
+    max_tokens: int,
+    *,
+    ignore_eos: bool = False,
+    timeout_s: float = 120.0,
+) -> tuple[list[list[int]], list[dict]]:
+    """Greedy ``/v1/completions`` of each wave (one request holding the wave's prompts, so they
+    run as one batch), one wave after the other. Returns every prompt's token ids and each
+    wave's spec-decode counters (``/metrics`` after minus before)."""
+    from vllm_dspark_pp.dev.metrics import counter_delta
+    from vllm_dspark_pp.dev.serve import greedy_completion_body, http_json
+    from vllm_dspark_pp.dev.serve_demo import spec_metrics
+
+    tokens: list[list[int]] = []
+    per_wave: list[dict] = []
+    for wave in waves:
+        before = spec_metrics(url, settle_s=3.0)
+        body = greedy_completion_body(model, wave, max_tokens, ignore_eos)
+        body["return_token_ids"] = True
+        out = http_json(url + "/v1/completions", body, timeout=timeout_s)
+        tokens += [list(c["token_ids"]) for c in sorted(out["choices"], key=lambda c: c["index"])]
+        per_wave.append(counter_delta(before, spec_metrics(url, settle_s=3.0)))
+    return tokens, per_wave

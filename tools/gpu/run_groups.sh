@@ -7,6 +7,10 @@
 #
 # Groups: pd_mooncake (issue 13: PD over Mooncake, async + sync, with its aggregated references),
 #         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL),
+#         pp (issue 25: PP=2/3 on one GPU, several ranks through NCCL; tests/gpu/test_pp_one_gpu.py),
+#         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
+#         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
+#         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
 #         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
@@ -54,16 +58,34 @@ for g in "$@"; do
     DSPARK_DSV4K3_TIMEOUT_S=$((BUDGET - 90)) \
       run_group "$g" tests/gpu/test_dsv4_k3_engine.py --timeout=$((BUDGET - 20)) &
     ;;
+  pp)
+    mkdir -p "$ART/pp" # every launcher's log comes back in artifacts.tgz
+    DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 250)) \
+      run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
+    ;;
+  pd_pp)
+    DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
+      run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
+    ;;
+  dsv4k3_pp)
+    mkdir -p "$ART/dsv4k3_pp"
+    DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
+      run_group "$g" tests/gpu/test_dsv4_k3_pp.py --timeout=$((BUDGET - 20)) &
+    ;;
+  router)
+    run_group "$g" tests/gpu/test_dsv4_router_256.py --timeout=$((BUDGET - 20)) &
+    ;;
   nixl)
     mkdir -p "$OUTDIR/nixl"
     DSPARK_GPU_NIXL=1 DSPARK_NIXL_OUT="$OUTDIR/nixl" DSPARK_NIXL_READY_S=$((BUDGET / 2)) \
       run_group "$g" tests/gpu/test_pd_nixl.py --timeout=$((BUDGET - 20)) &
     ;;
   pp_adaptive)
-    DSPARK_GPU_PP_READY_S=$((BUDGET / 2)) \
+    mkdir -p "$ART/pp_adaptive" # every launcher's log comes back in artifacts.tgz
+    DSPARK_GPU_PP_LOGS="$ART/pp_adaptive" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
       run_group "$g" tests/gpu/test_pp_adaptive_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp_adaptive)" ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, pp_adaptive)" ;;
   esac
 done
 wait
@@ -84,5 +106,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80

@@ -180,10 +180,10 @@ class Server:
         self._log = None
 
     def command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port), *self.args,
-        ]  # fmt: skip
+        # a headless launcher (another node's PP stages) serves no API
+        api = [] if "--headless" in self.args else ["--host", "127.0.0.1", "--port", str(self.port)]
+        cli = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model]
+        return [*cli, *api, *self.args]
 
     def start(self) -> Server:
         self._log = open(self.log_path, "wb")

@@ -28,7 +28,9 @@ TARGET = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 
 
-_logged: list[bool] = []
+# Pinned dispatches in this process; logged at the 1st, 10th, 100th, ... (the one-GPU PP tier reads
+# the count from the engine's log to show that the pinned dispatch fired).
+_pinned = [0]
 
 
 def _logger():
@@ -52,15 +54,18 @@ def _patch_dflash(module) -> None:
                     kwargs.get("uniform_token_count"),
                     kwargs.get("dp_sync_state"),
                 )
-                if num_tokens != before and not _logged:
-                    _logged.append(True)
-                    # plain info: vLLM's info_once prints on the node's first rank only
-                    _logger().info(
-                        "DSpark drafter dispatch pinned to the fixed graph batch of %d requests "
-                        "(%d tokens)",
-                        fixed,
-                        num_tokens,
-                    )
+                if num_tokens != before:
+                    _pinned[0] += 1
+                    n = _pinned[0]
+                    if n == 10 ** (len(str(n)) - 1):  # 1, 10, 100, ...
+                        # plain info: vLLM's info_once prints on the node's first rank only
+                        _logger().info(
+                            "DSpark drafter dispatch pinned to the fixed graph batch of %d "
+                            "requests (%d tokens): %d pinned dispatches so far",
+                            fixed,
+                            num_tokens,
+                            n,
+                        )
             return orig(cudagraph_manager, num_reqs, num_tokens, *args, **kwargs)
 
         return dispatch_cg_and_sync_dp

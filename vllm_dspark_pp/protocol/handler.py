@@ -153,6 +153,7 @@ class DSparkExchange:
         self.admitted_rec: list[AdmittedCounts | None] = [None] * max_num_reqs
         self.admitted_row = np.zeros(max_num_reqs, dtype=np.int64)
         self.set_admitted_counts(num_speculative_steps > 0 and admitted_counts_from_config())
+        _log_transport(self)
 
     def set_admitted_counts(self, enabled: bool) -> None:
         """Ship admitted draft counts in the drafts payload (every rank alike)."""
@@ -376,6 +377,28 @@ class DSparkExchange:
             buffers.get(DRAFTS),
         )
         return sched.all_rows_need_sampled
+
+
+def exchange_transport(handler: Any) -> str:
+    """The backend that carries the exchange (``nccl`` on CUDA, ``gloo`` on CPU), or why unknown."""
+    group = getattr(handler, "broadcast_group", None)
+    try:
+        return str(torch.distributed.get_backend(group))
+    except Exception as exc:  # noqa: BLE001 - a bare handler in unit tests has no group
+        return f"unknown ({type(exc).__name__})"
+
+
+def _log_transport(handler: Any) -> None:
+    """One line per rank naming the exchange's transport (the one-GPU PP tier checks it says
+    nccl: the sampled-token and draft broadcasts did not fall back to another backend)."""
+    from vllm.logger import init_logger
+
+    init_logger("vllm.dspark_pp.exchange").info(
+        "DSpark PP exchange: %s rank, sampled-token and draft broadcasts from PP rank %s over %s",
+        "last" if getattr(handler, "is_last_rank", False) else "non-last",
+        getattr(handler, "last_rank", "?"),
+        exchange_transport(handler),
+    )
 
 
 def prewarm_deferred_post_update(model_runner: Any, num_reqs: int = 3) -> int:

@@ -186,3 +186,23 @@ def test_handshake_facts_carry_the_fixed_batch():
     facts = facts_from_config(cfg)
     assert facts.fixed_graph_batch == 6 and facts.num_speculative_tokens == 3
     assert facts.method == "dspark" and facts.pp_size == 2
+
+
+def test_pinned_dispatches_are_counted_for_the_engine_log():
+    """The one-GPU PP tier reads the pinned-dispatch count from the last stage's log; the count
+    rises with each pinned dispatch and never for one that was not pinned."""
+    from vllm.v1.worker.gpu import dp_utils
+
+    patch = v1_worker_gpu_spec_decode_dspark_speculator__protocol
+    q, fixed = 3, 8
+    mod = SimpleNamespace(dispatch_cg_and_sync_dp=dp_utils.dispatch_cg_and_sync_dp)
+    patch._patch_dflash(mod)
+    manager = _FakeManager()
+    setattr(manager, gb.MANAGER_ATTR, fixed)
+    before = patch._pinned[0]
+    for _ in range(3):
+        mod.dispatch_cg_and_sync_dp(manager, 5, 5 * q, uniform_token_count=q, dp_size=1, dp_rank=0)
+    assert patch._pinned[0] == before + 3
+    # more requests than the fixed batch: dispatched as without the key, not counted
+    mod.dispatch_cg_and_sync_dp(manager, 9, 9 * q, uniform_token_count=q, dp_size=1, dp_rank=0)
+    assert patch._pinned[0] == before + 3

@@ -1,0 +1,142 @@
+"""DeepSeek-V4 and Kimi-K3 DSpark on PP=2 targets, on one GPU (issue 25, part 3).
+
+The tiny real-architecture targets of tests/gpu/test_dsv4_k3_engine.py (Kimi-K3: KDA + NoPE MLA +
+MoE, 4 layers; DeepSeek-V4: one compressed-sparse and one heavily-compressed attention layer, hash
++ routed MoE, its in-checkpoint DSpark draft), dummy weights (vLLM seeds every tensor alike, so a
+stage holds the same weights as the PP=1 engine), served at PP=2 by two launchers on GPU 0
+(tests/support/pp_launch.py; ``DSPARK_GPU_PP_LAYOUT=per-stage`` for one GPU per stage). Each
+stage holds half the target's layers; the draft, on the last stage, reads the target's aux hidden
+states from layers of both stages (relayed across the stage boundary) and its own embedding, and
+for Kimi-K3 its MLA layers sit in their own KV-cache group (the KV-split patch).
+
+Per family: PP=1 without speculation (eager, top-2 logprobs: the parity reference), PP=1 DSpark
+with CUDA graphs (the acceptance reference), PP=2 DSpark with CUDA graphs and PP=2 DSpark eager,
+three waves of 3, 5 and 7 requests (decode graphs of 4 and 8: padded batches). Checked: greedy
+output equal to PP=1 without speculation (the bf16 near-tie rule), acceptance and per-position
+counters equal to PP=1 DSpark within 2 points, the handshake and the exchange over NCCL on both
+stages. Limit as at PP=1: dummy weights accept at draft position 0 only.
+
+    source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT dsv4k3_pp
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from gpu_common import GRAPH_COMPILATION_CONFIG, Jobs, make_prompts, require_cuda
+from support import pp_launch
+from support.parity import compare_tokens, counters_close
+
+from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV
+
+pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
+
+FAMILIES = ("k3", "dsv4")
+K = 4
+MAX_TOKENS = 24
+READY_S = float(os.environ.get("DSPARK_GPU_PP_READY_S", "330"))
+LLM_BASE = {
+    "max_model_len": 256,
+    "gpu_memory_utilization": 0.05,
+    "kv_cache_memory_bytes": 256 << 20,
+    "load_format": "dummy",
+}
+LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-mla-pp-"))
+
+
+def _served(fam, pair, waves, eager: bool) -> dict:
+    mode = ["--enforce-eager"] if eager else [
+        "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)
+    ]  # fmt: skip
+    base = [
+        "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
+        "--load-format", "dummy", "--gpu-memory-utilization", "0.05",
+        "--kv-cache-memory-bytes", str(256 << 20), *mode,
+    ]  # fmt: skip
+    name = f"{fam}_pp2_{'eager' if eager else 'graphs'}"
+    env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+    dep = pp_launch.deployment(
+        name, pair.target, pp=2, spec=pair.speculative_config(K), log_dir=LOG_DIR,
+        device="gpu", base_args=base, env=env,
+    )  # fmt: skip
+    out: dict = {"name": name}
+    try:
+        dep.start()
+        out["ready_s"] = round(dep.wait_ready(READY_S), 1)
+        out["tokens"], out["per_wave"] = pp_launch.serve_waves(
+            dep.url, pair.target, waves, MAX_TOKENS, ignore_eos=True
+        )
+    finally:
+        out["leftover_pids"] = dep.stop()
+        logs = [n.log_tail(10**8) for n in dep.nodes]
+        out["handshake"] = any("PP handshake: 2 ranks agree" in x for x in logs)
+        out["backends"] = [
+            x.split("DSpark PP exchange:")[1].splitlines()[0].rsplit(" ", 1)[-1]
+            if "DSpark PP exchange:" in x
+            else None
+            for x in logs
+        ]
+    return out
+
+
+@pytest.fixture(scope="module")
+def mla_pp_jobs(tmp_path_factory):
+    require_cuda()
+    from support.gpu import run_llm
+
+    from vllm_dspark_pp.dev import tiny_mla_targets as t
+
+    tmp = tmp_path_factory.mktemp("mla_pp")
+    make = {"k3": t.make_tiny_k3_pair, "dsv4": t.make_tiny_dsv4_pair}
+    waves = make_prompts(seed=16)
+    sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+    jobs = Jobs(max_workers=16)
+    for fam in FAMILIES:
+        pair = make[fam](tmp, gpu=True)
+        jobs.submit(
+            f"{fam}_base", run_llm, f"{fam}_pp_base",
+            {**LLM_BASE, "model": pair.target, "enforce_eager": True}, waves,
+            timeout_s=READY_S + 60, sampling=sampling, logprobs=2,
+        )  # fmt: skip
+        jobs.submit(
+            f"{fam}_pp1", run_llm, f"{fam}_pp1_graphs",
+            {**LLM_BASE, "model": pair.target, "speculative_config": pair.speculative_config(K),
+             "compilation_config": GRAPH_COMPILATION_CONFIG}, waves,
+            timeout_s=READY_S + 60, sampling=sampling,
+        )  # fmt: skip
+        for eager in (False, True):
+            name = f"{fam}_pp2_{'eager' if eager else 'graphs'}"
+            jobs.submit(name, _served, fam, pair, waves, eager)
+    yield jobs
+    jobs.shutdown()
+
+
+def _sum(per_wave):
+    from vllm_dspark_pp.dev.metrics import EMPTY, counter_sum
+
+    out = dict(EMPTY, accepted_per_pos=[])
+    for m in per_wave:
+        out = counter_sum(out, m)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam, mode):
+    base = mla_pp_jobs.result(f"{fam}_base", timeout=1200)
+    pp1 = mla_pp_jobs.result(f"{fam}_pp1", timeout=1200)
+    got = mla_pp_jobs.result(f"{fam}_pp2_{mode}", timeout=1200)
+    rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
+    mine, ref = _sum(got["per_wave"]), pp1.metrics()
+    ok, desc = counters_close(mine, ref)
+    print(f"[{fam} PP=2 {mode}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
+    print(f"[{fam} PP=2 {mode}] vs PP=1 DSpark graphs: {desc}")
+    print(f"[{fam} PP=2 {mode}] handshake {got['handshake']}, exchange over {got['backends']}")
+    assert rep.ok, rep.describe()
+    assert ok, desc
+    assert got["handshake"] and got["backends"] == ["nccl", "nccl"], got["backends"]
+    assert not got["leftover_pids"], got["leftover_pids"]

@@ -1,0 +1,499 @@
+"""One GPU, several ranks: DSpark on PP=2 and PP=3 targets through real NCCL (issue 25).
+
+Every PP stage is its own vLLM launcher (``vllm serve --nnodes N --node-rank R``, node R > 0
+headless; tests/support/pp_launch.py). By default all stages share GPU 0, each launcher with its
+own ``NCCL_HOSTID`` so NCCL treats them as hosts and joins them over loopback sockets;
+``DSPARK_GPU_PP_LAYOUT=per-stage`` puts stage R on GPU R instead (a several-GPU machine), with no
+other change. Model: the trained tiny pair (models/tiny-pair, k=7, ``DSPARK_GPU_PAIR_DTYPE``,
+float32 by default), CUDA graphs on (decode graphs for 4 and 8 requests) unless a case says
+eager, three waves of 3, 5 and 7 held-out prompts (every decode batch is padded to a captured
+size; the warm-up captured sizes no wave has).
+
+Jobs, all started at once on the GPU (``DSPARK_GPU_PP_JOBS=a,b`` selects some):
+
+* ``ref``: PP=1 without speculation, eager, top-2 logprobs (the parity reference);
+* ``pp1_async`` / ``pp1_sync``: PP=1 DSpark (the acceptance references);
+* ``pp2_async``, ``pp2_sync``, ``pp3_async``, ``pp3_sync``: the plugin's PP DSpark; ``pp2_async``
+  also takes a client abort mid-stream and then serves the first wave again;
+* ``pp2_fixed8``: PP=2 async with ``dspark_pp_fixed_graph_batch`` 8;
+* ``stock_async`` / ``stock_sync``: the same PP=2 DSpark launchers with the plugin left out
+  (``VLLM_PLUGINS``), the control: what stock vLLM 0.34.0 does here is recorded (answers
+  correctly, corrupts, crashes, or hangs: then every process's stacks, via faulthandler);
+* ``fault``: node 1 without the plugin: node 0 must fail at start naming PP rank 1.
+
+Every launcher preloads a recording copy of the GPU kit's NCCL stub
+(vllm_dspark_pp/dev/multi_gpu.py ``NcclStubGuard``) and runs with ``NCCL_DEBUG=INFO``: the checks
+read NCCL's own init lines (ranks, nodes, transport), the plugin's line naming the exchange's
+backend, and the list of stubbed NCCL functions that were called (must be empty).
+
+    source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT pp
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import json
+import os
+import re
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from gpu_common import (
+    CPU_DRYRUN_ENV,
+    CPU_DRYRUN_LLM,
+    DRYRUN_CPU,
+    GRAPH_COMPILATION_CONFIG,
+    PAIR_DTYPE,
+    PAIR_SAMPLING,
+    Jobs,
+    require_cuda,
+)
+from support import pp_launch, tiny_pair
+from support.parity import compare_tokens, counters_close
+
+from vllm_dspark_pp.dev import serve_demo
+from vllm_dspark_pp.dev.metrics import EMPTY, counter_sum
+from vllm_dspark_pp.dev.proc import live_group_members
+from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV
+from vllm_dspark_pp.protocol import graph_batch, handshake
+
+pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
+
+WAVE_SIZES = (3, 5, 7)
+MAX_TOKENS = PAIR_SAMPLING["max_tokens"]
+READY_S = float(os.environ.get("DSPARK_GPU_PP_READY_S", "330"))
+REQUEST_S = 120.0
+STOCK_READY_S = float(os.environ.get("DSPARK_GPU_PP_STOCK_READY_S", "300"))
+STOCK_REQUEST_S = 90.0
+FAULT_HANDSHAKE_S = 15.0
+KV_BYTES = 512 << 20
+# only for vLLM's start-up check (free memory >= this share): the KV budget is fixed
+MEM_SHARE = "0.05"
+SERVED = {
+    "pp2_async": (2, True, {}),
+    "pp2_sync": (2, False, {}),
+    "pp3_async": (3, True, {}),
+    "pp3_sync": (3, False, {}),
+    "pp2_fixed8": (2, True, {graph_batch.KEY: 8}),
+}
+ONLY = frozenset(j for j in os.environ.get("DSPARK_GPU_PP_JOBS", "").split(",") if j) or None
+LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-pp-gpu-"))
+
+
+def _waves() -> list[list[list[int]]]:
+    prompts = tiny_pair.heldout_prompts(sum(WAVE_SIZES))
+    out, i = [], 0
+    for n in WAVE_SIZES:
+        out.append(prompts[i : i + n])
+        i += n
+    return out
+
+
+def _flat(waves):
+    return [p for w in waves for p in w]
+
+
+def _base_args(async_scheduling: bool) -> list[str]:
+    if DRYRUN_CPU:
+        return ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+                "--max-num-seqs", "8", "--seed", "0"]  # fmt: skip
+    return [
+        "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
+        "--gpu-memory-utilization", MEM_SHARE, "--kv-cache-memory-bytes", str(KV_BYTES),
+        "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG),
+        "--async-scheduling" if async_scheduling else "--no-async-scheduling",
+    ]  # fmt: skip
+
+
+def _launcher_env(guard) -> dict:
+    env = dict(GPU_CHILD_ENV)
+    if not DRYRUN_CPU:
+        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", **guard.env())
+    return env
+
+
+def _deployment(name: str, pp: int, spec: dict | None, async_scheduling: bool, guard, **kw):
+    return pp_launch.deployment(
+        name,
+        tiny_pair.TARGET,
+        pp=pp,
+        spec=spec,
+        log_dir=LOG_DIR,
+        device="cpu" if DRYRUN_CPU else "gpu",
+        base_args=_base_args(async_scheduling),
+        env={**_launcher_env(guard), **kw.pop("env", {})},
+        **kw,
+    )
+
+
+def _metrics(url: str) -> dict:
+    return serve_demo.spec_metrics(url, settle_s=3.0)
+
+
+def _serve_waves(url: str, waves) -> tuple[list, list[dict]]:
+    return pp_launch.serve_waves(url, tiny_pair.TARGET, waves, MAX_TOKENS, timeout_s=REQUEST_S)
+
+
+def _running(url: str) -> float:
+    from vllm_dspark_pp.dev.metrics import parse_prometheus
+    from vllm_dspark_pp.dev.serve import http_text
+
+    m = parse_prometheus(http_text(url + "/metrics"))
+    return sum(v for k, v in m.items() if k.startswith("vllm:num_requests_running"))
+
+
+def _abort_mid_stream(url: str, prompt: list[int], after_chunks: int = 4) -> dict:
+    """Stream one long request, read a few chunks, close the socket; then wait until the server
+    runs no request."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_S)
+    body = {"model": tiny_pair.TARGET, "prompt": prompt, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    chunks = 0
+    while chunks < after_chunks:
+        line = resp.fp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: ") and b"[DONE]" not in line:
+            chunks += 1
+    conn.close()  # the client goes away mid-stream
+    t0 = time.monotonic()
+    running = _running(url)
+    while running > 0 and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+        running = _running(url)
+    return {"chunks_read": chunks, "running_after_s": round(time.monotonic() - t0, 1),
+            "running": running}  # fmt: skip
+
+
+def _evidence(dep, pp: int) -> dict:
+    logs = [n.log_tail(10**8) for n in dep.nodes]
+    text = "\n".join(logs)
+    nccl_init = sorted(set(re.findall(r"nRanks (\d+) nNodes (\d+)", text)))
+    return {
+        "handshake": f"PP handshake: {pp} ranks agree" in text,
+        "exchange_backends": [
+            re.findall(r"DSpark PP exchange: .*? over (\S+)", log)[-1:] for log in logs
+        ],
+        "nccl_comms": nccl_init,
+        "nccl_socket": "NET/Socket" in text,
+        "pinned": [int(x) for x in re.findall(r"(\d+) pinned dispatches so far", text)],
+    }
+
+
+def _served(name, pp, async_scheduling, extra_spec, waves, guard, *, abort=False):
+    spec = {**tiny_pair.spec_config(), **extra_spec}
+    dep = _deployment(name, pp, spec, async_scheduling, guard)
+    out: dict = {"name": name, "pp": pp}
+    try:
+        dep.start()
+        out["ready_s"] = round(dep.wait_ready(READY_S), 1)
+        out["tokens"], out["per_wave"] = _serve_waves(dep.url, waves)
+        if abort:
+            out["abort"] = _abort_mid_stream(dep.url, waves[-1][0])
+            out["after_abort_tokens"], _ = _serve_waves(dep.url, waves[:1])
+        out["alive_after"] = not dep.dead_nodes()
+    finally:
+        out["leftover_pids"] = dep.stop()
+        out["evidence"] = _evidence(dep, pp)
+        out["log_dir"] = str(LOG_DIR)
+    return out
+
+
+def _signal_members(dep, sig) -> None:
+    for node in dep.nodes:
+        if node.proc is None:
+            continue
+        for pid in live_group_members(node.proc.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _stock(name, async_scheduling, waves, guard) -> dict:
+    """PP=2 DSpark under the same launchers with the plugin left out: record what happens.
+    Stock processes have no SIGUSR1 handler (the plugin installs it), so a hang is diagnosed
+    with Python's faulthandler on SIGABRT (PYTHONFAULTHANDLER=1): every thread's stack, then
+    the process ends."""
+    env = {"VLLM_PLUGINS": "no-such-plugin", "PYTHONFAULTHANDLER": "1"}
+    dep = _deployment(name, 2, tiny_pair.spec_config(), async_scheduling, guard, env=env)
+    rec: dict = {"name": name, "scheduling": "async" if async_scheduling else "sync"}
+    phase = "start-up"
+    try:
+        dep.start()
+        deadline = time.monotonic() + STOCK_READY_S
+        import urllib.request
+
+        while True:
+            if dep.dead_nodes():
+                rec["outcome"] = f"CRASH during {phase}: {', '.join(dep.dead_nodes())}"
+                return rec
+            try:
+                with urllib.request.urlopen(dep.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                rec["outcome"] = f"HANG during {phase} (not ready after {STOCK_READY_S:.0f} s)"
+                _signal_members(dep, signal.SIGABRT)
+                time.sleep(3)
+                return rec
+            time.sleep(1)
+        phase = "generation"
+        rec["ready_s"] = round(time.monotonic() - dep.started_at, 1)
+        try:
+            tokens = []
+            for wave in waves:
+                out = serve_demo.complete(
+                    dep.url, tiny_pair.TARGET, wave, MAX_TOKENS, timeout_s=STOCK_REQUEST_S
+                )
+                tokens += [c["token_ids"] for c in out]
+        except TimeoutError:
+            rec["outcome"] = f"HANG during {phase} (no answer in {STOCK_REQUEST_S:.0f} s)"
+            _signal_members(dep, signal.SIGABRT)
+            time.sleep(3)
+            return rec
+        except Exception as exc:  # noqa: BLE001 - recorded
+            dead = dep.dead_nodes()
+            rec["outcome"] = f"CRASH during {phase}: {type(exc).__name__}: {str(exc)[:200]}" + (
+                f"; {', '.join(dead)}" if dead else ""
+            )
+            return rec
+        rec["tokens"] = tokens
+        rec["metrics"] = _metrics(dep.url)
+        rec["outcome"] = "ANSWERED"
+        return rec
+    finally:
+        dep.stop(grace_s=5)
+        text = dep.logs()
+        errors = [
+            line.strip()[:240]
+            for line in text.splitlines()
+            if re.search(r"Error|error:|Traceback|Fatal Python error|File \"", line)
+            and "WARNING" not in line
+        ]
+        rec["log_excerpt"] = errors[:60]
+        rec["log_dir"] = str(LOG_DIR)
+
+
+def _fault(guard) -> dict:
+    env = {handshake.TIMEOUT_ENV: str(FAULT_HANDSHAKE_S)}
+    dep = _deployment(
+        "fault",
+        2,
+        tiny_pair.spec_config(),
+        True,
+        guard,
+        env=env,
+        env_per_rank={1: {"VLLM_PLUGINS": "no-such-plugin"}},
+    )
+    limit = FAULT_HANDSHAKE_S + handshake.verdict_grace_s(FAULT_HANDSHAKE_S) + READY_S
+    t0 = time.monotonic()
+    try:
+        dep.start()
+        rc = dep.head.wait_exit(limit)
+    finally:
+        took = time.monotonic() - t0
+        dep.stop(grace_s=5)
+    log0 = dep.head.log_tail(10**8)
+    return {
+        "rc": rc,
+        "took_s": round(took, 1),
+        "limit_s": round(limit, 1),
+        "names_rank": "PP rank 1 (last) sent no verdict" in log0,
+        "names_fix": "install the same vllm-dspark-pp on every node" in log0,
+        "node1_had_no_plugin": "PP handshake" not in dep.nodes[1].log_tail(10**8),
+        "tail": log0[-2500:],
+    }
+
+
+@pytest.fixture(scope="module")
+def pp_jobs():
+    require_cuda()
+    ok, why = tiny_pair.available()
+    if not ok:
+        pytest.skip(why)
+    from support.gpu import run_llm
+
+    from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard
+
+    guard = NcclStubGuard(LOG_DIR / "nccl-guard")
+    if not DRYRUN_CPU:
+        guard.build()
+    waves = _waves()
+    # every job at once: they wait on engines, not on Python
+    jobs = Jobs(only=ONLY, max_workers=16, knob="DSPARK_GPU_PP_JOBS")
+
+    def llm(name, cfg):
+        llm_cfg = {"model": tiny_pair.TARGET, "dtype": PAIR_DTYPE, "gpu_memory_utilization": 0.05,
+                   **cfg}  # fmt: skip
+        kw = {"env": dict(CPU_DRYRUN_ENV)} if DRYRUN_CPU else {}
+        if DRYRUN_CPU:
+            llm_cfg.update(CPU_DRYRUN_LLM)
+        return run_llm(
+            name, llm_cfg, waves, timeout_s=READY_S + 120, sampling=PAIR_SAMPLING,
+            logprobs=2 if name == "pp_ref" else None, **kw,
+        )  # fmt: skip
+
+    graphs = {"compilation_config": GRAPH_COMPILATION_CONFIG}
+    jobs.submit("ref", llm, "pp_ref", {"enforce_eager": True})
+    for mode, flag in (("async", True), ("sync", False)):
+        jobs.submit(
+            f"pp1_{mode}",
+            llm,
+            f"pp1_{mode}",
+            {**graphs, "speculative_config": tiny_pair.spec_config(), "async_scheduling": flag},
+        )
+    for name, (pp, flag, extra) in SERVED.items():
+        jobs.submit(name, _served, name, pp, flag, extra, waves, guard, abort=name == "pp2_async")
+    for mode, flag in (("async", True), ("sync", False)):
+        jobs.submit(f"stock_{mode}", _stock, f"stock_{mode}", flag, waves, guard)
+    jobs.submit("fault", _fault, guard)
+    yield jobs, waves, guard
+    jobs.shutdown()
+
+
+def _ref(pp_jobs):
+    jobs, _, _ = pp_jobs
+    return jobs.result("ref", timeout=1200)
+
+
+def _pp1(pp_jobs, async_scheduling: bool):
+    jobs, _, _ = pp_jobs
+    return jobs.result("pp1_async" if async_scheduling else "pp1_sync", timeout=1200)
+
+
+def _sum(per_wave: list[dict]) -> dict:
+    out = dict(EMPTY, accepted_per_pos=[])
+    for m in per_wave:
+        out = counter_sum(out, m)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_pp_dspark_greedy_equals_pp1_without_speculation(pp_jobs, name):
+    jobs, waves, _ = pp_jobs
+    got = jobs.result(name, timeout=1200)
+    ref = _ref(pp_jobs)
+    rep = compare_tokens(ref.tokens, got["tokens"], ref.logprobs)
+    print(f"{name} (ready in {got['ready_s']} s) vs PP=1 no-spec: {rep.describe()}")
+    assert rep.ok, rep.describe()
+    assert got["alive_after"], f"{name}: a launcher died while serving"
+    assert not got["leftover_pids"], f"{name}: processes left behind {got['leftover_pids']}"
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_pp_dspark_acceptance_equals_pp1_dspark(pp_jobs, name):
+    jobs, _, _ = pp_jobs
+    got = jobs.result(name, timeout=1200)
+    pp, async_scheduling, _ = SERVED[name]
+    ref = _pp1(pp_jobs, async_scheduling)
+    mine, theirs = _sum(got["per_wave"]), ref.metrics()
+    ok, desc = counters_close(mine, theirs)
+    mode = "async" if async_scheduling else "sync"
+    print(
+        f"PP acceptance: PP={pp} {name} {mine['num_accepted_tokens']}/"
+        f"{mine['num_draft_tokens']} vs PP=1 DSpark ({mode}) "
+        f"{theirs['num_accepted_tokens']}/{theirs['num_draft_tokens']}, "
+        f"{datetime.date.today().isoformat()}: {desc}"
+    )
+    assert theirs["num_drafts"] and 1 + theirs["num_accepted_tokens"] / theirs["num_drafts"] >= 3
+    assert ok, desc
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_stages_talk_over_nccl(pp_jobs, name):
+    jobs, _, _ = pp_jobs
+    got = jobs.result(name, timeout=1200)
+    ev, pp = got["evidence"], got["pp"]
+    print(f"{name} evidence: {ev}")
+    assert ev["handshake"], f"no 'PP handshake: {pp} ranks agree' line"
+    backends = [b[0] if b else None for b in ev["exchange_backends"]]
+    if DRYRUN_CPU:
+        assert backends == ["gloo"] * pp, backends
+        return
+    assert backends == ["nccl"] * pp, (
+        f"the sampled-token/draft broadcasts did not run over NCCL on every stage: {backends}"
+    )
+    shared = pp_launch.layout() == pp_launch.SHARED
+    want = (str(pp), str(pp) if shared else "1")
+    assert want in ev["nccl_comms"], (
+        f"no NCCL communicator of {pp} ranks on {want[1]} 'nodes' in the logs: {ev['nccl_comms']}"
+    )
+    if shared:
+        assert ev["nccl_socket"], "NCCL did not report its socket transport (NET/Socket)"
+
+
+def test_fixed_graph_batch_dispatch_fired_inside_the_engine(pp_jobs):
+    jobs, _, _ = pp_jobs
+    got = jobs.result("pp2_fixed8", timeout=1200)
+    pinned = got["evidence"]["pinned"]
+    print(f"pinned dispatch counts logged by the last stage: {pinned}")
+    assert pinned and max(pinned) >= 10, (
+        "the DSpark drafter's dispatch was not pinned to the fixed graph batch (fewer than 10 "
+        f"pinned dispatches logged): {pinned}"
+    )
+
+
+def test_abort_mid_stream_frees_the_request_and_serving_continues(pp_jobs):
+    jobs, waves, _ = pp_jobs
+    got = jobs.result("pp2_async", timeout=1200)
+    ab = got["abort"]
+    print(f"abort: {ab}")
+    assert ab["chunks_read"] >= 1, "the stream sent nothing before the client left"
+    assert ab["running"] == 0, f"the aborted request still runs {ab['running_after_s']} s later"
+    ref = _ref(pp_jobs)
+    n = len(waves[0])
+    rep = compare_tokens(ref.tokens[:n], got["after_abort_tokens"], ref.logprobs[:n])
+    print(f"first wave again after the abort: {rep.describe()}")
+    assert rep.ok, rep.describe()
+
+
+def test_node_without_plugin_fails_at_start_naming_rank_1(pp_jobs):
+    jobs, _, _ = pp_jobs
+    r = jobs.result("fault", timeout=1200)
+    print(f"fault: { ({k: v for k, v in r.items() if k != 'tail'}) }")
+    assert r["rc"] is not None, f"node 0 still ran after {r['limit_s']} s: a HANG\n{r['tail']}"
+    assert r["rc"] != 0 and r["names_rank"] and r["names_fix"], r["tail"]
+    assert r["node1_had_no_plugin"]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_stock_vllm_under_the_same_launchers_is_recorded(pp_jobs, mode):
+    """The control: stock vLLM 0.34.0 (plugin left out), same deployment. Its outcome is a record
+    for docs/results/gpu.md, not a verdict on stock; the test fails only when the outcome could
+    not be determined."""
+    jobs, _, _ = pp_jobs
+    rec = jobs.result(f"stock_{mode}", timeout=1200)
+    verdict = rec.get("outcome", "")
+    if verdict == "ANSWERED":
+        ref = _ref(pp_jobs)
+        rep = compare_tokens(ref.tokens, rec["tokens"], ref.logprobs)
+        verdict = f"ANSWERED: {rep.describe().splitlines()[0]}; counters {rec['metrics']}"
+    print(f"STOCK vLLM 0.34.0, PP=2 DSpark, two launchers on one GPU, {mode} scheduling: {verdict}")
+    for line in rec.get("log_excerpt", [])[:40]:
+        print(f"  stock log: {line}")
+    assert verdict, rec
+
+
+def test_no_run_reaches_the_kit_nccl_stubs(pp_jobs):
+    jobs, _, guard = pp_jobs
+    for name in [*SERVED, "fault"]:
+        try:
+            jobs.result(name, timeout=1200)
+        except BaseException:  # noqa: BLE001 - their own tests report them
+            pass
+    if DRYRUN_CPU:
+        pytest.skip("CPU dry run: no NCCL")
+    assert guard.so is not None, f"the recording NCCL stub was not built: {guard.problem}"
+    called = guard.calls()
+    print(f"{len(guard.symbols)} stubbed NCCL symbols; called: {called}")
+    assert not called, f"stubbed NCCL functions were called: {called}"
