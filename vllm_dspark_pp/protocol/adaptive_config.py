@@ -45,6 +45,6 @@ def ships_admitted_counts(vllm_config: Any) -> bool:
     return (
         vllm_config.parallel_config.pipeline_parallel_size > 1
         and spec is not None
-        and bool(spec.enable_adaptive_verification)
+        and bool(getattr(spec, "enable_adaptive_verification", False))
         and uncovered_reason(vllm_config) is None
     )
