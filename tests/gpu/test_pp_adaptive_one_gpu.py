@@ -78,6 +78,9 @@ def _env(corrupt: bool = False) -> dict:
         p for p in (str(PROBE_DIR), os.environ.get("PYTHONPATH", "")) if p
     )
     env["DSPARK_TEST_VERIFY_COST_SLOPE"] = SLOPE
+    # the last stage waits this long for the other stage's profiled cost curve (four engines
+    # compile and capture at once on the one GPU)
+    env["VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S"] = "300"
     if corrupt:
         env["DSPARK_TEST_CORRUPT_STAGE0"] = "1"
     return env
