@@ -345,3 +345,115 @@ def test_a_step_without_a_draft_broadcast_leaves_no_counts_for_the_next(patch_br
     assert h.admitted_counts_for(np.arange(3)).tolist() == [3, 3, 3]
     step(3, 3, admitted=[0, 1, 2])
     assert h.admitted_counts_for(np.arange(3)).tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- the model runner patch
+
+
+class _FakeRunnerModule:
+    """Stands for vllm.v1.worker.gpu.model_runner: the manager factory and the runner methods the
+    patch wraps."""
+
+    def __init__(self):
+        from vllm.v1.worker.gpu.spec_decode.adaptive_verification import (
+            AdaptiveVerificationManager,
+        )
+
+        self.calls = []
+
+        def create(**kwargs):
+            self.calls.append(kwargs["enable_adaptive_verification"])
+            if not kwargs["enable_adaptive_verification"]:
+                return None
+            return object.__new__(AdaptiveVerificationManager)
+
+        class Runner:
+            def profile_adaptive_verification(self):
+                self.profiled = "vllm"
+
+            def execute_model(self, scheduler_output, intermediate_tensors=None):
+                return self.prepare_inputs()
+
+            def prepare_inputs(self):
+                return SimpleNamespace(num_tokens_after_padding=self.num_tokens)
+
+        self.maybe_create_adaptive_verification_manager = create
+        self.GPUModelRunner = Runner
+
+
+@pytest.fixture
+def runner_module(monkeypatch):
+    from vllm.distributed import parallel_state
+
+    from vllm_dspark_pp.patches import v1_worker_gpu_model_runner__adaptive as patch
+
+    def at_stage(rank, world=2):
+        pp = SimpleNamespace(
+            is_last_rank=rank == world - 1, ranks=[5, 6][:world], rank_in_group=rank
+        )
+        monkeypatch.setattr(parallel_state, "get_pp_group", lambda: pp)
+        module = _FakeRunnerModule()
+        patch._patch(module)
+        return module
+
+    return at_stage
+
+
+def test_every_stage_gets_a_shipped_counts_manager_under_pp(runner_module):
+    module = runner_module(0)  # a first stage: no speculator, vLLM would pass False
+    manager = module.maybe_create_adaptive_verification_manager(
+        enable_adaptive_verification=False, vllm_config=_config()
+    )
+    assert module.calls == [True]
+    assert isinstance(manager, adaptive.ShippedCounts) and not manager.is_last_stage
+    assert (manager.stage, manager.pipeline_ranks) == (0, (5, 6))
+
+
+def test_pp1_and_uncovered_configs_get_vllms_manager(runner_module):
+    module = runner_module(0)
+    for cfg in (_config(pp=1), _config(tp=2)):
+        assert (
+            module.maybe_create_adaptive_verification_manager(
+                enable_adaptive_verification=False, vllm_config=cfg
+            )
+            is None
+        )
+    assert module.calls == [False, False]
+
+
+def test_a_last_stage_speculator_without_the_flag_fails_at_start(runner_module):
+    module = runner_module(1)
+    with pytest.raises(RuntimeError, match="turned adaptive verification off"):
+        module.maybe_create_adaptive_verification_manager(
+            enable_adaptive_verification=False, vllm_config=_config()
+        )
+
+
+def test_the_runner_wires_the_handler_and_checks_received_activations(runner_module):
+    module = runner_module(1)
+    runner = module.GPUModelRunner()
+    runner.adaptive_verification = module.maybe_create_adaptive_verification_manager(
+        enable_adaptive_verification=True, vllm_config=_config()
+    )
+    runner.pp_handler = handler = object()
+    runner.num_tokens = 8
+    received = SimpleNamespace(tensors={"hidden_states": torch.zeros(8, 2)})
+    runner.execute_model("step", received)
+    assert runner.adaptive_verification.pp_handler is handler
+    runner.num_tokens = 9
+    with pytest.raises(RuntimeError, match="stages disagree"):
+        runner.execute_model("step", received)
+
+
+def test_only_non_last_stages_profile_their_own_curve(runner_module, monkeypatch):
+    seen = []
+    monkeypatch.setattr(adaptive, "profile_stage_curve", lambda r, m: seen.append(m.stage))
+    for stage in (0, 1):
+        module = runner_module(stage)
+        runner = module.GPUModelRunner()
+        runner.adaptive_verification = module.maybe_create_adaptive_verification_manager(
+            enable_adaptive_verification=True, vllm_config=_config()
+        )
+        runner.profile_adaptive_verification()
+        assert getattr(runner, "profiled", None) == (None if stage == 0 else "vllm")
+    assert seen == [0]
