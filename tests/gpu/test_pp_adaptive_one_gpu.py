@@ -81,6 +81,7 @@ def _env(corrupt: bool = False) -> dict:
     # the last stage waits this long for the other stage's profiled cost curve (four engines
     # compile and capture at once on the one GPU)
     env["VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S"] = "300"
+    env["VLLM_DSPARK_PP_ADAPTIVE_PP"] = "1"  # the opt-in (protocol/adaptive_config.py)
     if corrupt:
         env["DSPARK_TEST_CORRUPT_STAGE0"] = "1"
     return env

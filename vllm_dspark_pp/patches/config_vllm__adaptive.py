@@ -5,8 +5,9 @@ own checks all run; its last one, the PP refusal (config/vllm.py:3306-3314, "Ada
 verification is not currently compatible with pipeline parallelism"), is let through only when
 ``protocol.adaptive.uncovered_reason`` finds the configuration covered: DSpark drafts, aggregated
 serving or a PD decoder (kv_consumer), TP = DP = 1, no context parallelism, no batch-sharded
-sampling. Any other PP configuration keeps vLLM's refusal, with the reason the plugin does not
-cover it appended.
+sampling, and only with the opt-in ``VLLM_DSPARK_PP_ADAPTIVE_PP=1`` (experimental until the
+one-GPU PP tier shows it lossless). Any other PP configuration keeps vLLM's refusal, with the
+reason the plugin does not cover it appended.
 
 WHY: vLLM refuses because its trimmed batch shape is decided on the last PP rank only (the
 earlier ranks would diverge); patches/v1_worker_gpu_model_runner__adaptive.py makes the last

@@ -255,6 +255,26 @@ def validate():
     return VllmConfig._validate_adaptive_verification
 
 
+@pytest.fixture(autouse=True)
+def _opted_in(monkeypatch):
+    """The covered configurations run only with the opt-in (until the GPU tier verifies them)."""
+    from vllm_dspark_pp.protocol.adaptive_config import OPT_IN_ENV
+
+    monkeypatch.setenv(OPT_IN_ENV, "1")
+
+
+def test_without_the_opt_in_vllms_refusal_stands_naming_it(validate, monkeypatch):
+    from vllm_dspark_pp.protocol.adaptive_config import OPT_IN_ENV
+
+    monkeypatch.delenv(OPT_IN_ENV)
+    cfg = _config()
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    msg = str(err.value)
+    assert "not currently compatible with pipeline parallelism" in msg and OPT_IN_ENV in msg, msg
+    assert not adaptive.ships_admitted_counts(cfg)
+
+
 def test_vllms_pp_refusal_stands_without_the_patch():
     from vllm.config.vllm import VllmConfig
 
