@@ -8,7 +8,7 @@ run, and chooses that kernel by the processor:
 * ``platforms/cpu.py:268-289``: the AMX MLA kernel when ``torch.cpu._is_amx_tile_supported()``
   (Intel Sapphire Rapids and later), otherwise the reference CPU MLA kernel;
 * ``platforms/cpu.py:532-546``: with the reference kernel, prefix caching and chunked prefill are
-  turned off (and ``platforms/cpu.py:293-304`` sets the block size to 16);
+  turned off (and ``platforms/cpu.py:290-297`` sets the block size to 16);
 * ``platforms/cpu.py:317-335``: with AVX-512-BF16 the SSM state cache dtype becomes float32.
 
 Kimi-K3 is hybrid (KDA + MLA). vLLM's hybrid-model hook runs first (``config/vllm.py:1483`` ->
