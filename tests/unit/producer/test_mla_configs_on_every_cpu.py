@@ -102,3 +102,21 @@ def test_dsv4_config_is_valid_on_every_cpu(dsv4_pair, cpu):
     with cpu_answers(**CPUS[cpu]):
         cfg = dsv4_engine_config(dsv4_pair, speculative_config=dsv4_pair.speculative_config(4))
     assert cfg.cache_config.block_size == 256
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_plan_of_a_k3_deployment_is_accepted_on_every_cpu(k3_pair, cpu):
+    """`vllm-dspark-pp plan` judges the GPU deployment: vLLM's CPU platform refusing prefix caching
+    for a hybrid MLA target without AMX is noted, not a rejection (plan.CPU_MLA_PREFIX_CACHING)."""
+    from vllm_dspark_pp.plan import CPU_MLA_PREFIX_CACHING, make_plan
+
+    with cpu_answers(**CPUS[cpu]):
+        plan = make_plan(
+            k3_pair.target,
+            k3_pair.speculative_config(4),
+            pipeline_parallel_size=2,
+            extra_engine_args={"max_model_len": 256},
+        )
+    assert plan.accepted, plan.messages
+    assert [s.drafts for s in plan.stages] == [False, True]
+    assert (CPU_MLA_PREFIX_CACHING in plan.not_checked) is (not CPUS[cpu]["amx"])
