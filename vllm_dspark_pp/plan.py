@@ -7,15 +7,16 @@ resulting config compute the per-stage layout; :mod:`vllm_dspark_pp.cli.plan` pr
 On a machine without a GPU vLLM's platform detection picks no CUDA platform. The supported way
 around it is vLLM's own device override ``VLLM_TARGET_DEVICE=cpu`` (its CPU platform), which the
 CLI sets for its own process only. The CPU platform rewrites a few settings (it turns async
-scheduling and CUDA graphs off, may change the dtype) and cannot run GPU-only checks; the plan
-lists those under ``not_checked`` instead of passing them silently.
+scheduling and CUDA graphs off, may change the dtype, turns prefix caching off for MLA targets on
+CPUs without AMX) and cannot run GPU-only checks; the plan lists those under ``not_checked``
+instead of passing them silently.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -162,8 +163,34 @@ def make_plan(
         kv_transfer_config=kv_transfer_config,
         **(extra_engine_args or {}),
     )
-    vllm_config = args.create_engine_config()
-    return describe(vllm_config, target, requested_async, current_platform.device_name)
+    cpu_rewrote_prefix_caching = False
+    try:
+        vllm_config = args.create_engine_config()
+    except Exception as exc:
+        if current_platform.device_name != "cpu" or CPU_MLA_PREFIX_CACHING_REFUSAL not in str(exc):
+            raise
+        # The CPU platform's own rewrite, not the deployment's fault: see CPU_MLA_PREFIX_CACHING.
+        args = replace(args, enable_prefix_caching=False)
+        vllm_config = args.create_engine_config()
+        cpu_rewrote_prefix_caching = True
+    plan = describe(vllm_config, target, requested_async, current_platform.device_name)
+    if cpu_rewrote_prefix_caching:
+        plan.not_checked.append(CPU_MLA_PREFIX_CACHING)
+    return plan
+
+
+# vLLM 0.34.0's CPU platform turns prefix caching (and chunked prefill) off for an MLA target on a
+# CPU without AMX tiles (vllm/platforms/cpu.py:268-289 and 532-546: its reference MLA kernel has
+# neither). For a hybrid MLA target (Kimi-K3: KDA + MLA) the hybrid-model hook has already set the
+# mamba block size for prefix caching (model_executor/models/config.py:1094-1110), so vLLM refuses
+# the config (config/vllm.py:3583-3594) on such CPUs (AMD EPYC, for one) while a GPU deployment,
+# or an AMX CPU, accepts it (issue 24). The plan is then built with prefix caching off and says so.
+CPU_MLA_PREFIX_CACHING_REFUSAL = "--mamba-block-size can only be set with --enable-prefix-caching"
+CPU_MLA_PREFIX_CACHING = (
+    "prefix caching: vLLM's CPU platform turns it off for MLA targets on CPUs without AMX, which "
+    "this hybrid target's mamba block size does not allow; planned with prefix caching off (a GPU "
+    "deployment keeps it on)"
+)
 
 
 def describe(vllm_config, target: str, requested_async=None, platform: str = "?") -> Plan:

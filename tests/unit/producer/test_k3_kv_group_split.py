@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.mla_cpu_config import k3_engine_config
 
 from vllm_dspark_pp.dev import tiny_mla_targets
 from vllm_dspark_pp.patches import v1_kv_cache_interface as split_patch
@@ -29,18 +30,13 @@ def k3_pair(tmp_path_factory):
 
 
 def _engine_config(pair, kv_transfer_config=None):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=pair.target,
+    """The same GPU-deployment config on every CPU (support/mla_cpu_config.py, issue 24)."""
+    return k3_engine_config(
+        pair,
         speculative_config=pair.speculative_config(),
-        load_format="dummy",
         kv_transfer_config=kv_transfer_config,
-        dtype="bfloat16",
-        max_model_len=256,
         max_num_seqs=4,
-        enforce_eager=True,
-    ).create_engine_config()
+    )
 
 
 def _specs_of(pair, drafter: str, monkeypatch, connector: str | None = None):
