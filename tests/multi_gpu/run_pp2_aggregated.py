@@ -4,7 +4,7 @@
 One command (< 10 minutes; or two with --part parity / --part startup), on a machine with >= 2 GPUs
 after the kit is booted:
 
-    source /tmp/site/env.sh && PYTHONPATH=tests \
+    source /tmp/site/env.sh && PYTHONPATH=.:tests \
         python3 tests/multi_gpu/run_pp2_aggregated.py --out $OUT
     [--trained-pair DIR]
 
@@ -20,7 +20,7 @@ For each model pair (the random-weight tiny pair, generated here, and the traine
 * the start-up handshake rejects a mismatched rank: rank 1 is made to publish a different
   protocol version (through a sitecustomize hook in its environment only) and the engine must
   fail at start with the handshake's error, not hang;
-* no child reaches the kit's stubbed NCCL functions (vllm_dspark_pp.dev.multi_gpu.NcclStubGuard).
+* no child reaches the kit's stubbed NCCL functions (dspark_dev.multi_gpu.NcclStubGuard).
 
 Writes its log to OUT/pp2_aggregated.log and prints the table last. Exit 0 only if all passed.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 from support.gpu import GPUCaseFailure, run_llm
 from support.parity import acceptance_close, compare_tokens
 
-from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count
+from dspark_dev.multi_gpu import NcclStubGuard, Report, gpu_count
 
 WAVES_SEED = 4321
 MAX_TOKENS = 48

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support.scripts import load_script
 
-from vllm_dspark_pp.dev import multi_gpu as mg_common
+from dspark_dev import multi_gpu as mg_common
 
 ROOT = Path(__file__).resolve().parents[2]
 

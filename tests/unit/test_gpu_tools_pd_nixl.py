@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support import pd_nixl
 
-from vllm_dspark_pp.dev import pd_proxy
+from dspark_dev import pd_proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 

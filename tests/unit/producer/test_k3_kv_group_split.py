@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dspark_pp.dev import tiny_mla_targets
+from dspark_dev import tiny_mla_targets
 from vllm_dspark_pp.patches import v1_kv_cache_interface as split_patch
 
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 from support.tiny_dsv4_cpu import build_dsv4_target, engine_config, plan_as_engine_core
 
+from dspark_dev import tiny_mla_targets as t
 from vllm_dspark_pp import mooncake_blocks as mb
-from vllm_dspark_pp.dev import tiny_mla_targets as t
 from vllm_dspark_pp.patches._util import original
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"

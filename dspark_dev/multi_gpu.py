@@ -1,7 +1,7 @@
 """Shared pieces of the several-GPU scripts (tests/multi_gpu/run_*.py, benchmarks/serve_pp.py;
 moved here from tests/multi_gpu/mg_common.py).
 
-* the one-GPU helpers (tests/support: run_llm, run_pd, parity; vllm_dspark_pp.dev: Server) are
+* the one-GPU helpers (tests/support: run_llm, run_pd, parity; dspark_dev: Server) are
   reused as they are;
 * :class:`Report` collects result rows, tees a log file and prints the short table LAST;
 * :class:`NcclStubGuard`: the GPU kit stubs the NCCL symbols the machine's NCCL lacks (boot.sh:
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 NCCL_ERROR = re.compile(
     r"ncclInvalidUsage|NCCL error|invalid usage \(run with NCCL_DEBUG=WARN|ncclSystemError", re.I
