@@ -159,7 +159,7 @@ def make_plan(
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
         speculative_config=dict(speculative_config) if speculative_config else None,
-        kv_transfer_config=kv_transfer_config,
+        kv_transfer_config=kv_transfer_config,  # type: ignore[arg-type]  # EngineArgs parses it
         **(extra_engine_args or {}),
     )
     vllm_config = args.create_engine_config()
