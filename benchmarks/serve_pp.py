@@ -35,7 +35,7 @@ from pathlib import Path
 
 from dspark_dev.metrics import counter_delta, parse_prometheus
 from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
-from dspark_dev.multi_gpu import NcclStubGuard, Report, gpu_count
+from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
 from dspark_dev.serve import CaseFailure as GPUCaseFailure
 from dspark_dev.serve import Server, http_text
 
@@ -109,13 +109,7 @@ def main(argv=None) -> int:
     if n_gpu < cfg["pp"] * cfg["tp"]:
         rep.add("GPUs", "FAIL", f"needs {cfg['pp'] * cfg['tp']}, found {n_gpu}")
         return rep.finish()
-    guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-        **guard.env(),
-    }
+    guard, env = guarded_env()
     pair = make_models(a.model_size, Path(tempfile.mkdtemp(prefix="dspark-bench-models-")))
     args = [
         "--dtype", "bfloat16", "--max-model-len", str(a.input_len + a.output_len + 64),

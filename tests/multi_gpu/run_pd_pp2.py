@@ -28,7 +28,7 @@ from support.gpu import GPUCaseFailure, run_llm
 from support.parity import acceptance_close, compare_tokens
 from support.pd_run import run_pd
 
-from dspark_dev.multi_gpu import NcclStubGuard, Report, gpu_count
+from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
 
 
 def main(argv=None) -> int:
@@ -43,13 +43,7 @@ def main(argv=None) -> int:
     if n_gpu < 2:
         rep.add("needs >= 2 GPUs", "FAIL", f"found {n_gpu}")
         return rep.finish()
-    guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-        **guard.env(),
-    }
+    guard, env = guarded_env()
     pair = random_pair(Path(tempfile.mkdtemp(prefix="dspark-mg-models-")))
     spec = {"method": "dspark", "model": pair.draft}
     prompts = waves()[-1]

@@ -36,7 +36,7 @@ from pathlib import Path
 from support.gpu import GPUCaseFailure, run_llm
 from support.parity import acceptance_close, compare_tokens
 
-from dspark_dev.multi_gpu import NcclStubGuard, Report, gpu_count
+from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
 
 WAVES_SEED = 4321
 MAX_TOKENS = 48
@@ -137,13 +137,7 @@ def main(argv=None) -> int:
     if n_gpu < 2:
         rep.add("needs >= 2 GPUs", "FAIL", f"found {n_gpu}")
         return rep.finish()
-    guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-        **guard.env(),
-    }
+    guard, env = guarded_env()
     # the runs here are sequential: one shared torch.compile cache keeps the repeats inside the
     # budget
     env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="dspark-mg-vllm-cache-")

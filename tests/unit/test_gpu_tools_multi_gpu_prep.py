@@ -98,3 +98,23 @@ def test_serving_tables(tmp_path, capsys):
     assert lines[0].startswith("| config | model | concurrency")
     assert lines[2] == "| pp2_dspark | tiny | 1 | 100.0 | 5.00 | 4.50 | 20.0 | 41.2 |"
     assert lines[-1].endswith("| - |")
+
+
+def test_guarded_env_turns_multicast_off_and_preloads_the_loud_stub(monkeypatch):
+    monkeypatch.setattr(mg_common.NcclStubGuard, "_symbols", lambda self: [])
+    guard, env = mg_common.guarded_env()
+    assert guard.problem and guard.so is None  # nothing to guard outside the GPU kit
+    assert (
+        env
+        == mg_common.NO_MULTICAST_ENV
+        == {
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
+    )
+    if shutil.which("gcc") is not None:
+        monkeypatch.setattr(mg_common.NcclStubGuard, "_symbols", lambda self: ["ncclFakeOne"])
+        guard, env = mg_common.guarded_env()
+        assert env["LD_PRELOAD"].split(":")[0] == str(guard.so)
+        assert env["NCCL_NVLS_ENABLE"] == "0"
