@@ -207,7 +207,7 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
     )
     if spec is not None and spec.method == "dspark" and spec.draft_model_config is not None:
         plan.extra.update(_draft_bytes_by_role(spec, kvt, dtype_bytes))
-        from vllm_dspark_pp.producer.nixl_layers import nixl_plan_note
+        from vllm_dspark_pp.connectors.nixl_layers import nixl_plan_note
 
         if (note := nixl_plan_note(spec, kvt)) is not None:
             plan.extra["nixl"] = note

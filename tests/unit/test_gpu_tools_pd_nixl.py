@@ -100,7 +100,7 @@ def test_proxy_passes_the_prefillers_nixl_params_as_vllm_reads_them():
 
 
 def test_log_parsing_of_the_patch_messages():
-    from vllm_dspark_pp.producer import nixl_layers
+    from vllm_dspark_pp.connectors import nixl_layers
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
     msg = nixl_layers.layer_mismatch_problem(

@@ -234,7 +234,7 @@ def test_k3_plan_keeps_mooncakes_configured_block_size(
     block size, so the configured value passes through unchanged."""
     import types
 
-    from vllm_dspark_pp.mooncake_blocks import group_block_sizes, transfer_block_size
+    from vllm_dspark_pp.connectors.mooncake_blocks import group_block_sizes, transfer_block_size
 
     cfg, specs, _ = _specs_of(k3_pair, drafter, monkeypatch)
     groups = _groups(cfg, specs, "BLNHC")

@@ -41,7 +41,7 @@ from support.tiny_dsv4_cpu import (
 )
 
 from dspark_dev import tiny_mla_targets as t
-from vllm_dspark_pp import mooncake_blocks as mb
+from vllm_dspark_pp.connectors import mooncake_blocks as mb
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 PROMPT_LEN = 100
