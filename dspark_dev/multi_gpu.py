@@ -1,5 +1,5 @@
-"""Shared pieces of the several-GPU scripts (tests/multi_gpu/run_*.py, benchmarks/serve_pp.py;
-moved here from tests/multi_gpu/mg_common.py).
+"""Shared pieces of the several-GPU scripts (tools/gpu/run_pp2_aggregated.py, run_pd_pp2.py,
+benchmarks/serve_pp.py; once tests/multi_gpu/mg_common.py).
 
 * the one-GPU helpers (tests/support: run_llm, run_pd, parity; dspark_dev: Server) are
   reused as they are;

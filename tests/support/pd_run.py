@@ -9,7 +9,7 @@ are saved as artifacts and the exception names the step that failed.
 Works with or without the plugin's prefill-only producer role: the instances are started the
 same way either way; what differs is what the prefiller's drafter does (see docs/producer.md).
 Shared by tests/gpu/test_gpu_40_pd_mooncake.py (one GPU, PP=1 both sides) and
-tests/multi_gpu/run_pd_pp2.py (PP=2 producer).
+tools/gpu/run_pd_pp2.py (PP=2 producer).
 """
 
 from __future__ import annotations

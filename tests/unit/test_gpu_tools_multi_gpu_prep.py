@@ -71,7 +71,7 @@ def test_guard_passes_when_nothing_was_called_and_flags_nccl_errors_in_logs(tmp_
 
 
 def test_mismatch_hook_compiles():
-    r = load_script("tests/multi_gpu/run_pp2_aggregated.py")
+    r = load_script("tools/gpu/run_pp2_aggregated.py")
 
     compile(r.SITECUSTOMIZE, "sitecustomize.py", "exec")
 

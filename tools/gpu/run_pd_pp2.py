@@ -3,7 +3,7 @@
 
 One command (< 10 minutes), on a machine with >= 2 GPUs after the kit is booted:
 
-    source /tmp/site/env.sh && PYTHONPATH=.:tests python3 tests/multi_gpu/run_pd_pp2.py --out $OUT
+    source /tmp/site/env.sh && PYTHONPATH=.:tests python3 tools/gpu/run_pd_pp2.py --out $OUT
 
 Producer: ``vllm serve --pipeline-parallel-size 2`` on GPUs 0,1, ``kv_producer``; decoder: PP=1
 ``kv_consumer`` on GPU 2 when three or more GPUs exist, else sharing GPU 1 with producer stage 1;

@@ -5,7 +5,7 @@ One command (< 10 minutes; or two with --part parity / --part startup), on a mac
 after the kit is booted:
 
     source /tmp/site/env.sh && PYTHONPATH=.:tests \
-        python3 tests/multi_gpu/run_pp2_aggregated.py --out $OUT
+        python3 tools/gpu/run_pp2_aggregated.py --out $OUT
     [--trained-pair DIR]
 
 For each model pair (the random-weight tiny pair, generated here, and the trained tiny pair when
