@@ -120,6 +120,9 @@ def module_problem(dotted: str) -> str | None:
     for i in range(len(parts), 0, -1):
         base = root.joinpath(*parts[:i])
         source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if base.is_dir() and not source.is_file():  # a namespace package (no __init__.py)
+            rest = parts[i:]
+            return None if not rest else f"{'.'.join(parts[:i])} has no module {rest[0]}"
         if source.is_file():
             rest = parts[i:]
             if not rest:
@@ -188,7 +191,8 @@ def test_the_checks_catch_a_stale_path_and_module(tmp_path):
         "`vllm_dspark_pp.protocol.graph_batch.no_such_name`, `dspark_dev.gone`, "
         "`vllm_dspark_pp.protocol.handler.dspark_pp_handler_class`, "
         "tools/{quickstart,run_tests}.sh, "
-        "dspark_dev/serve.wait_for_health and dspark_dev/serve.no_such_function."
+        "dspark_dev/serve.wait_for_health and dspark_dev/serve.no_such_function; "
+        "`vllm_dspark_pp.producer` and `vllm_dspark_pp.producer.gone`."
     )
     missing = {shown for shown, path in named_paths(page, text) if path_problem(path)}
     assert missing == {
@@ -197,4 +201,8 @@ def test_the_checks_catch_a_stale_path_and_module(tmp_path):
         "dspark_dev/serve.no_such_function",
     }
     bad = {m for m in named_modules(text) if module_problem(m)}
-    assert bad == {"vllm_dspark_pp.protocol.graph_batch.no_such_name", "dspark_dev.gone"}
+    assert bad == {
+        "vllm_dspark_pp.protocol.graph_batch.no_such_name",
+        "dspark_dev.gone",
+        "vllm_dspark_pp.producer.gone",
+    }
