@@ -16,7 +16,7 @@ the composition is decided by the race between the two processes.
 
 Cases: ``--engines nospec,dspark`` x ``--plugins on,off`` x ``--sched async,sync`` (the CPU
 platform turns async scheduling off; ``async`` forces it back on with
-``vllm_dspark_pp.dev.engine_worker.force_async_scheduling``, CPU only). Defaults: the trained
+``dspark_dev.engine_worker.force_async_scheduling``, CPU only). Defaults: the trained
 tiny pair on the CPU platform. On a GPU pass ``--target``/``--draft`` (e.g. the config-only
 shapes of benchmarks/real_shapes.py, ``--dummy``).
 
@@ -159,7 +159,7 @@ def child_main(spec_path: str, result_path: str) -> int:
 
     try:
         if spec["case"]["sched"] == "async" and spec.get("force_async"):
-            from vllm_dspark_pp.dev.engine_worker import force_async_scheduling
+            from dspark_dev.engine_worker import force_async_scheduling
 
             force_async_scheduling()
         import vllm.v1.core.sched.scheduler as sched_mod
@@ -329,7 +329,7 @@ def case_summary(res: dict) -> dict:
 
 # --------------------------------------------------------------------------- parent
 def run_case(case: dict, a, env_base: dict, work: Path) -> dict:
-    from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+    from dspark_dev.proc import kill_group, start_in_session
 
     name = f"{case['engine']}-{case['plugin']}-{case['sched']}{'-mp' if case.get('mp') else ''}"
     llm = {
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if a.cpu:
-        from vllm_dspark_pp.dev.cpu_env import CPU_ENGINE_EXTRA, CPU_ENV
+        from dspark_dev.cpu_env import CPU_ENGINE_EXTRA, CPU_ENV
 
         env.update(CPU_ENV)
         env.update(CPU_ENGINE_EXTRA)

@@ -410,7 +410,7 @@ def merge_results(results: list[dict]) -> dict:
 
 # --------------------------------------------------------------------------- child
 def _spec_counters(llm) -> dict:
-    from vllm_dspark_pp.dev.metrics import spec_metrics_from_llm  # the one metrics reader
+    from dspark_dev.metrics import spec_metrics_from_llm  # the one metrics reader
 
     return spec_metrics_from_llm(llm)
 
@@ -449,7 +449,7 @@ def _one_run(llm, sp, c: int, a: dict, seed: int) -> dict:
         ttfts.append(ttft)
         if tpot is not None:
             tpots.append(tpot)
-    from vllm_dspark_pp.dev.metrics import counter_delta
+    from dspark_dev.metrics import counter_delta
 
     d = counter_delta(before, after)
     main = (steps.get("summary") or {}).get("main") or {}
@@ -660,7 +660,7 @@ def make_hook_dist(root: Path) -> Path:
 def run_child(
     spec: dict, work: Path, env: dict, timeout_s: float, log_path: Path, records: Path
 ) -> str:
-    from vllm_dspark_pp.dev.proc import kill_group, start_in_session
+    from dspark_dev.proc import kill_group, start_in_session
 
     spec_path = work / f"child_{spec['plugin']}_{int(time.time() * 1000)}.json"
     spec_path.write_text(json.dumps(spec))

@@ -3,7 +3,8 @@
 
 One configuration per command (each < 10 minutes), after the kit is booted on a >= 2-GPU machine:
 
-    source /tmp/site/env.sh && python3 benchmarks/serve_pp.py --config pp2_dspark --out $OUT
+    source /tmp/site/env.sh && PYTHONPATH=.:$PYTHONPATH \\
+        python3 benchmarks/serve_pp.py --config pp2_dspark --out $OUT
     ... --config pp2_plain      (PP=2, no speculation)
     ... --config tp2_dspark     (TP=2 + DSpark)
     python3 benchmarks/plot_serve.py $OUT/serve_*.json --png docs/results/multi_gpu_serve.png \\
@@ -32,11 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_dspark_pp.dev.metrics import counter_delta, parse_prometheus
-from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus as spec_counters
-from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count
-from vllm_dspark_pp.dev.serve import CaseFailure as GPUCaseFailure
-from vllm_dspark_pp.dev.serve import Server, http_text
+from dspark_dev.metrics import counter_delta, parse_prometheus
+from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
+from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
+from dspark_dev.serve import CaseFailure as GPUCaseFailure
+from dspark_dev.serve import Server, http_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,13 +109,7 @@ def main(argv=None) -> int:
     if n_gpu < cfg["pp"] * cfg["tp"]:
         rep.add("GPUs", "FAIL", f"needs {cfg['pp'] * cfg['tp']}, found {n_gpu}")
         return rep.finish()
-    guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-        **guard.env(),
-    }
+    guard, env = guarded_env()
     pair = make_models(a.model_size, Path(tempfile.mkdtemp(prefix="dspark-bench-models-")))
     args = [
         "--dtype", "bfloat16", "--max-model-len", str(a.input_len + a.output_len + 64),

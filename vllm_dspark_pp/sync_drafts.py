@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-logger = init_logger("vllm.dspark_pp.inflight_drafts")
+logger = init_logger("vllm.dspark_pp.sync_drafts")
 
 
 def defers_draft_application(core: Any) -> bool:

@@ -8,7 +8,7 @@ import time
 import pytest
 from support.e2e import E2EFailure, run_generate
 
-from vllm_dspark_pp.dev.proc import live_group_members
+from dspark_dev.proc import live_group_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.quick]  # cheap: kept in the developer loop
 

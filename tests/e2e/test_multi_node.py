@@ -31,8 +31,8 @@ import time
 import pytest
 from support import engines, pp_launch, tiny_pair
 
-from vllm_dspark_pp.dev import serve_demo
-from vllm_dspark_pp.dev.serve_demo import Server, free_port, serve_argv
+from dspark_dev import serve_demo
+from dspark_dev.serve_demo import Server, free_port, serve_argv
 from vllm_dspark_pp.protocol import handshake
 
 pytestmark = pytest.mark.e2e

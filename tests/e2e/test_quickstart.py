@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from support import tiny_pair
 
-from vllm_dspark_pp.dev import serve_demo
+from dspark_dev import serve_demo
 
 pytestmark = pytest.mark.e2e
 

@@ -3,7 +3,7 @@
 Usage: python _context_kv_mla_child.py {dsv4|k3} <tiny-target-dir> <tiny-draft-dir> <out.json>
 
 Builds vLLM 0.34.0's full DSpark drafter and our context-KV-only drafter for one family from a
-tiny generated config (vllm_dspark_pp.dev.tiny_mla_drafts), directly under set_current_vllm_config
+tiny generated config (dspark_dev.tiny_mla_drafts), directly under set_current_vllm_config
 (no engine: a DeepSeek-V4 / Kimi-K3 *target* is not needed to construct or run the drafters'
 context path), and records every check in a JSON report. Each step is recorded as passed or with
 its traceback, so the parent test fails naming the step (a construction failure is a failure,
@@ -54,7 +54,7 @@ from vllm.config import KVTransferConfig, set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
-from vllm_dspark_pp.dev import tiny_mla_drafts as tiny  # noqa: E402
+from dspark_dev import tiny_mla_drafts as tiny  # noqa: E402
 from vllm_dspark_pp.producer import deepseek_v4, drafter, kimi_k3, load  # noqa: E402
 
 # DSPARK_CHILD_DEVICE=cpu: a CPU dry run of this script's own logic (vLLM's DeepSeek-V4 drafter

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dspark_pp.dev.proc import run_with_timeout
+from dspark_dev.proc import run_with_timeout
 
 pytestmark = pytest.mark.gpu
 

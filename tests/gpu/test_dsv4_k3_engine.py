@@ -27,7 +27,7 @@ jobs; a test whose job was not started skips and says so. ``DSPARK_DSV4K3_PD_EAG
 PD servers (and the control's) without CUDA graphs, which starts them sooner.
 
 Targets: tiny real-architecture models generated from config.json by
-``vllm_dspark_pp.dev.tiny_mla_targets`` (Kimi-K3: ``KimiLinearForCausalLM`` with KDA + NoPE MLA +
+``dspark_dev.tiny_mla_targets`` (Kimi-K3: ``KimiLinearForCausalLM`` with KDA + NoPE MLA +
 MoE
 and a ``K3DSparkModel`` draft; DeepSeek-V4: ``DeepseekV4ForCausalLM`` with its in-checkpoint
 DSpark draft), weights from vLLM's ``load_format="dummy"`` (seeded per parameter, so every engine
@@ -85,7 +85,7 @@ SUMMARY: dict[str, dict] = {}
 
 
 def _pairs(tmp):
-    from vllm_dspark_pp.dev import tiny_mla_targets as t
+    from dspark_dev import tiny_mla_targets as t
 
     make = {"k3": t.make_tiny_k3_pair, "dsv4": t.make_tiny_dsv4_pair}
     return {fam: make[fam](tmp, gpu=True) for fam in SELECTED}

@@ -31,7 +31,7 @@ from gpu_common import GRAPH_COMPILATION_CONFIG, Jobs, make_prompts, require_cud
 from support import pp_launch
 from support.parity import compare_tokens, counters_close
 
-from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV
+from dspark_dev.serve import GPU_CHILD_ENV
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
 
@@ -88,7 +88,7 @@ def mla_pp_jobs(tmp_path_factory):
     require_cuda()
     from support.gpu import run_llm
 
-    from vllm_dspark_pp.dev import tiny_mla_targets as t
+    from dspark_dev import tiny_mla_targets as t
 
     tmp = tmp_path_factory.mktemp("mla_pp")
     make = {"k3": t.make_tiny_k3_pair, "dsv4": t.make_tiny_dsv4_pair}
@@ -116,7 +116,7 @@ def mla_pp_jobs(tmp_path_factory):
 
 
 def _sum(per_wave):
-    from vllm_dspark_pp.dev.metrics import EMPTY, counter_sum
+    from dspark_dev.metrics import EMPTY, counter_sum
 
     out = dict(EMPTY, accepted_per_pos=[])
     for m in per_wave:

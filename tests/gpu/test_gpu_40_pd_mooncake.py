@@ -1,7 +1,7 @@
 """PD on one GPU: prefiller (kv_producer) + decoder (kv_consumer) over MooncakeConnector/TCP.
 
 Both ``vllm serve`` instances share the GPU (0.3 of its memory each, 1 GiB KV), have the same
-DSpark speculative config, and talk through vllm_dspark_pp/dev/pd_proxy.py: each request goes to the
+DSpark speculative config, and talk through dspark_dev/pd_proxy.py: each request goes to the
 prefiller with one output token, then to the decoder. Model: the trained tiny pair
 (models/tiny-pair, k=7, float32 unless ``DSPARK_GPU_PAIR_DTYPE`` says otherwise) on 7 held-out
 prompts sent concurrently, each answer stopping at EOS; the references are the ``pair_baseline``

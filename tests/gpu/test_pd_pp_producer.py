@@ -42,7 +42,7 @@ from gpu_common import (
 from support import pp_launch, tiny_pair
 from support.parity import acceptance_rate, compare_tokens, counters_close
 
-from vllm_dspark_pp.dev.serve import free_port
+from dspark_dev.serve import free_port
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
 
@@ -95,7 +95,7 @@ def pd_jobs(tmp_path_factory):
     from support.draft_controls import nan_norm_draft
     from support.gpu import run_llm
 
-    from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard
+    from dspark_dev.multi_gpu import NcclStubGuard
 
     guard = NcclStubGuard(tmp_path_factory.mktemp("nccl-guard")).build()
     prompts = pair_prompts()

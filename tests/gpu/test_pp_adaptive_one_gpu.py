@@ -40,8 +40,8 @@ import pytest
 from gpu_common import DRYRUN_CPU, GRAPH_COMPILATION_CONFIG, PAIR_DTYPE, Jobs, require_cuda
 from support import pp_launch, tiny_pair
 
-from vllm_dspark_pp.dev import serve_demo
-from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV
+from dspark_dev import serve_demo
+from dspark_dev.serve import GPU_CHILD_ENV
 
 pytestmark = pytest.mark.gpu
 

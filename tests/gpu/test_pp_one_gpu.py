@@ -22,7 +22,7 @@ Jobs, all started at once on the GPU (``DSPARK_GPU_PP_JOBS=a,b`` selects some):
 * ``fault``: node 1 without the plugin: node 0 must fail at start naming PP rank 1.
 
 Every launcher preloads a recording copy of the GPU kit's NCCL stub
-(vllm_dspark_pp/dev/multi_gpu.py ``NcclStubGuard``) and runs with ``NCCL_DEBUG=INFO``: the checks
+(dspark_dev/multi_gpu.py ``NcclStubGuard``) and runs with ``NCCL_DEBUG=INFO``: the checks
 read NCCL's own init lines (ranks, nodes, transport), the plugin's line naming the exchange's
 backend, and the list of stubbed NCCL functions that were called (must be empty).
 
@@ -55,10 +55,10 @@ from gpu_common import (
 from support import pp_launch, tiny_pair
 from support.parity import compare_tokens, counters_close
 
-from vllm_dspark_pp.dev import serve_demo
-from vllm_dspark_pp.dev.metrics import EMPTY, counter_sum
-from vllm_dspark_pp.dev.proc import live_group_members
-from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV
+from dspark_dev import serve_demo
+from dspark_dev.metrics import EMPTY, counter_sum
+from dspark_dev.proc import live_group_members
+from dspark_dev.serve import GPU_CHILD_ENV
 from vllm_dspark_pp.protocol import graph_batch, handshake
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
@@ -139,8 +139,8 @@ def _serve_waves(url: str, waves) -> tuple[list, list[dict]]:
 
 
 def _running(url: str) -> float:
-    from vllm_dspark_pp.dev.metrics import parse_prometheus
-    from vllm_dspark_pp.dev.serve import http_text
+    from dspark_dev.metrics import parse_prometheus
+    from dspark_dev.serve import http_text
 
     m = parse_prometheus(http_text(url + "/metrics"))
     return sum(v for k, v in m.items() if k.startswith("vllm:num_requests_running"))
@@ -323,7 +323,7 @@ def pp_jobs():
         pytest.skip(why)
     from support.gpu import run_llm
 
-    from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard
+    from dspark_dev.multi_gpu import NcclStubGuard
 
     guard = NcclStubGuard(LOG_DIR / "nccl-guard")
     if not DRYRUN_CPU:

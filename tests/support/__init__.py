@@ -2,7 +2,7 @@
 
 * ``support.env``: the CPU test environment (one dict), the device mode, the CPU kernel check;
 * ``support.e2e``: ``run_generate`` (CPU end-to-end tier) over the one engine-in-a-child runner
-  (``vllm_dspark_pp.dev.engine``);
+  (``dspark_dev.engine``);
 * ``support.gpu``: ``run_llm`` (one-GPU tier) over the same runner;
 * ``support.engines``: the session-scoped engine runs the CPU e2e tests share (a pytest plugin);
 * ``support.tiny_pair``: the trained tiny pair; ``support.parity_cpu`` / ``support.parity``: the
@@ -10,9 +10,10 @@
 * ``support.pd_run`` / ``support.pd_nixl``: prefiller + decoder + PD proxy over MooncakeConnector
   / NixlConnector;
 * ``support.dflash_prepare_ref``: the reference of the DFlash input preparation (GPU test);
-* ``support.scripts``: import a script of ``benchmarks/`` or ``tests/multi_gpu/`` by its path.
+* ``support.wheel``: the packages ``pip install .`` puts in the wheel;
+* ``support.scripts``: import a script of ``benchmarks/`` or ``tools/gpu/`` by its path.
 
 Process groups with deadlines, ports, servers, the metrics reader and the PD proxy are in
-``vllm_dspark_pp.dev`` (benchmarks and the GSM8K command use them too, and must not import
+``dspark_dev`` (benchmarks and the GSM8K command use them too, and must not import
 from ``tests/``).
 """

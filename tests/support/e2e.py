@@ -18,7 +18,7 @@
 
 ``cfg`` goes to ``vllm.LLM(**cfg)`` after the defaults below (float32, eager mode,
 ``distributed_executor_backend="mp"``, small KV cache, ``disable_log_stats=False``). The child is
-``vllm_dspark_pp.dev.engine_worker`` run by ``vllm_dspark_pp.dev.engine.run_engine`` (the one
+``dspark_dev.engine_worker`` run by ``dspark_dev.engine.run_engine`` (the one
 runner, shared with the GPU tier): own process group, SIGKILLed when ``timeout_s`` passes
 (start-up, warm-up and shutdown included) and after every case anyway. Set
 ``DSPARK_E2E_LOG_DIR`` to keep every case's full log.
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark_dev.engine import child_env, run_engine
 from support.env import CPU_E2E_EXTRA, CPU_ENV
-from vllm_dspark_pp.dev.engine import child_env, run_engine
 
 DEFAULT_LLM_KWARGS = {
     "dtype": "float32",

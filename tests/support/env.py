@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from vllm_dspark_pp.dev import cpu_env as _dev_cpu_env
+from dspark_dev import cpu_env as _dev_cpu_env
 
 # The one copy lives in the package's dev tooling (the demo uses it too); the CPU e2e tier gives
 # its engine children CPU_ENV + CPU_E2E_EXTRA.

@@ -1,19 +1,19 @@
 """One-GPU engine runs: ``vllm.LLM`` over *waves* of prompts in a fresh process group.
 
-:func:`run_llm` runs the one engine runner (``vllm_dspark_pp.dev.engine.run_engine``) with the
+:func:`run_llm` runs the one engine runner (``dspark_dev.engine.run_engine``) with the
 GPU defaults and returns tokens, top-k logprobs, per-wave spec-decode counters and the resolved
 config; a child that passes its deadline is killed with its whole process group and the failure
 names the phase it was in (its log is saved under ``DSPARK_GPU_ARTIFACTS``). Servers, ports and
-the metrics reader are in ``vllm_dspark_pp.dev``.
+the metrics reader are in ``dspark_dev``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_dspark_pp.dev.engine import child_env, run_engine
-from vllm_dspark_pp.dev.metrics import EMPTY, counter_sum
-from vllm_dspark_pp.dev.serve import GPU_CHILD_ENV, CaseFailure, save_artifact
+from dspark_dev.engine import child_env, run_engine
+from dspark_dev.metrics import EMPTY, counter_sum
+from dspark_dev.serve import GPU_CHILD_ENV, CaseFailure, save_artifact
 
 GPUCaseFailure = CaseFailure
 

@@ -7,7 +7,7 @@ One call of :func:`run_nixl_pd` per model pair starts, all at once, a DSpark **d
    reference, same process, same kernels, same KV layout as the PD pass;
 2. ``pd``: prefill on the DSpark **prefill-only producer** (``kv_producer``, same
    ``--speculative-config``: the plugin builds the context-KV-only drafter), decode on the decoder,
-   through vllm_dspark_pp/dev/pd_proxy.py (its NIXL-compatible keys: the prefiller's returned
+   through dspark_dev/pd_proxy.py (its NIXL-compatible keys: the prefiller's returned
    ``kv_transfer_params`` go to the decoder);
 3. ``control`` (optional): the same through a second decoder that accepts any NIXL hash
    (``enforce_handshake_compat: false``) from a producer whose draft has corrupted context
@@ -40,10 +40,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_dspark_pp.dev.metrics import counter_delta, parse_prometheus
-from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus as spec_counters
-from vllm_dspark_pp.dev.pd_proxy import PDProxy
-from vllm_dspark_pp.dev.serve import (
+from dspark_dev.metrics import counter_delta, parse_prometheus
+from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
+from dspark_dev.pd_proxy import PDProxy
+from dspark_dev.serve import (
     Server,
     free_port,
     free_port_block,

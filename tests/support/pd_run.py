@@ -9,7 +9,7 @@ are saved as artifacts and the exception names the step that failed.
 Works with or without the plugin's prefill-only producer role: the instances are started the
 same way either way; what differs is what the prefiller's drafter does (see docs/producer.md).
 Shared by tests/gpu/test_gpu_40_pd_mooncake.py (one GPU, PP=1 both sides) and
-tests/multi_gpu/run_pd_pp2.py (PP=2 producer).
+tools/gpu/run_pd_pp2.py (PP=2 producer).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from support.gpu import GPUCaseFailure
-from vllm_dspark_pp.dev.metrics import counter_delta, parse_prometheus
-from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus as spec_counters
-from vllm_dspark_pp.dev.pd_proxy import PDProxy, query_engine_id
-from vllm_dspark_pp.dev.serve import (
+from dspark_dev.metrics import counter_delta, parse_prometheus
+from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
+from dspark_dev.pd_proxy import PDProxy, query_engine_id
+from dspark_dev.serve import (
     Server,
     Timings,
     free_port,
@@ -32,6 +31,7 @@ from vllm_dspark_pp.dev.serve import (
     http_json,
     http_text,
 )
+from support.gpu import GPUCaseFailure
 
 KV_METRICS = (
     "vllm:external_prefix_cache_hits_total",

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark_pp.dev.serve_demo import Server, free_port, live_group_members, serve_argv
+from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
 
 LAYOUT_ENV = "DSPARK_GPU_PP_LAYOUT"
 SHARED = "shared"
@@ -212,9 +212,9 @@ def serve_waves(
     """Greedy ``/v1/completions`` of each wave (one request holding the wave's prompts, so they
     run as one batch), one wave after the other. Returns every prompt's token ids and each
     wave's spec-decode counters (``/metrics`` after minus before)."""
-    from vllm_dspark_pp.dev.metrics import counter_delta
-    from vllm_dspark_pp.dev.serve import greedy_completion_body, http_json
-    from vllm_dspark_pp.dev.serve_demo import spec_metrics
+    from dspark_dev.metrics import counter_delta
+    from dspark_dev.serve import greedy_completion_body, http_json
+    from dspark_dev.serve_demo import spec_metrics
 
     tokens: list[list[int]] = []
     per_wave: list[dict] = []

@@ -1,4 +1,4 @@
-"""Import a repository script by its path (``benchmarks/`` and ``tests/multi_gpu/`` are not
+"""Import a repository script by its path (``benchmarks/`` and ``tools/gpu/`` are not
 packages, and tests insert nothing into ``sys.path``)."""
 
 from __future__ import annotations

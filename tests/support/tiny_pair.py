@@ -5,7 +5,7 @@ cannot show that acceptance is preserved; the trained pair accepts about 7.5 tok
 k=7 with rejections spread over positions 1-6, which makes the per-position counters a real check.
 
 ``heldout_prompts(n, min_tokens=0)`` gives the first ``n`` held-out problems of the seeded corpus
-(``vllm_dspark_pp.dev.training.corpus.heldout_problems``, never seen in training) whose prompt has
+(``dspark_dev.training.corpus.heldout_problems``, never seen in training) whose prompt has
 at
 least ``min_tokens`` tokens, as token-id lists from the pair's tokenizer (no BOS is added: the
 tokenizer config says ``add_bos_token: false``, so these are exactly what vLLM would tokenize).
@@ -50,7 +50,7 @@ def available() -> tuple[bool, str]:
 def _encoded_heldout(count: int) -> tuple[tuple[int, ...], ...]:
     from tokenizers import Tokenizer
 
-    from vllm_dspark_pp.dev.training import corpus
+    from dspark_dev.training import corpus
 
     tok = Tokenizer.from_file(str(TOKENIZER))
     probs = corpus.heldout_problems(max(count, corpus.DEFAULT_HELDOUT_SIZE))[:count]

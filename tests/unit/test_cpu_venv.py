@@ -1,7 +1,7 @@
 """The quick start's venv runs ``vllm ...`` as typed, on any x86-64 CPU (issue 24).
 
 tools/setup_cpu_env.sh makes vLLM's CPU platform that venv's default (a ``.pth`` file written by
-``vllm_dspark_pp.dev.cpu_env.write_venv_defaults``). Without it ``.venv/bin/vllm --help`` resolves
+``dspark_dev.cpu_env.write_venv_defaults``). Without it ``.venv/bin/vllm --help`` resolves
 no platform: exit 1 ("Failed to infer device type") on a CPU with AVX-512-BF16, SIGILL (exit 132)
 on an AVX2-only CPU, whose flags these tests cannot have; the second test checks, with the
 processor's answers simulated, which kernel library each path would load.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from support.mla_cpu_config import CPUS
 
-from vllm_dspark_pp.dev import cpu_env
+from dspark_dev import cpu_env
 
 BIN = Path(sys.executable).parent
 

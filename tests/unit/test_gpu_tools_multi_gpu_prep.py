@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support.scripts import load_script
 
-from vllm_dspark_pp.dev import multi_gpu as mg_common
+from dspark_dev import multi_gpu as mg_common
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_guard_passes_when_nothing_was_called_and_flags_nccl_errors_in_logs(tmp_
 
 
 def test_mismatch_hook_compiles():
-    r = load_script("tests/multi_gpu/run_pp2_aggregated.py")
+    r = load_script("tools/gpu/run_pp2_aggregated.py")
 
     compile(r.SITECUSTOMIZE, "sitecustomize.py", "exec")
 
@@ -98,3 +98,23 @@ def test_serving_tables(tmp_path, capsys):
     assert lines[0].startswith("| config | model | concurrency")
     assert lines[2] == "| pp2_dspark | tiny | 1 | 100.0 | 5.00 | 4.50 | 20.0 | 41.2 |"
     assert lines[-1].endswith("| - |")
+
+
+def test_guarded_env_turns_multicast_off_and_preloads_the_loud_stub(monkeypatch):
+    monkeypatch.setattr(mg_common.NcclStubGuard, "_symbols", lambda self: [])
+    guard, env = mg_common.guarded_env()
+    assert guard.problem and guard.so is None  # nothing to guard outside the GPU kit
+    assert (
+        env
+        == mg_common.NO_MULTICAST_ENV
+        == {
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
+    )
+    if shutil.which("gcc") is not None:
+        monkeypatch.setattr(mg_common.NcclStubGuard, "_symbols", lambda self: ["ncclFakeOne"])
+        guard, env = mg_common.guarded_env()
+        assert env["LD_PRELOAD"].split(":")[0] == str(guard.so)
+        assert env["NCCL_NVLS_ENABLE"] == "0"

@@ -1,5 +1,5 @@
 """The GPU parity rule (tests/support/parity.py) and the one /metrics reader
-(vllm_dspark_pp.dev.metrics)."""
+(dspark_dev.metrics)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 from support.parity import acceptance_close, acceptance_rate, compare_tokens
 
-from vllm_dspark_pp.dev import metrics
+from dspark_dev import metrics
 
 
 def test_identical_tokens():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support import pd_nixl
 
-from vllm_dspark_pp.dev import pd_proxy
+from dspark_dev import pd_proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_proxy_passes_the_prefillers_nixl_params_as_vllm_reads_them():
 
 
 def test_log_parsing_of_the_patch_messages():
-    from vllm_dspark_pp.producer import nixl_layers
+    from vllm_dspark_pp.connectors import nixl_layers
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
     msg = nixl_layers.layer_mismatch_problem(

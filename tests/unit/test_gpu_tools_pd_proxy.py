@@ -1,4 +1,4 @@
-"""vllm_dspark_pp/dev/pd_proxy.py's request flow against fake prefill/decode/bootstrap servers on
+"""dspark_dev/pd_proxy.py's request flow against fake prefill/decode/bootstrap servers on
 loopback."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vllm_dspark_pp.dev import pd_proxy
+from dspark_dev import pd_proxy
 
 pytestmark = pytest.mark.timeout(60)
 

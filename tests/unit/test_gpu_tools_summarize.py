@@ -1,9 +1,9 @@
-"""vllm_dspark_pp.dev.gpu_summary turns a junit file (or, failing that, a pytest log) into the GPU
+"""dspark_dev.gpu_summary turns a junit file (or, failing that, a pytest log) into the GPU
 table."""
 
 from __future__ import annotations
 
-from vllm_dspark_pp.dev import gpu_summary as summarize
+from dspark_dev import gpu_summary as summarize
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4" time="12.5">

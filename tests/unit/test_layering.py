@@ -1,8 +1,9 @@
 """The package's layers: imports only point down, no cycles, no test or dev code at run time.
 
 Layers (top to bottom): ``cli`` > ``patches`` > the features (``protocol``, ``producer``,
-``sync_drafts``, ``plan``) > ``version`` / ``cpu_ops``. ``dev`` (development tooling) may import
-the runtime, never the other way round. Every import counts, including those inside functions.
+``connectors``, ``sync_drafts``, ``plan``) > ``version`` / ``cpu_ops``. The development package
+``dspark_dev`` (at the repository root, not in the wheel) may import the runtime, never the other
+way round. Every import counts, including those inside functions; there is no exemption.
 """
 
 from __future__ import annotations
@@ -10,15 +11,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from support.wheel import wheel_packages
+
 PKG = Path(__file__).resolve().parents[2] / "vllm_dspark_pp"
-FEATURES = ("protocol", "producer", "sync_drafts", "plan", "start_checks")
-# The `eval gsm8k`, `train-tiny-pair` and `demo` commands run dev tooling (imported when invoked).
-DEV_COMMANDS = (
-    "vllm_dspark_pp.cli.eval",
-    "vllm_dspark_pp.cli.train_tiny_pair",
-    "vllm_dspark_pp.cli.demo",
-)
-FORBIDDEN_AT_RUNTIME = ("tests", "support", "tools", "benchmarks", "vllm_dspark_pp.dev")
+FEATURES = ("protocol", "producer", "connectors", "sync_drafts", "plan", "start_checks")
+FORBIDDEN_AT_RUNTIME = ("tests", "support", "tools", "benchmarks", "dspark_dev")
 
 
 def _modules() -> dict[str, Path]:
@@ -72,15 +69,22 @@ def _layer(mod: str) -> str:
 
 
 def test_runtime_never_imports_tests_tools_benchmarks_or_dev():
-    bad = []
-    for name, path in _modules().items():
-        if _layer(name) == "dev":
-            continue
-        for imp in _imports(path, name):
-            if imp.split(".")[0] in FORBIDDEN_AT_RUNTIME or imp.startswith("vllm_dspark_pp.dev"):
-                if name not in DEV_COMMANDS:
-                    bad.append(f"{name} imports {imp}")
+    bad = [
+        f"{name} imports {imp}"
+        for name, path in _modules().items()
+        for imp in _imports(path, name)
+        if imp.split(".")[0] in FORBIDDEN_AT_RUNTIME
+    ]
     assert not bad, bad
+
+
+def test_the_wheel_holds_the_runtime_package_only():
+    """Every package of the wheel is ``vllm_dspark_pp`` or below it, none of them is development
+    tooling, and the development package exists beside it (in the checkout)."""
+    runtime = sorted({".".join(p.parent.relative_to(PKG.parent).parts) for p in PKG.rglob("*.py")})
+    assert wheel_packages() == runtime
+    assert not [p for p in runtime if p.split(".")[-1] in ("dev", "training", "commands")]
+    assert (PKG.parent / "dspark_dev" / "__init__.py").is_file()
 
 
 def test_features_do_not_import_patches_or_cli():
@@ -89,7 +93,7 @@ def test_features_do_not_import_patches_or_cli():
         for m, targets in _graph().items()
         if _layer(m) in FEATURES
         for t in targets
-        if _layer(t) in ("patches", "cli", "dev")
+        if _layer(t) in ("patches", "cli")
     ]
     assert not bad, bad
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from vllm_dspark_pp.dev.proc import dump_group_stacks, kill_group, start_in_session
+from dspark_dev.proc import dump_group_stacks, kill_group, start_in_session
 from vllm_dspark_pp.stack_dumps import ENV
 
 pytestmark = pytest.mark.quick
@@ -75,7 +75,7 @@ def test_without_the_variable_sigusr1_keeps_its_default_meaning(tmp_path):
 
 
 def test_a_server_not_ready_by_its_deadline_leaves_its_stacks_in_its_log():
-    from vllm_dspark_pp.dev.serve import CaseFailure, Server
+    from dspark_dev.serve import CaseFailure, Server
 
     class NeverReady(Server):  # the plugin loaded, /health never answered
         def command(self) -> list[str]:
@@ -92,8 +92,8 @@ def test_a_server_not_ready_by_its_deadline_leaves_its_stacks_in_its_log():
 
 
 def test_the_demo_server_shares_the_wait_and_its_stack_dump(tmp_path):
-    from vllm_dspark_pp.dev.serve import free_port
-    from vllm_dspark_pp.dev.serve_demo import Server
+    from dspark_dev.serve import free_port
+    from dspark_dev.serve_demo import Server
 
     log = tmp_path / "demo.log"
     srv = Server([sys.executable, "-c", CHILD], log, port=free_port(), name="demo", cpu=False)

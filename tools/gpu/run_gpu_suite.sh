@@ -116,7 +116,7 @@ WALL=$(( $(date +%s) - T0 ))
 say "done in ${WALL} s, pytest exit ${RC}; full log $LOG"
 echo
 echo "================ GPU suite summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
-python3 -m vllm_dspark_pp.dev.gpu_summary --junit "$JUNIT" --log "$LOG" --wall "$WALL" --out "$SUMMARY"
+python3 -m dspark_dev.gpu_summary --junit "$JUNIT" --log "$LOG" --wall "$WALL" --out "$SUMMARY"
 SRC=$?
 # pytest's status, or the summary's when pytest says 0 but nothing passed (all skipped is no pass)
 [ "$RC" = 0 ] && RC=$SRC

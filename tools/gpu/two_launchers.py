@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support import engines, tiny_pair  # noqa: E402
 
-from vllm_dspark_pp.dev import serve_demo  # noqa: E402
-from vllm_dspark_pp.dev.serve_demo import Server, free_port, say, serve_argv  # noqa: E402
+from dspark_dev import serve_demo  # noqa: E402
+from dspark_dev.serve_demo import Server, free_port, say, serve_argv  # noqa: E402
 from vllm_dspark_pp.protocol import handshake  # noqa: E402
 
 SILENT_TIMEOUT_S = 15.0

@@ -63,7 +63,7 @@ def registry() -> list[PatchInfo]:
         module = importlib.import_module(f"{__name__}.{mod.name}")
         infos.append(
             PatchInfo(
-                mod.name, getattr(module, "TARGET", ""), _parse_header(module.__doc__), module
+                mod.name, getattr(module, "TARGET", ""), _parse_header(module.__doc__ or ""), module
             )
         )
     return infos

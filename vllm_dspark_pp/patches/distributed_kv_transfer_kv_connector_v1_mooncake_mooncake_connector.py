@@ -1,16 +1,16 @@
 """MooncakeConnector's block size from the attention KV groups, the same on every side (issue 16).
 
 WHAT: Three wraps in vLLM's Mooncake connector module. (1) ``MooncakeConnectorWorker.
-_sync_block_size_with_kernel``: before vLLM picks the kernel block size, the worker's
-``block_size`` is set to ``vllm_dspark_pp.mooncake_blocks.transfer_block_size`` (the configured
-value when every transfer group has one block size; otherwise the attention groups' block size:
-the largest full-attention/MLA group, else the largest sliding-window group), and a change is
-logged. (2) ``MooncakeConnectorScheduler.__init__``: afterwards ``block_size`` is set the same way
-(its only use in 0.34.0, the placeholder for non-sliding-window groups in ``blocks_per_sw``, has
-no effect, so this only keeps the scheduler's value equal to its workers'). (3)
+_sync_block_size_with_kernel``: before vLLM picks the kernel block size, the worker's ``block_size``
+is set to ``vllm_dspark_pp.connectors.mooncake_blocks.transfer_block_size`` (the configured value
+when every transfer group has one block size; otherwise the attention groups' block size: the
+largest full-attention/MLA group, else the largest sliding-window group), and a change is logged.
+(2) ``MooncakeConnectorScheduler.__init__``: afterwards ``block_size`` is set the same way (its only
+use in 0.34.0, the placeholder for non-sliding-window groups in ``blocks_per_sw``, has no effect, so
+this only keeps the scheduler's value equal to its workers'). (3)
 ``MooncakeConnectorWorker.shutdown`` on a worker whose ``__init__`` failed before it created
-``async_zmq_ctx`` stops what had been started (sender/receiver loops, bootstrap server) instead
-of raising AttributeError from ``__del__`` under the real error.
+``async_zmq_ctx`` stops what had been started (sender/receiver loops, bootstrap server) instead of
+raising AttributeError from ``__del__`` under the real error.
 
 WHY: After KV-cache planning, EngineCore sets ``cache_config.block_size`` to the smallest block
 of the prefix-cacheable groups (vllm/v1/engine/core.py:364-378). For DeepSeek-V4 the groups are
@@ -74,7 +74,7 @@ class _NoContext:
 
 
 def _patch(module) -> None:
-    from vllm_dspark_pp.mooncake_blocks import group_block_sizes, transfer_block_size
+    from vllm_dspark_pp.connectors.mooncake_blocks import group_block_sizes, transfer_block_size
 
     def adopt_plan_block_size(obj, role: str) -> None:
         """Set ``obj.block_size`` (the connector's logical block) from the KV-cache plan."""

@@ -55,7 +55,7 @@ def _logger():
 
 
 def _patch(module) -> None:
-    from vllm_dspark_pp.producer import nixl_layers
+    from vllm_dspark_pp.connectors import nixl_layers
 
     def make_hash(orig):
         def compute_nixl_compatibility_hash(vllm_config, *args, **kwargs):

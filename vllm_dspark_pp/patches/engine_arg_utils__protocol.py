@@ -3,7 +3,7 @@
 WHAT: ``EngineArgs.create_engine_config`` removes ``dspark_pp_fixed_graph_batch`` from the
 ``speculative_config`` dict, lets vLLM build the config, then validates the value (DSpark only,
 at most max_num_seqs) and records it in ``VllmConfig.additional_config["vllm_dspark_pp"]``
-(see vllm_dspark_pp/graph_batch.py and docs/protocol.md).
+(see vllm_dspark_pp/protocol/graph_batch.py and docs/protocol.md).
 
 WHY: vLLM's ``SpeculativeConfig`` forbids unknown fields, so a plugin setting cannot ride in the
 JSON users already pass to ``vllm serve --speculative-config``; additional_config reaches every

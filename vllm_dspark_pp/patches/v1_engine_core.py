@@ -20,7 +20,7 @@ drafts after ``update_from_output``, skipping requests still in ``batch_queue``)
 RETIRE WHEN: vLLM fetches drafts after processing a batch's output in ``step_with_batch_queue``
 (check ``post_step`` in vllm/v1/engine/core.py of the new release).
 
-TESTED BY: tests/unit/test_inflight_drafts.py, tests/e2e/test_pp_parity.py (sync-mode cases).
+TESTED BY: tests/unit/test_sync_drafts.py, tests/e2e/test_pp_parity.py (sync-mode cases).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ TARGET = "vllm.v1.engine.core"
 def apply() -> None:
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_dspark_pp import sync_drafts as inflight_drafts
+    from vllm_dspark_pp import sync_drafts
     from vllm_dspark_pp.patches._util import wrap
 
     def make_post_step(orig):
         def post_step(self, model_executed: bool) -> None:
-            if inflight_drafts.defers_draft_application(self):
+            if sync_drafts.defers_draft_application(self):
                 return  # drafts are applied in step_with_batch_queue once settled
             orig(self, model_executed)
 
@@ -45,11 +45,11 @@ def apply() -> None:
     def make_step_with_batch_queue(orig):
         def step_with_batch_queue(self):
             outputs, model_executed = orig(self)
-            if outputs is not None and inflight_drafts.defers_draft_application(self):
+            if outputs is not None and sync_drafts.defers_draft_application(self):
                 # A batch's output was just folded into the scheduler (vLLM returns outputs
                 # only then): its requests' drafts are settled now, unless they are in flight
                 # again in a later batch.
-                inflight_drafts.apply_settled_drafts(self)
+                sync_drafts.apply_settled_drafts(self)
             return outputs, model_executed
 
         return step_with_batch_queue

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
@@ -70,12 +70,12 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
     dspark = platform_module(DSV4_ARCH, "vllm.models.deepseek_v4", module_name)
-    base_model = getattr(dspark, "DSparkDeepseekV4Model", None)
+    base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
     if base_model is None:
         raise refuse_platform("DeepSeek-V4 DSpark", dspark, "DSparkDeepseekV4Model")
     base_top = dspark.DSparkDeepseekV4ForCausalLM
     model_module = sys.modules[dspark.DeepseekV4DecoderLayer.__module__]
-    select_attn_cls = getattr(model_module, "_select_dsv4_attn_cls", None)
+    select_attn_cls: Any = getattr(model_module, "_select_dsv4_attn_cls", None)
     if select_attn_cls is None:
         raise refuse_platform("DeepSeek-V4 DSpark", model_module, "_select_dsv4_attn_cls")
 
@@ -172,7 +172,11 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
             self.num_hidden_layers = config.num_hidden_layers
             self.target_layer_ids = tuple(config.dspark_target_layer_ids)
             self.num_dspark_layers = getattr(config, "n_mtp_layers", None) or 3
-            linear = {"bias": False, "return_bias": False, "quant_config": vllm_config.quant_config}
+            linear: dict[str, Any] = {
+                "bias": False,
+                "return_bias": False,
+                "quant_config": vllm_config.quant_config,
+            }
             self.main_proj = ReplicatedLinear(
                 config.hidden_size * len(self.target_layer_ids),
                 config.hidden_size,
@@ -241,7 +245,7 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
                     continue
                 param = params[target]
                 if shard is not None:
-                    param.weight_loader(param, tensor, shard)
+                    param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
                 else:
                     getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(target)

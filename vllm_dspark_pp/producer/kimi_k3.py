@@ -102,7 +102,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
     from vllm.v1.attention.selector import get_attn_backend
 
     dspark = platform_module(K3_ARCH, K3_NVIDIA_MODULE, module_name)
-    base_model = getattr(dspark, "K3DSparkModel", None)
+    base_model: Any = getattr(dspark, "K3DSparkModel", None)
     if base_model is None:
         raise refuse_platform("Kimi-K3 DSpark", dspark, "K3DSparkModel")
     base_top = dspark.K3DSparkForCausalLM
@@ -149,7 +149,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             latent_dims = {dim: getattr(self, dim) for dim in _MLA_LATENT_DIMS}
             unused = dict.fromkeys(_IMPL_ARGS_NOT_USED)
             impl_cls = self.attn_backend.get_impl_cls()
-            self.impl = impl_cls(
+            self.impl = impl_cls(  # type: ignore[assignment]  # an MLA impl
                 num_heads=self.num_local_heads,
                 head_size=self.head_size,
                 scale=self.scale,

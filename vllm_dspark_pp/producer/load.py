@@ -86,7 +86,7 @@ def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> n
     _drop_shared_modules(model)
     build = {
         "class": type(model).__name__,
-        "layers": model.get_draft_kv_cache_layer_names(),
+        "layers": model.get_draft_kv_cache_layer_names(),  # type: ignore[operator]
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "params": sorted(n for n, _ in model.named_parameters()),
     }

@@ -197,7 +197,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
                 # the context projection: concatenated aux taps -> draft hidden size, same
                 # parameter name and dtype as the full drafter's, so the checkpoint row loads
                 in_features = qd._get_dflash_fc_input_size(vllm_config)
-                fc_options = {
+                fc_options: dict[str, Any] = {
                     "prefix": maybe_prefix(prefix, "fc"),
                     "quant_config": self.quant_config,
                     "params_dtype": vllm_config.model_config.dtype,
@@ -264,7 +264,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
         precompute_and_store_context_kv = qd.DFlashQwen3ForCausalLM.precompute_and_store_context_kv
 
         def process_weights_after_loading(self) -> None:
-            self.model._build_fused_kv_buffers()
+            self.model._build_fused_kv_buffers()  # type: ignore[misc]  # vLLM's method, our model
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             kept: list[tuple[str, torch.Tensor]] = []

@@ -139,9 +139,19 @@ class DSparkExchange:
     exchange_enabled: bool  # False during warm-up: no rank posts anything
     exchange_step: StepState | None
     exchange_step_index: int
+    # Set by vLLM's PPHandler, the class this one is mixed into (dspark_pp_handler_class); declared
+    # here for the type checker only.
+    is_last_rank: bool
+    last_rank: int
+    broadcast_group: Any
+    main_stream: Any
+    broadcast_stream: Any
+    device: Any
+    queue: Any
+    req_idx_gen_np: Any
 
     def __init__(self, max_num_reqs: int, num_speculative_steps: int, device: Any) -> None:
-        super().__init__(max_num_reqs, num_speculative_steps, device)
+        super().__init__(max_num_reqs, num_speculative_steps, device)  # type: ignore[call-arg]
         self.exchange_enabled = True
         self.exchange_step = None
         self.exchange_step_index = 0
@@ -238,6 +248,7 @@ class DSparkExchange:
             raise ExchangeError(
                 f"PP exchange step {step.index}: {payload.name} would be posted twice in one step"
             )
+        assert step.schedule is not None  # every caller set the step's schedule first
         expected = [p.name for p in step.schedule.payloads]
         if expected[: len(step.posted) + 1] != step.posted + [payload.name]:
             raise ExchangeError(
@@ -275,6 +286,7 @@ class DSparkExchange:
         with torch.cuda.stream(self.broadcast_stream):
             self.broadcast_stream.wait_stream(self.main_stream)
             sampled_p, counts_p = sched.sampled, sched.counts
+            assert sampled_p is not None and counts_p is not None  # a schedule that posts has both
             width = sampled_token_ids.shape[-1]
             if width > sampled_p.shape[1] or sampled_token_ids.shape[0] != n:
                 raise ExchangeError(
@@ -301,10 +313,9 @@ class DSparkExchange:
         """Last rank: the step's single draft broadcast, if its schedule has one."""
         assert self.is_last_rank
         step = self.exchange_step
-        sched = step.schedule if step is not None else None
-        if sched is None or not sched.posts:
+        if step is None or step.schedule is None or not step.schedule.posts:
             return  # nothing was broadcast this step; the other ranks expect no drafts either
-        drafts_p = sched.drafts
+        drafts_p = step.schedule.drafts
         if drafts_p is None:
             if step.num_spec_tokens is None:
                 return
@@ -341,12 +352,14 @@ class DSparkExchange:
         from vllm.v1.worker.gpu.pp_utils import PendingRecv
 
         step = self._current_step(1 if recv_drafts else 0)
-        if (step.num_spec_tokens > 0) != bool(recv_drafts):
+        nst = step.num_spec_tokens
+        assert nst is not None  # begin_step and the hint above both give a count
+        if (nst > 0) != bool(recv_drafts):
             raise ExchangeError(
                 f"PP exchange step {step.index}: recv_drafts={recv_drafts} but the step schedules "
-                f"{step.num_spec_tokens} draft tokens"
+                f"{nst} draft tokens"
             )
-        sched = step.schedule = schedule_for(self, input_batch, step.num_spec_tokens)
+        sched = step.schedule = schedule_for(self, input_batch, nst)
         if not sched.posts:
             return False  # this step's ring slot stays None
 
@@ -365,6 +378,8 @@ class DSparkExchange:
             for t in buffers.values():
                 t.record_stream(self.main_stream)
         num_sampled, num_rejected = counts_views(buffers[COUNTS], n)
+        mask = sched.need_sampled_mask
+        assert mask is not None  # a schedule that posts has its mask (schedule.step_schedule)
         self.queue[-1] = PendingRecv(
             event,
             buffers[SAMPLED],
@@ -372,7 +387,7 @@ class DSparkExchange:
             num_rejected,
             input_batch.idx_mapping,
             input_batch.idx_mapping_np,
-            sched.need_sampled_mask,
+            mask,
             gen_at_receive_np,
             buffers.get(DRAFTS),
         )

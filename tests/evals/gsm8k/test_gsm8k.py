@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from vllm_dspark_pp.dev import gsm8k
+from dspark_dev import gsm8k
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = sorted(glob.glob(os.path.join(HERE, "configs", "*.yaml")))
@@ -47,7 +47,7 @@ def test_extract_number():
 
 
 def test_prompts_match_the_tiny_corpus_format():
-    from vllm_dspark_pp.dev.training import corpus
+    from dspark_dev.training import corpus
 
     p = corpus.heldout_problems(1)[0]
     assert gsm8k.build_prompt(p.question, []) == corpus.format_prompt(p.question)
@@ -149,10 +149,10 @@ def test_gate_prompts_are_the_shared_runs_prompts():
 
 
 def test_offline_runner_builds_the_engine_job_and_reads_its_result(monkeypatch):
-    """gsm8k.run_offline through the shared runner (vllm_dspark_pp.dev.engine), with the runner
+    """gsm8k.run_offline through the shared runner (dspark_dev.engine), with the runner
     faked: the job it asks for and how it reads the answer (the real runner runs in the e2e
     tier)."""
-    from vllm_dspark_pp.dev import engine
+    from dspark_dev import engine
 
     seen = {}
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from vllm.config import KVTransferConfig
 
-from vllm_dspark_pp.dev import tiny_mla_drafts as tiny
+from dspark_dev import tiny_mla_drafts as tiny
 from vllm_dspark_pp.producer import deepseek_v4, drafter, kimi_k3, load, qwen3
 
 

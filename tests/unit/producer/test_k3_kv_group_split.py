@@ -20,7 +20,7 @@ import pytest
 import torch
 from support.mla_cpu_config import k3_engine_config
 
-from vllm_dspark_pp.dev import tiny_mla_targets
+from dspark_dev import tiny_mla_targets
 from vllm_dspark_pp.patches import v1_kv_cache_interface as split_patch
 
 
@@ -230,7 +230,7 @@ def test_k3_plan_keeps_mooncakes_configured_block_size(
     block size, so the configured value passes through unchanged."""
     import types
 
-    from vllm_dspark_pp.mooncake_blocks import group_block_sizes, transfer_block_size
+    from vllm_dspark_pp.connectors.mooncake_blocks import group_block_sizes, transfer_block_size
 
     cfg, specs, _ = _specs_of(k3_pair, drafter, monkeypatch)
     groups = _groups(cfg, specs, "BLNHC")

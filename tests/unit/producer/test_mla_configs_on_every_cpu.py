@@ -23,7 +23,7 @@ from support.mla_cpu_config import (
 )
 from support.tiny_dsv4_cpu import engine_config as dsv4_engine_config
 
-from vllm_dspark_pp.dev import tiny_mla_targets
+from dspark_dev import tiny_mla_targets
 
 
 @pytest.fixture(scope="module")

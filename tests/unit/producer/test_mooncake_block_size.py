@@ -1,6 +1,6 @@
 """MooncakeConnector's block size for DeepSeek-V4: one value on the scheduler and on uniproc and
 multiproc workers (the patch ``distributed_kv_transfer_kv_connector_v1_mooncake_mooncake_connector``
-over ``vllm_dspark_pp.mooncake_blocks``).
+over ``vllm_dspark_pp.connectors.mooncake_blocks``).
 
 The DeepSeek-V4 cases use the real tiny GPU target (``make_tiny_dsv4_pair(gpu=True)``) built on
 CPU, its KV-cache specs planned by vLLM's own ``get_kv_cache_configs`` as the engine core does,
@@ -24,8 +24,8 @@ import pytest
 import torch
 from support.tiny_dsv4_cpu import build_dsv4_target, engine_config, plan_as_engine_core
 
-from vllm_dspark_pp import mooncake_blocks as mb
-from vllm_dspark_pp.dev import tiny_mla_targets as t
+from dspark_dev import tiny_mla_targets as t
+from vllm_dspark_pp.connectors import mooncake_blocks as mb
 from vllm_dspark_pp.patches._util import original
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"

@@ -40,8 +40,8 @@ from support.tiny_dsv4_cpu import (
     plan_as_engine_core,
 )
 
-from vllm_dspark_pp import mooncake_blocks as mb
-from vllm_dspark_pp.dev import tiny_mla_targets as t
+from dspark_dev import tiny_mla_targets as t
+from vllm_dspark_pp.connectors import mooncake_blocks as mb
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 PROMPT_LEN = 100

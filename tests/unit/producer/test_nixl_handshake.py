@@ -13,7 +13,8 @@ import types
 import pytest
 from vllm.config import KVTransferConfig
 
-from vllm_dspark_pp.producer import nixl_layers, roles
+from vllm_dspark_pp.connectors import nixl_layers
+from vllm_dspark_pp.producer import roles
 
 TARGET_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
 DRAFT_NAMES = ["model.layers.6.self_attn.attn"]

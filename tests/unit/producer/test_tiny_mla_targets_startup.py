@@ -33,7 +33,7 @@ from support.tiny_dsv4_cpu import (
     resolve_layout,
 )
 
-from vllm_dspark_pp.dev import tiny_mla_targets as t
+from dspark_dev import tiny_mla_targets as t
 
 
 def _engine_config(pair, **kw):

@@ -7,7 +7,7 @@ import os
 import traceback
 from datetime import timedelta
 
-from vllm_dspark_pp.dev.serve import free_port  # noqa: F401 - the tests take it from here
+from dspark_dev.serve import free_port  # noqa: F401 - the tests take it from here
 
 
 def _report(queue, result) -> None:

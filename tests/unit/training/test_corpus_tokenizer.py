@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from vllm_dspark_pp.dev.training import corpus
-from vllm_dspark_pp.dev.training.tokenizer import (
+from dspark_dev.training import corpus
+from dspark_dev.training.tokenizer import (
     EOS_ID,
     MASK_ID,
     PAD_ID,
@@ -65,7 +65,7 @@ def test_committed_tokenizer_matches_pure_python_encoder():
 
 def test_committed_tokenizer_is_reproducible(tmp_path):
     pytest.importorskip("tokenizers")
-    from vllm_dspark_pp.dev.training.tokenizer import train_tokenizer
+    from dspark_dev.training.tokenizer import train_tokenizer
 
     out = tmp_path / "tokenizer.json"
     train_tokenizer(str(out))

@@ -15,9 +15,9 @@ import pytest
 import torch
 from support.env import CPU_E2E_EXTRA, CPU_ENV
 
-from vllm_dspark_pp.dev.proc import run_with_timeout
-from vllm_dspark_pp.dev.training.export import load_pair, write_pair
-from vllm_dspark_pp.dev.training.models import DraftConfig, TargetConfig, TinyDSparkDraft, TinyQwen3
+from dspark_dev.proc import run_with_timeout
+from dspark_dev.training.export import load_pair, write_pair
+from dspark_dev.training.models import DraftConfig, TargetConfig, TinyDSparkDraft, TinyQwen3
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from vllm_dspark_pp.dev.training.export import load_pair
-from vllm_dspark_pp.dev.training.models import (
+from dspark_dev.training.export import load_pair
+from dspark_dev.training.models import (
     DraftConfig,
     TargetConfig,
     TinyDSparkDraft,
@@ -110,7 +110,7 @@ def test_dspark_loss_terms():
 
 
 def test_train_command_cpu_smoke(tmp_path):
-    from vllm_dspark_pp.dev.training.train_tiny_pair import add_arguments, main
+    from dspark_dev.training.train_tiny_pair import add_arguments, main
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -3,12 +3,12 @@
 
 One command (< 10 minutes), on a machine with >= 2 GPUs after the kit is booted:
 
-    source /tmp/site/env.sh && PYTHONPATH=tests python3 tests/multi_gpu/run_pd_pp2.py --out $OUT
+    source /tmp/site/env.sh && PYTHONPATH=.:tests python3 tools/gpu/run_pd_pp2.py --out $OUT
 
 Producer: ``vllm serve --pipeline-parallel-size 2`` on GPUs 0,1, ``kv_producer``; decoder: PP=1
 ``kv_consumer`` on GPU 2 when three or more GPUs exist, else sharing GPU 1 with producer stage 1;
 both with the DSpark speculative config, joined by MooncakeConnector over TCP on loopback with
-vllm_dspark_pp/dev/pd_proxy.py in front (tests/support/pd_run.py). References: PP=1 aggregated runs
+dspark_dev/pd_proxy.py in front (tests/support/pd_run.py). References: PP=1 aggregated runs
 on GPU 0
 (plain, with top-2 logprobs; and DSpark). Checked: the KV came over Mooncake, greedy = aggregated,
 decoder acceptance = aggregated DSpark acceptance within 2 points, no NCCL stub reached.
@@ -28,7 +28,7 @@ from support.gpu import GPUCaseFailure, run_llm
 from support.parity import acceptance_close, compare_tokens
 from support.pd_run import run_pd
 
-from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count
+from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
 
 
 def main(argv=None) -> int:
@@ -43,13 +43,7 @@ def main(argv=None) -> int:
     if n_gpu < 2:
         rep.add("needs >= 2 GPUs", "FAIL", f"found {n_gpu}")
         return rep.finish()
-    guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-        **guard.env(),
-    }
+    guard, env = guarded_env()
     pair = random_pair(Path(tempfile.mkdtemp(prefix="dspark-mg-models-")))
     spec = {"method": "dspark", "model": pair.draft}
     prompts = waves()[-1]

@@ -21,11 +21,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark_pp.dev import cpu_env as _cpu_env
-from vllm_dspark_pp.dev.engine import child_env
-from vllm_dspark_pp.dev.metrics import spec_metrics_from_prometheus
-from vllm_dspark_pp.dev.proc import kill_group, live_group_members, start_in_session
-from vllm_dspark_pp.dev.serve import free_port, http_json, wait_for_health
+from dspark_dev import cpu_env as _cpu_env
+from dspark_dev.engine import child_env
+from dspark_dev.metrics import spec_metrics_from_prometheus
+from dspark_dev.proc import kill_group, live_group_members, start_in_session
+from dspark_dev.serve import free_port, http_json, wait_for_health
 
 __all__ = [
     "Server",
@@ -35,11 +35,11 @@ __all__ = [
     "spec_metrics_from_prometheus",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PAIR = REPO_ROOT / "models" / "tiny-pair"
 
-# vLLM's CPU platform from the CUDA-less wheel: the one CPU environment (dev/cpu_env.py), with the
-# engine extras (small KV cache, step timeout).
+# vLLM's CPU platform from the CUDA-less wheel: the one CPU environment (dspark_dev/cpu_env.py),
+# with the engine extras (small KV cache, step timeout).
 CPU_ENV = {**_cpu_env.CPU_ENV, **_cpu_env.CPU_ENGINE_EXTRA}
 
 # float32 (CPU parity), eager (no torch.compile warm-up on CPU), small KV cache.
@@ -200,7 +200,7 @@ def acceptance_summary(m: dict) -> dict:
 
 def heldout_question(index: int = 0) -> tuple[str, str]:
     """(question, prompt) of the pair's held-out problem ``index`` (never seen in training)."""
-    from vllm_dspark_pp.dev.training import corpus
+    from dspark_dev.training import corpus
 
     p = corpus.heldout_problems(max(index + 1, corpus.DEFAULT_HELDOUT_SIZE))[index]
     return p.question, corpus.format_prompt(p.question)

@@ -1,13 +1,15 @@
-"""Shared pieces of the several-GPU scripts (tests/multi_gpu/run_*.py, benchmarks/serve_pp.py;
-moved here from tests/multi_gpu/mg_common.py).
+"""Shared pieces of the several-GPU scripts (tools/gpu/run_pp2_aggregated.py, run_pd_pp2.py,
+benchmarks/serve_pp.py; once tests/multi_gpu/mg_common.py).
 
-* the one-GPU helpers (tests/support: run_llm, run_pd, parity; vllm_dspark_pp.dev: Server) are
+* the one-GPU helpers (tests/support: run_llm, run_pd, parity; dspark_dev: Server) are
   reused as they are;
 * :class:`Report` collects result rows, tees a log file and prints the short table LAST;
 * :class:`NcclStubGuard`: the GPU kit stubs the NCCL symbols the machine's NCCL lacks (boot.sh:
   each returns ncclInvalidUsage). The guard builds a *loud* copy of that stub (same symbols, each
   also appends its name to a file) and preloads it in every child instead of the silent one, so
-  any call of a stubbed function is recorded, then greps the logs for NCCL errors as well.
+  any call of a stubbed function is recorded, then greps the logs for NCCL errors as well;
+* :func:`guarded_env`: that guard, built, and the children's environment (NVLink multicast off
+  plus the guard's preload), the one copy the several-GPU scripts use.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 NCCL_ERROR = re.compile(
     r"ncclInvalidUsage|NCCL error|invalid usage \(run with NCCL_DEBUG=WARN|ncclSystemError", re.I
@@ -201,3 +204,19 @@ class NcclStubGuard:
                 "PASS",
                 f"{len(self.symbols)} stubbed symbols, none called, no NCCL errors",
             )
+
+
+# NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM (the machines lend GPUs without
+# it: see the device notes the GPU kit follows).
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def guarded_env() -> tuple[NcclStubGuard, dict]:
+    """A built :class:`NcclStubGuard` in a fresh temporary folder, and the environment every child
+    of a several-GPU run gets: multicast off and the guard's loud stub."""
+    guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
+    return guard, {**NO_MULTICAST_ENV, **guard.env()}

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark_pp.dev.engine import child_env
-from vllm_dspark_pp.dev.proc import dump_group_stacks, kill_group, start_in_session
+from dspark_dev.engine import child_env
+from dspark_dev.proc import dump_group_stacks, kill_group, start_in_session
 
 # Given to every GPU child (on top of the caller's environment).
 GPU_CHILD_ENV = {

@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from vllm_dspark_pp.dev.training.models import DraftConfig, TargetConfig
-from vllm_dspark_pp.dev.training.tokenizer import EOS_ID, PAD_ID, write_hf_tokenizer_files
+from dspark_dev.training.models import DraftConfig, TargetConfig
+from dspark_dev.training.tokenizer import EOS_ID, PAD_ID, write_hf_tokenizer_files
 
 TARGET_DIR = "target"
 DRAFT_DIR = "dspark-draft"
@@ -145,7 +145,7 @@ def convert_pt_dir(path: str) -> None:
 
 def load_pair(out: str):
     """Rebuild (target, draft) training modules from a directory written by ``write_pair``."""
-    from vllm_dspark_pp.dev.training.models import TinyDSparkDraft, TinyQwen3
+    from dspark_dev.training.models import TinyDSparkDraft, TinyQwen3
 
     with open(os.path.join(out, DRAFT_DIR, "training.json")) as f:
         extra = json.load(f)

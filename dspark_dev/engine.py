@@ -1,7 +1,7 @@
 """The one engine-in-a-child runner: ``vllm.LLM`` in a fresh process group with a hard deadline.
 
-:func:`run_engine` writes the spec (see :mod:`vllm_dspark_pp.dev.engine_worker`), starts
-``python -m vllm_dspark_pp.dev.engine_worker`` in its own session, waits at most ``timeout_s``
+:func:`run_engine` writes the spec (see :mod:`dspark_dev.engine_worker`), starts
+``python -m dspark_dev.engine_worker`` in its own session, waits at most ``timeout_s``
 (start-up, warm-up, generation and shutdown included), then kills the whole process group
 whatever happened, so no engine core or PP worker outlives the case; a case past its deadline
 first prints every process's Python stacks into its log (:mod:`vllm_dspark_pp.stack_dumps`).
@@ -22,12 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_dspark_pp.dev.proc import dump_group_stacks, kill_group, start_in_session
+from dspark_dev.proc import dump_group_stacks, kill_group, start_in_session
 from vllm_dspark_pp.stack_dumps import ENV as STACKS_ENV
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# A checkout (tests, benchmarks) rather than an installed copy (site-packages on the GPU machine)
-IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").exists()
+# The checkout this package lives in (dspark_dev is never installed: it exists only in a checkout)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -56,8 +55,7 @@ def child_env(base: dict, extra: dict | None = None) -> dict:
     env.update(base)
     env.update(extra or {})
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if IN_CHECKOUT:
-        parts.insert(0, str(REPO_ROOT))
+    parts.insert(0, str(REPO_ROOT))
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     return env
 
@@ -78,7 +76,7 @@ def run_engine(
         env = dict(env)
         if own_cache:
             env.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "vllm_cache"))
-        cmd = [sys.executable, "-m", "vllm_dspark_pp.dev.engine_worker", spec_path, result_path]
+        cmd = [sys.executable, "-m", "dspark_dev.engine_worker", spec_path, result_path]
         t0 = time.monotonic()
         timed_out = False
         with open(log_path, "wb") as log:

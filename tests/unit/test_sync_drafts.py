@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
-from vllm_dspark_pp import sync_drafts as inflight_drafts
+from vllm_dspark_pp import sync_drafts
 
 
 class _Drafts:
@@ -42,27 +42,27 @@ class _Core:
 
 
 def test_only_pp_batch_queue_with_sync_scheduling_and_drafts_defers():
-    assert inflight_drafts.defers_draft_application(_Core())
-    assert not inflight_drafts.defers_draft_application(_Core(queue=False))  # PP=1
-    assert not inflight_drafts.defers_draft_application(_Core(async_sched=True))
-    assert not inflight_drafts.defers_draft_application(_Core(spec=False))
+    assert sync_drafts.defers_draft_application(_Core())
+    assert not sync_drafts.defers_draft_application(_Core(queue=False))  # PP=1
+    assert not sync_drafts.defers_draft_application(_Core(async_sched=True))
+    assert not sync_drafts.defers_draft_application(_Core(spec=False))
 
 
 def test_in_flight_requests_are_left_out_and_others_applied():
     core = _Core(drafts=_Drafts(["a", "b", "c"], [[-1] * 4, [-1] * 4, [-1] * 4]))
     core.batch_queue.appendleft((None, _sched_out(b=5, z=0), None))
-    assert inflight_drafts.in_flight_request_ids(core.batch_queue) == {"b"}
-    assert inflight_drafts.apply_settled_drafts(core) == 2
+    assert sync_drafts.in_flight_request_ids(core.batch_queue) == {"b"}
+    assert sync_drafts.apply_settled_drafts(core) == 2
     assert core.applied == [{"a": [-1] * 4, "c": [-1] * 4}]
 
 
 def test_nothing_applied_when_all_in_flight_or_no_drafts():
     core = _Core(drafts=_Drafts(["a"], [[1, 2]]))
     core.batch_queue.appendleft((None, _sched_out(a=1), None))
-    assert inflight_drafts.apply_settled_drafts(core) == 0
+    assert sync_drafts.apply_settled_drafts(core) == 0
     assert core.applied == []
     core = _Core(drafts=None)
-    assert inflight_drafts.apply_settled_drafts(core) == 0 and core.taken == 1
+    assert sync_drafts.apply_settled_drafts(core) == 0 and core.taken == 1
 
 
 def test_patched_post_step_skips_fetching_only_in_the_deferred_mode():

@@ -1,6 +1,6 @@
 """``vllm-dspark-pp demo``: serve the bundled trained pair with DSpark on a PP=2 target on the
 CPU platform, ask one held-out question through the OpenAI API, print the answer and the
-acceptance, stop the server (see vllm_dspark_pp/dev/serve_demo.py; tools/quickstart.sh runs it).
+acceptance, stop the server (see dspark_dev/serve_demo.py; tools/quickstart.sh runs it).
 
 Exit codes: 0 answered, acceptance read and server stopped with nothing left running; 1 otherwise.
 """
@@ -18,7 +18,7 @@ HELP = (
 
 
 def add_arguments(p) -> None:
-    from vllm_dspark_pp.dev.serve_demo import DEFAULT_PAIR
+    from dspark_dev.serve_demo import DEFAULT_PAIR
 
     p.add_argument(
         "--pair", default=str(DEFAULT_PAIR), help="directory with target/ and dspark-draft/"
@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from vllm_dspark_pp.dev import serve_demo
+    from dspark_dev import serve_demo
 
     try:
         r = serve_demo.run_demo(

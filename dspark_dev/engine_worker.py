@@ -1,6 +1,6 @@
-"""Child process of :func:`vllm_dspark_pp.dev.engine.run_engine`: one ``vllm.LLM``, JSON out.
+"""Child process of :func:`dspark_dev.engine.run_engine`: one ``vllm.LLM``, JSON out.
 
-Usage (by the runner only): ``python -m vllm_dspark_pp.dev.engine_worker SPEC.json RESULT.json``
+Usage (by the runner only): ``python -m dspark_dev.engine_worker SPEC.json RESULT.json``
 
 The spec: ``llm`` (``vllm.LLM`` keyword arguments), ``waves`` (lists of prompts: text or token
 ids; each wave is submitted together and drained before the next, so the decode batch sizes are
@@ -152,7 +152,7 @@ def main(spec_path: str, result_path: str) -> int:
             force_async_scheduling()
         from vllm import LLM, SamplingParams
 
-        from vllm_dspark_pp.dev.metrics import counter_delta, spec_metrics_from_llm
+        from dspark_dev.metrics import counter_delta, spec_metrics_from_llm
 
         result["phase"] = "startup"
         dump()

@@ -4,8 +4,8 @@
 One command (< 10 minutes; or two with --part parity / --part startup), on a machine with >= 2 GPUs
 after the kit is booted:
 
-    source /tmp/site/env.sh && PYTHONPATH=tests \
-        python3 tests/multi_gpu/run_pp2_aggregated.py --out $OUT
+    source /tmp/site/env.sh && PYTHONPATH=.:tests \
+        python3 tools/gpu/run_pp2_aggregated.py --out $OUT
     [--trained-pair DIR]
 
 For each model pair (the random-weight tiny pair, generated here, and the trained tiny pair when
@@ -20,7 +20,7 @@ For each model pair (the random-weight tiny pair, generated here, and the traine
 * the start-up handshake rejects a mismatched rank: rank 1 is made to publish a different
   protocol version (through a sitecustomize hook in its environment only) and the engine must
   fail at start with the handshake's error, not hang;
-* no child reaches the kit's stubbed NCCL functions (vllm_dspark_pp.dev.multi_gpu.NcclStubGuard).
+* no child reaches the kit's stubbed NCCL functions (dspark_dev.multi_gpu.NcclStubGuard).
 
 Writes its log to OUT/pp2_aggregated.log and prints the table last. Exit 0 only if all passed.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 from support.gpu import GPUCaseFailure, run_llm
 from support.parity import acceptance_close, compare_tokens
 
-from vllm_dspark_pp.dev.multi_gpu import NcclStubGuard, Report, gpu_count
+from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
 
 WAVES_SEED = 4321
 MAX_TOKENS = 48
@@ -137,13 +137,7 @@ def main(argv=None) -> int:
     if n_gpu < 2:
         rep.add("needs >= 2 GPUs", "FAIL", f"found {n_gpu}")
         return rep.finish()
-    guard = NcclStubGuard(Path(tempfile.mkdtemp(prefix="dspark-nccl-"))).build()
-    env = {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-        **guard.env(),
-    }
+    guard, env = guarded_env()
     # the runs here are sequential: one shared torch.compile cache keeps the repeats inside the
     # budget
     env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="dspark-mg-vllm-cache-")

@@ -11,12 +11,12 @@ HELP = (
 
 
 def add_arguments(parser) -> None:
-    from vllm_dspark_pp.dev.training.train_tiny_pair import add_arguments as add
+    from dspark_dev.training.train_tiny_pair import add_arguments as add
 
     add(parser)
 
 
 def run(args) -> int:
-    from vllm_dspark_pp.dev.training.train_tiny_pair import main
+    from dspark_dev.training.train_tiny_pair import main
 
     return main(args)

@@ -20,7 +20,7 @@ These are the keys vLLM 0.34.0's MooncakeConnector reads (mooncake_connector.py:
 Upstream errors come back with the upstream status and body, and a timeout as 504, so a stuck
 server becomes a failed request, never a hung client.
 
-Run standalone: ``python -m vllm_dspark_pp.dev.pd_proxy --prefill http://127.0.0.1:8100 --decode
+Run standalone: ``python -m dspark_dev.pd_proxy --prefill http://127.0.0.1:8100 --decode
 http://127.0.0.1:8200 --bootstrap http://127.0.0.1:8998 --port 8000``.
 """
 

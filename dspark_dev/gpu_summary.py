@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Short pass/fail/skip table of a pytest run, from its junit XML (or, if that is missing, its log).
 
-Usage: python3 -m vllm_dspark_pp.dev.gpu_summary --junit OUT/gpu_junit.xml [--log OUT/gpu_suite.log]
+Usage: python3 -m dspark_dev.gpu_summary --junit OUT/gpu_junit.xml [--log OUT/gpu_suite.log]
                                       [--wall SECONDS] [--out OUT/gpu_summary.txt]
 
 Prints one row per test (outcome, seconds, name, the first line of the skip reason or failure),

@@ -24,7 +24,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark_pp.dev import tiny_mla_drafts
+from dspark_dev import tiny_mla_drafts
 from vllm_dspark_pp.tiny_models import SPECIAL_TOKENS, _write_json, _write_tokenizer
 
 VOCAB = 512

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILTIN_TINY = "builtin:tiny-heldout"
 _ANSWER_RE = re.compile(r"####\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 
@@ -38,7 +38,7 @@ def load_jsonl(path: str) -> list[dict]:
 
 
 def builtin_rows(kind: str, n: int) -> list[dict]:
-    from vllm_dspark_pp.dev.training import corpus
+    from dspark_dev.training import corpus
 
     if kind == "heldout":
         probs = corpus.heldout_problems(max(n, corpus.DEFAULT_HELDOUT_SIZE))[:n]
@@ -148,8 +148,8 @@ def questions_for(cfg: EvalConfig) -> tuple[list[dict], list[dict]]:
 
 def run_offline(cfg: EvalConfig, prompts: list[str]) -> dict:
     """``vllm.LLM`` in a child with a hard deadline
-    (:func:`vllm_dspark_pp.dev.engine.run_engine`)."""
-    from vllm_dspark_pp.dev.engine import child_env, run_engine
+    (:func:`dspark_dev.engine.run_engine`)."""
+    from dspark_dev.engine import child_env, run_engine
 
     spec = {
         "name": cfg.name,
@@ -197,7 +197,7 @@ def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int =
             return r.read().decode()
 
     model = cfg.llm.get("served_model_name") or json.loads(get("/v1/models"))["data"][0]["id"]
-    from vllm_dspark_pp.dev.metrics import counter_delta, spec_metrics_from_prometheus
+    from dspark_dev.metrics import counter_delta, spec_metrics_from_prometheus
 
     before = spec_metrics_from_prometheus(get("/metrics"))
 

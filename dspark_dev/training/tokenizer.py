@@ -36,7 +36,7 @@ def train_tokenizer(
     """Train the BPE on the first ``num_docs`` training documents and save ``tokenizer.json``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from vllm_dspark_pp.dev.training.corpus import format_document, train_problems
+    from dspark_dev.training.corpus import format_document, train_problems
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE_PATTERN), behavior="isolated")

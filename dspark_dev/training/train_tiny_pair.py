@@ -3,7 +3,7 @@
 Depends on torch and the standard library only (safetensors is used when importable). One command
 on a GPU rebuilds the pair:
 
-    python3 -m vllm_dspark_pp.dev.training.train_tiny_pair --device cuda --out $OUT/pair
+    python3 -m dspark_dev.training.train_tiny_pair --device cuda --out $OUT/pair
 
 and the same runs on CPU with small step counts (``--target-steps 20 --draft-steps 20``).
 Seeded: the corpus, the initial weights, the batches and the anchors all come from ``--seed``;
@@ -24,8 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vllm_dspark_pp.dev.training import corpus
-from vllm_dspark_pp.dev.training.models import (
+from dspark_dev.training import corpus
+from dspark_dev.training.models import (
     DraftConfig,
     TargetConfig,
     TinyDSparkDraft,
@@ -34,11 +34,9 @@ from vllm_dspark_pp.dev.training.models import (
     gpt_lr,
     num_params,
 )
-from vllm_dspark_pp.dev.training.tokenizer import EOS_ID, PAD_ID, PurePythonBPE
+from dspark_dev.training.tokenizer import EOS_ID, PAD_ID, PurePythonBPE
 
-REPO_ROOT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_TOKENIZER = os.path.join(REPO_ROOT, "models", "tiny-pair", "target", "tokenizer.json")
 
 
@@ -262,7 +260,7 @@ def _fit_steps(what: str, step: int, total: int, t0: float, end: float) -> int:
 
 
 def _write(args, target, draft, extra, device, t_start) -> None:
-    from vllm_dspark_pp.dev.training.export import write_pair
+    from dspark_dev.training.export import write_pair
 
     target.cpu().float()
     draft.cpu().float()

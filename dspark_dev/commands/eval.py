@@ -34,7 +34,7 @@ def run(args) -> int:
     import json
     import os
 
-    from vllm_dspark_pp.dev import gsm8k
+    from dspark_dev import gsm8k
 
     cfg = gsm8k.load_config(args.config)
     if args.accuracy_min is not None:
