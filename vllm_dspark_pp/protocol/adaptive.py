@@ -114,10 +114,15 @@ class ShippedCounts:
     is_last_stage: bool = True
     pipeline_ranks: tuple[int, ...] = ()
     stage: int = 0
+    # Set by vLLM's AdaptiveVerificationManager (the class this one is mixed into); declared for
+    # the type checker only.
+    req_states: Any
+    _max_total_logits: int
+    num_bonus_tokens: int
 
     # -- the decision (last stage; vLLM calls this right before broadcast_drafts, sample_tokens)
     def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
-        super().record_confidences(confidence_probs, input_batch)
+        super().record_confidences(confidence_probs, input_batch)  # type: ignore[misc]
         handler = self.pp_handler
         step = getattr(handler, "exchange_step", None)
         schedule = getattr(step, "schedule", None)
@@ -174,7 +179,8 @@ class ShippedCounts:
             publish_curve(store, self.pipeline_ranks, self.stage, verify_curve)
             return  # only the last stage decides
         others = fetch_curves(store, self.pipeline_ranks, range(len(self.pipeline_ranks) - 1))
-        super().set_cost_curves(draft_curve, pipeline_verify_curve([verify_curve, *others]))
+        curve = pipeline_verify_curve([verify_curve, *others])
+        super().set_cost_curves(draft_curve, curve)  # type: ignore[misc]
 
 
 def pipeline_verify_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:

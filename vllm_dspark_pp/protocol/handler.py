@@ -143,6 +143,7 @@ class DSparkExchange:
     # here for the type checker only.
     is_last_rank: bool
     last_rank: int
+    num_speculative_steps: int
     broadcast_group: Any
     main_stream: Any
     broadcast_stream: Any
