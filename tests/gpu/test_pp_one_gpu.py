@@ -67,7 +67,7 @@ WAVE_SIZES = (3, 5, 7)
 MAX_TOKENS = PAIR_SAMPLING["max_tokens"]
 READY_S = float(os.environ.get("DSPARK_GPU_PP_READY_S", "330"))
 REQUEST_S = 120.0
-STOCK_READY_S = float(os.environ.get("DSPARK_GPU_PP_STOCK_READY_S", "300"))
+STOCK_READY_S = float(os.environ.get("DSPARK_GPU_PP_STOCK_READY_S", "420"))
 STOCK_REQUEST_S = 90.0
 FAULT_HANDSHAKE_S = 15.0
 KV_BYTES = 512 << 20
@@ -242,7 +242,12 @@ def _stock(name, async_scheduling, waves, guard) -> dict:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                rec["outcome"] = f"HANG during {phase} (not ready after {STOCK_READY_S:.0f} s)"
+                # not a verdict: on 2026-12-03 the stacks showed stock still compiling kernels at
+                # 270 s while the plugin's deployments of the same run needed 291-303 s
+                rec["outcome"] = (
+                    f"UNDETERMINED: not ready after {STOCK_READY_S:.0f} s (a hang or a slow start:"
+                    " read the faulthandler stacks in its logs)"
+                )
                 _signal_members(dep, signal.SIGABRT)
                 time.sleep(3)
                 return rec
@@ -481,7 +486,10 @@ def test_stock_vllm_under_the_same_launchers_is_recorded(pp_jobs, mode):
     print(f"STOCK vLLM 0.34.0, PP=2 DSpark, two launchers on one GPU, {mode} scheduling: {verdict}")
     for line in rec.get("log_excerpt", [])[:40]:
         print(f"  stock log: {line}")
-    assert verdict, rec
+    assert verdict and not verdict.startswith("UNDETERMINED"), (
+        f"the stock control reached no verdict: {verdict}; give it a longer start-up deadline "
+        "(DSPARK_GPU_PP_STOCK_READY_S)"
+    )
 
 
 def test_no_run_reaches_the_kit_nccl_stubs(pp_jobs):

@@ -60,7 +60,7 @@ for g in "$@"; do
     ;;
   pp)
     mkdir -p "$ART/pp" # every launcher's log comes back in artifacts.tgz
-    DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 250)) \
+    DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   pd_pp)
