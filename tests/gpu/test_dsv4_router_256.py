@@ -213,16 +213,7 @@ def test_router_entry_takes_dsv4_topk_with_the_runner_mask(num_experts, monkeypa
 
     monkeypatch.setattr(router, "dsv4_topk", spy)
     hidden = torch.zeros(p, 64, dtype=torch.bfloat16, device="cuda")
-    w, ids = router.fused_topk_bias(
-        hidden_states=hidden,
-        gating_output=logits,
-        scoring_func="sqrtsoftplus",
-        e_score_correction_bias=case.bias,
-        topk=ref.TOPK,
-        renormalize=True,
-        indices_type=None,
-        routed_scaling_factor=ref.SCALE,
-    )
+    w, ids = ref.call_fused_topk_bias(router, hidden, logits, case.bias)
     torch.cuda.synchronize()
     assert len(calls) == 1, f"fused_topk_bias did not take dsv4_topk ({len(calls)} calls)"
     assert calls[0] is not None and torch.equal(calls[0], mask), "the padding mask was not passed"

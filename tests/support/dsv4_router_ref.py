@@ -188,3 +188,17 @@ def runner_padding_buffer(num_tokens: int, max_tokens: int = 32, device: str = "
     buf = torch.ones(max_tokens, dtype=torch.bool, device=device)
     buf[:num_tokens] = False
     return buf
+
+
+def call_fused_topk_bias(router, hidden, logits, bias):
+    """vLLM's DSV4 router entry (``fused_topk_bias``) as the DSV4 MoE layer calls it."""
+    return router.fused_topk_bias(
+        hidden_states=hidden,
+        gating_output=logits,
+        scoring_func="sqrtsoftplus",
+        e_score_correction_bias=bias,
+        topk=TOPK,
+        renormalize=True,
+        indices_type=None,
+        routed_scaling_factor=SCALE,
+    )

@@ -101,41 +101,26 @@ def run_pd(
         if prefill_speculative_config
         else spec
     )
-    pre = Server(
-        "prefill",
-        model,
-        [
-            *common_args,
-            *pre_spec,
-            "--kv-transfer-config",
-            json.dumps(mooncake_kv_config("kv_producer", engine_id)),
-            *prefill_args,
-        ],
-        env={
-            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport),
-            "VLLM_PORT": str(free_port_block()),
-            **(prefill_env or {}),
-        },
-    )
-    # A PP producer of several launchers: node 0 is ``pre`` (API server, bootstrap), every other
-    # node a headless launcher with its own (args, env) (tests/support/pp_launch.py composes them).
-    followers = [
-        Server(
-            f"prefill-node{i + 1}",
+
+    def producer(name: str, args: list[str], env: dict) -> Server:
+        """One launcher of the producer: node 0 (``pre``: API server, Mooncake bootstrap) or, for
+        a PP producer of several launchers, a headless node with its own (args, env)
+        (tests/support/pp_launch.py composes them)."""
+        kv = json.dumps(mooncake_kv_config("kv_producer", engine_id))
+        return Server(
+            name,
             model,
-            [
-                *common_args,
-                *pre_spec,
-                "--kv-transfer-config",
-                json.dumps(mooncake_kv_config("kv_producer", engine_id)),
-                *args,
-            ],
+            [*common_args, *pre_spec, "--kv-transfer-config", kv, *args],
             env={
                 "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport),
                 "VLLM_PORT": str(free_port_block()),
                 **env,
             },
         )
+
+    pre = producer("prefill", list(prefill_args), dict(prefill_env or {}))
+    followers = [
+        producer(f"prefill-node{i + 1}", args, env)
         for i, (args, env) in enumerate(prefill_followers)
     ]
     dec = Server(
