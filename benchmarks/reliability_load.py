@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--plugins", choices=("ours", "none"), default="ours")
     ap.add_argument("--run-timeout-s", type=float, default=540)
     ap.add_argument("--out", default="/tmp/rel-load")
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
                 "--random-output-len", str(a.output_len),
                 "--random-range-ratio", str(a.range_ratio),
                 "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency),
+                "--temperature", str(a.temperature), "--ignore-eos",
                 "--seed", str(i), "--save-result", "--result-dir", str(res_dir),
                 "--result-filename", "r.json",
             ]  # fmt: skip

@@ -142,5 +142,9 @@ def test_last_stage_sigkill_ends_the_server_naming_the_stage(tmp_path, two_launc
     r = kill_last_stage_mid_generation(tmp_path, two_launchers)
     print(_summary(r))
     assert r["rc"] is not None, f"server still up {EXIT_LIMIT_S:.0f} s after the kill (a hang)"
-    assert r["rc"] != 0
     assert not r["head_group_left"], f"orphans: {r['head_group_left']}"
+    # Every open stream ended with vLLM's error event, none hung or claimed success.
+    assert all(c.get("error") or c.get("exception") for c in r["clients"]), r["clients"]
+    if not two_launchers:  # vLLM's worker monitor names the dead worker (rank 1 = PP rank 1)
+        assert "Worker proc VllmWorker-1 died unexpectedly" in r["head_log"]
+    # Exit status: recorded (vLLM 0.34.0's API server returns 0 after its engine died).
