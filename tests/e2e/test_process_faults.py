@@ -134,7 +134,8 @@ def _summary(r: dict) -> str:
 
 @pytest.mark.skipif(
     os.environ.get("DSPARK_RELIABILITY_HAND") != "1",
-    reason="hand run (about 40 s per case): DSPARK_RELIABILITY_HAND=1; results in "
+    reason="hand run (about 40 s with one launcher, 6 min with two): DSPARK_RELIABILITY_HAND=1; "
+    "results in "
     "docs/results/reliability.md",
 )
 @pytest.mark.parametrize("two_launchers", [False, True], ids=["one-launcher", "two-launchers"])
