@@ -1,0 +1,276 @@
+"""Helpers of the reliability tier (issue 28, docs/results/reliability.md): streaming clients that
+can hang up, the lost-stage measurement, and the statistics of the sampling-exactness test.
+
+* :func:`stream_completion`: a ``/v1/completions`` stream read event by event over a raw
+  ``http.client`` connection, optionally closed by the client after ``close_after`` events (what
+  a user pressing Ctrl-C does: the socket goes away, vLLM must abort the request);
+* :func:`worker_pid`: the pid of a vLLM worker from its log prefix (``(Worker_PP1 pid=N)``);
+* :func:`target_next_token_probs`: the target's exact next-token distribution (float64 softmax
+  of the checkpoint run by ``transformers``, independent of vLLM) for each context;
+* :func:`chi_square_gof`: Pearson's goodness-of-fit test of observed counts against
+  probabilities, sparse bins pooled; :func:`chi_square_sf` its p-value (regularized upper
+  incomplete gamma from ``torch.special``: no scipy in the environment);
+* :func:`noncentrality`: the expected excess of the statistic under an alternative, for the power
+  statement.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import time
+from functools import cache
+
+import torch
+
+from support import tiny_pair
+
+
+# ------------------------------------------------------------------ clients
+def stream_completion(
+    port: int,
+    body: dict,
+    *,
+    close_after: int | None = None,
+    timeout_s: float = 120.0,
+) -> dict:
+    """POST a streaming completion; return the events' token ids and how the stream ended.
+
+    ``close_after``: close the socket after that many data events (the client disconnects).
+    Returns ``{"status", "events", "token_ids", "text", "finish_reason", "done", "error"}``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    out = {"events": 0, "token_ids": [], "text": "", "finish_reason": None, "done": False}
+    out["error"] = None
+    try:
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({**body, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        out["status"] = resp.status
+        if resp.status != 200:
+            out["error"] = resp.read().decode(errors="replace")
+            return out
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                out["done"] = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out["error"] = event["error"]
+                continue
+            out["events"] += 1
+            for c in event.get("choices", []):
+                out["token_ids"] += list(c.get("token_ids") or [])
+                out["text"] += c.get("text") or ""
+                out["finish_reason"] = c.get("finish_reason") or out["finish_reason"]
+            if close_after is not None and out["events"] >= close_after:
+                break
+        return out
+    finally:
+        conn.close()
+
+
+def post(port: int, path: str, body: dict, timeout_s: float = 300.0) -> tuple[int, dict]:
+    """POST JSON; return (status, decoded body) for any status (vLLM's errors are JSON)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode(errors="replace")
+        try:
+            return resp.status, json.loads(raw)
+        except json.JSONDecodeError:
+            return resp.status, {"raw": raw}
+    finally:
+        conn.close()
+
+
+def get_text(port: int, path: str, timeout_s: float = 10.0) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def gauge(metrics_text: str, name: str) -> float | None:
+    """Sum of an unlabeled-or-labeled gauge/counter ``name`` in a Prometheus exposition."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
+def worker_pid(log_text: str, process_name: str) -> int | None:
+    """The pid vLLM prints in each log line of a worker (``(Worker_PP1 pid=123)``)."""
+    m = re.search(rf"\({re.escape(process_name)} pid=(\d+)\)", log_text)
+    return int(m.group(1)) if m else None
+
+
+# ------------------------------------------------------------------ target distribution
+@cache
+def _target_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_pair.TARGET, dtype=torch.float32).eval()
+
+
+def target_next_token_probs(contexts: list[list[int]]) -> list[torch.Tensor]:
+    """For each context (token ids), the target's next-token distribution (float64, sums to 1),
+    from the checkpoint run by ``transformers`` in float32: vLLM is not involved."""
+    model = _target_model()
+    out = []
+    with torch.no_grad():
+        for ctx in contexts:
+            logits = model(torch.tensor([list(ctx)])).logits[0, -1]
+            out.append(torch.softmax(logits.double(), dim=-1))
+    return out
+
+
+def tempered(p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``p`` sampled at ``temperature`` (p ** (1 / T), renormalized)."""
+    q = p.clamp_min(1e-300) ** (1.0 / temperature)
+    return q / q.sum()
+
+
+# ------------------------------------------------------------------ statistics
+def chi_square_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square(df)."""
+    s = torch.tensor(stat / 2.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), s))
+
+
+def _bins(p: torch.Tensor, n: int, min_expected: float) -> list[list[int]]:
+    """Tokens with expected count >= ``min_expected`` get a bin each; the others share one
+    pooled bin (if its expectation is still too small it joins the smallest bin)."""
+    order = torch.argsort(p, descending=True).tolist()
+    big = [[t] for t in order if n * float(p[t]) >= min_expected]
+    rest = [t for t in order if n * float(p[t]) < min_expected]
+    if rest:
+        if n * float(p[rest].sum()) >= min_expected or not big:
+            big.append(rest)
+        else:
+            big[-1] = big[-1] + rest
+    return big
+
+
+def chi_square_gof(tokens: list[int], p: torch.Tensor, min_expected: float = 5.0) -> dict:
+    """Pearson's test that ``tokens`` are draws from ``p``: statistic, degrees of freedom,
+    p-value, the sample size and the bins used (token lists, most probable first)."""
+    n = len(tokens)
+    bins = _bins(p, n, min_expected)
+    where = {t: i for i, b in enumerate(bins) for t in b}
+    observed = [0] * len(bins)
+    for t in tokens:
+        observed[where[t]] += 1
+    expected = [n * float(p[b].sum()) for b in bins]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+    df = len(bins) - 1
+    return {
+        "n": n,
+        "stat": stat,
+        "df": df,
+        "p_value": chi_square_sf(stat, df) if df > 0 else 1.0,
+        "bins": bins,
+        "observed": observed,
+        "expected": expected,
+    }
+
+
+def noncentrality(p: torch.Tensor, q: torch.Tensor, bins: list[list[int]], n: int) -> float:
+    """``n * sum((q_b - p_b)^2 / p_b)`` over the bins: the statistic's expected excess over its
+    degrees of freedom when the samples come from ``q`` instead of ``p``."""
+    return n * sum((float(q[b].sum()) - float(p[b].sum())) ** 2 / float(p[b].sum()) for b in bins)
+
+
+def critical_value(df: int, alpha: float) -> float:
+    """The chi-square(df) quantile 1 - alpha (bisection on :func:`chi_square_sf`)."""
+    lo, hi = 0.0, float(df) + 20.0 * (df**0.5) + 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if chi_square_sf(mid, df) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+# ------------------------------------------------------------------ sampled continuations
+def continuation_probs(prefix: list[int], samples: list[list[int]]) -> torch.Tensor:
+    """Target next-token distributions along each sampled continuation of ``prefix``:
+    ``[len(samples), M, vocab]`` where row ``[i, j]`` is p(. | prefix + samples[i][:j]).
+    All samples must have the same length ``M`` (one batched forward)."""
+    model = _target_model()
+    m = len(samples[0])
+    assert all(len(s) == m for s in samples), "samples of different lengths"
+    ids = torch.tensor([list(prefix) + list(s[:-1]) for s in samples])
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(prefix) - 1 :, :]
+    return torch.softmax(logits.double(), dim=-1)
+
+
+def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, seed: int) -> torch.Tensor:
+    """Randomized probability integral transform of each token under its own distribution
+    (tokens ranked by decreasing probability): ``u = P(rank < rank(t)) + V * p(t)`` with
+    ``V ~ U(0, 1)``. For draws from ``probs`` the ``u`` are independent U(0, 1), also along a
+    sequence where each distribution depends on the earlier draws (Rosenblatt); a sampler that
+    favours probable tokens (a lower temperature) pushes them towards 0. ``probs``:
+    ``[..., vocab]``, ``tokens``: ``[...]``."""
+    order = torch.argsort(probs, dim=-1, descending=True)
+    sorted_p = torch.gather(probs, -1, order)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass ranked before each sorted token
+    rank = torch.argsort(order, dim=-1)  # rank of every token id
+    r = torch.gather(rank, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    lo = torch.gather(before, -1, r.unsqueeze(-1)).squeeze(-1)
+    pt = torch.gather(probs, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.rand(pt.shape, generator=gen, dtype=torch.float64)
+    return (lo + v * pt).clamp(0.0, 1.0 - 1e-12)
+
+
+def uniformity_chi_square(u: torch.Tensor, bins: int = 20) -> dict:
+    """Pearson's test that ``u`` is U(0, 1), with ``bins`` equiprobable bins."""
+    n = int(u.numel())
+    observed = torch.bincount((u.flatten() * bins).long().clamp(0, bins - 1), minlength=bins)
+    e = n / bins
+    stat = float(((observed.double() - e) ** 2 / e).sum())
+    return {
+        "n": n,
+        "stat": stat,
+        "df": bins - 1,
+        "p_value": chi_square_sf(stat, bins - 1),
+        "observed": observed.tolist(),
+    }
+
+
+def pit_bin_probs_under(probs: torch.Tensor, q: torch.Tensor, bins: int = 20) -> torch.Tensor:
+    """Expected PIT bin probabilities when tokens come from ``q`` but the transform uses
+    ``probs`` (both ``[K, vocab]``), averaged over the K contexts: the alternative of the power
+    statement (vectorized over tokens; exact, no sampling)."""
+    order = torch.argsort(probs, dim=-1, descending=True)
+    sp = torch.gather(probs, -1, order)
+    sq = torch.gather(q, -1, order)
+    lo = torch.cumsum(sp, dim=-1) - sp
+    hi = lo + sp
+    edges = torch.linspace(0.0, 1.0, bins + 1, dtype=torch.float64)
+    out = torch.zeros(bins, dtype=torch.float64)
+    width = sp.clamp_min(1e-300)
+    for b in range(bins):
+        overlap = (torch.minimum(hi, edges[b + 1]) - torch.maximum(lo, edges[b])).clamp_min(0)
+        out[b] = (sq * overlap / width).sum() / probs.shape[0]
+    return out
