@@ -28,7 +28,7 @@ import pytest
 from support import engines, tiny_pair
 from support.reliability import stream_completion, worker_pid
 
-from vllm_dspark_pp.dev.serve_demo import Server, free_port, live_group_members, serve_argv
+from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
 
 pytestmark = pytest.mark.e2e
 

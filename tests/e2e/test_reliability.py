@@ -53,8 +53,8 @@ from support.reliability import (
     uniformity_chi_square,
 )
 
-from vllm_dspark_pp.dev import serve_demo
-from vllm_dspark_pp.dev.serve_demo import Server, free_port, live_group_members, serve_argv
+from dspark_dev import serve_demo
+from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ failed counts from bench serve's result JSON, the server's KV-cache usage and ru
 once idle (must return to 0), the summed RSS of the server's process group (must not grow run
 over run), and ERROR lines in the server log (must be none). Writes OUT/reliability_load.json.
 
-    .venv/bin/python benchmarks/reliability_load.py --runs 3 --num-prompts 100 --concurrency 8 \\
+    .venv/bin/python tools/reliability_load.py --runs 3 --num-prompts 100 --concurrency 8 \\
         --input-len 64 --output-len 64 --out /tmp/rel-load
 
 ``--plugins none`` runs the stock vLLM control (``VLLM_PLUGINS`` leaves the plugin out, no
@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # dspark_dev and the test helpers of a checkout
 
 from support import engines, tiny_pair  # noqa: E402
 from support.reliability import gauge, get_text  # noqa: E402
 
-from vllm_dspark_pp.dev.serve_demo import (  # noqa: E402
+from dspark_dev.serve_demo import (  # noqa: E402
     Server,
     free_port,
     live_group_members,
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if "VLLM_TARGET_DEVICE" not in os.environ:
-        from vllm_dspark_pp.dev.serve_demo import CPU_ENV
+        from dspark_dev.serve_demo import CPU_ENV
 
         os.environ.update(CPU_ENV)
     raise SystemExit(main())
