@@ -25,7 +25,7 @@ import threading
 import time
 
 import pytest
-from support import engines, tiny_pair
+from support import engines, pp_launch, tiny_pair
 from support.reliability import stream_completion, worker_pid
 
 from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
@@ -48,18 +48,10 @@ def _servers(tmp_path, two_launchers: bool) -> list[Server]:
     if not two_launchers:
         argv = serve_argv(tiny_pair.TARGET, pp=2, spec=spec, port=port, extra=extra)
         return [Server(argv, tmp_path / "serve.log", env=env, port=port, name="vllm serve -pp 2")]
-    common = extra + ["--nnodes", "2", "--master-addr", "127.0.0.1"]
-    common += ["--master-port", str(free_port())]
-    node0 = serve_argv(
-        tiny_pair.TARGET, pp=2, spec=spec, port=port, extra=common + ["--node-rank", "0"]
+    dep = pp_launch.deployment(
+        "fault", tiny_pair.TARGET, pp=2, spec=spec, log_dir=tmp_path, extra=extra, env=env
     )
-    node1 = serve_argv(
-        tiny_pair.TARGET, pp=2, spec=spec, port=None, extra=common + ["--node-rank", "1"]
-    )
-    return [
-        Server(node0, tmp_path / "node0.log", env=env, port=port, name="node 0"),
-        Server(node1, tmp_path / "node1.log", env=env, name="node 1 (headless)"),
-    ]
+    return dep.nodes
 
 
 def kill_last_stage_mid_generation(tmp_path, two_launchers: bool) -> dict:
