@@ -48,7 +48,10 @@ LLM_BASE = {
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-mla-pp-"))
 
 
-def _served(fam, pair, waves, eager: bool) -> dict:
+def _served(fam, pair, waves, eager: bool, *, control: str | None = None) -> dict:
+    """PP=2 served by two launchers; ``control`` "nospec" (the plugin, no DSpark) or "stock"
+    (plugin left out, no DSpark): the Kimi-K3 PP=2 failure of 2026-12-03 needs them to say
+    whether it is the plugin's or vLLM's."""
     mode = ["--enforce-eager"] if eager else [
         "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)
     ]  # fmt: skip
@@ -57,10 +60,13 @@ def _served(fam, pair, waves, eager: bool) -> dict:
         "--load-format", "dummy", "--gpu-memory-utilization", "0.05",
         "--kv-cache-memory-bytes", str(256 << 20), *mode,
     ]  # fmt: skip
-    name = f"{fam}_pp2_{'eager' if eager else 'graphs'}"
+    name = f"{fam}_pp2_{control or ('eager' if eager else 'graphs')}"
     env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+    if control == "stock":
+        env["VLLM_PLUGINS"] = "no-such-plugin"
+    spec = None if control else pair.speculative_config(K)
     dep = pp_launch.deployment(
-        name, pair.target, pp=2, spec=pair.speculative_config(K), log_dir=LOG_DIR,
+        name, pair.target, pp=2, spec=spec, log_dir=LOG_DIR,
         device="gpu", base_args=base, env=env,
     )  # fmt: skip
     out: dict = {"name": name}
@@ -111,6 +117,9 @@ def mla_pp_jobs(tmp_path_factory):
         for eager in (False, True):
             name = f"{fam}_pp2_{'eager' if eager else 'graphs'}"
             jobs.submit(name, _served, fam, pair, waves, eager)
+        if fam == "k3":  # the controls of the K3 PP=2 failure (docs/results/gpu.md)
+            for control in ("nospec", "stock"):
+                jobs.submit(f"k3_pp2_{control}", _served, fam, pair, waves, False, control=control)
     yield jobs
     jobs.shutdown()
 
@@ -139,4 +148,17 @@ def test_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam, mode):
     assert rep.ok, rep.describe()
     assert ok, desc
     assert got["handshake"] and got["backends"] == ["nccl", "nccl"], got["backends"]
+    assert not got["leftover_pids"], got["leftover_pids"]
+
+
+@pytest.mark.parametrize("control", ["nospec", "stock"])
+def test_k3_pp2_without_dspark(mla_pp_jobs, control):
+    """Kimi-K3 at PP=2 without speculation, with the plugin ("nospec") and without it ("stock"):
+    greedy equal to PP=1 no-spec. On 2026-12-03 K3 PP=2 DSpark failed with a device-side assert on
+    PP rank 0; these say whether PP=2 Kimi-K3 runs at all in vLLM 0.34.0 and with the plugin."""
+    base = mla_pp_jobs.result("k3_base", timeout=1200)
+    got = mla_pp_jobs.result(f"k3_pp2_{control}", timeout=1200)
+    rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
+    print(f"[k3 PP=2 {control}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
+    assert rep.ok, rep.describe()
     assert not got["leftover_pids"], got["leftover_pids"]
