@@ -48,20 +48,43 @@ LLM_BASE = {
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-mla-pp-"))
 
 
-def _served(fam, pair, waves, eager: bool, *, control: str | None = None) -> dict:
+K3_PROBE_DIR = Path(__file__).resolve().parents[1] / "support" / "k3_probe"
+# Diagnosis variants of the Kimi-K3 PP=2 failure (2026-12-03), each PP=2 DSpark eager with one
+# change: extra launcher arguments and environment.
+K3_DIAG = {
+    # every kernel synchronous: the failing op is the one in the traceback
+    "blocking": ([], {"CUDA_LAUNCH_BLOCKING": "1"}),
+    "sync": (["--no-async-scheduling"], {}),
+    "noprefix": (["--no-enable-prefix-caching"], {}),
+}
+
+
+def _served(
+    fam, pair, waves, eager: bool, *, control: str | None = None, diag: str | None = None
+) -> dict:
     """PP=2 served by two launchers; ``control`` "nospec" (the plugin, no DSpark) or "stock"
     (plugin left out, no DSpark): the Kimi-K3 PP=2 failure of 2026-12-03 needs them to say
-    whether it is the plugin's or vLLM's."""
+    whether it is the plugin's or vLLM's. ``diag``: one of ``K3_DIAG`` (eager DSpark)."""
     mode = ["--enforce-eager"] if eager else [
         "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)
     ]  # fmt: skip
+    extra_args, extra_env = K3_DIAG[diag] if diag else ([], {})
+    mode = mode + extra_args
+    if diag:  # every eager diagnosis variant also reports the ids PP rank 0 embeds
+        extra_env = {
+            **extra_env,
+            "DSPARK_TEST_K3_IDS_PROBE": "1",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(K3_PROBE_DIR), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        }
     base = [
         "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
         "--load-format", "dummy", "--gpu-memory-utilization", "0.05",
         "--kv-cache-memory-bytes", str(256 << 20), *mode,
     ]  # fmt: skip
-    name = f"{fam}_pp2_{control or ('eager' if eager else 'graphs')}"
-    env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+    name = f"{fam}_pp2_{control or diag or ('eager' if eager else 'graphs')}"
+    env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT", **extra_env}
     if control == "stock":
         env["VLLM_PLUGINS"] = "no-such-plugin"
     spec = None if control else pair.speculative_config(K)
@@ -100,7 +123,12 @@ def mla_pp_jobs(tmp_path_factory):
     make = {"k3": t.make_tiny_k3_pair, "dsv4": t.make_tiny_dsv4_pair}
     waves = make_prompts(seed=16)
     sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
-    jobs = Jobs(max_workers=16)
+    only = os.environ.get("DSPARK_DSV4K3_PP_JOBS")  # e.g. k3_base,k3_pp1,k3_pp2_blocking
+    jobs = Jobs(
+        only=frozenset(only.split(",")) if only else None,
+        max_workers=16,
+        knob="DSPARK_DSV4K3_PP_JOBS",
+    )
     for fam in FAMILIES:
         pair = make[fam](tmp, gpu=True)
         jobs.submit(
@@ -120,6 +148,8 @@ def mla_pp_jobs(tmp_path_factory):
         if fam == "k3":  # the controls of the K3 PP=2 failure (docs/results/gpu.md)
             for control in ("nospec", "stock"):
                 jobs.submit(f"k3_pp2_{control}", _served, fam, pair, waves, False, control=control)
+            for diag in K3_DIAG:
+                jobs.submit(f"k3_pp2_{diag}", _served, fam, pair, waves, True, diag=diag)
     yield jobs
     jobs.shutdown()
 
@@ -162,3 +192,19 @@ def test_k3_pp2_without_dspark(mla_pp_jobs, control):
     print(f"[k3 PP=2 {control}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
     assert rep.ok, rep.describe()
     assert not got["leftover_pids"], got["leftover_pids"]
+
+
+@pytest.mark.parametrize("diag", sorted(K3_DIAG))
+def test_k3_pp2_diagnosis(mla_pp_jobs, diag):
+    """Kimi-K3 PP=2 DSpark, eager, with one change each (``K3_DIAG``): which of them, if any,
+    serves correctly says where the 2026-12-03 failure lives; ``blocking`` puts the failing
+    kernel in the traceback (the launchers' logs, DSPARK_GPU_PP_LOGS)."""
+    base = mla_pp_jobs.result("k3_base", timeout=1200)
+    pp1 = mla_pp_jobs.result("k3_pp1", timeout=1200)
+    got = mla_pp_jobs.result(f"k3_pp2_{diag}", timeout=1200)
+    rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
+    ok, desc = counters_close(_sum(got["per_wave"]), pp1.metrics())
+    print(f"[k3 PP=2 {diag}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
+    print(f"[k3 PP=2 {diag}] vs PP=1 DSpark graphs: {desc}")
+    assert rep.ok, rep.describe()
+    assert ok, desc

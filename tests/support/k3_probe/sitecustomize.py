@@ -1,0 +1,71 @@
+"""Test probe for the Kimi-K3 PP=2 diagnosis in tests/gpu/test_dsv4_k3_pp.py, loaded by every
+process of a deployment that has this directory first on PYTHONPATH (Python imports
+``sitecustomize`` at start-up); then the next ``sitecustomize`` on the path runs too.
+
+With ``DSPARK_TEST_K3_IDS_PROBE=1``, each call of the Kimi-K3 target's ``embed_input_ids`` (the
+first op of PP rank 0's forward; eager engines only, a compiled graph does not call it) prints
+``K3_IDS_PROBE pid=.. call=.. n=.. min=.. max=.. vocab=..`` to stderr for its first 40 calls, and
+every call whose ids fall outside the vocabulary prints them and their positions (it syncs the
+device: a diagnosis aid, never for timing).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _install() -> None:
+    if os.environ.get("DSPARK_TEST_K3_IDS_PROBE") != "1":
+        return
+    from vllm_dspark_pp.patches._on_import import when_imported
+
+    def patch_model(module) -> None:
+        cls = module.KimiLinearModel
+        real = cls.embed_input_ids
+        calls = {"n": 0}
+
+        def embed_input_ids(self, input_ids):
+            calls["n"] += 1
+            vocab = int(self.embed_tokens.weight.shape[0]) if hasattr(self, "embed_tokens") else -1
+            ids = input_ids.detach().to("cpu")
+            lo = int(ids.min()) if ids.numel() else 0
+            hi = int(ids.max()) if ids.numel() else 0
+            bad = (ids < 0) | (ids >= vocab) if vocab > 0 else ids < 0
+            if calls["n"] <= 40 or bool(bad.any()):
+                print(
+                    f"K3_IDS_PROBE pid={os.getpid()} call={calls['n']} n={ids.numel()} min={lo} "
+                    f"max={hi} vocab={vocab}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if bool(bad.any()):
+                where = bad.nonzero().flatten().tolist()
+                print(
+                    f"K3_IDS_PROBE pid={os.getpid()} OUT OF RANGE at positions {where[:64]}: "
+                    f"{ids[bad].tolist()[:64]}; all ids {ids.tolist()[:256]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return real(self, input_ids)
+
+        cls.embed_input_ids = embed_input_ids
+
+    when_imported("vllm.models.kimi_k3.nvidia.model", patch_model)
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        path = os.path.join(os.path.abspath(entry or "."), "sitecustomize.py")
+        if os.path.dirname(path) != here and os.path.isfile(path):
+            with open(path) as f:
+                code = compile(f.read(), path, "exec")
+            exec(code, {"__name__": "sitecustomize_next", "__file__": path})
+            return
+
+
+try:
+    _install()
+finally:
+    _chain()
