@@ -52,11 +52,18 @@ K3_PROBE_DIR = Path(__file__).resolve().parents[1] / "support" / "k3_probe"
 # Diagnosis variants of the Kimi-K3 PP=2 failure (2026-12-03), each PP=2 DSpark eager with one
 # change: extra launcher arguments and environment.
 K3_DIAG = {
+    # the probe alone (it syncs the device at every embedding call: a timing change too)
+    "probe": ([], {}),
     # every kernel synchronous: the failing op is the one in the traceback
     "blocking": ([], {"CUDA_LAUNCH_BLOCKING": "1"}),
     "sync": (["--no-async-scheduling"], {}),
     "noprefix": (["--no-enable-prefix-caching"], {}),
 }
+STOCK_DIAG = ("probe", "blocking")
+
+
+def mode_name(eager: bool) -> str:
+    return "eager" if eager else "graphs"
 
 
 def _served(
@@ -83,7 +90,7 @@ def _served(
         "--load-format", "dummy", "--gpu-memory-utilization", "0.05",
         "--kv-cache-memory-bytes", str(256 << 20), *mode,
     ]  # fmt: skip
-    name = f"{fam}_pp2_{control or diag or ('eager' if eager else 'graphs')}"
+    name = f"{fam}_pp2_" + ("_".join(x for x in (control, diag) if x) or mode_name(eager))
     env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT", **extra_env}
     if control == "stock":
         env["VLLM_PLUGINS"] = "no-such-plugin"
@@ -150,6 +157,11 @@ def mla_pp_jobs(tmp_path_factory):
                 jobs.submit(f"k3_pp2_{control}", _served, fam, pair, waves, False, control=control)
             for diag in K3_DIAG:
                 jobs.submit(f"k3_pp2_{diag}", _served, fam, pair, waves, True, diag=diag)
+            for diag in STOCK_DIAG:  # stock vLLM (plugin out, no DSpark), eager, probed
+                jobs.submit(
+                    f"k3_pp2_stock_{diag}", _served, fam, pair, waves, True,
+                    control="stock", diag=diag,
+                )  # fmt: skip
     yield jobs
     jobs.shutdown()
 
@@ -181,7 +193,7 @@ def test_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam, mode):
     assert not got["leftover_pids"], got["leftover_pids"]
 
 
-@pytest.mark.parametrize("control", ["nospec", "stock"])
+@pytest.mark.parametrize("control", ["nospec", "stock", *(f"stock_{d}" for d in STOCK_DIAG)])
 def test_k3_pp2_without_dspark(mla_pp_jobs, control):
     """Kimi-K3 at PP=2 without speculation, with the plugin ("nospec") and without it ("stock"):
     greedy equal to PP=1 no-spec. On 2026-12-03 K3 PP=2 DSpark failed with a device-side assert on

@@ -101,6 +101,19 @@ for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/nu
   kill -KILL "$pid" 2>/dev/null
 done
 [ "$left" -gt 0 ] && say "killed $left leftover process group(s)/GPU process(es)"
+# At most 16 MiB per file comes back from the GPU machine: a launcher log over 1 MiB (NCCL INFO,
+# compile chatter) is cut to its first 150 lines, every error/traceback/probe line, and its last
+# 1500 lines (faulthandler stacks and the final traceback sit at the end).
+while IFS= read -r -d '' f; do
+  [ "$(stat -c %s "$f")" -gt 1048576 ] || continue
+  {
+    head -n 150 "$f"
+    echo "... [cut by run_groups.sh: error lines of the middle follow] ..."
+    grep -nE "Error|Traceback|K3_IDS_PROBE|Fatal Python|Thread 0x|File \"" "$f" | head -n 600
+    echo "... [cut by run_groups.sh: the last 1500 lines follow] ..."
+    tail -n 1500 "$f"
+  } >"$f.cut" && mv "$f.cut" "$f"
+done < <(find "$ART" -type f -print0)
 [ -n "$(ls -A "$ART" 2>/dev/null)" ] && tar -czf "$OUTDIR/artifacts.tgz" -C "$ART" .
 rm -rf "$PGIDS"
 
