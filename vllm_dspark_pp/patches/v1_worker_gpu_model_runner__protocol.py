@@ -2,7 +2,8 @@
 
 WHAT: ``GPUModelRunner.__init__`` runs :func:`vllm_dspark_pp.protocol.handshake.run_pp_handshake`
 right
-after vLLM built the ``PPHandler`` (so the PP groups exist), when PP > 1.
+after vLLM built the ``PPHandler`` (so the PP groups exist), when PP > 1, then starts the PP peer
+watch (:func:`vllm_dspark_pp.protocol.liveness.start_pp_watch`).
 ``GPUModelRunner.sample_tokens`` tells the ``DSparkPPHandler`` (patches/v1_worker_gpu_pp_utils.py)
 the step's scheduled draft count before
 the step (``begin_step``) and checks after it (``end_step``) that the rank posted exactly the
@@ -12,14 +13,15 @@ WHY: the last rank's ``PPHandler.broadcast`` does not receive the step's draft c
 0.34.0, but the schedule needs it to know whether a draft broadcast follows; and a step that
 planned a draft broadcast and never posted it would leave every other PP rank waiting. The
 handshake makes a rank with another plugin release, vLLM release or speculative setting (or no
-plugin at all) fail at start-up instead of hanging at the first step.
+plugin at all) fail at start-up instead of hanging at the first step. The peer watch makes a
+stage lost on another launcher end the engine at once, naming the stage.
 
 UPSTREAM: none (plugin protocol).
 
 RETIRE WHEN: the PP exchange and handshake are upstream.
 
 TESTED BY: tests/unit/protocol/test_protocol_pp_handler.py,
-tests/unit/protocol/test_protocol_handshake.py
+tests/unit/protocol/test_protocol_handshake.py, tests/unit/protocol/test_liveness.py
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ def _patch(module) -> None:
             orig(self, *args, **kwargs)
             if getattr(self, "pp_handler", None) is not None:
                 from vllm_dspark_pp.protocol.handshake import run_pp_handshake
+                from vllm_dspark_pp.protocol.liveness import start_pp_watch
 
                 run_pp_handshake(self.vllm_config)
+                start_pp_watch(self.vllm_config)
 
         return __init__
 

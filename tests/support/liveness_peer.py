@@ -1,0 +1,78 @@
+"""One PP rank of the peer-watch tests (tests/unit/protocol/test_liveness.py), as a process.
+
+``python -m support.liveness_peer --store-port P --rank R --world W --timeout T [--busy S]
+[--real-exit]`` connects to the test's ``TCPStore``, sets up the watch of ``vllm_dspark_pp
+.protocol.liveness`` on loopback and prints JSON lines on stdout: ``{"event": "ready"}`` once
+watching, ``{"event": "lost", "rank": R, "message": ...}`` when it declares a peer lost (then it
+exits with status 70), ``{"event": "busy_done"}`` after ``--busy S`` seconds of pure-Python work
+in the main thread (holding the GIL as much as Python lets it), ``{"event": "stopped"}`` after an
+orderly ``stop`` (written on stdin as a line ``stop``). ``--real-exit`` reacts with the runtime's
+own :func:`~vllm_dspark_pp.protocol.liveness.exit_on_loss` (vLLM's logger, on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _emit(**event) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store-port", type=int, required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--timeout", type=float, required=True)
+    ap.add_argument("--busy", type=float, default=0.0)
+    ap.add_argument("--real-exit", action="store_true")
+    args = ap.parse_args(argv)
+
+    from torch.distributed import TCPStore
+
+    from vllm_dspark_pp.protocol import liveness
+
+    store = TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=_td(60))
+
+    def report(me: int, peer: liveness.Peer, reason: str) -> None:
+        _emit(event="lost", rank=peer.pp_rank, message=liveness.lost_message(me, peer, reason))
+        os._exit(liveness.LOST_PEER_EXIT_STATUS)
+
+    watch = liveness.start_watch(
+        rank_in_group=args.rank,
+        ranks=list(range(args.world)),
+        store=store,
+        host="127.0.0.1",
+        node=args.rank,
+        timeout=args.timeout,
+        setup_timeout=60.0,
+        on_lost=liveness.exit_on_loss if args.real_exit else report,
+    )
+    _emit(event="ready", watching=watch is not None)
+    if args.busy:
+        end, n = time.monotonic() + args.busy, 0
+        while time.monotonic() < end:
+            n += sum(i * i for i in range(2000))
+        _emit(event="busy_done")
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            liveness.stop_all()
+            _emit(event="stopped")
+            return 0
+    return 0
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
