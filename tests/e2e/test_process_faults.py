@@ -11,8 +11,18 @@ process of either launcher's group is left running.
 * ``two-launchers``: node 0 ``--nnodes 2 --node-rank 0``, node 1 ``--headless`` (PP rank 1 on
   node 1), as tests/e2e/test_multi_node.py.
 
-Stock vLLM control (``DSPARK_RELIABILITY_STOCK=1``): the same with ``VLLM_PLUGINS`` leaving the
-plugin out and no speculation (stock PP + DSpark does not run).
+With the plugin, the two-launcher case must end within ``DSPARK_RELIABILITY_EXIT_BOUND_S``
+(default 15 s) and node 0's log must name the lost stage: PP rank 0's peer watch
+(vllm_dspark_pp/protocol/liveness.py) logs ``DSpark PP: lost PP rank 1 (host:port, node 1, ...)``
+and ends its worker with status 70, the executor logs ``DSpark PP: stopping the engine: ...``,
+and the engine core stops waiting for the lost stage's reply (patches/
+distributed_device_communicators_shm_broadcast.py).
+
+Controls: stock vLLM (``DSPARK_RELIABILITY_STOCK=1``): the same with ``VLLM_PLUGINS`` leaving the
+plugin out and no speculation (stock PP + DSpark does not run); the plugin without the watch
+(``VLLM_DSPARK_PP_PEER_TIMEOUT_S=0``) or without the remote-reader patch
+(``VLLM_DSPARK_PP_SKIP_PATCHES=distributed_device_communicators_shm_broadcast``): both must fail
+the bound. Extra variables for every launcher: ``DSPARK_RELIABILITY_ENV='K=V K=V'``.
 The engines run with the user default ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (300 s) unless
 ``DSPARK_RELIABILITY_EXEC_TIMEOUT_S`` says otherwise.
 """
@@ -36,11 +46,15 @@ READY_TIMEOUT_S = 240.0
 EXIT_LIMIT_S = float(os.environ.get("DSPARK_RELIABILITY_EXIT_LIMIT_S", "120"))
 STOCK = os.environ.get("DSPARK_RELIABILITY_STOCK") == "1"
 EXEC_TIMEOUT_S = os.environ.get("DSPARK_RELIABILITY_EXEC_TIMEOUT_S", "300")
+EXIT_BOUND_S = float(os.environ.get("DSPARK_RELIABILITY_EXIT_BOUND_S", "15"))
+EXTRA_ENV = dict(
+    kv.split("=", 1) for kv in os.environ.get("DSPARK_RELIABILITY_ENV", "").split() if "=" in kv
+)
 
 
 def _servers(tmp_path, two_launchers: bool) -> list[Server]:
     spec = None if STOCK else tiny_pair.spec_config()
-    env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": EXEC_TIMEOUT_S}
+    env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": EXEC_TIMEOUT_S, **EXTRA_ENV}
     if STOCK:
         env["VLLM_PLUGINS"] = "no-such-plugin"
     port = free_port()
@@ -115,7 +129,11 @@ def _summary(r: dict) -> str:
         {k: (c.get(k) if k != "token_ids" else len(c.get("token_ids", []))) for k in c}
         for c in r["clients"]
     ]
-    errors = [ln for ln in r["head_log"].splitlines() if "ERROR" in ln or "Error" in ln]
+    errors = [
+        ln
+        for ln in r["head_log"].splitlines()
+        if "ERROR" in ln or "Error" in ln or "DSpark PP:" in ln
+    ]
     return (
         f"exit after {r.get('exit_s')} s rc={r.get('rc')} "
         f"head group left={r.get('head_group_left')}"
@@ -126,7 +144,8 @@ def _summary(r: dict) -> str:
 
 @pytest.mark.skipif(
     os.environ.get("DSPARK_RELIABILITY_HAND") != "1",
-    reason="hand run (about 40 s with one launcher, 6 min with two): DSPARK_RELIABILITY_HAND=1; "
+    reason="hand run (about 40 s with one launcher, 60 s with two; stock two launchers 6 min): "
+    "DSPARK_RELIABILITY_HAND=1; "
     "results in "
     "docs/results/reliability.md",
 )
@@ -140,4 +159,12 @@ def test_last_stage_sigkill_ends_the_server_naming_the_stage(tmp_path, two_launc
     assert all(c.get("error") or c.get("exception") for c in r["clients"]), r["clients"]
     if not two_launchers:  # vLLM's worker monitor names the dead worker (rank 1 = PP rank 1)
         assert "Worker proc VllmWorker-1 died unexpectedly" in r["head_log"]
+    elif not STOCK:
+        # Node 0 names the stage lost on node 1 and stops within seconds, not after
+        # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS.
+        assert "DSpark PP: lost PP rank 1 (" in r["head_log"], _summary(r)
+        assert ", node 1, pid " in r["head_log"]
+        assert "DSpark PP: stopping the engine: " in r["head_log"]
+        assert r["exit_s"] <= EXIT_BOUND_S, f"node 0 took {r['exit_s']} s (bound {EXIT_BOUND_S})"
+        assert not r["other_nodes_running"], "node 1's launcher is still running"
     # Exit status: recorded (vLLM 0.34.0's API server returns 0 after its engine died).

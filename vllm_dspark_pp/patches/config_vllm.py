@@ -12,7 +12,8 @@ taps within the target's depth).
 WHY: Fail at start, not at step 10,000: both cases would otherwise start and then break or
 silently transfer incomplete draft context KV.
 It also refuses PP>1 while ``VLLM_DSPARK_PP_SKIP_PATCHES`` (a diagnosis knob) skips any patch:
-without the protocol patches a pipeline can hang.
+without the protocol patches a pipeline can hang (the liveness patches in
+``patches.PP_SKIPPABLE`` may be skipped: without them a lost stage is only seen late).
 
 UPSTREAM: vLLM PR #56957 (DSpark prefill-only producers under PP).
 
@@ -31,7 +32,7 @@ def apply() -> None:
     from vllm.config.vllm import VllmConfig
 
     from vllm_dspark_pp import start_checks
-    from vllm_dspark_pp.patches import SKIP_ENV, skipped_patches
+    from vllm_dspark_pp.patches import PP_SKIPPABLE, SKIP_ENV, skipped_patches
     from vllm_dspark_pp.patches._util import wrap
     from vllm_dspark_pp.producer import roles
     from vllm_dspark_pp.producer.drafter import check_draft_supported
@@ -39,7 +40,7 @@ def apply() -> None:
     def make(orig):
         def __post_init__(self, *args, **kwargs):
             result = orig(self, *args, **kwargs)
-            skipped = skipped_patches()
+            skipped = [p for p in skipped_patches() if p not in PP_SKIPPABLE]
             if skipped and self.parallel_config.pipeline_parallel_size > 1:
                 raise ValueError(
                     f"vllm-dspark-pp: {SKIP_ENV} skips {', '.join(skipped)}; pipeline "

@@ -546,7 +546,8 @@ def sliced_wait(
 
 # ------------------------------------------------------------------ executor message
 def executor_stopping_message(ended: list[tuple[str, int, int | None]]) -> str:
-    """``ended``: ``(process name, global rank, exit status)`` of the local workers that ended."""
+    """``ended``: ``(process name, global rank, exit status)`` of the local workers that ended
+    (a negative status is the signal that killed it, as ``multiprocessing`` reports it)."""
     parts = []
     for name, rank, code in ended:
         if code == LOST_PEER_EXIT_STATUS:
@@ -554,6 +555,8 @@ def executor_stopping_message(ended: list[tuple[str, int, int | None]]) -> str:
                 f"{name} (rank {rank}) ended with status {code}: it lost a PP peer (the "
                 f"'{LOST_PREFIX} ...' line above names the stage and its node)"
             )
+        elif code is not None and code < 0:
+            parts.append(f"{name} (rank {rank}) was killed by signal {-code}")
         else:
             parts.append(f"{name} (rank {rank}) ended with status {code}")
     if not parts:
@@ -566,14 +569,17 @@ def executor_stopping_message(ended: list[tuple[str, int, int | None]]) -> str:
 
 def log_executor_stopping(workers: list[Any], join_s: float = 0.5) -> str:
     """Log :func:`executor_stopping_message` for the ended ones among vLLM's worker handles
-    (each has ``proc`` and ``rank``); the exit status is read after a short bounded join."""
+    (each has ``proc`` and ``rank``). A process whose sentinel fired may not be reaped yet, so
+    each is joined briefly; all joins share one ``join_s`` budget."""
+    deadline = time.monotonic() + join_s
     ended = []
     for w in workers:
         proc = getattr(w, "proc", None)
-        if proc is None or proc.is_alive():
+        if proc is None:
             continue
-        proc.join(join_s)
-        ended.append((proc.name, int(getattr(w, "rank", -1)), proc.exitcode))
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is not None:
+            ended.append((proc.name, int(getattr(w, "rank", -1)), proc.exitcode))
     msg = executor_stopping_message(ended)
     _logger().error("%s", msg)
     return msg

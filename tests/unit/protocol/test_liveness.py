@@ -270,14 +270,16 @@ def test_sliced_wait_gives_up_on_shutdown_and_keeps_its_timeout():
     assert liveness.sliced_wait(lambda ms: True, lambda: False, None) is None
 
 
-def _exit_with(code: int) -> None:
-    os._exit(code)
+def _exit_with(code: int | None) -> None:
+    if code is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(code or 0)
 
 
 def test_stopping_message_names_the_worker_that_lost_its_peer():
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_exit_with, args=(c,), name=f"VllmWorker-{i}")
-             for i, c in enumerate((70, 0))]  # fmt: skip
+             for i, c in enumerate((70, 0, None))]  # fmt: skip
     for p in procs:
         p.start()
         p.join(10)
@@ -286,6 +288,7 @@ def test_stopping_message_names_the_worker_that_lost_its_peer():
     )
     assert "VllmWorker-0 (rank 0) ended with status 70: it lost a PP peer" in msg
     assert "VllmWorker-1 (rank 1) ended with status 0" in msg
+    assert "VllmWorker-2 (rank 2) was killed by signal 9" in msg
 
 
 def test_executor_patch_wires_the_watch_and_the_message(monkeypatch):
