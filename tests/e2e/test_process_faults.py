@@ -30,15 +30,11 @@ The engines run with the user default ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (30
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 
 import pytest
-from support import engines, pp_launch, tiny_pair
-from support.reliability import stream_completion, worker_pid
+from support import engines, pp_launch, reliability, tiny_pair
 
-from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
+from dspark_dev.serve_demo import Server, free_port, serve_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -69,76 +65,8 @@ def _servers(tmp_path, two_launchers: bool) -> list[Server]:
 
 
 def kill_last_stage_mid_generation(tmp_path, two_launchers: bool) -> dict:
-    """Start, stream, SIGKILL the PP rank 1 worker, measure; every group stopped at the end."""
-    servers = _servers(tmp_path, two_launchers)
-    head, victim_host = servers[0], servers[-1]
-    result: dict = {"clients": []}
-    try:
-        for s in servers:
-            s.start()
-        head.wait_ready(READY_TIMEOUT_S)
-        prompts = tiny_pair.heldout_prompts(8)
-        results: list[dict] = [{} for _ in prompts]
-
-        def client(i: int) -> None:
-            body = {
-                "model": tiny_pair.TARGET,
-                "prompt": prompts[i],
-                "max_tokens": 400,
-                "ignore_eos": True,
-                "temperature": 0,
-                "return_token_ids": True,
-            }
-            try:
-                results[i] = stream_completion(head.port, body, timeout_s=EXIT_LIMIT_S + 60)
-            except Exception as exc:  # noqa: BLE001 - what the client saw is the measurement
-                results[i] = {"exception": f"{type(exc).__name__}: {exc}"}
-
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
-        for t in threads:
-            t.start()
-        time.sleep(3.0)  # generation under way (400 tokens take far longer)
-        pid = worker_pid(victim_host.log_tail(10**7), "Worker_PP1")
-        assert pid is not None, "no (Worker_PP1 pid=N) in the log\n" + victim_host.log_tail()
-        result["victim_pid"] = pid
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        rc = head.wait_exit(EXIT_LIMIT_S)
-        result["exit_s"] = round(time.monotonic() - t0, 1)
-        result["rc"] = rc
-        for t in threads:
-            t.join(timeout=30)
-        result["clients"] = results
-        # Processes of the head's group still running once the head is gone (orphans).
-        time.sleep(2.0)
-        result["head_group_left"] = live_group_members(head.proc.pid) if rc is not None else None
-        result["other_nodes_running"] = [s.name for s in servers[1:] if s.exited() is None]
-        result["head_log"] = head.log_tail(10**7)
-        result["victim_log"] = victim_host.log_tail(10**7)
-        return result
-    finally:
-        for s in servers:
-            s.stop(grace_s=5.0)
-        for s in servers:
-            if s.proc is not None:
-                assert not live_group_members(s.proc.pid), f"{s.name} left processes behind"
-
-
-def _summary(r: dict) -> str:
-    clients = [
-        {k: (c.get(k) if k != "token_ids" else len(c.get("token_ids", []))) for k in c}
-        for c in r["clients"]
-    ]
-    errors = [
-        ln
-        for ln in r["head_log"].splitlines()
-        if "ERROR" in ln or "Error" in ln or "DSpark PP:" in ln
-    ]
-    return (
-        f"exit after {r.get('exit_s')} s rc={r.get('rc')} "
-        f"head group left={r.get('head_group_left')}"
-        f" other nodes running={r.get('other_nodes_running')}\nclients: {clients}\n"
-        + "\n".join(errors[-15:])
+    return reliability.kill_stage_mid_generation(
+        _servers(tmp_path, two_launchers), READY_TIMEOUT_S, EXIT_LIMIT_S
     )
 
 
@@ -152,7 +80,7 @@ def _summary(r: dict) -> str:
 @pytest.mark.parametrize("two_launchers", [False, True], ids=["one-launcher", "two-launchers"])
 def test_last_stage_sigkill_ends_the_server_naming_the_stage(tmp_path, two_launchers):
     r = kill_last_stage_mid_generation(tmp_path, two_launchers)
-    print(_summary(r))
+    print(reliability.lost_stage_summary(r))
     assert r["rc"] is not None, f"server still up {EXIT_LIMIT_S:.0f} s after the kill (a hang)"
     assert not r["head_group_left"], f"orphans: {r['head_group_left']}"
     # Every open stream ended with vLLM's error event, none hung or claimed success.
@@ -162,7 +90,7 @@ def test_last_stage_sigkill_ends_the_server_naming_the_stage(tmp_path, two_launc
     elif not STOCK:
         # Node 0 names the stage lost on node 1 and stops within seconds, not after
         # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS.
-        assert "DSpark PP: lost PP rank 1 (" in r["head_log"], _summary(r)
+        assert "DSpark PP: lost PP rank 1 (" in r["head_log"], reliability.lost_stage_summary(r)
         assert ", node 1, pid " in r["head_log"]
         assert "DSpark PP: stopping the engine: " in r["head_log"]
         assert r["exit_s"] <= EXIT_BOUND_S, f"node 0 took {r['exit_s']} s (bound {EXIT_BOUND_S})"

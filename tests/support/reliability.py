@@ -5,6 +5,8 @@ can hang up, the lost-stage measurement, and the statistics of the sampling-exac
   ``http.client`` connection, optionally closed by the client after ``close_after`` events (what
   a user pressing Ctrl-C does: the socket goes away, vLLM must abort the request);
 * :func:`worker_pid`: the pid of a vLLM worker from its log prefix (``(Worker_PP1 pid=N)``);
+* :func:`kill_stage_mid_generation`: a PP stage SIGKILLed under streaming load, node 0's end
+  measured (CPU e2e and GPU tests), :func:`lost_stage_summary` its one-screen summary;
 * :func:`target_next_token_probs`: the target's exact next-token distribution (float64 softmax
   of the checkpoint run by ``transformers``, independent of vLLM) for each context;
 * :func:`chi_square_gof`: Pearson's goodness-of-fit test of observed counts against
@@ -18,12 +20,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import signal
+import threading
 import time
 from functools import cache
 
 import torch
 
+from dspark_dev.serve_demo import live_group_members
 from support import tiny_pair
 
 
@@ -120,6 +126,86 @@ def worker_pid(log_text: str, process_name: str) -> int | None:
     """The pid vLLM prints in each log line of a worker (``(Worker_PP1 pid=123)``)."""
     m = re.search(rf"\({re.escape(process_name)} pid=(\d+)\)", log_text)
     return int(m.group(1)) if m else None
+
+
+# ------------------------------------------------------------------ a lost PP stage
+def kill_stage_mid_generation(
+    servers: list, ready_s: float, exit_limit_s: float, victim: str = "Worker_PP1"
+) -> dict:
+    """Start ``servers`` (node 0 first; the victim worker runs on the last), stream 8 greedy
+    requests of 400 tokens, SIGKILL the ``victim`` worker (pid from vLLM's log prefix), measure
+    how node 0 ends (seconds, status, what the clients saw, processes left, logs); every group
+    is stopped at the end (tests/e2e/test_process_faults.py, tests/gpu/test_pp_lost_stage_gpu.py).
+    """
+    head, victim_host = servers[0], servers[-1]
+    result: dict = {"clients": []}
+    try:
+        for s in servers:
+            s.start()
+        head.wait_ready(ready_s)
+        prompts = tiny_pair.heldout_prompts(8)
+        results: list[dict] = [{} for _ in prompts]
+
+        def client(i: int) -> None:
+            body = {
+                "model": tiny_pair.TARGET,
+                "prompt": prompts[i],
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
+            try:
+                results[i] = stream_completion(head.port, body, timeout_s=exit_limit_s + 60)
+            except Exception as exc:  # noqa: BLE001 - what the client saw is the measurement
+                results[i] = {"exception": f"{type(exc).__name__}: {exc}"}
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(3.0)  # generation under way (400 tokens take far longer)
+        pid = worker_pid(victim_host.log_tail(10**7), victim)
+        assert pid is not None, f"no ({victim} pid=N) in the log\n" + victim_host.log_tail()
+        result["victim_pid"] = pid
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = head.wait_exit(exit_limit_s)
+        result["exit_s"] = round(time.monotonic() - t0, 1)
+        result["rc"] = rc
+        for t in threads:
+            t.join(timeout=30)
+        result["clients"] = results
+        # Processes of the head's group still running once the head is gone (orphans).
+        time.sleep(2.0)
+        result["head_group_left"] = live_group_members(head.proc.pid) if rc is not None else None
+        result["other_nodes_running"] = [s.name for s in servers[1:] if s.exited() is None]
+        result["head_log"] = head.log_tail(10**7)
+        result["victim_log"] = victim_host.log_tail(10**7)
+        return result
+    finally:
+        for s in servers:
+            s.stop(grace_s=5.0)
+        for s in servers:
+            if s.proc is not None:
+                assert not live_group_members(s.proc.pid), f"{s.name} left processes behind"
+
+
+def lost_stage_summary(r: dict) -> str:
+    clients = [
+        {k: (c.get(k) if k != "token_ids" else len(c.get("token_ids", []))) for k in c}
+        for c in r["clients"]
+    ]
+    errors = [
+        ln
+        for ln in r["head_log"].splitlines()
+        if "ERROR" in ln or "Error" in ln or "DSpark PP:" in ln
+    ]
+    return (
+        f"exit after {r.get('exit_s')} s rc={r.get('rc')} "
+        f"head group left={r.get('head_group_left')}"
+        f" other nodes running={r.get('other_nodes_running')}\nclients: {clients}\n"
+        + "\n".join(errors[-15:])
+    )
 
 
 # ------------------------------------------------------------------ target distribution

@@ -117,10 +117,12 @@ def apply_all() -> list[str]:
         _ensure_vllm_logging()
         if skip:
             init_logger("vllm.dspark_pp").warning(
-                "vllm-dspark-pp: %s=%s: NOT applying %s (diagnosis only; PP>1 is refused)",
+                "vllm-dspark-pp: %s=%s: NOT applying %s (diagnosis only; PP>1 is refused unless "
+                "only %s are skipped)",
                 SKIP_ENV,
                 os.environ.get(SKIP_ENV),
                 ", ".join(skip),
+                ", ".join(sorted(PP_SKIPPABLE)),
             )
         init_logger("vllm.dspark_pp").info(
             "vllm-dspark-pp %s applied %d patches: %s",
