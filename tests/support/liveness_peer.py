@@ -5,9 +5,9 @@
 .protocol.liveness`` on loopback and prints JSON lines on stdout: ``{"event": "ready"}`` once
 watching, ``{"event": "lost", "rank": R, "message": ...}`` when it declares a peer lost (then it
 exits with status 70), ``{"event": "busy_done"}`` after ``--busy S`` seconds of pure-Python work
-in the main thread (holding the GIL as much as Python lets it), ``{"event": "stopped"}`` after an
-orderly ``stop`` (written on stdin as a line ``stop``). ``--real-exit`` reacts with the runtime's
-own :func:`~vllm_dspark_pp.protocol.liveness.exit_on_loss` (vLLM's logger, on stderr).
+in the main thread (holding the GIL as much as Python lets it); then it waits until its stdin
+closes. ``--real-exit`` reacts with the runtime's own
+:func:`~vllm_dspark_pp.protocol.liveness.exit_on_loss` (vLLM's logger, on stderr).
 """
 
 from __future__ import annotations
@@ -60,11 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() < end:
             n += sum(i * i for i in range(2000))
         _emit(event="busy_done")
-    for line in sys.stdin:
-        if line.strip() == "stop":
-            liveness.stop_all()
-            _emit(event="stopped")
-            return 0
+    sys.stdin.read()  # until the test closes it (or kills this process)
     return 0
 
 

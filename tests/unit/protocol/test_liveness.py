@@ -61,11 +61,6 @@ class Rank:
         except queue.Empty:
             return None
 
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -96,9 +91,11 @@ def test_busy_peer_kept_stopped_peer_lost_after_its_timeout_dead_peer_named_at_o
     not before, and exits; rank 0 names the dead rank 1 at once (long before its 30 s limit)
     with vLLM's logger and exits 70."""
     limit = 2.0
-    store, ranks = _start([("30", "--real-exit"), (str(limit),), ("30", "--busy", str(2 * limit))])
+    store, ranks = _start(
+        [("30", "--real-exit"), (str(limit),), ("30", "--busy", str(1.5 * limit))]
+    )
     try:
-        # Rank 2's main thread computes for twice rank 1's limit: its heartbeats still go out.
+        # Rank 2's main thread computes for 1.5x rank 1's limit: its heartbeats still go out.
         assert ranks[2].next_event(60) == {"event": "busy_done"}
         assert ranks[1].next_event(0.1) is None, "a busy peer was declared lost"
         os.killpg(ranks[2].proc.pid, signal.SIGSTOP)  # alive, socket open, silent
@@ -119,19 +116,6 @@ def test_busy_peer_kept_stopped_peer_lost_after_its_timeout_dead_peer_named_at_o
     finally:
         if ranks[2].proc.poll() is None:
             os.killpg(ranks[2].proc.pid, signal.SIGCONT)
-        for r in ranks:
-            r.kill()
-
-
-def test_orderly_stop_is_not_a_loss():
-    store, ranks = _start([("30",), ("30",)])
-    try:
-        ranks[1].send("stop")
-        assert ranks[1].next_event(10) == {"event": "stopped"}
-        assert ranks[1].proc.wait(timeout=10) == 0
-        assert ranks[0].next_event(2.0) is None, "an orderly stop was taken for a loss"
-        assert ranks[0].proc.poll() is None
-    finally:
         for r in ranks:
             r.kill()
 
