@@ -82,3 +82,13 @@ def test_pp_is_refused_while_a_patch_is_skipped(tmp_path):
     )
     out = proc.stdout + proc.stderr
     assert "REFUSED" in out and SKIP_ENV in out, out[-3000:]
+
+
+def test_pp_skippable_patches_exist_and_exclude_the_protocol():
+    """The patches PP may run without (the lost-stage controls) are real patch names, and none
+    of the PP exchange's own patches is among them."""
+    from vllm_dspark_pp.patches import PP_SKIPPABLE
+
+    names = {info.name for info in registry()}
+    assert PP_SKIPPABLE <= names
+    assert not {n for n in PP_SKIPPABLE if "pp_utils" in n or "model_runner" in n}
