@@ -72,7 +72,7 @@ def kill_last_stage_mid_generation(tmp_path, two_launchers: bool) -> dict:
 
 @pytest.mark.skipif(
     os.environ.get("DSPARK_RELIABILITY_HAND") != "1",
-    reason="hand run (about 40 s with one launcher, 60 s with two; stock two launchers 6 min): "
+    reason="hand run (about 90 s each with one or two launchers; stock two launchers 6 min): "
     "DSPARK_RELIABILITY_HAND=1; "
     "results in "
     "docs/results/reliability.md",
