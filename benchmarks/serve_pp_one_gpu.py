@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Served curves at PP=1 and PP=2 on one GPU: ``vllm bench serve`` against ``vllm serve`` (issue 29).
+"""Served curves at PP=1 and PP=2 on one GPU: ``vllm bench serve`` vs ``vllm serve`` (issue 29).
 
 One GPU command per group of configurations, each under about 470 s of wall time including the
 server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
@@ -655,6 +655,10 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
         res.save()
         return srv["outcome"] == "ok"
 
+    def skip(cfg, al, c, why):
+        res.add("skipped", {"config": cfg.name, "acceptance_length": al, "concurrency": c,
+                            "why": why[:300]})  # fmt: skip
+
     if a.start == "together":
         start(deps)
     tpot: dict[str, float] = {}
@@ -668,8 +672,7 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
         what = f"{cfg.name}" + ("" if al is None else f" AL {al}")
         if not ready(cfg.name):
             for c in a.cs:
-                res.add("skipped", {"config": cfg.name, "acceptance_length": al,
-                                    "concurrency": c, "why": "server not ready"})  # fmt: skip
+                skip(cfg, al, c, "server not ready")
             continue
         if al is not None:
             try:
@@ -679,8 +682,7 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
             if not rpc_applied(resp):
                 log(f"FAILED: {what}: the acceptance length was not applied: {resp}")
                 for c in a.cs:
-                    res.add("skipped", {"config": cfg.name, "acceptance_length": al,
-                                        "concurrency": c, "why": f"AL not applied: {resp}"[:300]})  # fmt: skip
+                    skip(cfg, al, c, f"AL not applied: {resp}")
                 continue
             log(f"{what}: synthetic acceptance length set on the sampling stage")
         sweeps_left = len(sweeps) - si
@@ -707,8 +709,7 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
             w = wave_cost_s(c, t_ms, a.output_len, a.guess_prefill_ms, a.wave_overhead_s)
             n, why = trim_point(c, n_full, w, share)
             if n == 0:
-                res.add("skipped", {"config": cfg.name, "acceptance_length": al,
-                                    "concurrency": c, "why": why})  # fmt: skip
+                skip(cfg, al, c, why)
                 log(f"SKIP {what} C={c}: {why}")
                 continue
             name = f"{cfg.name}_al{al}_c{c}.json"
@@ -725,8 +726,7 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
             )
             wall = time.monotonic() - t0
             if result is None or not result.get("completed"):
-                res.add("skipped", {"config": cfg.name, "acceptance_length": al,
-                                    "concurrency": c, "why": f"bench failed: {err}"[:300]})  # fmt: skip
+                skip(cfg, al, c, f"bench failed: {err}")
                 log(f"FAILED {what} C={c}: {err}")
                 if dep.dead_nodes() or err.startswith("cut"):
                     break
