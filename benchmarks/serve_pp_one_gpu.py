@@ -321,12 +321,20 @@ def useful_lines(text: str, max_lines: int = 300, tail: int = 0) -> list[str]:
 
 # --------------------------------------------------------------------------- results
 SCALAR_TYPES = (int, float, str, bool, type(None))
+# vLLM's per-request fields (one entry per prompt), left out even when the point is small
+PER_REQUEST = set(
+    "latencies queue_times input_lens output_lens ttfts itls start_times generated_texts errors "
+    "server_queue_times server_ttfts".split()
+)
 
 
 def bench_summary(result: dict) -> dict:
-    """vLLM's result JSON without its per-request lists (its scalar fields and short lists)."""
+    """vLLM's result JSON without its per-request lists (its scalar fields and short lists,
+    such as the per-position acceptance rates)."""
     out = {}
     for k, v in result.items():
+        if k in PER_REQUEST:
+            continue
         if isinstance(v, SCALAR_TYPES):
             out[k] = v
         elif isinstance(v, list) and len(v) <= 16 and all(isinstance(x, SCALAR_TYPES) for x in v):
@@ -684,7 +692,15 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 for c in a.cs:
                     skip(cfg, al, c, f"AL not applied: {resp}")
                 continue
-            log(f"{what}: synthetic acceptance length set on the sampling stage")
+            applied = [r for r in resp["results"] if isinstance(r, dict) and r.get("applied")]
+            res.data["servers"][cfg.name].setdefault("acceptance_switch", {})[repr(al)] = {
+                "workers": len(resp["results"]),
+                "applied": len(applied),
+                "unconditional_rates": applied[0].get("unconditional_rates"),
+            }
+            res.save()
+            log(f"{what}: synthetic acceptance length set on {len(applied)} of "
+                f"{len(resp['results'])} workers (the sampling stage)")  # fmt: skip
         sweeps_left = len(sweeps) - si
         for ci, c in enumerate(a.cs):
             dead = dep.dead_nodes()
