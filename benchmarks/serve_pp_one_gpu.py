@@ -550,6 +550,19 @@ def prepare_models(a, work: Path):
     return paths, shape_tokenizer.write(paths.target)
 
 
+def preflight() -> str | None:
+    """Why this machine cannot run ``vllm bench serve`` in this process (None: it can). Checked
+    before any server starts, so a missing client dependency costs no start-up."""
+    try:
+        import vllm.benchmarks.serve  # noqa: F401
+    except ImportError as e:
+        return (
+            f"vllm bench serve cannot be imported here ({e}); install the missing package "
+            f"({getattr(e, 'name', None) or '?'}) next to vLLM"
+        )
+    return None
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     out = Path(a.out)
@@ -566,6 +579,10 @@ def main(argv=None) -> int:
     sweeps = plan_sweeps(a)
     if a.dry_run:
         return dry_run(a, deps, sweeps, paths, tok)
+    problem = preflight()
+    if problem:
+        log(f"FATAL: {problem}")
+        return 3
     res = Results(out / f"{RESULT_PREFIX}_{a.tag}.json")
     res.data = {
         "meta": {
@@ -597,6 +614,7 @@ def main(argv=None) -> int:
     try:
         return run(a, deps, sweeps, paths, res, log, deadline)
     finally:
+        log("stopping the servers (errors logged after this line are the shutdown's)")
         for name, dep in deps.items():
             stuck = dep.stop()
             texts = [n.log_tail(10**8) for n in dep.nodes]

@@ -87,6 +87,8 @@ def test_dry_run_composes_two_launchers_on_gpu0_with_distinct_nccl_hosts(capsys)
         assert n0["env"]["CUDA_VISIBLE_DEVICES"] == n1["env"]["CUDA_VISIBLE_DEVICES"] == "0"
         assert n0["env"]["NCCL_HOSTID"] != n1["env"]["NCCL_HOSTID"]
         assert n0["env"]["NCCL_SOCKET_IFNAME"] == "lo"
+        # NCCL's init lines are the transport evidence the results record
+        assert n0["env"]["NCCL_DEBUG"] == n1["env"]["NCCL_DEBUG"] == "INFO"
         assert n0["env"]["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc
         assert n0["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
         for node, rank in ((n0, "0"), (n1, "1")):
@@ -219,6 +221,9 @@ def test_the_shape_tokenizer_has_the_configs_vocabulary_and_round_trips(tmp_path
     tok = AutoTokenizer.from_pretrained(paths.target)
     assert len(tok) == tok.vocab_size == 151936
     assert tok.eos_token_id == 151645 and tok.bos_token is None
+    # special in tokenizer.json too: vLLM's incremental detokenizer decodes with the backend
+    assert tok.backend_tokenizer.decode([151645, 5, 151643], skip_special_tokens=True) == "w5"
+    assert set(tok.all_special_ids) == {151643, 151645}  # the random dataset leaves them out
     assert tok.encode("w7 w151935", add_special_tokens=False) == [7, 151935]
     n, bad = shape_tokenizer.round_trip_failures(paths.target, n=3, length=1024)
     assert n == 3 and bad == []
