@@ -2,9 +2,10 @@
 
 ``vllm serve TARGET -pp N --nnodes N --node-rank R --master-addr 127.0.0.1 --master-port P``
 for R = 0 .. N-1 (every node but 0 ``--headless``): each launcher runs one stage, node 0 also
-the API server and the engine core. The CPU end-to-end tier (tests/e2e/test_multi_node.py) and
-the one-GPU PP tier (tests/gpu/test_pp_one_gpu.py) start their deployments here, so the launcher
-composition exists once.
+the API server and the engine core. The CPU end-to-end tier (tests/e2e/test_multi_node.py), the
+one-GPU PP tier (tests/gpu/test_pp_one_gpu.py) and the served PP benchmark
+(benchmarks/serve_pp_one_gpu.py) start their deployments here, so the launcher composition exists
+once (in dspark_dev, because a benchmark shares it).
 
 GPU layouts (knob :data:`LAYOUT_ENV`):
 
