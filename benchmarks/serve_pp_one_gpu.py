@@ -461,6 +461,20 @@ def run_bench_in_process(argv: list[str], timeout_s: float, on_timeout) -> tuple
     return box.get("result"), box.get("error", "")
 
 
+def step_rpc(url: str, cmd: str) -> list | dict:
+    """The benchmark hook's per-step timers on every worker (``enable`` before a point,
+    ``collect`` after it: per worker, in rank order, the median target / draft / step GPU
+    milliseconds per batch size; dspark_bench_hooks.summarize_steps)."""
+    try:
+        resp = http_post(url + "/collective_rpc", {"method": "dspark_bench_ctl", "args": [cmd]})
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    results = resp.get("results") or []
+    if cmd == "collect":
+        return [r.get("summary") if isinstance(r, dict) else r for r in results]
+    return results
+
+
 def http_post(url: str, body: dict, timeout: float = 60.0) -> dict:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -510,6 +524,11 @@ def parse_args(argv=None):
     ap.add_argument("--guess-tpot-ms", type=float, default=8.0)
     ap.add_argument("--guess-prefill-ms", type=float, default=60.0, help="per prompt")
     ap.add_argument("--wave-overhead-s", type=float, default=1.0)
+    ap.add_argument(
+        "--step-times", action=argparse.BooleanOptionalAction, default=True,
+        help="per-step target/draft GPU times of every worker (CUDA events of "
+        "benchmarks/dspark_bench_hooks.py, installed after start-up) beside each point",
+    )  # fmt: skip
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform (plumbing only)")
     ap.add_argument("--dry-run", action="store_true", help="print commands, start nothing")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every server")
@@ -603,6 +622,7 @@ def main(argv=None) -> int:
             "start": a.start,
             "gpu_layout": a.gpu_layout,
             "platform": "cpu" if a.cpu else "gpu",
+            "step_times": a.step_times,
             "versions": versions(a.cpu),
         },
         "servers": {},
@@ -639,6 +659,9 @@ def dry_run(a, deps, sweeps, paths, tok) -> int:
     for dep in deps.values():
         print(f"deployment {dep.name}:")
         print("\n".join(describe(dep)))
+    if a.step_times:
+        rpc = 'POST URL/collective_rpc {"method": "dspark_bench_ctl", "args": ["enable"]}'
+        print(f'# around every point: {rpc} before, ["collect"] after (--no-step-times: not)')
     for cfg, ali, al in sweeps:
         url = "URL(" + cfg.name + ")"
         if al is not None:
@@ -753,6 +776,8 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 input_len=a.input_len, output_len=a.output_len, result_dir=str(bench_dir),
                 result_name=name,
             )  # fmt: skip
+            if a.step_times:
+                step_rpc(dep.url, "enable")
             before = spec_metrics(dep.url, settle_s=0.0)
             t0 = time.monotonic()
             result, err = run_bench_in_process(
@@ -775,6 +800,8 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 "measured_acceptance_length": measured_acceptance_length(delta),
                 "bench_command": "vllm bench serve " + " ".join(argv),
             }  # fmt: skip
+            if a.step_times:
+                point["step_times"] = step_rpc(dep.url, "collect")
             res.add("points", point)
             if summary.get("median_tpot_ms"):
                 tpot[cfg.name] = float(summary["median_tpot_ms"])

@@ -116,7 +116,7 @@ def test_dry_run_stock_leaves_the_plugin_out_and_bench_commands_are_vllms(capsys
     assert nodes["pp2_nospec node 0"]["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
     bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
     assert len(bench) == 4  # two servers x two concurrencies, no AL switch without DSpark
-    assert "collective_rpc" not in out
+    assert not [line for line in out.splitlines() if line.startswith("POST ")]
     c64 = shlex.split(bench[1])
     opt = {c64[i]: c64[i + 1] for i in range(3, len(c64) - 1) if c64[i].startswith("--")}
     assert opt["--max-concurrency"] == "64" and opt["--num-prompts"] == "256"
@@ -134,13 +134,16 @@ def test_dry_run_stock_leaves_the_plugin_out_and_bench_commands_are_vllms(capsys
 
 def test_dry_run_switches_the_acceptance_length_per_sweep(capsys):
     out = _dry(capsys, "--configs", "pp1_dspark", "--acceptance-lengths", "3.99,6.1")
-    lines = [line for line in out.splitlines() if "collective_rpc" in line]
+    lines = [line for line in out.splitlines() if line.startswith("POST ")]
     rpcs = [json.loads(line.split(" ", 2)[2]) for line in lines]
     assert [r["args"] for r in rpcs] == [
         ["set_acceptance_length", "3.99"],
         ["set_acceptance_length", "6.1"],
     ]
     assert all(r["method"] == "dspark_bench_ctl" for r in rpcs)
+    assert '"args": ["enable"]} before, ["collect"] after' in out  # the step timers
+    quiet = _dry(capsys, "--configs", "pp1_dspark", "--no-step-times")
+    assert '["enable"]' not in quiet
     assert serve.rpc_applied({"results": [{"applied": False}, {"applied": True}]})
     assert not serve.rpc_applied({"results": [{"applied": False}, None]})
     assert not serve.rpc_applied({"error": "connection refused"})
@@ -279,6 +282,9 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
         servers={"pp2_dspark": {"transport": {"nccl_comms": [[2, 2]], "nccl_socket": True,
                                               "exchange_backends": ["nccl"]}}},
     )  # fmt: skip
+    step = {"main_num_reqs": 4, "main": {"target_ms": 3.0, "draft_ms": None, "step_ms": 4.0}}
+    last = {"main_num_reqs": 4, "main": {"target_ms": 2.5, "draft_ms": 1.0, "step_ms": 4.0}}
+    first["points"][-1]["step_times"] = [step, last]  # pp2_dspark C=4
     repeat = serve_run([serve_point("pp1_nospec", None, 1, 110.0)])
     stock = serve_run([serve_point("pp2_nospec_stock", None, 1, 100.0)])
     files = [
@@ -302,5 +308,7 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
     assert "| pp2_nospec | 1 | 0.900 |" in md  # plugin on / off at PP=2: 90 / 100
     assert "2 ranks on 2 nodes; socket transport (`NET/Socket`): yes" in md
     assert "pp2_dspark AL 3.99 C=64: budget" in md
-    assert md.count(plot.CAVEAT) >= 3
+    assert "| pp2_dspark AL 3.99 | 4 | 0 | 4 | 3.000 | - | 4.000 | - |" in md
+    assert "| pp2_dspark AL 3.99 | 4 | 1 | 4 | 2.500 | 1.000 | 4.000 | 25.0% |" in md
+    assert md.count(plot.CAVEAT) >= 4
     assert png.stat().st_size > 10_000 and "![served curves](perf.png)" in md
