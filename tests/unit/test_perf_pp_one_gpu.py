@@ -150,11 +150,16 @@ def test_dry_run_switches_the_acceptance_length_per_sweep(capsys):
 
 
 # --------------------------------------------------------------------------- budget, records
+def _model(**kw):
+    base = dict(tpot_ms=5.0, output_len=200, prefill_ms=0.0, point_s=0.0)  # a wave: 1 s
+    return serve.CostModel(**{**base, **kw})
+
+
 def test_trimming_keeps_whole_waves_and_skips_when_none_fits():
-    assert serve.trim_point(16, 64, wave_s=2.0, time_for_point_s=100.0) == (64, None)
-    n, why = serve.trim_point(16, 64, wave_s=2.0, time_for_point_s=5.0)
-    assert n == 32 and "2 of 4 waves" in why  # whole waves of C
-    n, why = serve.trim_point(64, 256, wave_s=10.0, time_for_point_s=9.0)
+    assert serve.trim_point(16, 64, _model(), time_for_point_s=100.0) == (64, None)
+    n, why = serve.trim_point(16, 64, _model(point_s=1.0), time_for_point_s=3.5)
+    assert n == 32 and "2 of 4 waves" in why  # whole waves of C, after the fixed part
+    n, why = serve.trim_point(64, 256, _model(calib=2.0), time_for_point_s=1.9)
     assert n == 0 and "one wave of 64" in why
 
 
@@ -162,8 +167,24 @@ def test_the_time_left_is_shared_in_proportion_to_cost():
     assert serve.time_for_point(100.0, 10.0, [20.0, 30.0]) == 100.0  # everything fits
     assert serve.time_for_point(30.0, 10.0, [20.0, 30.0]) == pytest.approx(5.0)
     assert serve.time_for_point(-5.0, 10.0, [20.0]) == 0.0
-    # a C=1 wave is the output length at the TPOT; prefills count per request
-    assert serve.wave_cost_s(1, 5.0, 256, 60.0, 1.0) == pytest.approx(1.0 + 1.28 + 0.06)
+    m = _model(tpot_ms=5.0, output_len=256, prefill_ms=40.0, point_s=4.0, calib=1.5)
+    assert m.point_cost_s(4, 16) == pytest.approx(1.5 * (4.0 + 4 * (1.28 + 0.16)))
+
+
+def test_a_short_budget_trims_every_point_alike_and_the_last_sweep_is_not_starved():
+    def prompts(c):
+        return max(16, 4 * c)
+
+    m = _model(point_s=1.0)  # a point: 1 s + 4 waves of 1 s (16 at C=1)
+    cs = [1, 4, 16, 32, 64]
+    # the whole plan (3 sweeps of 17 + 4 x 5 = 37 s) fits in 200 s: nothing is cut
+    assert serve.plan_point(1, cs[1:], 2, cs, 200.0, m, prompts) == (16, None)
+    # with 55.5 s for 111 s of work the first point gets half of its 17 s: 7 of 16 waves
+    n, why = serve.plan_point(1, cs[1:], 2, cs, 55.5, m, prompts)
+    assert n == 7 and "7 of 16 waves" in why
+    # the last point of the last sweep gets all that is left, whole waves only
+    assert serve.plan_point(64, [], 0, cs, 3.5, m, prompts)[0] == 128
+    assert serve.plan_point(64, [], 0, cs, 1.5, m, prompts)[0] == 0
 
 
 def test_every_point_is_on_disk_as_soon_as_it_is_added(tmp_path):
