@@ -87,6 +87,8 @@ sys.path.insert(0, str(REPO))
 from perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist  # noqa: E402
 from real_shapes import SHAPES, write_shape  # noqa: E402
 
+from dspark_dev.pp_launch import transport_evidence  # noqa: E402
+
 RESULT_PREFIX = "serve_pp_one_gpu"
 
 
@@ -318,8 +320,6 @@ def rpc_applied(response: dict) -> bool:
 
 
 # --------------------------------------------------------------------------- logs
-NCCL_COMM = re.compile(r"nRanks (\d+) nNodes (\d+)")
-EXCHANGE = re.compile(r"DSpark PP exchange: .*? over (\S+)")
 USEFUL = re.compile(
     r"NCCL INFO (comm |Init COMPLETE|NET/|Using network)|DSpark|PP handshake|vllm_dspark_pp|"
     r"Traceback|Error|ERROR|Exception|WARNING.*(KV|memory|graph)|Available KV cache|"
@@ -329,17 +329,6 @@ USEFUL = re.compile(
 TIMESTAMP = re.compile(
     r"\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?|\d\d:\d\d:\d\d(\.\d+)?|pid=\d+|\(\w+ pid=\d+\)"
 )
-
-
-def transport_evidence(texts: list[str]) -> dict:
-    """What the launchers' logs say about the stage-to-stage transport (PP > 1)."""
-    text = "\n".join(texts)
-    return {
-        "nccl_comms": sorted({(int(a), int(b)) for a, b in NCCL_COMM.findall(text)}),
-        "nccl_socket": "NET/Socket" in text,
-        "exchange_backends": sorted(set(EXCHANGE.findall(text))),
-        "handshake": bool(re.search(r"PP handshake: \d+ ranks agree", text)),
-    }
 
 
 def useful_lines(text: str, max_lines: int = 300, tail: int = 0) -> list[str]:
