@@ -71,6 +71,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -623,7 +624,10 @@ def main(argv=None) -> int:
     }
     sweeps = plan_sweeps(a)
     if a.dry_run:
-        return dry_run(a, deps, sweeps, paths, tok)
+        try:
+            return dry_run(a, deps, sweeps, paths, tok)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # the shape folders, tokenizer, hook
     problem = preflight()
     if problem:
         log(f"FATAL: {problem}")
