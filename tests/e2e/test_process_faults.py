@@ -32,8 +32,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from support import engines, pp_launch, reliability, tiny_pair
+from support import engines, reliability, tiny_pair
 
+from dspark_dev import pp_launch
 from dspark_dev.serve_demo import Server, free_port, serve_argv
 
 pytestmark = pytest.mark.e2e

@@ -1,7 +1,7 @@
 """A PP stage lost across launchers on the GPU: node 0 ends within seconds naming it (issue 28,
 case 3b; the CPU run is tests/e2e/test_process_faults.py, docs/results/reliability.md).
 
-Two launchers on GPU 0 (tests/support/pp_launch.py: node 0 ``--nnodes 2 --node-rank 0`` with the
+Two launchers on GPU 0 (dspark_dev/pp_launch.py: node 0 ``--nnodes 2 --node-rank 0`` with the
 API server, node 1 ``--headless`` with PP rank 1, each its own ``NCCL_HOSTID``, NCCL over
 loopback sockets), the trained tiny pair with DSpark (k=7), CUDA graphs, async scheduling.
 8 greedy streams of 400 tokens run when PP rank 1's worker gets SIGKILL. Checked: node 0's
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 from gpu_common import DRYRUN_CPU, GRAPH_COMPILATION_CONFIG, PAIR_DTYPE, require_cuda
-from support import pp_launch, reliability, tiny_pair
+from support import reliability, tiny_pair
 
+from dspark_dev import pp_launch
 from dspark_dev.serve import GPU_CHILD_ENV
 from vllm_dspark_pp.protocol import liveness
 
