@@ -12,8 +12,11 @@ process of either launcher is left. ``DSPARK_GPU_LOST_STAGE_CONTROL=1``: the sam
 off (``VLLM_DSPARK_PP_PEER_TIMEOUT_S=0``, execute timeout 60 s): must time out instead (about
 60 s) and name no stage.
 
-    source /tmp/site/env.sh && PYTHONPATH=.:tests .venv/bin/python -m pytest \\
-        tests/gpu/test_pp_lost_stage_gpu.py -s -q
+    source /tmp/site/env.sh && DSPARK_GPU_GROUPS_BUDGET_S=540 bash tools/gpu/run_groups.sh \\
+        $OUT lost_stage lost_stage_control
+
+(``$OUT/lost_stage*/result.json`` and the launchers' logs come back; ``DSPARK_GPU_LOST_STAGE_LOGS``
+sets that folder when run by hand.)
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def test_lost_stage_across_launchers_ends_node0_naming_it(tmp_path):
     env = dict(GPU_CHILD_ENV)
     if CONTROL:
         env.update({liveness.TIMEOUT_ENV: "0", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "60"})
-    log_dir = Path(os.environ.get("OUT", tmp_path)) / "lost_stage"
+    log_dir = Path(os.environ.get("DSPARK_GPU_LOST_STAGE_LOGS") or tmp_path / "lost_stage")
     log_dir.mkdir(parents=True, exist_ok=True)
     dep = pp_launch.deployment(
         "lost",

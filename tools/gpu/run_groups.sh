@@ -11,7 +11,9 @@
 #         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
 #         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
-#         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control).
+#         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control),
+#         lost_stage / lost_stage_control (issue 28 case 3b: PP rank 1 killed across two launchers;
+#         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -88,7 +90,13 @@ for g in "$@"; do
     DSPARK_GPU_PP_LOGS="$ART/pp_adaptive" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
       run_group "$g" tests/gpu/test_pp_adaptive_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, pp_adaptive)" ;;
+  lost_stage | lost_stage_control)
+    mkdir -p "$OUTDIR/$g" # result.json and both launchers' logs come back
+    DSPARK_GPU_LOST_STAGE_LOGS="$OUTDIR/$g" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
+      DSPARK_GPU_LOST_STAGE_CONTROL=$([ "$g" = lost_stage_control ] && echo 1 || echo 0) \
+      run_group "$g" tests/gpu/test_pp_lost_stage_gpu.py --timeout=$((BUDGET - 20)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, pp_adaptive, lost_stage, lost_stage_control)" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
