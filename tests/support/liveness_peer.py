@@ -1,8 +1,10 @@
 """One PP rank of the peer-watch tests (tests/unit/protocol/test_liveness.py), as a process.
 
-``python -m support.liveness_peer --store-port P --rank R --world W --timeout T [--busy S]
-[--real-exit]`` connects to the test's ``TCPStore``, sets up the watch of ``vllm_dspark_pp
-.protocol.liveness`` on loopback and prints JSON lines on stdout: ``{"event": "ready"}`` once
+``python -m support.liveness_peer --store-dir D --rank R --world W --timeout T [--busy S]
+[--real-exit]`` sets up the watch of ``vllm_dspark_pp.protocol.liveness`` on loopback, its
+records exchanged through :class:`DirStore` (the store interface the watch uses, over files in
+``D``: no torch import, so a rank starts in a fraction of a second), and prints JSON lines on
+stdout: ``{"event": "ready"}`` once
 watching, ``{"event": "lost", "rank": R, "message": ...}`` when it declares a peer lost (then it
 exits with status 70), ``{"event": "busy_done"}`` after ``--busy S`` seconds of pure-Python work
 in the main thread (holding the GIL as much as Python lets it); then it waits until its stdin
@@ -17,6 +19,29 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+class DirStore:
+    """``set`` / ``get`` / ``check`` of a ``torch.distributed`` store, one file per key."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key.encode().hex()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else value
+        tmp = self._path(key).with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(self._path(key))  # atomic: a reader sees all of it or nothing
+
+    def get(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._path(k).exists() for k in keys)
 
 
 def _emit(**event) -> None:
@@ -26,7 +51,7 @@ def _emit(**event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--store-port", type=int, required=True)
+    ap.add_argument("--store-dir", required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--timeout", type=float, required=True)
@@ -34,11 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-exit", action="store_true")
     args = ap.parse_args(argv)
 
-    from torch.distributed import TCPStore
-
     from vllm_dspark_pp.protocol import liveness
 
-    store = TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=_td(60))
+    store = DirStore(args.store_dir)
 
     def report(me: int, peer: liveness.Peer, reason: str) -> None:
         _emit(event="lost", rank=peer.pp_rank, message=liveness.lost_message(me, peer, reason))
@@ -62,12 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         _emit(event="busy_done")
     sys.stdin.read()  # until the test closes it (or kills this process)
     return 0
-
-
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
 
 
 if __name__ == "__main__":

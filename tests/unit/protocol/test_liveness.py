@@ -2,8 +2,8 @@
 slow-but-alive peer is not declared lost before the timeout, the knob turns it off, stopping
 never blocks, and the executor patch's stopping message names a worker that lost its peer.
 
-The process tests run real ranks (tests/support/liveness_peer.py) on loopback around a
-``TCPStore`` of this process; the bounds they assert are far from the values they separate
+The process test runs real ranks (tests/support/liveness_peer.py) on loopback, their records
+exchanged through files; the bounds they assert are far from the values they separate
 (a socket close is seen in well under the 30 s silence limit)."""
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[3]
 
 # ------------------------------------------------------------------ ranks as processes
 class Rank:
-    def __init__(self, store_port: int, rank: int, world: int, timeout: str, *extra: str):
+    def __init__(self, store_dir: str, rank: int, world: int, timeout: str, *extra: str):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "support.liveness_peer", "--store-port", str(store_port),
+            [sys.executable, "-m", "support.liveness_peer", "--store-dir", store_dir,
              "--rank", str(rank), "--world", str(world), "--timeout", timeout, *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=env, start_new_session=True,
@@ -67,32 +67,24 @@ class Rank:
         self.proc.wait(timeout=10)
 
 
-def _store() -> tuple[torch.distributed.TCPStore, int]:
-    from datetime import timedelta
-
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(60))
-    return store, store.port
-
-
-def _start(args: list[tuple[str, ...]]):
+def _start(store_dir, args: list[tuple[str, ...]]) -> list[Rank]:
     """One process per entry of ``args`` (``--timeout T`` and extras), all ready."""
-    store, port = _store()
     world = len(args)
-    ranks = [Rank(port, r, world, *a) for r, a in enumerate(args)]
+    ranks = [Rank(str(store_dir), r, world, *a) for r, a in enumerate(args)]
     for r in ranks:
         ev = r.next_event(120)
         assert ev == {"event": "ready", "watching": True}, (ev, "".join(r.stderr)[-3000:])
-    return store, ranks
+    return ranks
 
 
-def test_busy_peer_kept_stopped_peer_lost_after_its_timeout_dead_peer_named_at_once():
+def test_busy_peer_kept_stopped_peer_lost_after_its_timeout_dead_peer_named_at_once(tmp_path):
     """Rank 0 (30 s limit, the runtime's own exit), rank 1 (2 s limit), rank 2 (busy, then
     stopped). Rank 1 keeps the busy rank 2, declares the stopped rank 2 lost after its 2 s and
     not before, and exits; rank 0 names the dead rank 1 at once (long before its 30 s limit)
     with vLLM's logger and exits 70."""
     limit = 2.0
-    store, ranks = _start(
-        [("30", "--real-exit"), (str(limit),), ("30", "--busy", str(1.5 * limit))]
+    ranks = _start(
+        tmp_path, [("30", "--real-exit"), (str(limit),), ("30", "--busy", str(1.5 * limit))]
     )
     try:
         # Rank 2's main thread computes for 1.5x rank 1's limit: its heartbeats still go out.
