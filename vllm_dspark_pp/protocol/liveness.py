@@ -60,6 +60,8 @@ LOST_PEER_EXIT_STATUS = 70
 LOST_PREFIX = "DSpark PP: lost PP rank"
 
 _HEARTBEAT = b"h"
+#: On a loss the process ends at the latest this long after the loss, logged or not.
+EXIT_GUARD_S = 5.0
 #: After an orderly stop the thread reads what the peers still send for at most this long.
 DRAIN_S = 2.0
 _BYE = b"B"
@@ -126,6 +128,11 @@ def exit_on_loss(me: int, peer: Peer, reason: str) -> None:
     main thread may be blocked in a collective with the lost rank)."""
     import logging
 
+    # Never hang here: if logging blocks (a handler lock held by a thread that is stuck writing
+    # to a full pipe), the process still ends.
+    guard = threading.Timer(EXIT_GUARD_S, os._exit, (LOST_PEER_EXIT_STATUS,))
+    guard.daemon = True
+    guard.start()
     _logger().error("%s", lost_message(me, peer, reason))
     for name in ("", "vllm"):
         for handler in logging.getLogger(name).handlers:
