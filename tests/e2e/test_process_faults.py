@@ -97,3 +97,26 @@ def test_last_stage_sigkill_ends_the_server_naming_the_stage(tmp_path, two_launc
         assert r["exit_s"] <= EXIT_BOUND_S, f"node 0 took {r['exit_s']} s (bound {EXIT_BOUND_S})"
         assert not r["other_nodes_running"], "node 1's launcher is still running"
     # Exit status: recorded (vLLM 0.34.0's API server returns 0 after its engine died).
+
+
+@pytest.mark.skipif(
+    os.environ.get("DSPARK_RELIABILITY_HAND") != "1",
+    reason="hand run (about 90 s): DSPARK_RELIABILITY_HAND=1; results in "
+    "docs/results/reliability.md",
+)
+def test_first_stage_sigkill_ends_the_other_node_naming_the_stage(tmp_path):
+    """The other direction across two launchers: PP rank 0 (node 0) is killed. Node 0's own
+    worker monitor ends node 0; node 1's headless launcher, which vLLM 0.34.0 leaves running
+    (its worker waits for the next request forever), must end too, naming PP rank 0."""
+    r = reliability.kill_stage_mid_generation(
+        _servers(tmp_path, True), READY_TIMEOUT_S, EXIT_LIMIT_S, "Worker_PP0", victim_node=0
+    )
+    summary = reliability.lost_stage_summary(r) + f"\nnodes ended after {r['nodes_exit_s']} s"
+    print(summary)
+    assert r["rc"] is not None, summary
+    assert not r["head_group_left"], f"orphans: {r['head_group_left']}"
+    if STOCK:
+        return  # recorded: whether node 1 ended at all
+    node1 = r["other_logs"][0]
+    assert "DSpark PP: lost PP rank 0 (" in node1 and ", node 0, pid " in node1, summary
+    assert r["nodes_exit_s"] is not None and r["nodes_exit_s"] <= EXIT_BOUND_S, summary

@@ -130,14 +130,19 @@ def worker_pid(log_text: str, process_name: str) -> int | None:
 
 # ------------------------------------------------------------------ a lost PP stage
 def kill_stage_mid_generation(
-    servers: list, ready_s: float, exit_limit_s: float, victim: str = "Worker_PP1"
+    servers: list,
+    ready_s: float,
+    exit_limit_s: float,
+    victim: str = "Worker_PP1",
+    victim_node: int = -1,
 ) -> dict:
-    """Start ``servers`` (node 0 first; the victim worker runs on the last), stream 8 greedy
-    requests of 400 tokens, SIGKILL the ``victim`` worker (pid from vLLM's log prefix), measure
-    how node 0 ends (seconds, status, what the clients saw, processes left, logs); every group
-    is stopped at the end (tests/e2e/test_process_faults.py, tests/gpu/test_pp_lost_stage_gpu.py).
-    """
-    head, victim_host = servers[0], servers[-1]
+    """Start ``servers`` (node 0 first), stream 8 greedy requests of 400 tokens, SIGKILL the
+    ``victim`` worker of ``servers[victim_node]`` (pid from vLLM's log prefix), measure how node
+    0 ends (seconds, status, what the clients saw, processes left, logs) and when every other
+    launcher ended (``nodes_exit_s``, None if one still ran ``exit_limit_s`` after the kill);
+    every group is stopped at the end (tests/e2e/test_process_faults.py,
+    tests/gpu/test_pp_lost_stage_gpu.py)."""
+    head, victim_host = servers[0], servers[victim_node]
     result: dict = {"clients": []}
     try:
         for s in servers:
@@ -179,8 +184,13 @@ def kill_stage_mid_generation(
         time.sleep(2.0)
         result["head_group_left"] = live_group_members(head.proc.pid) if rc is not None else None
         result["other_nodes_running"] = [s.name for s in servers[1:] if s.exited() is None]
+        ends = [s.wait_exit(max(0.0, t0 + exit_limit_s - time.monotonic())) for s in servers[1:]]
+        result["nodes_exit_s"] = (
+            round(time.monotonic() - t0, 1) if all(e is not None for e in ends) else None
+        )
         result["head_log"] = head.log_tail(10**7)
         result["victim_log"] = victim_host.log_tail(10**7)
+        result["other_logs"] = [s.log_tail(10**7) for s in servers[1:]]
         return result
     finally:
         for s in servers:
