@@ -20,7 +20,7 @@ import sys
 
 
 def _install() -> None:
-    from vllm_dspark_pp.patches._on_import import when_imported
+    from vllm_dspark_pp.patches import when_imported
 
     slope = os.environ.get("DSPARK_TEST_VERIFY_COST_SLOPE")
 

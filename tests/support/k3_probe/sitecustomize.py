@@ -18,7 +18,7 @@ import sys
 def _install() -> None:
     if os.environ.get("DSPARK_TEST_K3_IDS_PROBE") != "1":
         return
-    from vllm_dspark_pp.patches._on_import import when_imported
+    from vllm_dspark_pp.patches import when_imported
 
     def patch_model(module) -> None:
         cls = module.KimiLinearModel
