@@ -120,13 +120,23 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_drafter_families_import_only_the_shared_base():
+def test_family_modules_import_only_the_shared_base_and_the_registry():
+    """A draft family is one module over ``producer/drafter.py`` that registers itself in
+    ``producer/families.py``; the registry imports nothing of the project (every layer reads
+    it), and the shared base no family module."""
+    from vllm_dspark_pp.producer.families import NOT_FAMILIES
+
     graph = _graph()
-    families = ("qwen3", "deepseek_v4", "kimi_k3")
-    for fam in families:
-        targets = {t for t in graph[f"vllm_dspark_pp.producer.{fam}"] if ".producer." in t}
-        assert targets <= {"vllm_dspark_pp.producer.drafter"}, (fam, targets)
-    assert not {t for t in graph["vllm_dspark_pp.producer.drafter"] if ".producer." in t}
+    producer = "vllm_dspark_pp.producer"
+    modules = {p.stem for p in (PKG / "producer").glob("*.py")} - {"__init__", *NOT_FAMILIES}
+    assert modules, "no family module found"
+    for fam in modules:
+        targets = {t for t in graph[f"{producer}.{fam}"] if ".producer." in t}
+        assert targets <= {f"{producer}.drafter", f"{producer}.families"}, (fam, targets)
+    assert not {t for t in graph[f"{producer}.drafter"] if ".producer." in t} - {
+        f"{producer}.families"
+    }
+    assert not {t for t in graph[f"{producer}.families"] if t.startswith("vllm_dspark_pp")}
 
 
 def test_the_package_defines_no_triton_kernel():

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from vllm_dspark_pp.producer import families
 from vllm_dspark_pp.producer.drafter import (
-    DSV4_ARCH,
-    RefuseDrafting,
+    ContextKVDrafter,
+    built_once,
+    check_target_carries_the_draft,
     platform_module,
     refuse_platform,
     refusing,
+    register_cache_layer,
     weight_filter,
 )
 
@@ -54,8 +57,10 @@ is_dsv4_context_kv_weight, dsv4_skipped_weight_names = weight_filter(_DSV4_KEEP)
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4
-def _build_dsv4_classes(module_name: str | None = None) -> type:
-    """Define the DeepSeek-V4 context-only classes against vLLM's drafter module."""
+@built_once
+def dsv4_context_kv_class(module_name: str | None = None) -> type:
+    """The DeepSeek-V4 context-only top-level class (``module_name``: vLLM's drafter module,
+    default: the registry's platform pick)."""
     import torch
     from torch import nn
     from vllm.config import get_current_vllm_config
@@ -69,7 +74,7 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
     from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
-    dspark = platform_module(DSV4_ARCH, "vllm.models.deepseek_v4", module_name)
+    dspark = platform_module("vllm.models.deepseek_v4", "DSparkDeepseekV4ForCausalLM", module_name)
     base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
     if base_model is None:
         raise refuse_platform("DeepSeek-V4 DSpark", dspark, "DSparkDeepseekV4Model")
@@ -138,11 +143,7 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
                     "_flashinfer_fp8_kv_scale",
                 ):
                     self.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
-            forward_context = vllm_config.compilation_config.static_forward_context
-            if prefix in forward_context:
-                raise ValueError(f"Duplicate layer name: {prefix}")
-            forward_context[prefix] = self
-            self.kv_cache = torch.tensor([])
+            register_cache_layer(self, vllm_config, prefix)
 
         # vLLM 0.34.0's own AttentionLayerBase methods of DeepseekV4Attention (spec: None
         # for compress ratio 1, the SWA cache is its own layer).
@@ -208,40 +209,34 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
 
         embed_input_ids = refusing("draft token embedding")
 
-    class DSparkDeepseekV4ContextKVForCausalLM(RefuseDrafting, nn.Module):
+    class DSparkDeepseekV4ContextKVForCausalLM(ContextKVDrafter, nn.Module):
         """Top level of the DeepSeek-V4 context-KV-only DSpark drafter."""
 
         family = "DeepSeek-V4 DSpark"
+        model_cls = DSparkDeepseekV4ContextKVModel
+        is_context_kv_weight = staticmethod(is_dsv4_context_kv_weight)
+        skipped_note = "embeddings, heads, MoE, query/output projections, hyper-connections"
 
         def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            self.draft_model_config = spec.draft_model_config
-            self.config = self.draft_model_config.hf_config
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
             self.quant_config = vllm_config.quant_config
-            self.model = DSparkDeepseekV4ContextKVModel(
-                vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
-            )
+
+        @staticmethod
+        def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
+            return {}  # numbered from the draft config's num_hidden_layers (the target's own)
 
         combine_hidden_states = base_top.combine_hidden_states
         get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
         precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
 
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            """Load main_proj/main_norm, kv_norm and each layer's wkv (into
-            context_wkv_proj, shard = layer) from the target checkpoint's ``mtp.*``."""
+        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+            """main_proj/main_norm, kv_norm and each layer's wkv (into context_wkv_proj,
+            shard = layer) from the target checkpoint's ``mtp.*``."""
             params = dict(self.named_parameters())
             loaded: set[str] = set()
-            skipped = 0
-            n_layers = len(self.model.layers)
             for name, tensor in weights:
-                if not is_dsv4_context_kv_weight(name):
-                    skipped += 1
-                    continue
-                target, shard = _dsv4_param_name(name, n_layers)
+                target, shard = _dsv4_param_name(name, len(self.model.layers))
                 if target is None:
-                    skipped += 1
                     continue
                 param = params[target]
                 if shard is not None:
@@ -249,12 +244,6 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
                 else:
                     getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(target)
-            logger.info(
-                "Context-KV-only DeepSeek-V4 DSpark drafter: loaded %d tensors, skipped %d "
-                "(embeddings, heads, MoE, query/output projections, hyper-connections).",
-                len(loaded),
-                skipped,
-            )
             return loaded
 
     return DSparkDeepseekV4ContextKVForCausalLM
@@ -281,12 +270,12 @@ def _dsv4_param_name(name: str, n_layers: int) -> tuple[str | None, int | None]:
     return None, None
 
 
-_CLASSES: dict[str | None, type] = {}
-
-
-def dsv4_context_kv_class(module_name: str | None = None) -> type:
-    """The DeepSeek-V4 context-only top-level class (``module_name``: vLLM's drafter module,
-    default: the registry's platform pick)."""
-    if module_name not in _CLASSES:
-        _CLASSES[module_name] = _build_dsv4_classes(module_name)
-    return _CLASSES[module_name]
+families.register(
+    families.DraftFamily(
+        name="DeepSeek-V4 DSpark",
+        architectures=("DSparkDraftModel",),
+        module=__name__,
+        context_kv_class=dsv4_context_kv_class,
+        start_checks=(check_target_carries_the_draft,),
+    )
+)

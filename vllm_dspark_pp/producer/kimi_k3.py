@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from vllm_dspark_pp.producer import families
 from vllm_dspark_pp.producer.drafter import (
-    K3_ARCH,
-    RefuseDrafting,
+    ContextKVDrafter,
+    built_once,
     layer_holding,
     platform_module,
     refuse_platform,
     refusing,
+    register_cache_layer,
     weight_filter,
 )
 
@@ -75,8 +77,10 @@ is_k3_context_kv_weight, k3_skipped_weight_names = weight_filter(_K3_KEEP)
 
 
 # --------------------------------------------------------------------------- Kimi-K3
-def _build_k3_classes(module_name: str | None = None) -> type:
-    """Define the Kimi-K3 context-only classes against vLLM's drafter module."""
+@built_once
+def k3_context_kv_class(module_name: str | None = None) -> type:
+    """The Kimi-K3 context-only top-level class (``module_name``: vLLM's drafter module, default
+    :data:`K3_NVIDIA_MODULE`)."""
     import torch
     from torch import nn
     from vllm.config import get_current_vllm_config
@@ -101,7 +105,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
     from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
     from vllm.v1.attention.selector import get_attn_backend
 
-    dspark = platform_module(K3_ARCH, K3_NVIDIA_MODULE, module_name)
+    dspark = platform_module(K3_NVIDIA_MODULE, "K3DSparkForCausalLM", module_name)
     base_model: Any = getattr(dspark, "K3DSparkModel", None)
     if base_model is None:
         raise refuse_platform("Kimi-K3 DSpark", dspark, "K3DSparkModel")
@@ -176,11 +180,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
                 vllm_config=vllm_config,
                 **{dim: getattr(self, dim) for dim in _MLA_PREFILL_DIMS},
             )
-            registry = vllm_config.compilation_config.static_forward_context
-            if prefix in registry:
-                raise ValueError(f"Duplicate layer name: {prefix}")
-            registry[prefix] = self
-            self.kv_cache = torch.tensor([])
+            register_cache_layer(self, vllm_config, prefix)
 
         @staticmethod
         def _refuse_context_parallel(parallel: Any) -> None:
@@ -290,63 +290,34 @@ def _build_k3_classes(module_name: str | None = None) -> type:
 
     k3_mapper = WeightsMapper(orig_to_new_prefix={"": "model."})
 
-    class K3DSparkContextKVForCausalLM(RefuseDrafting, nn.Module):
+    class K3DSparkContextKVForCausalLM(ContextKVDrafter, nn.Module):
         """Top level of the Kimi-K3 context-KV-only DSpark drafter."""
 
         family = "Kimi-K3 DSpark"
+        model_cls = K3DSparkContextKVModel
+        is_context_kv_weight = staticmethod(is_k3_context_kv_weight)
         speculator_config_class = getattr(base_top, "speculator_config_class", None)
-
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            self.draft_model_config = spec.draft_model_config
-            self.config = self.draft_model_config.hf_config
-            self.model = K3DSparkContextKVModel(
-                vllm_config=vllm_config,
-                start_layer_id=vllm_config.model_config.get_total_num_hidden_layers(),
-                prefix=maybe_prefix(prefix, "model"),
-            )
 
         combine_hidden_states = base_top.combine_hidden_states
         get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
         precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
         process_weights_after_loading = base_top.process_weights_after_loading
 
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            counts = {"skipped": 0}
-            stacked = dspark._duplicate_context_kv_weights(
-                self._context_only(weights, counts), len(self.model.layers)
-            )
+        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+            unprefixed = ((n.removeprefix("model."), t) for n, t in weights)
+            stacked = dspark._duplicate_context_kv_weights(unprefixed, len(self.model.layers))
             # The per-layer kv_a_proj_with_mqa rows live only in context_kv_proj here.
             kept = ((n, w) for n, w in stacked if ".kv_a_proj_with_mqa." not in n)
-            loaded = AutoWeightsLoader(self).load_weights(kept, mapper=k3_mapper)
-            logger.info(
-                "Context-KV-only Kimi-K3 DSpark drafter: loaded %d parameters, skipped %d "
-                "tensors (embeddings, heads, MLPs, query/output projections).",
-                len(loaded),
-                counts["skipped"],
-            )
-            return loaded
-
-        @staticmethod
-        def _context_only(
-            weights: Iterable[tuple[str, torch.Tensor]], counts: dict[str, int]
-        ) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if is_k3_context_kv_weight(name):
-                    yield name.removeprefix("model."), tensor
-                else:
-                    counts["skipped"] += 1
+            return AutoWeightsLoader(self).load_weights(kept, mapper=k3_mapper)
 
     return K3DSparkContextKVForCausalLM
 
 
-_CLASSES: dict[str | None, type] = {}
-
-
-def k3_context_kv_class(module_name: str | None = None) -> type:
-    """The Kimi-K3 context-only top-level class."""
-    if module_name not in _CLASSES:
-        _CLASSES[module_name] = _build_k3_classes(module_name)
-    return _CLASSES[module_name]
+families.register(
+    families.DraftFamily(
+        name="Kimi-K3 DSpark",
+        architectures=("K3DSparkModel",),
+        module=__name__,
+        context_kv_class=k3_context_kv_class,
+    )
+)
