@@ -22,17 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer import families
-from vllm_dspark_pp.producer.drafter import (
-    ContextKVDrafter,
-    built_once,
-    check_target_carries_the_draft,
-    platform_module,
-    refuse_platform,
-    refusing,
-    register_cache_layer,
-    weight_filter,
-)
+from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
     import torch
@@ -53,11 +43,11 @@ _DSV4_KEEP = re.compile(
 
 
 #: Whether a DeepSeek-V4 checkpoint tensor feeds the context-only drafter; the rest.
-is_dsv4_context_kv_weight, dsv4_skipped_weight_names = weight_filter(_DSV4_KEEP)
+is_dsv4_context_kv_weight, dsv4_skipped_weight_names = drafter.weight_filter(_DSV4_KEEP)
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4
-@built_once
+@drafter.built_once
 def dsv4_context_kv_class(module_name: str | None = None) -> type:
     """The DeepSeek-V4 context-only top-level class (``module_name``: vLLM's drafter module,
     default: the registry's platform pick)."""
@@ -74,15 +64,17 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
     from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
-    dspark = platform_module("vllm.models.deepseek_v4", "DSparkDeepseekV4ForCausalLM", module_name)
+    dspark = drafter.platform_module(
+        "vllm.models.deepseek_v4", "DSparkDeepseekV4ForCausalLM", module_name
+    )
     base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
     if base_model is None:
-        raise refuse_platform("DeepSeek-V4 DSpark", dspark, "DSparkDeepseekV4Model")
+        raise drafter.refuse_platform("DeepSeek-V4 DSpark", dspark, "DSparkDeepseekV4Model")
     base_top = dspark.DSparkDeepseekV4ForCausalLM
     model_module = sys.modules[dspark.DeepseekV4DecoderLayer.__module__]
     select_attn_cls: Any = getattr(model_module, "_select_dsv4_attn_cls", None)
     if select_attn_cls is None:
-        raise refuse_platform("DeepSeek-V4 DSpark", model_module, "_select_dsv4_attn_cls")
+        raise drafter.refuse_platform("DeepSeek-V4 DSpark", model_module, "_select_dsv4_attn_cls")
 
     class DeepseekV4ContextKVAttention(nn.Module, AttentionLayerBase):
         """What ``_insert_context_kv`` reads of a DeepseekV4Attention draft layer.
@@ -143,7 +135,7 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
                     "_flashinfer_fp8_kv_scale",
                 ):
                     self.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
-            register_cache_layer(self, vllm_config, prefix)
+            drafter.register_cache_layer(self, vllm_config, prefix)
 
         # vLLM 0.34.0's own AttentionLayerBase methods of DeepseekV4Attention (spec: None
         # for compress ratio 1, the SWA cache is its own layer).
@@ -151,16 +143,21 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
         get_attn_backend = dsv4_attention.DeepseekV4Attention.get_attn_backend
         get_kv_cache_spec = dsv4_attention.DeepseekV4Attention.get_kv_cache_spec
 
-        forward = refusing("draft attention forward")
+        forward = drafter.refusing("draft attention forward")
 
     class DeepseekV4ContextKVLayer(nn.Module):
         def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
             super().__init__()
             self.attn = DeepseekV4ContextKVAttention(vllm_config, prefix=f"{prefix}.attn")
 
-        forward = refusing("draft decoder layer forward")
+        forward = drafter.refusing("draft decoder layer forward")
 
-    class DSparkDeepseekV4ContextKVModel(nn.Module):
+    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4/nvidia/dspark.py).
+    context_path: Any = drafter.context_path(
+        base_model, "combine_hidden_states", "precompute_and_store_context_kv"
+    )
+
+    class DSparkDeepseekV4ContextKVModel(context_path, nn.Module):
         """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache."""
 
         def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -201,15 +198,7 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
             )
             self.confidence_head = None
 
-        # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4/nvidia/dspark.py).
-        combine_hidden_states = base_model.combine_hidden_states
-        precompute_and_store_context_kv = base_model.precompute_and_store_context_kv
-
-        forward = refusing("draft backbone forward")
-
-        embed_input_ids = refusing("draft token embedding")
-
-    class DSparkDeepseekV4ContextKVForCausalLM(ContextKVDrafter, nn.Module):
+    class DSparkDeepseekV4ContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
         """Top level of the DeepSeek-V4 context-KV-only DSpark drafter."""
 
         family = "DeepSeek-V4 DSpark"
@@ -270,12 +259,13 @@ def _dsv4_param_name(name: str, n_layers: int) -> tuple[str | None, int | None]:
     return None, None
 
 
+#: Its drafter ships inside the target checkpoint: the target must be a DeepSeek-V4 one.
 families.register(
     families.DraftFamily(
-        name="DeepSeek-V4 DSpark",
-        architectures=("DSparkDraftModel",),
-        module=__name__,
-        context_kv_class=dsv4_context_kv_class,
-        start_checks=(check_target_carries_the_draft,),
+        "DeepSeek-V4 DSpark",
+        ("DSparkDraftModel",),
+        __name__,
+        dsv4_context_kv_class,
+        start_checks=(drafter.check_target_carries_the_draft,),
     )
 )

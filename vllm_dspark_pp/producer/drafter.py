@@ -140,6 +140,17 @@ def refuse_platform(family: str, module: Any, missing: str) -> NotImplementedErr
     )
 
 
+def context_path(base: type, *names: str) -> Any:
+    """The base of a family's context model: vLLM's own context-KV methods ``names`` of ``base``
+    (the full drafter's model class), used unchanged because they read only attributes the
+    context model provides, with the backbone's forward and token embedding refused.
+    ``class M(context_path(base, ...), nn.Module)``."""
+    body: dict[str, Any] = {name: getattr(base, name) for name in names}
+    body["forward"] = refusing("draft backbone forward")
+    body["embed_input_ids"] = refusing("draft token embedding")
+    return type(f"{base.__name__}ContextPath", (), body)
+
+
 def register_cache_layer(layer: Any, vllm_config: VllmConfig, prefix: str) -> None:
     """Register a family's KV-cache layer under ``prefix`` in vLLM's static forward context (as
     vLLM's own attention layers do; the KV-cache planner finds it there), with no cache yet."""

@@ -20,17 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer import families
-from vllm_dspark_pp.producer.drafter import (
-    ContextKVDrafter,
-    built_once,
-    layer_holding,
-    platform_module,
-    refuse_platform,
-    refusing,
-    register_cache_layer,
-    weight_filter,
-)
+from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
     import torch
@@ -73,11 +63,11 @@ _MLA_PREFILL_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_
 
 
 #: Whether a Kimi-K3 DSpark checkpoint tensor feeds the context-only drafter; the rest.
-is_k3_context_kv_weight, k3_skipped_weight_names = weight_filter(_K3_KEEP)
+is_k3_context_kv_weight, k3_skipped_weight_names = drafter.weight_filter(_K3_KEEP)
 
 
 # --------------------------------------------------------------------------- Kimi-K3
-@built_once
+@drafter.built_once
 def k3_context_kv_class(module_name: str | None = None) -> type:
     """The Kimi-K3 context-only top-level class (``module_name``: vLLM's drafter module, default
     :data:`K3_NVIDIA_MODULE`)."""
@@ -105,10 +95,10 @@ def k3_context_kv_class(module_name: str | None = None) -> type:
     from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
     from vllm.v1.attention.selector import get_attn_backend
 
-    dspark = platform_module(K3_NVIDIA_MODULE, "K3DSparkForCausalLM", module_name)
+    dspark = drafter.platform_module(K3_NVIDIA_MODULE, "K3DSparkForCausalLM", module_name)
     base_model: Any = getattr(dspark, "K3DSparkModel", None)
     if base_model is None:
-        raise refuse_platform("Kimi-K3 DSpark", dspark, "K3DSparkModel")
+        raise drafter.refuse_platform("Kimi-K3 DSpark", dspark, "K3DSparkModel")
     base_top = dspark.K3DSparkForCausalLM
     base_attn = dspark.MultiHeadLatentAttention
 
@@ -180,7 +170,7 @@ def k3_context_kv_class(module_name: str | None = None) -> type:
                 vllm_config=vllm_config,
                 **{dim: getattr(self, dim) for dim in _MLA_PREFILL_DIMS},
             )
-            register_cache_layer(self, vllm_config, prefix)
+            drafter.register_cache_layer(self, vllm_config, prefix)
 
         @staticmethod
         def _refuse_context_parallel(parallel: Any) -> None:
@@ -231,11 +221,24 @@ def k3_context_kv_class(module_name: str | None = None) -> type:
             if not should_load_quant_weights(method):
                 set_default_quant_scales(self, register_buffer=False)
 
-        forward = refusing("draft attention forward")
+        forward = drafter.refusing("draft attention forward")
 
-    K3DSparkContextKVLayer = layer_holding(K3DSparkContextKVAttention, "K3DSparkContextKVLayer")
+    K3DSparkContextKVLayer = drafter.layer_holding(
+        K3DSparkContextKVAttention, "K3DSparkContextKVLayer"
+    )
 
-    class K3DSparkContextKVModel(nn.Module):
+    # vLLM 0.34.0's context-KV code, unchanged (kimi_k3/nvidia/dspark_mla.py).
+    context_path: Any = drafter.context_path(
+        base_model,
+        "combine_hidden_states",
+        "precompute_and_store_context_kv",
+        "_build_fused_context_kv_metadata",
+        "_precompute_fused_context_kv",
+        "_has_uniform_block_layout",
+        "_get_context_kv_cache_ptrs",
+    )
+
+    class K3DSparkContextKVModel(context_path, nn.Module):
         """context_proj/context_norm + context_kv_proj + per-layer latent KV cache."""
 
         def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int, prefix: str) -> None:
@@ -276,21 +279,9 @@ def k3_context_kv_class(module_name: str | None = None) -> type:
             self.confidence_head = None
             self._max_num_context_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
-        # vLLM 0.34.0's context-KV code, unchanged (kimi_k3/nvidia/dspark_mla.py).
-        combine_hidden_states = base_model.combine_hidden_states
-        precompute_and_store_context_kv = base_model.precompute_and_store_context_kv
-        _build_fused_context_kv_metadata = base_model._build_fused_context_kv_metadata
-        _precompute_fused_context_kv = base_model._precompute_fused_context_kv
-        _has_uniform_block_layout = base_model._has_uniform_block_layout
-        _get_context_kv_cache_ptrs = base_model._get_context_kv_cache_ptrs
-
-        forward = refusing("draft backbone forward")
-
-        embed_input_ids = refusing("draft token embedding")
-
     k3_mapper = WeightsMapper(orig_to_new_prefix={"": "model."})
 
-    class K3DSparkContextKVForCausalLM(ContextKVDrafter, nn.Module):
+    class K3DSparkContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
         """Top level of the Kimi-K3 context-KV-only DSpark drafter."""
 
         family = "Kimi-K3 DSpark"
@@ -314,10 +305,5 @@ def k3_context_kv_class(module_name: str | None = None) -> type:
 
 
 families.register(
-    families.DraftFamily(
-        name="Kimi-K3 DSpark",
-        architectures=("K3DSparkModel",),
-        module=__name__,
-        context_kv_class=k3_context_kv_class,
-    )
+    families.DraftFamily("Kimi-K3 DSpark", ("K3DSparkModel",), __name__, k3_context_kv_class)
 )

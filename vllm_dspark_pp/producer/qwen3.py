@@ -24,15 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer import families
-from vllm_dspark_pp.producer.drafter import (
-    ContextKVDrafter,
-    _refuse,
-    built_once,
-    layer_holding,
-    refusing,
-    weight_filter,
-)
+from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +44,7 @@ _KEEP = re.compile(
 
 
 #: Whether a Qwen3 DSpark checkpoint tensor is needed by the context-only drafter; the rest.
-is_context_kv_weight, skipped_weight_names = weight_filter(_KEEP)
+is_context_kv_weight, skipped_weight_names = drafter.weight_filter(_KEEP)
 
 
 # --------------------------------------------------------------------------- Qwen3 model
@@ -70,7 +62,7 @@ def _uses_aux_hidden_state(config: Any) -> bool:
 QWEN3_DRAFTER_MODULE = "vllm.model_executor.models.qwen3_dflash"
 
 
-@built_once
+@drafter.built_once
 def qwen3_context_kv_class(module_name: str | None = None) -> type:
     """The Qwen3 context-only top-level class, defined against vLLM's Qwen3 DSpark drafter module
     (default :data:`QWEN3_DRAFTER_MODULE`; deferred: needs torch and vLLM layers)."""
@@ -101,7 +93,7 @@ def qwen3_context_kv_class(module_name: str | None = None) -> type:
             super().__init__()
             self.variance_epsilon = eps
 
-        forward = refusing("q_norm")
+        forward = drafter.refusing("q_norm")
 
     class Qwen3DSparkContextKVAttention(nn.Module):
         """The K/V half of DFlashQwen3Attention: same attribute names, no query side."""
@@ -168,15 +160,28 @@ def qwen3_context_kv_class(module_name: str | None = None) -> type:
             self.q_norm = _EpsOnly(config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-        forward = refusing("draft attention forward")
+        forward = drafter.refusing("draft attention forward")
 
-    Qwen3DSparkContextKVLayer = layer_holding(
+    Qwen3DSparkContextKVLayer = drafter.layer_holding(
         Qwen3DSparkContextKVAttention, "Qwen3DSparkContextKVLayer"
     )
 
     base = qd.DFlashQwen3Model
 
-    class Qwen3DSparkContextKVModel(nn.Module):
+    # vLLM 0.34.0's context-KV code, used as is (qwen3_dflash.py, DFlashQwen3Model).
+    context_path: Any = drafter.context_path(
+        base,
+        "_build_context_kv_buffers",
+        "_build_fused_kv_buffers",
+        "_normalize_context_states",
+        "_project_context_kv_token_major",
+        "_project_context_kv",
+        "_apply_context_rope",
+        "_normalize_context_k",
+        "precompute_and_store_context_kv",
+    )
+
+    class Qwen3DSparkContextKVModel(context_path, nn.Module):
         """fc + hidden_norm + per-layer K/V; context KV via vLLM's own precompute."""
 
         hf_to_vllm_mapper = base.hf_to_vllm_mapper
@@ -218,21 +223,6 @@ def qwen3_context_kv_class(module_name: str | None = None) -> type:
                 self.fc = ReplicatedLinear(in_features, self.config.hidden_size, **fc_options)
             self.hidden_norm = RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
 
-        # vLLM 0.34.0's context-KV code, used as is (qwen3_dflash.py, DFlashQwen3Model).
-        _build_context_kv_buffers = base._build_context_kv_buffers
-        _build_fused_kv_buffers = base._build_fused_kv_buffers
-        _normalize_context_states = base._normalize_context_states
-        _project_context_kv_token_major = base._project_context_kv_token_major
-        _project_context_kv = base._project_context_kv
-        _apply_context_rope = base._apply_context_rope
-        _normalize_context_k = base._normalize_context_k
-        precompute_and_store_context_kv = base.precompute_and_store_context_kv
-
-        forward = refusing("draft backbone forward")
-
-        def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-            raise _refuse("draft token embedding")
-
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             loader = AutoWeightsLoader(self)
             return loader.load_weights(self._kv_rows_only(weights), mapper=self.hf_to_vllm_mapper)
@@ -250,7 +240,7 @@ def qwen3_context_kv_class(module_name: str | None = None) -> type:
                     weight = weight[q_rows:]
                 yield name, weight
 
-    class Qwen3DSparkContextKVForCausalLM(ContextKVDrafter, nn.Module):
+    class Qwen3DSparkContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
         """Top level of the Qwen3 context-KV-only DSpark drafter."""
 
         family = "Qwen3 DSpark"
@@ -384,12 +374,13 @@ def draft_load_bytes(hf: Any, dtype_bytes: int, own_embed: bool, own_head: bool)
     }
 
 
+#: The one family with a memory rule for ``plan`` (measured, docs/results/performance.md).
 families.register(
     families.DraftFamily(
-        name="Qwen3 DSpark",
-        architectures=("Qwen3DSparkModel",),
-        module=__name__,
-        context_kv_class=qwen3_context_kv_class,
+        "Qwen3 DSpark",
+        ("Qwen3DSparkModel",),
+        __name__,
+        qwen3_context_kv_class,
         draft_memory=draft_load_bytes,
     )
 )
