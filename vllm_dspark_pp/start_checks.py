@@ -20,11 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dspark_pp.producer.families import draft_architectures, family_for
+from vllm_dspark_pp.producer.families import DSparkConfigError, draft_architectures, family_for
 
-
-class DSparkConfigError(ValueError):
-    """A DSpark speculative config that cannot work; the message names the fix."""
+__all__ = ["DSparkConfigError", "check_dspark"]
 
 
 def _draft_block_size(spec: Any) -> int | None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.start_checks import DSparkConfigError
+from vllm_dspark_pp.producer.families import DSparkConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,7 @@ A family is everything the plugin knows about one kind of DSpark drafter, in one
 * its memory rule (``plan``'s draft bytes per role), or ``None``: ``plan`` says it has none;
 * its start checks: run on every DSpark config of the family while vLLM builds its
   ``VllmConfig`` (``start_checks.check_dspark``), each raising
-  :class:`~vllm_dspark_pp.start_checks.DSparkConfigError` with the fix.
+  :class:`DSparkConfigError` with the fix.
 
 Adding a family is one module in ``vllm_dspark_pp/producer/`` that calls :func:`register` when
 imported; :func:`families` imports every module of the package except :data:`NOT_FAMILIES`, so
@@ -25,6 +25,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+
+class DSparkConfigError(ValueError):
+    """A DSpark speculative config that cannot work; the message names the fix (raised by the
+    start checks, generic ones in ``start_checks.py`` and each family's; defined here, at the
+    bottom, so that family modules raise it without importing upward)."""
+
 
 #: Modules of ``vllm_dspark_pp.producer`` that are not draft families.
 NOT_FAMILIES = ("drafter", "families", "load", "roles")
