@@ -193,6 +193,34 @@ def plugin_ratios(rows: dict) -> list[dict]:
     return out
 
 
+def step_rows(merged: dict) -> list[dict]:
+    """Per point (first repeat with step times) and PP rank: the main batch's target / draft /
+    step ms."""
+    out = []
+    for (config, al, c), points in ordered(merged):
+        timed = [p["step_times"] for p in points if isinstance(p.get("step_times"), list)]
+        per_rank = timed[0] if timed else None
+        if per_rank is None:
+            continue
+        for rank, summ in enumerate(per_rank):
+            main = (summ or {}).get("main") if isinstance(summ, dict) else None
+            if not main:
+                continue
+            out.append(
+                {
+                    "what": label(config, al),
+                    "c": c,
+                    "rank": rank,
+                    "batch": summ.get("main_num_reqs"),
+                    "target_ms": main.get("target_ms"),
+                    "draft_ms": main.get("draft_ms"),
+                    "step_ms": main.get("step_ms"),
+                    "draft_share": _div(main.get("draft_ms"), main.get("step_ms")),
+                }
+            )
+    return out
+
+
 def _f(v, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -290,6 +318,25 @@ def markdown(runs: list[dict], files: list[str]) -> str:
             f"| {r['what']} | {r['c']} | {_f(r['tps'], '{:.3f}')} | {_f(r['tpot'], '{:.3f}')} |"
             for r in ew
         ]
+    st = step_rows(merged)
+    if st:
+        lines += ["", "## Per-step GPU time per PP rank (`--step-times`)", "", CAVEAT, ""]
+        lines += [
+            "Medians over the decode steps of the most frequent batch size, first timed repeat "
+            "(benchmarks/dspark_bench_hooks.py: target = `execute_model` entry to "
+            "`sample_tokens` entry, draft = the speculator's `propose`, step = `execute_model` "
+            "entry to `sample_tokens` exit, GPU-stream time). The last rank's draft share is the "
+            "bubble the other stage waits on.",
+            "",
+            "| configuration | C | rank | batch | target ms | draft ms | step ms | draft share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in st:
+            lines.append(
+                f"| {r['what']} | {r['c']} | {r['rank']} | {r['batch']} | "
+                f"{_f(r['target_ms'], '{:.3f}')} | {_f(r['draft_ms'], '{:.3f}')} | "
+                f"{_f(r['step_ms'], '{:.3f}')} | {_f(r['draft_share'], '{:.1%}')} |"
+            )
     pr = plugin_ratios(rows)
     if pr:
         lines += ["", "## Plugin on / off at PP=2 (off: stock vLLM 0.34.0, plugin left out)", ""]
@@ -310,13 +357,18 @@ def plot(runs: list[dict], png: Path) -> str:
     series: dict[str, list[tuple[int, dict]]] = {}
     for (config, al, c), r in sorted(rows.items(), key=lambda kv: kv[0][2]):
         series.setdefault(label(config, al), []).append((c, r))
+    # one colour per work (no-spec, DSpark at each AL), one line style per deployment
+    works = sorted({lab.split("_", 1)[1] for lab in series})
+    colour = {w: f"C{i % 10}" for i, w in enumerate(works)}
+    dash = {"pp1": "-", "pp2": "--"}
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (name, title, _) in zip(axes.flat, METRICS, strict=False):
         for lab, pts in sorted(series.items()):
             ys = [(c, r[name]) for c, r in pts if r[name] is not None]
             if ys:
-                style = "--" if lab.startswith("pp2") else "-"
-                ax.plot([c for c, _ in ys], [y for _, y in ys], style, marker="o", label=lab)
+                pp, work = lab.split("_", 1)
+                ax.plot([c for c, _ in ys], [y for _, y in ys], dash.get(pp, ":"), marker="o",
+                        color=colour[work], label=lab)  # fmt: skip
         ax.set_title(title)
     ax = axes.flat[5]
     for r_pp in ("pp1", "pp2"):
@@ -327,8 +379,10 @@ def plot(runs: list[dict], png: Path) -> str:
                 ax.plot([c for c, _ in ys], [y for _, y in ys], "--" if r_pp == "pp2" else "-",
                         marker="o", label=f"{r_pp.upper()} AL {al:g}")  # fmt: skip
     ax.set_title("DSpark / no-spec output tok/s")
+    cs = sorted({c for pts in series.values() for c, _ in pts})
     for ax in axes.flat:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
         ax.set_xlabel("max concurrency")
         ax.grid(True, alpha=0.3)
         if ax.lines:

@@ -71,12 +71,13 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -86,6 +87,8 @@ sys.path.insert(0, str(REPO))
 
 from perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist  # noqa: E402
 from real_shapes import SHAPES, write_shape  # noqa: E402
+
+from dspark_dev.pp_launch import transport_evidence  # noqa: E402
 
 RESULT_PREFIX = "serve_pp_one_gpu"
 
@@ -161,26 +164,63 @@ def default_prompts(concurrency: int, per_c: int, minimum: int) -> int:
 
 
 # --------------------------------------------------------------------------- budget
-def wave_cost_s(c: int, tpot_ms: float, output_len: int, prefill_ms: float, overhead_s: float):
-    """Estimated seconds of one wave of ``c`` requests: decode, the wave's prefills, overhead."""
-    return overhead_s + output_len * tpot_ms / 1e3 + c * prefill_ms / 1e3
+@dataclass(frozen=True)
+class CostModel:
+    """Estimated seconds of a point: a fixed part (the client's start, dataset, tokenizer) plus
+    per wave of C requests the decode (output length x TPOT) and the wave's prefills; times
+    ``calib``, the last point's measured / estimated wall time on this server."""
+
+    tpot_ms: float
+    output_len: int
+    prefill_ms: float
+    point_s: float
+    calib: float = 1.0
+
+    def wave_s(self, c: int) -> float:
+        return self.calib * (self.output_len * self.tpot_ms + c * self.prefill_ms) / 1e3
+
+    def point_cost_s(self, c: int, prompts: int) -> float:
+        return self.calib * self.point_s + math.ceil(prompts / c) * self.wave_s(c)
 
 
 def trim_point(
-    c: int, prompts: int, wave_s: float, time_for_point_s: float
+    c: int, prompts: int, model: CostModel, time_for_point_s: float
 ) -> tuple[int, str | None]:
     """Prompts to run at concurrency ``c`` within ``time_for_point_s``: all of them, fewer
     (whole waves, at least one), or 0 (skip) with the reason."""
     waves = math.ceil(prompts / c)
-    if waves * wave_s <= time_for_point_s:
+    if model.point_cost_s(c, prompts) <= time_for_point_s:
         return prompts, None
-    fit = int(time_for_point_s // wave_s) if wave_s > 0 else waves
+    wave = model.wave_s(c)
+    room = time_for_point_s - model.calib * model.point_s
+    fit = min(waves, int(room // wave)) if wave > 0 else waves
     if fit < 1:
         return 0, (
-            f"budget: one wave of {c} needs about {wave_s:.0f} s, {time_for_point_s:.0f} s left "
-            f"for this point"
+            f"budget: one wave of {c} needs about {model.point_cost_s(c, c):.0f} s, "
+            f"{time_for_point_s:.0f} s left for this point"
         )
     return fit * c, f"budget: {fit} of {waves} waves ({fit * c} of {prompts} prompts)"
+
+
+def plan_point(
+    c: int,
+    later_cs: list[int],
+    later_sweeps: int,
+    all_cs: list[int],
+    time_left_s: float,
+    model: CostModel,
+    prompts_for,
+) -> tuple[int, str | None]:
+    """Prompts for the point at ``c``: its share of ``time_left_s`` among the points still to
+    run (``later_cs`` in this sweep, then ``later_sweeps`` whole sweeps over ``all_cs``, each
+    estimated with ``model``)."""
+
+    def cost(cc: int) -> float:
+        return model.point_cost_s(cc, prompts_for(cc))
+
+    later = [cost(cc) for cc in later_cs] + [sum(cost(cc) for cc in all_cs)] * later_sweeps
+    share = time_for_point(time_left_s, cost(c), later)
+    return trim_point(c, prompts_for(c), model, share)
 
 
 def time_for_point(time_left_s: float, this_cost_s: float, later_costs_s: list[float]) -> float:
@@ -281,8 +321,6 @@ def rpc_applied(response: dict) -> bool:
 
 
 # --------------------------------------------------------------------------- logs
-NCCL_COMM = re.compile(r"nRanks (\d+) nNodes (\d+)")
-EXCHANGE = re.compile(r"DSpark PP exchange: .*? over (\S+)")
 USEFUL = re.compile(
     r"NCCL INFO (comm |Init COMPLETE|NET/|Using network)|DSpark|PP handshake|vllm_dspark_pp|"
     r"Traceback|Error|ERROR|Exception|WARNING.*(KV|memory|graph)|Available KV cache|"
@@ -292,17 +330,6 @@ USEFUL = re.compile(
 TIMESTAMP = re.compile(
     r"\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?|\d\d:\d\d:\d\d(\.\d+)?|pid=\d+|\(\w+ pid=\d+\)"
 )
-
-
-def transport_evidence(texts: list[str]) -> dict:
-    """What the launchers' logs say about the stage-to-stage transport (PP > 1)."""
-    text = "\n".join(texts)
-    return {
-        "nccl_comms": sorted({(int(a), int(b)) for a, b in NCCL_COMM.findall(text)}),
-        "nccl_socket": "NET/Socket" in text,
-        "exchange_backends": sorted(set(EXCHANGE.findall(text))),
-        "handshake": bool(re.search(r"PP handshake: \d+ ranks agree", text)),
-    }
 
 
 def useful_lines(text: str, max_lines: int = 300, tail: int = 0) -> list[str]:
@@ -461,6 +488,20 @@ def run_bench_in_process(argv: list[str], timeout_s: float, on_timeout) -> tuple
     return box.get("result"), box.get("error", "")
 
 
+def step_rpc(url: str, cmd: str) -> list | dict:
+    """The benchmark hook's per-step timers on every worker (``enable`` before a point,
+    ``collect`` after it: per worker, in rank order, the median target / draft / step GPU
+    milliseconds per batch size; dspark_bench_hooks.summarize_steps)."""
+    try:
+        resp = http_post(url + "/collective_rpc", {"method": "dspark_bench_ctl", "args": [cmd]})
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    results = resp.get("results") or []
+    if cmd == "collect":
+        return [r.get("summary") if isinstance(r, dict) else r for r in results]
+    return results
+
+
 def http_post(url: str, body: dict, timeout: float = 60.0) -> dict:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -507,9 +548,14 @@ def parse_args(argv=None):
     ap.add_argument("--ready-s", type=float, default=360.0, help="start-up deadline per server")
     ap.add_argument("--start", choices=("together", "sequential"), default="together")
     ap.add_argument("--gpu-layout", choices=("shared", "per-stage"), default="shared")
-    ap.add_argument("--guess-tpot-ms", type=float, default=8.0)
-    ap.add_argument("--guess-prefill-ms", type=float, default=60.0, help="per prompt")
-    ap.add_argument("--wave-overhead-s", type=float, default=1.0)
+    ap.add_argument("--guess-tpot-ms", type=float, default=6.0, help="until one is measured")
+    ap.add_argument("--guess-prefill-ms", type=float, default=40.0, help="per prompt")
+    ap.add_argument("--guess-point-s", type=float, default=4.0, help="fixed cost of a point")
+    ap.add_argument(
+        "--step-times", action=argparse.BooleanOptionalAction, default=True,
+        help="per-step target/draft GPU times of every worker (CUDA events of "
+        "benchmarks/dspark_bench_hooks.py, installed after start-up) beside each point",
+    )  # fmt: skip
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform (plumbing only)")
     ap.add_argument("--dry-run", action="store_true", help="print commands, start nothing")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every server")
@@ -578,7 +624,10 @@ def main(argv=None) -> int:
     }
     sweeps = plan_sweeps(a)
     if a.dry_run:
-        return dry_run(a, deps, sweeps, paths, tok)
+        try:
+            return dry_run(a, deps, sweeps, paths, tok)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # the shape folders, tokenizer, hook
     problem = preflight()
     if problem:
         log(f"FATAL: {problem}")
@@ -603,6 +652,7 @@ def main(argv=None) -> int:
             "start": a.start,
             "gpu_layout": a.gpu_layout,
             "platform": "cpu" if a.cpu else "gpu",
+            "step_times": a.step_times,
             "versions": versions(a.cpu),
         },
         "servers": {},
@@ -639,6 +689,9 @@ def dry_run(a, deps, sweeps, paths, tok) -> int:
     for dep in deps.values():
         print(f"deployment {dep.name}:")
         print("\n".join(describe(dep)))
+    if a.step_times:
+        rpc = 'POST URL/collective_rpc {"method": "dspark_bench_ctl", "args": ["enable"]}'
+        print(f'# around every point: {rpc} before, ["collect"] after (--no-step-times: not)')
     for cfg, ali, al in sweeps:
         url = "URL(" + cfg.name + ")"
         if al is not None:
@@ -688,6 +741,7 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
     if a.start == "together":
         start(deps)
     tpot: dict[str, float] = {}
+    calib: dict[str, float] = {}
     bench_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-res-"))
     from dspark_dev.metrics import counter_delta
     from dspark_dev.serve_demo import spec_metrics
@@ -728,20 +782,18 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 res.save()
                 break
             n_full = default_prompts(c, a.prompts_per_c, a.min_prompts)
-            t_ms = tpot.get(cfg.name, a.guess_tpot_ms)
-
-            def cost(cc, t_ms=t_ms):
-                n = default_prompts(cc, a.prompts_per_c, a.min_prompts)
-                w = wave_cost_s(cc, t_ms, a.output_len, a.guess_prefill_ms, a.wave_overhead_s)
-                return math.ceil(n / cc) * w
-
-            later = [cost(cc) for cc in a.cs[ci + 1 :]]
-            # the later sweeps (other ALs, other servers) at this sweep's full cost each
-            later += [sum(cost(cc) for cc in a.cs)] * (sweeps_left - 1)
-            left = deadline - time.monotonic() - STOP_RESERVE_S
-            share = time_for_point(left, cost(c), later)
-            w = wave_cost_s(c, t_ms, a.output_len, a.guess_prefill_ms, a.wave_overhead_s)
-            n, why = trim_point(c, n_full, w, share)
+            model = CostModel(
+                tpot_ms=tpot.get(cfg.name, a.guess_tpot_ms),
+                output_len=a.output_len,
+                prefill_ms=a.guess_prefill_ms,
+                point_s=a.guess_point_s,
+                calib=calib.get(cfg.name, 1.0),
+            )
+            n, why = plan_point(
+                c, a.cs[ci + 1 :], sweeps_left - 1, a.cs,
+                deadline - time.monotonic() - STOP_RESERVE_S, model,
+                lambda cc: default_prompts(cc, a.prompts_per_c, a.min_prompts),
+            )  # fmt: skip
             if n == 0:
                 skip(cfg, al, c, why)
                 log(f"SKIP {what} C={c}: {why}")
@@ -753,6 +805,8 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 input_len=a.input_len, output_len=a.output_len, result_dir=str(bench_dir),
                 result_name=name,
             )  # fmt: skip
+            if a.step_times:
+                step_rpc(dep.url, "enable")
             before = spec_metrics(dep.url, settle_s=0.0)
             t0 = time.monotonic()
             result, err = run_bench_in_process(
@@ -775,9 +829,15 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 "measured_acceptance_length": measured_acceptance_length(delta),
                 "bench_command": "vllm bench serve " + " ".join(argv),
             }  # fmt: skip
+            if a.step_times:
+                point["step_times"] = step_rpc(dep.url, "collect")
             res.add("points", point)
             if summary.get("median_tpot_ms"):
                 tpot[cfg.name] = float(summary["median_tpot_ms"])
+                # how far off the estimate was, with the measured TPOT (bounded: one odd point
+                # must not starve or flood the rest)
+                est = replace(model, tpot_ms=tpot[cfg.name], calib=1.0).point_cost_s(c, n)
+                calib[cfg.name] = min(3.0, max(0.5, wall / est)) if est > 0 else 1.0
             mal = point["measured_acceptance_length"]
             log(
                 f"{what} C={c}: {summary.get('output_throughput', 0):.1f} tok/s, "

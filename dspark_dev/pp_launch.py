@@ -25,6 +25,7 @@ device's free memory and would count the other engines' allocations) and a small
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -91,6 +92,23 @@ def launcher_argv(
         base=base_args,
         extra=[*nodes, *extra],
     )
+
+
+NCCL_COMM = re.compile(r"nRanks (\d+) nNodes (\d+)")
+EXCHANGE = re.compile(r"DSpark PP exchange: .*? over (\S+)")
+
+
+def transport_evidence(texts: list[str]) -> dict:
+    """What a deployment's launcher logs say about the stage-to-stage transport: NCCL's
+    communicators (ranks, nodes; needs ``NCCL_DEBUG=INFO``), whether NCCL used its socket
+    transport, the plugin's exchange backend, and whether the PP handshake ran."""
+    text = "\n".join(texts)
+    return {
+        "nccl_comms": sorted({(int(a), int(b)) for a, b in NCCL_COMM.findall(text)}),
+        "nccl_socket": "NET/Socket" in text,
+        "exchange_backends": sorted(set(EXCHANGE.findall(text))),
+        "handshake": bool(re.search(r"PP handshake: \d+ ranks agree", text)),
+    }
 
 
 @dataclass

@@ -116,7 +116,7 @@ def test_dry_run_stock_leaves_the_plugin_out_and_bench_commands_are_vllms(capsys
     assert nodes["pp2_nospec node 0"]["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
     bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
     assert len(bench) == 4  # two servers x two concurrencies, no AL switch without DSpark
-    assert "collective_rpc" not in out
+    assert not [line for line in out.splitlines() if line.startswith("POST ")]
     c64 = shlex.split(bench[1])
     opt = {c64[i]: c64[i + 1] for i in range(3, len(c64) - 1) if c64[i].startswith("--")}
     assert opt["--max-concurrency"] == "64" and opt["--num-prompts"] == "256"
@@ -134,24 +134,32 @@ def test_dry_run_stock_leaves_the_plugin_out_and_bench_commands_are_vllms(capsys
 
 def test_dry_run_switches_the_acceptance_length_per_sweep(capsys):
     out = _dry(capsys, "--configs", "pp1_dspark", "--acceptance-lengths", "3.99,6.1")
-    lines = [line for line in out.splitlines() if "collective_rpc" in line]
+    lines = [line for line in out.splitlines() if line.startswith("POST ")]
     rpcs = [json.loads(line.split(" ", 2)[2]) for line in lines]
     assert [r["args"] for r in rpcs] == [
         ["set_acceptance_length", "3.99"],
         ["set_acceptance_length", "6.1"],
     ]
     assert all(r["method"] == "dspark_bench_ctl" for r in rpcs)
+    assert '"args": ["enable"]} before, ["collect"] after' in out  # the step timers
+    quiet = _dry(capsys, "--configs", "pp1_dspark", "--no-step-times")
+    assert '["enable"]' not in quiet
     assert serve.rpc_applied({"results": [{"applied": False}, {"applied": True}]})
     assert not serve.rpc_applied({"results": [{"applied": False}, None]})
     assert not serve.rpc_applied({"error": "connection refused"})
 
 
 # --------------------------------------------------------------------------- budget, records
+def _model(**kw):
+    base = dict(tpot_ms=5.0, output_len=200, prefill_ms=0.0, point_s=0.0)  # a wave: 1 s
+    return serve.CostModel(**{**base, **kw})
+
+
 def test_trimming_keeps_whole_waves_and_skips_when_none_fits():
-    assert serve.trim_point(16, 64, wave_s=2.0, time_for_point_s=100.0) == (64, None)
-    n, why = serve.trim_point(16, 64, wave_s=2.0, time_for_point_s=5.0)
-    assert n == 32 and "2 of 4 waves" in why  # whole waves of C
-    n, why = serve.trim_point(64, 256, wave_s=10.0, time_for_point_s=9.0)
+    assert serve.trim_point(16, 64, _model(), time_for_point_s=100.0) == (64, None)
+    n, why = serve.trim_point(16, 64, _model(point_s=1.0), time_for_point_s=3.5)
+    assert n == 32 and "2 of 4 waves" in why  # whole waves of C, after the fixed part
+    n, why = serve.trim_point(64, 256, _model(calib=2.0), time_for_point_s=1.9)
     assert n == 0 and "one wave of 64" in why
 
 
@@ -159,8 +167,24 @@ def test_the_time_left_is_shared_in_proportion_to_cost():
     assert serve.time_for_point(100.0, 10.0, [20.0, 30.0]) == 100.0  # everything fits
     assert serve.time_for_point(30.0, 10.0, [20.0, 30.0]) == pytest.approx(5.0)
     assert serve.time_for_point(-5.0, 10.0, [20.0]) == 0.0
-    # a C=1 wave is the output length at the TPOT; prefills count per request
-    assert serve.wave_cost_s(1, 5.0, 256, 60.0, 1.0) == pytest.approx(1.0 + 1.28 + 0.06)
+    m = _model(tpot_ms=5.0, output_len=256, prefill_ms=40.0, point_s=4.0, calib=1.5)
+    assert m.point_cost_s(4, 16) == pytest.approx(1.5 * (4.0 + 4 * (1.28 + 0.16)))
+
+
+def test_a_short_budget_trims_every_point_alike_and_the_last_sweep_is_not_starved():
+    def prompts(c):
+        return max(16, 4 * c)
+
+    m = _model(point_s=1.0)  # a point: 1 s + 4 waves of 1 s (16 at C=1)
+    cs = [1, 4, 16, 32, 64]
+    # the whole plan (3 sweeps of 17 + 4 x 5 = 37 s) fits in 200 s: nothing is cut
+    assert serve.plan_point(1, cs[1:], 2, cs, 200.0, m, prompts) == (16, None)
+    # with 55.5 s for 111 s of work the first point gets half of its 17 s: 7 of 16 waves
+    n, why = serve.plan_point(1, cs[1:], 2, cs, 55.5, m, prompts)
+    assert n == 7 and "7 of 16 waves" in why
+    # the last point of the last sweep gets all that is left, whole waves only
+    assert serve.plan_point(64, [], 0, cs, 3.5, m, prompts)[0] == 128
+    assert serve.plan_point(64, [], 0, cs, 1.5, m, prompts)[0] == 0
 
 
 def test_every_point_is_on_disk_as_soon_as_it_is_added(tmp_path):
@@ -279,6 +303,9 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
         servers={"pp2_dspark": {"transport": {"nccl_comms": [[2, 2]], "nccl_socket": True,
                                               "exchange_backends": ["nccl"]}}},
     )  # fmt: skip
+    step = {"main_num_reqs": 4, "main": {"target_ms": 3.0, "draft_ms": None, "step_ms": 4.0}}
+    last = {"main_num_reqs": 4, "main": {"target_ms": 2.5, "draft_ms": 1.0, "step_ms": 4.0}}
+    first["points"][-1]["step_times"] = [step, last]  # pp2_dspark C=4
     repeat = serve_run([serve_point("pp1_nospec", None, 1, 110.0)])
     stock = serve_run([serve_point("pp2_nospec_stock", None, 1, 100.0)])
     files = [
@@ -302,5 +329,7 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
     assert "| pp2_nospec | 1 | 0.900 |" in md  # plugin on / off at PP=2: 90 / 100
     assert "2 ranks on 2 nodes; socket transport (`NET/Socket`): yes" in md
     assert "pp2_dspark AL 3.99 C=64: budget" in md
-    assert md.count(plot.CAVEAT) >= 3
+    assert "| pp2_dspark AL 3.99 | 4 | 0 | 4 | 3.000 | - | 4.000 | - |" in md
+    assert "| pp2_dspark AL 3.99 | 4 | 1 | 4 | 2.500 | 1.000 | 4.000 | 25.0% |" in md
+    assert md.count(plot.CAVEAT) >= 4
     assert png.stat().st_size > 10_000 and "![served curves](perf.png)" in md
