@@ -286,7 +286,7 @@ def _patch_worker(module) -> None:
 
 def register() -> None:
     """``vllm.general_plugins`` entry point (benchmark only)."""
-    from vllm_dspark_pp.patches._on_import import when_imported
+    from vllm_dspark_pp.patches import when_imported
 
     when_imported("vllm.v1.worker.worker_base", _patch_worker)
     when_imported("vllm.v1.worker.gpu.spec_decode.speculator", _patch_speculator_base)

@@ -123,7 +123,7 @@ def compare(cases: list[dict]) -> list[str]:
 def _install_timers(rec: dict) -> None:
     import importlib
 
-    from vllm_dspark_pp.patches._on_import import when_imported
+    from vllm_dspark_pp.patches import when_imported
 
     def timed(name, fn):
         def call(*args, **kwargs):

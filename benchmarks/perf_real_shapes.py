@@ -624,7 +624,7 @@ def child_main(spec_path: str) -> int:
 
 def _plan_prediction(p: dict) -> dict:
     """What ``vllm-dspark-pp plan`` predicts for the drafter of this shape (both roles)."""
-    from vllm_dspark_pp.plan import make_plan
+    from vllm_dspark_pp.deployment_plan import make_plan
 
     out = {}
     for role in ("kv_both", "kv_producer"):

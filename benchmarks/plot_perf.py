@@ -41,7 +41,7 @@ def plan_bytes(res: dict) -> dict | None:
     try:
         from real_shapes import SHAPES, draft_config
 
-        from vllm_dspark_pp.plan import draft_load_bytes
+        from vllm_dspark_pp.producer.qwen3 import draft_load_bytes
     except ImportError:
         return None
     shape = SHAPES.get(cfg.get("name"))

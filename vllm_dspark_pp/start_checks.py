@@ -6,7 +6,8 @@ fix. Without them these configurations start and then misbehave:
 
 * a draft that is not a DSpark drafter under ``"method": "dspark"`` (e.g. the target itself):
   vLLM 0.34.0 relabels any draft it does not recognize as a DeepSeek-V4 DSpark drafter
-  (``DSparkDraftModel``, ``model_type`` deepseek_v4) and fails late, at model build;
+  (``DSparkDraftModel``, ``model_type`` deepseek_v4) and fails late, at model build (the
+  DeepSeek-V4 family's own start check refuses that one, :func:`check_family`);
 * ``num_speculative_tokens`` larger than the drafter's trained ``block_size``: the drafter is
   asked for query positions it was never trained on (vLLM accepts any k);
 * drafter aux taps (``target_layer_ids``) beyond the target's depth: the tap is never produced,
@@ -19,17 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_dspark_pp.producer.families import DSparkConfigError, draft_architectures, family_for
 
-class DSparkConfigError(ValueError):
-    """A DSpark speculative config that cannot work; the message names the fix."""
-
-
-def _draft_architectures(spec: Any) -> list[str]:
-    draft = getattr(spec, "draft_model_config", None)
-    archs = list(getattr(draft, "architectures", None) or [])
-    hf = getattr(draft, "hf_config", None)
-    archs += [a for a in (getattr(hf, "architectures", None) or []) if a not in archs]
-    return archs
+__all__ = ["DSparkConfigError", "check_dspark"]
 
 
 def _draft_block_size(spec: Any) -> int | None:
@@ -41,27 +34,8 @@ def _draft_block_size(spec: Any) -> int | None:
     return None
 
 
-_IN_TARGET_DSPARK = ("deepseek_v4", "deepseek_v41")
-
-
 def check_is_dspark_draft(spec: Any) -> None:
-    draft, target = spec.draft_model_config, spec.target_model_config
-    draft_type = getattr(draft.hf_config, "model_type", None)
-    target_type = getattr(getattr(target, "hf_config", None), "model_type", None)
-    if draft_type in _IN_TARGET_DSPARK and target_type not in _IN_TARGET_DSPARK:
-        # vLLM 0.34.0 (dspark/config.py adapt_draft_model_config) takes a draft it does not
-        # recognize as a self-contained DSpark checkpoint for a DeepSeek-V4 target's built-in
-        # drafter and relabels it DSparkDraftModel / deepseek_v4, whatever it really is.
-        raise DSparkConfigError(
-            f"--speculative-config method 'dspark': the draft model {draft.model!r} is not a "
-            f"self-contained DSpark drafter (vLLM recognizes one by 'dspark' in its path and a "
-            f"DSpark architecture in its config.json, e.g. deepseek-ai/dspark_qwen3_8b_block7), "
-            f"and only DeepSeek-V4 targets carry their DSpark drafter inside the target "
-            f"checkpoint; this target is {target_type!r}. Point 'model' at a DSpark draft "
-            f"checkpoint for this target, or use the method that matches this draft (e.g. "
-            f"'dflash', 'eagle3', 'draft_model')."
-        )
-    archs = _draft_architectures(spec)
+    archs = draft_architectures(spec)
     if not any("dspark" in a.lower() for a in archs):
         raise DSparkConfigError(
             f"--speculative-config method 'dspark' needs a DSpark drafter, but the draft model "
@@ -104,11 +78,19 @@ def check_taps_within_target(vllm_config: Any) -> None:
         )
 
 
+def check_family(vllm_config: Any) -> None:
+    """The start checks the draft's family registers (producer/families.py), if it has one."""
+    family = family_for(draft_architectures(vllm_config.speculative_config))
+    for check in family.start_checks if family is not None else ():
+        check(vllm_config)
+
+
 def check_dspark(vllm_config: Any) -> None:
     """Run every check on a VllmConfig whose speculative method is DSpark (no-op otherwise)."""
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "dspark" or spec.draft_model_config is None:
         return
+    check_family(vllm_config)
     check_is_dspark_draft(spec)
     check_block_size(spec)
     check_taps_within_target(vllm_config)

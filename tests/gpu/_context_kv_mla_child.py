@@ -55,7 +55,7 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
 from dspark_dev import tiny_mla_drafts as tiny  # noqa: E402
-from vllm_dspark_pp.producer import deepseek_v4, drafter, kimi_k3, load  # noqa: E402
+from vllm_dspark_pp.producer import deepseek_v4, drafter, families, kimi_k3  # noqa: E402
 
 # DSPARK_CHILD_DEVICE=cpu: a CPU dry run of this script's own logic (vLLM's DeepSeek-V4 drafter
 # does not build on CPU and the K3 insert needs the CUDA grouped op: those steps fail there).
@@ -107,7 +107,7 @@ if FAMILY == "dsv4":
 
     DRAFT = tiny.tiny_dsv4_config(gpu=True)
     TARGET = DRAFT  # the DeepSeek-V4 drafter's layers read the target config (same checkpoint)
-    CTX_CLS_FN = lambda: load.context_kv_class_for(_spec_with("DSparkDraftModel"))  # noqa: E731
+    CTX_CLS_FN = lambda: families.context_kv_class_for(_spec_with("DSparkDraftModel"))  # noqa: E731
     SHAPES = tiny.dsv4_checkpoint_shapes(DRAFT)
     CONTEXT_NAMES = tiny.DSV4_CONTEXT_NAMES
 else:
@@ -115,7 +115,7 @@ else:
 
     DRAFT = tiny.tiny_k3_config(gpu=True)
     TARGET = None  # the tiny Qwen3 target (K3 reads only its layer count)
-    CTX_CLS_FN = lambda: load.context_kv_class_for(_spec_with("K3DSparkModel"))  # noqa: E731
+    CTX_CLS_FN = lambda: families.context_kv_class_for(_spec_with("K3DSparkModel"))  # noqa: E731
     SHAPES = tiny.k3_checkpoint_shapes(DRAFT)
     CONTEXT_NAMES = tiny.K3_CONTEXT_NAMES
 

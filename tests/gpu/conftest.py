@@ -56,6 +56,14 @@ from gpu_common import (  # tests/gpu is on sys.path (pytest's rootdir-less conf
     spec_config,
 )
 
+#: Runs first in a GPU session: a kit without CUDA, vLLM or the plugin's entry point says so
+#: before any engine starts (the files are named for what they check, not numbered for order).
+FIRST = "test_environment_gpu.py"
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name != FIRST)  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def gpu_models(tmp_path_factory):

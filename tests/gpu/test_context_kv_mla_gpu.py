@@ -8,8 +8,8 @@ directly under ``set_current_vllm_config`` (no engine, no DeepSeek-V4/K3 target 
 checks, each as a named step:
 
 1. ``build_full`` / ``route_and_build_context_only``: both construct on the GPU; the context-only
-   class is the one ``context_kv_class_for`` picks for the architecture (DeepSeek-V4: through
-   vLLM's registry pick of the CUDA implementation).
+   class is the one ``families.context_kv_class_for`` picks for the architecture (DeepSeek-V4:
+   through vLLM's registry pick of the CUDA implementation).
 2. ``context_only_tree``: its parameters are a subset of the full drafter's and none is an
    embedding, head, Markov/confidence head, MLP/MoE, query/output projection, hyper-connection or
    layer norm of the drafting path.

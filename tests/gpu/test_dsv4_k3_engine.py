@@ -50,7 +50,7 @@ Dummy weights are +-1e-3: the outputs are near-degenerate and the draft's *finit
 barely matters (run 3: all acceptance is at draft position 0, and a RoPE-base-7 control, the
 first design of this control, left it unchanged at 25.00 %), so a finite corruption cannot show
 that the decoder reads the pulled pages; a non-finite one can. Sensitivity to subtly wrong draft
-KV is the trained Qwen3 pair's job (tests/gpu/test_gpu_40_pd_mooncake.py).
+KV is the trained Qwen3 pair's job (tests/gpu/test_pd_mooncake_gpu.py).
 """
 
 from __future__ import annotations

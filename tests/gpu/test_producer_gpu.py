@@ -15,7 +15,7 @@ Run on the GPU machine:  pytest -m gpu tests/gpu/test_producer_gpu.py -v
    the fix the draft slots fed token id -1 to the target and CUDA asserted).
 
 PD over MooncakeConnector on one GPU (producer with the context-only drafter + decoder) is
-tests/gpu/test_gpu_40_pd_mooncake.py.
+tests/gpu/test_pd_mooncake_gpu.py.
 
 Each engine runs in its own subprocess with a hard timeout (no hang can outlive the test).
 """

@@ -15,7 +15,7 @@ float64 for the copied temperatures), which starts from the same poisoned buffer
 kernel fails to write (or writes but should not) is a mismatch. It runs twice with two different
 poison sets so no poison value can coincide with an expected one (booleans get True, then False).
 
-Used by tests/gpu/test_gpu_10_dflash_prepare_inputs.py on CUDA and by
+Used by tests/gpu/test_dflash_prepare_inputs_gpu.py on CUDA and by
 tests/unit/test_gpu_tools_dflash_reference.py on the CPU through the Triton interpreter.
 """
 

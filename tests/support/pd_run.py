@@ -8,7 +8,7 @@ are saved as artifacts and the exception names the step that failed.
 
 Works with or without the plugin's prefill-only producer role: the instances are started the
 same way either way; what differs is what the prefiller's drafter does (see docs/producer.md).
-Shared by tests/gpu/test_gpu_40_pd_mooncake.py (one GPU, PP=1 both sides) and
+Shared by tests/gpu/test_pd_mooncake_gpu.py (one GPU, PP=1 both sides) and
 tools/gpu/run_pd_pp2.py (PP=2 producer).
 """
 

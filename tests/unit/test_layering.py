@@ -1,9 +1,9 @@
 """The package's layers: imports only point down, no cycles, no test or dev code at run time.
 
 Layers (top to bottom): ``cli`` > ``patches`` > the features (``protocol``, ``producer``,
-``connectors``, ``sync_drafts``, ``plan``) > ``version`` / ``cpu_ops``. The development package
-``dspark_dev`` (at the repository root, not in the wheel) may import the runtime, never the other
-way round. Every import counts, including those inside functions; there is no exemption.
+``connectors``, ``sync_drafts``, ``deployment_plan``) > ``version`` / ``cpu_ops``. The development
+package ``dspark_dev`` (at the repository root, not in the wheel) may import the runtime, never the
+other way round. Every import counts, including those inside functions; there is no exemption.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from support.wheel import wheel_packages
 
 PKG = Path(__file__).resolve().parents[2] / "vllm_dspark_pp"
-FEATURES = ("protocol", "producer", "connectors", "sync_drafts", "plan", "start_checks")
+FEATURES = ("protocol", "producer", "connectors", "sync_drafts", "deployment_plan", "start_checks")
 FORBIDDEN_AT_RUNTIME = ("tests", "support", "tools", "benchmarks", "dspark_dev")
 
 
@@ -120,13 +120,23 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_drafter_families_import_only_the_shared_base():
+def test_family_modules_import_only_the_shared_base_and_the_registry():
+    """A draft family is one module over ``producer/drafter.py`` that registers itself in
+    ``producer/families.py``; the registry imports nothing of the project (every layer reads
+    it), and the shared base no family module."""
+    from vllm_dspark_pp.producer.families import NOT_FAMILIES
+
     graph = _graph()
-    families = ("qwen3", "deepseek_v4", "kimi_k3")
-    for fam in families:
-        targets = {t for t in graph[f"vllm_dspark_pp.producer.{fam}"] if ".producer." in t}
-        assert targets <= {"vllm_dspark_pp.producer.drafter"}, (fam, targets)
-    assert not {t for t in graph["vllm_dspark_pp.producer.drafter"] if ".producer." in t}
+    producer = "vllm_dspark_pp.producer"
+    modules = {p.stem for p in (PKG / "producer").glob("*.py")} - {"__init__", *NOT_FAMILIES}
+    assert modules, "no family module found"
+    for fam in modules:
+        targets = {t for t in graph[f"{producer}.{fam}"] if ".producer." in t}
+        assert targets <= {f"{producer}.drafter", f"{producer}.families"}, (fam, targets)
+    assert not {t for t in graph[f"{producer}.drafter"] if ".producer." in t} - {
+        f"{producer}.families"
+    }
+    assert not {t for t in graph[f"{producer}.families"] if t.startswith("vllm_dspark_pp")}
 
 
 def test_the_package_defines_no_triton_kernel():
@@ -148,3 +158,17 @@ def test_the_architecture_page_names_every_patch():
     names = [p.stem for p in (PKG / "patches").glob("*.py") if not p.stem.startswith("_")]
     missing = [n for n in names if n not in flat]
     assert not missing, f"docs/architecture.md does not show these patches: {missing}"
+
+
+def test_code_outside_the_package_hooks_vllm_through_the_public_name():
+    """Benchmarks, tools, tests and the development package wait for a vLLM module through
+    ``vllm_dspark_pp.patches.when_imported``, never the private module that implements it."""
+    private = "patches." + "_on_import"  # split: this file must not match itself
+    root = PKG.parent
+    found = [
+        str(path.relative_to(root))
+        for top in ("benchmarks", "dspark_dev", "tests", "tools")
+        for path in (root / top).rglob("*.py")
+        if private in path.read_text(errors="replace")
+    ]
+    assert not found, f"import vllm_dspark_pp.patches.when_imported instead: {found}"

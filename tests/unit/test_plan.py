@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from vllm_dspark_pp.plan import build_plan_stages, tap_stage
+from vllm_dspark_pp.deployment_plan import build_plan_stages, tap_stage
 
 
 def _plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -30,21 +30,31 @@ def _run_python(code: str, timeout: int = 240, **env) -> subprocess.CompletedPro
     )
 
 
+#: The patch targets a process has once the plugin is applied: vLLM's config (``config_vllm``
+#: patches ``VllmConfig`` at once: every vLLM process builds one) and what that module imports
+#: itself. Every other patch waits for its target's import (``patches.when_imported``), so the
+#: API server does not import GPU-worker modules for nothing.
+IMPORTED_BY_APPLYING = {"vllm.config.vllm", "vllm.v1.kv_cache_interface"}
+
+
 def test_vllm_loader_applies_every_registered_patch_in_a_fresh_process():
     proc = _run_python(
         """
+        import sys
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm_dspark_pp.patches import applied_patches, registry
         names = [p.name for p in registry()]
         assert applied_patches() == names, (applied_patches(), names)
         print("APPLIED", len(names))
+        print("TARGETS IMPORTED", sorted({p.target for p in registry() if p.target in sys.modules}))
         """
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     n = len(registry())
     assert f"APPLIED {n}" in out
+    assert f"TARGETS IMPORTED {sorted(IMPORTED_BY_APPLYING)}" in out, out[-3000:]
     # the single start-up log line through vLLM's logger
     assert f"vllm-dspark-pp 0.1.0 applied {n} patches" in out, out[-3000:]
 

@@ -57,7 +57,7 @@ for g in "$@"; do
   case $g in
   pd_mooncake)
     DSPARK_GPU_JOBS=pair_baseline,pair_spec,pair_spec_sync,pd \
-      run_group "$g" tests/gpu/test_gpu_40_pd_mooncake.py --timeout=$((BUDGET - 20)) &
+      run_group "$g" tests/gpu/test_pd_mooncake_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   dsv4k3)
     DSPARK_DSV4K3_TIMEOUT_S=$((BUDGET - 90)) \

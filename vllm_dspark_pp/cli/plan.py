@@ -69,7 +69,7 @@ def run(args) -> int:
     from vllm_dspark_pp import register
 
     register()  # the plan judges vLLM *with* this plugin, as a deployment would run it
-    from vllm_dspark_pp.plan import format_plan, make_plan
+    from vllm_dspark_pp.deployment_plan import format_plan, make_plan
 
     extra = {"dtype": args.dtype}
     if args.max_model_len:

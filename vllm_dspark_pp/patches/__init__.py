@@ -10,6 +10,10 @@ docstring with the fields WHAT / WHY / UPSTREAM / RETIRE WHEN / TESTED BY, and d
 :func:`apply_all` applies each patch once per process and logs one line naming the plugin
 version and the patches applied. ``docs/patches.md`` is generated from :func:`registry`
 (``vllm-dspark-pp patches --markdown``) and a unit test checks that it matches.
+
+Public helper: :func:`when_imported` (run a callback on a module right after its import, or at
+once if it is imported already): what every patch here uses to wait for its target, and what
+benchmarks and test probes outside the package use to hook vLLM modules the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import re
 import threading
 from dataclasses import dataclass
 from types import ModuleType
+
+from vllm_dspark_pp.patches._on_import import when_imported
+
+__all__ = ["PatchInfo", "apply_all", "applied_patches", "registry", "when_imported"]
 
 FIELDS = ("WHAT", "WHY", "UPSTREAM", "RETIRE WHEN", "TESTED BY")
 

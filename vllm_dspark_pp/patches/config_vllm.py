@@ -6,8 +6,9 @@ producer (``producer.roles.prefill_only_role``: kv_role='kv_producer'), refuses 
 (a) a draft family without a context-KV-only build and (b) PP>1 over NIXL connectors
 (NixlConnector, NixlPullConnector, NixlPushConnector, also inside MultiConnector), naming
 MooncakeConnector as the supported path. For every DSpark config it also runs
-``vllm_dspark_pp.start_checks.check_dspark`` (a DSpark drafter, k at most its block size, aux
-taps within the target's depth).
+``vllm_dspark_pp.start_checks.check_dspark`` (the start checks the draft's family registers in
+``producer/families.py``, a DSpark drafter, k at most its block size, aux taps within the
+target's depth).
 
 WHY: Fail at start, not at step 10,000: both cases would otherwise start and then break or
 silently transfer incomplete draft context KV.
@@ -35,7 +36,7 @@ def apply() -> None:
     from vllm_dspark_pp.patches import PP_SKIPPABLE, SKIP_ENV, skipped_patches
     from vllm_dspark_pp.patches._util import wrap
     from vllm_dspark_pp.producer import roles
-    from vllm_dspark_pp.producer.drafter import check_draft_supported
+    from vllm_dspark_pp.producer.families import check_draft_supported
 
     def make(orig):
         def __post_init__(self, *args, **kwargs):

@@ -51,7 +51,7 @@ tests/gpu/test_dsv4_k3_engine.py::test_pd_over_mooncake (GPU).
 
 from __future__ import annotations
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"

@@ -18,7 +18,7 @@ TESTED BY: tests/unit/protocol/test_protocol_graph_batch.py
 
 from __future__ import annotations
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.engine.arg_utils"

@@ -32,8 +32,12 @@ def apply() -> None:
 
     if not current_platform.is_cpu():
         return  # the CUDA kernel is correct; nothing to import or change
-    from vllm.model_executor.models import qwen3_dflash
+    from vllm_dspark_pp.patches import when_imported
 
+    when_imported(TARGET, _patch)
+
+
+def _patch(qwen3_dflash) -> None:
     def make(orig):
         def _normalize_context_k(self, all_k):
             w = self._k_norm_weights

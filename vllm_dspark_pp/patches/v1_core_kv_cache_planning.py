@@ -35,8 +35,12 @@ MESSAGE = (
 
 
 def apply() -> None:
-    import vllm.v1.core.kv_cache_planning as planning
+    from vllm_dspark_pp.patches import when_imported
 
+    when_imported(TARGET, _patch)
+
+
+def _patch(planning) -> None:
     from vllm_dspark_pp.patches._util import wrap
     from vllm_dspark_pp.patches.v1_kv_cache_interface import mixes_non_causal_mla
 

@@ -37,12 +37,12 @@ TESTED BY: tests/unit/producer/test_runner_patches.py (both cases; case 2 on vLL
 tests/e2e/producer/test_producer_decodes_cpu.py (1),
 tests/e2e/producer/test_pd_producer_cpu.py (2: the decoder's drafts, accepted tokens and
 per-position counts equal the aggregated engine's, sync and async),
-tests/gpu/test_gpu_40_pd_mooncake.py (2, on the GPU).
+tests/gpu/test_pd_mooncake_gpu.py (2, on the GPU).
 """
 
 from __future__ import annotations
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.v1.core.sched.scheduler"

@@ -29,8 +29,12 @@ TARGET = "vllm.v1.engine.core"
 
 
 def apply() -> None:
-    from vllm.v1.engine.core import EngineCore
+    from vllm_dspark_pp.patches import when_imported
 
+    when_imported(TARGET, _patch)
+
+
+def _patch(module) -> None:
     from vllm_dspark_pp import sync_drafts
     from vllm_dspark_pp.patches._util import wrap
 
@@ -54,5 +58,5 @@ def apply() -> None:
 
         return step_with_batch_queue
 
-    wrap(EngineCore, "post_step", make_post_step)
-    wrap(EngineCore, "step_with_batch_queue", make_step_with_batch_queue)
+    wrap(module.EngineCore, "post_step", make_post_step)
+    wrap(module.EngineCore, "step_with_batch_queue", make_step_with_batch_queue)

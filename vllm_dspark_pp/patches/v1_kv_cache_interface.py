@@ -71,8 +71,12 @@ def _wrap_classmethod(owner: type, name: str, make) -> bool:
 
 
 def apply() -> None:
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+    from vllm_dspark_pp.patches import when_imported
 
+    when_imported(TARGET, _patch)
+
+
+def _patch(module) -> None:
     def make_merge(orig):
         def merge(cls, specs):
             if mixes_non_causal_mla(specs):
@@ -89,8 +93,8 @@ def apply() -> None:
 
         return is_uniform_type
 
-    _wrap_classmethod(MLAAttentionSpec, "merge", make_merge)
-    _wrap_classmethod(UniformTypeKVCacheSpecs, "is_uniform_type", make_is_uniform_type)
+    _wrap_classmethod(module.MLAAttentionSpec, "merge", make_merge)
+    _wrap_classmethod(module.UniformTypeKVCacheSpecs, "is_uniform_type", make_is_uniform_type)
 
 
 def remove() -> None:

@@ -19,8 +19,12 @@ TARGET = "vllm.v1.worker.gpu.eplb_utils"
 
 
 def apply() -> None:
-    from vllm.v1.worker.gpu.eplb_utils import EPLBController
+    from vllm_dspark_pp.patches import when_imported
 
+    when_imported(TARGET, _patch)
+
+
+def _patch(module) -> None:
     from vllm_dspark_pp.patches._util import wrap
     from vllm_dspark_pp.producer.drafter import is_context_kv_only
 
@@ -32,4 +36,4 @@ def apply() -> None:
 
         return maybe_register_speculator
 
-    wrap(EPLBController, "maybe_register_speculator", make)
+    wrap(module.EPLBController, "maybe_register_speculator", make)

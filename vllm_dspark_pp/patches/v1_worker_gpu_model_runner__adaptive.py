@@ -37,7 +37,7 @@ tests/gpu/test_pp_adaptive_one_gpu.py
 
 from __future__ import annotations
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.v1.worker.gpu.model_runner"

@@ -28,7 +28,7 @@ tests/e2e/producer/test_producer_decodes_cpu.py, tests/gpu/test_producer_gpu.py
 
 from __future__ import annotations
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.v1.worker.gpu.model_runner"

@@ -26,7 +26,7 @@ tests/unit/protocol/test_protocol_handshake.py, tests/unit/protocol/test_livenes
 
 from __future__ import annotations
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.v1.worker.gpu.model_runner"

@@ -28,7 +28,7 @@ tests/unit/protocol/test_protocol_gloo.py, tests/gpu/test_protocol_gpu.py
 
 from __future__ import annotations
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 
 TARGET = "vllm.v1.worker.gpu.pp_utils"
 

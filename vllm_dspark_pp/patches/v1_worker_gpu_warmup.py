@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from vllm_dspark_pp.patches._on_import import when_imported
+from vllm_dspark_pp.patches import when_imported
 from vllm_dspark_pp.patches._util import wrap
 
 TARGET = "vllm.v1.worker.gpu.warmup"

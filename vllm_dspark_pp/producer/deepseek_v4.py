@@ -17,19 +17,12 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer.drafter import (
-    DSV4_ARCH,
-    RefuseDrafting,
-    platform_module,
-    refuse_platform,
-    refusing,
-    weight_filter,
-)
+from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
     import torch
@@ -50,12 +43,14 @@ _DSV4_KEEP = re.compile(
 
 
 #: Whether a DeepSeek-V4 checkpoint tensor feeds the context-only drafter; the rest.
-is_dsv4_context_kv_weight, dsv4_skipped_weight_names = weight_filter(_DSV4_KEEP)
+is_dsv4_context_kv_weight, dsv4_skipped_weight_names = drafter.weight_filter(_DSV4_KEEP)
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4
-def _build_dsv4_classes(module_name: str | None = None) -> type:
-    """Define the DeepSeek-V4 context-only classes against vLLM's drafter module."""
+@drafter.built_once
+def dsv4_context_kv_class(module_name: str | None = None) -> type:
+    """The DeepSeek-V4 context-only top-level class (``module_name``: vLLM's drafter module,
+    default: the registry's platform pick)."""
     import torch
     from torch import nn
     from vllm.config import get_current_vllm_config
@@ -69,15 +64,17 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
     from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
-    dspark = platform_module(DSV4_ARCH, "vllm.models.deepseek_v4", module_name)
+    dspark = drafter.platform_module(
+        "vllm.models.deepseek_v4", "DSparkDeepseekV4ForCausalLM", module_name
+    )
     base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
     if base_model is None:
-        raise refuse_platform("DeepSeek-V4 DSpark", dspark, "DSparkDeepseekV4Model")
+        raise drafter.refuse_platform("DeepSeek-V4 DSpark", dspark, "DSparkDeepseekV4Model")
     base_top = dspark.DSparkDeepseekV4ForCausalLM
     model_module = sys.modules[dspark.DeepseekV4DecoderLayer.__module__]
     select_attn_cls: Any = getattr(model_module, "_select_dsv4_attn_cls", None)
     if select_attn_cls is None:
-        raise refuse_platform("DeepSeek-V4 DSpark", model_module, "_select_dsv4_attn_cls")
+        raise drafter.refuse_platform("DeepSeek-V4 DSpark", model_module, "_select_dsv4_attn_cls")
 
     class DeepseekV4ContextKVAttention(nn.Module, AttentionLayerBase):
         """What ``_insert_context_kv`` reads of a DeepseekV4Attention draft layer.
@@ -138,11 +135,7 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
                     "_flashinfer_fp8_kv_scale",
                 ):
                     self.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
-            forward_context = vllm_config.compilation_config.static_forward_context
-            if prefix in forward_context:
-                raise ValueError(f"Duplicate layer name: {prefix}")
-            forward_context[prefix] = self
-            self.kv_cache = torch.tensor([])
+            drafter.register_cache_layer(self, vllm_config, prefix)
 
         # vLLM 0.34.0's own AttentionLayerBase methods of DeepseekV4Attention (spec: None
         # for compress ratio 1, the SWA cache is its own layer).
@@ -150,16 +143,21 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
         get_attn_backend = dsv4_attention.DeepseekV4Attention.get_attn_backend
         get_kv_cache_spec = dsv4_attention.DeepseekV4Attention.get_kv_cache_spec
 
-        forward = refusing("draft attention forward")
+        forward = drafter.refusing("draft attention forward")
 
     class DeepseekV4ContextKVLayer(nn.Module):
         def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
             super().__init__()
             self.attn = DeepseekV4ContextKVAttention(vllm_config, prefix=f"{prefix}.attn")
 
-        forward = refusing("draft decoder layer forward")
+        forward = drafter.refusing("draft decoder layer forward")
 
-    class DSparkDeepseekV4ContextKVModel(nn.Module):
+    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4/nvidia/dspark.py).
+    context_path: Any = drafter.context_path(
+        base_model, "combine_hidden_states", "precompute_and_store_context_kv"
+    )
+
+    class DSparkDeepseekV4ContextKVModel(context_path, nn.Module):
         """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache."""
 
         def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -200,48 +198,34 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
             )
             self.confidence_head = None
 
-        # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4/nvidia/dspark.py).
-        combine_hidden_states = base_model.combine_hidden_states
-        precompute_and_store_context_kv = base_model.precompute_and_store_context_kv
-
-        forward = refusing("draft backbone forward")
-
-        embed_input_ids = refusing("draft token embedding")
-
-    class DSparkDeepseekV4ContextKVForCausalLM(RefuseDrafting, nn.Module):
+    class DSparkDeepseekV4ContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
         """Top level of the DeepSeek-V4 context-KV-only DSpark drafter."""
 
         family = "DeepSeek-V4 DSpark"
+        model_cls = DSparkDeepseekV4ContextKVModel
+        is_context_kv_weight = staticmethod(is_dsv4_context_kv_weight)
+        skipped_note = "embeddings, heads, MoE, query/output projections, hyper-connections"
 
         def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            self.draft_model_config = spec.draft_model_config
-            self.config = self.draft_model_config.hf_config
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
             self.quant_config = vllm_config.quant_config
-            self.model = DSparkDeepseekV4ContextKVModel(
-                vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
-            )
+
+        @staticmethod
+        def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
+            return {}  # numbered from the draft config's num_hidden_layers (the target's own)
 
         combine_hidden_states = base_top.combine_hidden_states
         get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
         precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
 
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            """Load main_proj/main_norm, kv_norm and each layer's wkv (into
-            context_wkv_proj, shard = layer) from the target checkpoint's ``mtp.*``."""
+        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+            """main_proj/main_norm, kv_norm and each layer's wkv (into context_wkv_proj,
+            shard = layer) from the target checkpoint's ``mtp.*``."""
             params = dict(self.named_parameters())
             loaded: set[str] = set()
-            skipped = 0
-            n_layers = len(self.model.layers)
             for name, tensor in weights:
-                if not is_dsv4_context_kv_weight(name):
-                    skipped += 1
-                    continue
-                target, shard = _dsv4_param_name(name, n_layers)
+                target, shard = _dsv4_param_name(name, len(self.model.layers))
                 if target is None:
-                    skipped += 1
                     continue
                 param = params[target]
                 if shard is not None:
@@ -249,12 +233,6 @@ def _build_dsv4_classes(module_name: str | None = None) -> type:
                 else:
                     getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(target)
-            logger.info(
-                "Context-KV-only DeepSeek-V4 DSpark drafter: loaded %d tensors, skipped %d "
-                "(embeddings, heads, MoE, query/output projections, hyper-connections).",
-                len(loaded),
-                skipped,
-            )
             return loaded
 
     return DSparkDeepseekV4ContextKVForCausalLM
@@ -281,12 +259,13 @@ def _dsv4_param_name(name: str, n_layers: int) -> tuple[str | None, int | None]:
     return None, None
 
 
-_CLASSES: dict[str | None, type] = {}
-
-
-def dsv4_context_kv_class(module_name: str | None = None) -> type:
-    """The DeepSeek-V4 context-only top-level class (``module_name``: vLLM's drafter module,
-    default: the registry's platform pick)."""
-    if module_name not in _CLASSES:
-        _CLASSES[module_name] = _build_dsv4_classes(module_name)
-    return _CLASSES[module_name]
+#: Its drafter ships inside the target checkpoint: the target must be a DeepSeek-V4 one.
+families.register(
+    families.DraftFamily(
+        "DeepSeek-V4 DSpark",
+        ("DSparkDraftModel",),
+        __name__,
+        dsv4_context_kv_class,
+        start_checks=(drafter.check_target_carries_the_draft,),
+    )
+)

@@ -3,41 +3,35 @@
 A prefill-only producer never verifies drafts, but the decode instance's DSpark drafter reads the
 draft's *context KV* for the prompt (pulled over the KV connector by layer name). So the producer
 builds only what writes that KV, under the full drafter's layer names and KV-cache specs, loads
-only those weights, and refuses everything that drafts (:class:`RefuseDrafting`). One module per
-family builds its classes: :mod:`.qwen3`, :mod:`.deepseek_v4`, :mod:`.kimi_k3`; :mod:`.load`
-picks one and loads it through vLLM's own DSpark loading path. Every other DSpark draft
-architecture is refused at start on a prefill-only producer (:func:`unsupported_draft_problem`).
+only those weights, and refuses everything that drafts (:class:`RefuseDrafting`).
+
+What every family shares lives here: the top level (:class:`ContextKVDrafter`: construction,
+the filtered weight load and its log line, the refusals), the decoder layer that only holds its
+attention (:func:`layer_holding`), the KV-cache layer's registration (:func:`register_cache_layer`),
+the once-per-process class cache (:func:`built_once`) and the pick of vLLM's platform module.
+Each family module (:mod:`.qwen3`, :mod:`.deepseek_v4`, :mod:`.kimi_k3`) defines only what its
+context path needs and registers itself in :mod:`.families`; :mod:`.load` builds the class the
+registry names through vLLM's own DSpark loading path.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.logger import init_logger
+
+from vllm_dspark_pp.producer.families import DSparkConfigError
 
 if TYPE_CHECKING:
-    from vllm.config import SpeculativeConfig
+    import torch
+    from vllm.config import VllmConfig
 
-DSV4_ARCH = "DSparkDraftModel"
-K3_ARCH = "K3DSparkModel"
-
-#: Draft architectures (``draft_model_config.architectures``) with a context-KV-only build.
-CONTEXT_ONLY_ARCHITECTURES: dict[str, str] = {
-    "Qwen3DSparkModel": "Qwen3 DSpark",  # qwen3.py
-    "DSparkDraftModel": "DeepSeek-V4 DSpark",  # deepseek_v4.py
-    "K3DSparkModel": "Kimi-K3 DSpark",  # kimi_k3.py
-}
-
-#: DSpark draft architectures vLLM 0.34.0 serves that have no context-only build yet.
-KNOWN_UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "DSparkV41DraftModel": "DeepSeek-V4.1 DSpark",
-    "DSparkMiniMaxDraftModel": "MiniMax-M3 DSpark",
-    "Gemma4DSparkModel": "Gemma4 DSpark",
-    "Qwen3OmniDSparkModel": "Qwen3-Omni DSpark",
-    "MuseSparkDSparkModel": "Muse Spark DSpark",
-    "MistralLarge4DSparkModel": "Mistral Large 4 DSpark",
-}
+logger = init_logger("vllm.dspark_pp.producer.drafter")
 
 
 class ContextOnlyDrafterError(RuntimeError):
@@ -106,41 +100,7 @@ class RefuseDrafting:
     compute_confidence = refusing("confidence head")
 
 
-# --------------------------------------------------------------------------- families
-def draft_architectures(spec_config: SpeculativeConfig) -> list[str]:
-    draft = getattr(spec_config, "draft_model_config", None)
-    if draft is None:
-        return []
-    return list(getattr(draft, "architectures", None) or [])
-
-
-def unsupported_draft_problem(spec_config: SpeculativeConfig) -> str | None:
-    """Why this draft has no context-only build (None when it has one)."""
-    archs = draft_architectures(spec_config)
-    if any(a in CONTEXT_ONLY_ARCHITECTURES for a in archs):
-        # Qwen3-Omni drafts resolve to the Qwen3 class but are their own family.
-        if not any(a in KNOWN_UNSUPPORTED_ARCHITECTURES for a in archs):
-            return None
-    family = next(
-        (KNOWN_UNSUPPORTED_ARCHITECTURES[a] for a in archs if a in KNOWN_UNSUPPORTED_ARCHITECTURES),
-        None,
-    )
-    name = family or (", ".join(archs) if archs else "unknown architecture")
-    supported = ", ".join(f"{v} ({k})" for k, v in CONTEXT_ONLY_ARCHITECTURES.items())
-    return (
-        f"vllm-dspark-pp has no context-KV-only drafter for {name} yet, so it cannot serve as a "
-        f"DSpark prefill-only producer (kv_role='kv_producer'). Supported: {supported}. "
-        "Run this instance with kv_role='kv_both' (keeps the full drafter) or without "
-        "speculative decoding on the producer."
-    )
-
-
-def check_draft_supported(spec_config: SpeculativeConfig) -> None:
-    problem = unsupported_draft_problem(spec_config)
-    if problem is not None:
-        raise NotImplementedError(problem)
-
-
+# --------------------------------------------------------------------------- weights
 def weight_filter(
     keep: re.Pattern[str],
 ) -> tuple[Callable[[str], bool], Callable[[Iterable[str]], list[str]]]:
@@ -160,14 +120,14 @@ def is_context_kv_only(model: Any) -> bool:
     return bool(getattr(model, "context_kv_only", False))
 
 
-# --------------------------------------------------------------------------- MLA families
-def platform_module(arch: str, registry_module: str, module_name: str | None) -> Any:
-    """The module that holds vLLM's full drafter for ``arch`` on this platform."""
+# --------------------------------------------------------------------------- vLLM's drafters
+def platform_module(registry_module: str, top_class: str, module_name: str | None) -> Any:
+    """The module that holds vLLM's full drafter ``top_class`` on this platform: ``module_name``
+    when given, else where ``registry_module``'s ``top_class`` is defined (vLLM's registry entry
+    resolves the platform implementation, e.g. deepseek_v4/__init__.py)."""
     if module_name is None:
-        # The registry entry resolves the platform implementation (deepseek_v4/__init__.py).
         top = importlib.import_module(registry_module)
-        cls_name = "DSparkDeepseekV4ForCausalLM" if arch == DSV4_ARCH else "K3DSparkForCausalLM"
-        module_name = getattr(top, cls_name).__module__
+        module_name = getattr(top, top_class).__module__
     return importlib.import_module(module_name)
 
 
@@ -177,4 +137,136 @@ def refuse_platform(family: str, module: Any, missing: str) -> NotImplementedErr
         f"({missing} is missing from {module.__name__}; vLLM 0.34.0 ships a DSpark drafter for "
         "this family only on CUDA/ROCm, and the context-only build follows the CUDA one). "
         "Run this producer on NVIDIA GPUs or with kv_role='kv_both'."
+    )
+
+
+def context_path(base: type, *names: str) -> Any:
+    """The base of a family's context model: vLLM's own context-KV methods ``names`` of ``base``
+    (the full drafter's model class), used unchanged because they read only attributes the
+    context model provides, with the backbone's forward and token embedding refused.
+    ``class M(context_path(base, ...), nn.Module)``."""
+    body: dict[str, Any] = {name: getattr(base, name) for name in names}
+    body["forward"] = refusing("draft backbone forward")
+    body["embed_input_ids"] = refusing("draft token embedding")
+    return type(f"{base.__name__}ContextPath", (), body)
+
+
+def register_cache_layer(layer: Any, vllm_config: VllmConfig, prefix: str) -> None:
+    """Register a family's KV-cache layer under ``prefix`` in vLLM's static forward context (as
+    vLLM's own attention layers do; the KV-cache planner finds it there), with no cache yet."""
+    import torch
+
+    registry = vllm_config.compilation_config.static_forward_context
+    if prefix in registry:
+        raise ValueError(f"Duplicate layer name: {prefix}")
+    registry[prefix] = layer
+    layer.kv_cache = torch.tensor([])
+
+
+def built_once(build: Callable[[str | None], type]) -> Callable[[str | None], type]:
+    """``build(module_name)`` defines a family's classes against vLLM's drafter module
+    (``None``: the family's default); the function returned builds them once per process and
+    module, so every caller gets the same class."""
+    cache: dict[str | None, type] = {}
+    lock = threading.Lock()
+
+    @functools.wraps(build)
+    def get(module_name: str | None = None) -> type:
+        with lock:
+            if module_name not in cache:
+                cache[module_name] = build(module_name)
+            return cache[module_name]
+
+    return get
+
+
+# --------------------------------------------------------------------------- the top level
+class ContextKVDrafter(RefuseDrafting):
+    """The top level of every family's context-KV-only drafter, mixed in before ``nn.Module``:
+    ``class X(ContextKVDrafter, nn.Module)`` with
+
+    * ``family``: the family's name (log lines);
+    * ``model_cls``: the module that holds the context path, built as
+      ``model_cls(vllm_config=..., prefix="model", **model_kwargs(vllm_config))``;
+    * ``is_context_kv_weight(name)``: whether a checkpoint tensor feeds the context path;
+    * ``load_context_weights(weights)``: loads those tensors, returns the parameter names loaded;
+    * ``skipped_note``: what the skipped tensors are (the log line).
+    """
+
+    family: ClassVar[str]
+    model_cls: ClassVar[type]
+    skipped_note: ClassVar[str] = "embeddings, heads, MLPs, query/output projections"
+    is_context_kv_weight: Callable[[str], bool]
+    model: Any
+    config: Any
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        from vllm.model_executor.models.utils import maybe_prefix
+
+        super().__init__()
+        spec = vllm_config.speculative_config
+        assert spec is not None
+        self.draft_model_config = spec.draft_model_config
+        self.config = self.draft_model_config.hf_config
+        self.model = self.model_cls(
+            vllm_config=vllm_config,
+            prefix=maybe_prefix(prefix, "model"),
+            **self.model_kwargs(vllm_config),
+        )
+
+    @staticmethod
+    def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
+        """The draft layers are numbered after the target's (the full drafter's layer names)."""
+        return {"start_layer_id": vllm_config.model_config.get_total_num_hidden_layers()}
+
+    def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skipped = 0
+
+        def context_only() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal skipped
+            for name, tensor in weights:
+                if self.is_context_kv_weight(name):
+                    yield name, tensor
+                else:
+                    skipped += 1
+
+        loaded = self.load_context_weights(context_only())
+        logger.info(
+            "Context-KV-only %s drafter: loaded %d parameters, skipped %d checkpoint tensors (%s).",
+            self.family,
+            len(loaded),
+            skipped,
+            self.skipped_note,
+        )
+        return loaded
+
+
+# --------------------------------------------------------------------------- start checks
+#: Model types whose DSpark drafter ships inside the target checkpoint (DeepSeek-V4, V4.1).
+IN_TARGET_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+
+
+def check_target_carries_the_draft(vllm_config: Any) -> None:
+    """Start check of the families whose drafter lives inside a DeepSeek-V4 checkpoint: their
+    target must be one. vLLM 0.34.0 (``dspark/config.py`` ``adapt_draft_model_config``) takes any
+    draft it does not recognize as a self-contained DSpark checkpoint for a DeepSeek-V4 target's
+    built-in drafter and relabels it ``DSparkDraftModel`` / deepseek_v4, whatever it really is:
+    this check is what refuses such a draft at start."""
+    spec = vllm_config.speculative_config
+    draft, target = spec.draft_model_config, spec.target_model_config
+    draft_type = getattr(draft.hf_config, "model_type", None)
+    target_type = getattr(getattr(target, "hf_config", None), "model_type", None)
+    if draft_type not in IN_TARGET_MODEL_TYPES or target_type in IN_TARGET_MODEL_TYPES:
+        return
+    raise DSparkConfigError(
+        f"--speculative-config method 'dspark': the draft model {draft.model!r} is not a "
+        "self-contained DSpark drafter (vLLM recognizes one by 'dspark' in its path and a DSpark "
+        "architecture in its config.json, e.g. deepseek-ai/dspark_qwen3_8b_block7), and only "
+        "DeepSeek-V4 targets carry their DSpark drafter inside the target checkpoint; this "
+        f"target is {target_type!r}. Point 'model' at a DSpark draft checkpoint for this "
+        "target, or use the method that matches this draft (e.g. 'dflash', 'eagle3', "
+        "'draft_model')."
     )

@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer.drafter import (
-    K3_ARCH,
-    RefuseDrafting,
-    layer_holding,
-    platform_module,
-    refuse_platform,
-    refusing,
-    weight_filter,
-)
+from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
     import torch
@@ -71,12 +63,14 @@ _MLA_PREFILL_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_
 
 
 #: Whether a Kimi-K3 DSpark checkpoint tensor feeds the context-only drafter; the rest.
-is_k3_context_kv_weight, k3_skipped_weight_names = weight_filter(_K3_KEEP)
+is_k3_context_kv_weight, k3_skipped_weight_names = drafter.weight_filter(_K3_KEEP)
 
 
 # --------------------------------------------------------------------------- Kimi-K3
-def _build_k3_classes(module_name: str | None = None) -> type:
-    """Define the Kimi-K3 context-only classes against vLLM's drafter module."""
+@drafter.built_once
+def k3_context_kv_class(module_name: str | None = None) -> type:
+    """The Kimi-K3 context-only top-level class (``module_name``: vLLM's drafter module, default
+    :data:`K3_NVIDIA_MODULE`)."""
     import torch
     from torch import nn
     from vllm.config import get_current_vllm_config
@@ -101,10 +95,10 @@ def _build_k3_classes(module_name: str | None = None) -> type:
     from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
     from vllm.v1.attention.selector import get_attn_backend
 
-    dspark = platform_module(K3_ARCH, K3_NVIDIA_MODULE, module_name)
+    dspark = drafter.platform_module(K3_NVIDIA_MODULE, "K3DSparkForCausalLM", module_name)
     base_model: Any = getattr(dspark, "K3DSparkModel", None)
     if base_model is None:
-        raise refuse_platform("Kimi-K3 DSpark", dspark, "K3DSparkModel")
+        raise drafter.refuse_platform("Kimi-K3 DSpark", dspark, "K3DSparkModel")
     base_top = dspark.K3DSparkForCausalLM
     base_attn = dspark.MultiHeadLatentAttention
 
@@ -176,11 +170,7 @@ def _build_k3_classes(module_name: str | None = None) -> type:
                 vllm_config=vllm_config,
                 **{dim: getattr(self, dim) for dim in _MLA_PREFILL_DIMS},
             )
-            registry = vllm_config.compilation_config.static_forward_context
-            if prefix in registry:
-                raise ValueError(f"Duplicate layer name: {prefix}")
-            registry[prefix] = self
-            self.kv_cache = torch.tensor([])
+            drafter.register_cache_layer(self, vllm_config, prefix)
 
         @staticmethod
         def _refuse_context_parallel(parallel: Any) -> None:
@@ -231,11 +221,24 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             if not should_load_quant_weights(method):
                 set_default_quant_scales(self, register_buffer=False)
 
-        forward = refusing("draft attention forward")
+        forward = drafter.refusing("draft attention forward")
 
-    K3DSparkContextKVLayer = layer_holding(K3DSparkContextKVAttention, "K3DSparkContextKVLayer")
+    K3DSparkContextKVLayer = drafter.layer_holding(
+        K3DSparkContextKVAttention, "K3DSparkContextKVLayer"
+    )
 
-    class K3DSparkContextKVModel(nn.Module):
+    # vLLM 0.34.0's context-KV code, unchanged (kimi_k3/nvidia/dspark_mla.py).
+    context_path: Any = drafter.context_path(
+        base_model,
+        "combine_hidden_states",
+        "precompute_and_store_context_kv",
+        "_build_fused_context_kv_metadata",
+        "_precompute_fused_context_kv",
+        "_has_uniform_block_layout",
+        "_get_context_kv_cache_ptrs",
+    )
+
+    class K3DSparkContextKVModel(context_path, nn.Module):
         """context_proj/context_norm + context_kv_proj + per-layer latent KV cache."""
 
         def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int, prefix: str) -> None:
@@ -276,77 +279,31 @@ def _build_k3_classes(module_name: str | None = None) -> type:
             self.confidence_head = None
             self._max_num_context_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
-        # vLLM 0.34.0's context-KV code, unchanged (kimi_k3/nvidia/dspark_mla.py).
-        combine_hidden_states = base_model.combine_hidden_states
-        precompute_and_store_context_kv = base_model.precompute_and_store_context_kv
-        _build_fused_context_kv_metadata = base_model._build_fused_context_kv_metadata
-        _precompute_fused_context_kv = base_model._precompute_fused_context_kv
-        _has_uniform_block_layout = base_model._has_uniform_block_layout
-        _get_context_kv_cache_ptrs = base_model._get_context_kv_cache_ptrs
-
-        forward = refusing("draft backbone forward")
-
-        embed_input_ids = refusing("draft token embedding")
-
     k3_mapper = WeightsMapper(orig_to_new_prefix={"": "model."})
 
-    class K3DSparkContextKVForCausalLM(RefuseDrafting, nn.Module):
+    class K3DSparkContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
         """Top level of the Kimi-K3 context-KV-only DSpark drafter."""
 
         family = "Kimi-K3 DSpark"
+        model_cls = K3DSparkContextKVModel
+        is_context_kv_weight = staticmethod(is_k3_context_kv_weight)
         speculator_config_class = getattr(base_top, "speculator_config_class", None)
-
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            self.draft_model_config = spec.draft_model_config
-            self.config = self.draft_model_config.hf_config
-            self.model = K3DSparkContextKVModel(
-                vllm_config=vllm_config,
-                start_layer_id=vllm_config.model_config.get_total_num_hidden_layers(),
-                prefix=maybe_prefix(prefix, "model"),
-            )
 
         combine_hidden_states = base_top.combine_hidden_states
         get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
         precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
         process_weights_after_loading = base_top.process_weights_after_loading
 
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            counts = {"skipped": 0}
-            stacked = dspark._duplicate_context_kv_weights(
-                self._context_only(weights, counts), len(self.model.layers)
-            )
+        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+            unprefixed = ((n.removeprefix("model."), t) for n, t in weights)
+            stacked = dspark._duplicate_context_kv_weights(unprefixed, len(self.model.layers))
             # The per-layer kv_a_proj_with_mqa rows live only in context_kv_proj here.
             kept = ((n, w) for n, w in stacked if ".kv_a_proj_with_mqa." not in n)
-            loaded = AutoWeightsLoader(self).load_weights(kept, mapper=k3_mapper)
-            logger.info(
-                "Context-KV-only Kimi-K3 DSpark drafter: loaded %d parameters, skipped %d "
-                "tensors (embeddings, heads, MLPs, query/output projections).",
-                len(loaded),
-                counts["skipped"],
-            )
-            return loaded
-
-        @staticmethod
-        def _context_only(
-            weights: Iterable[tuple[str, torch.Tensor]], counts: dict[str, int]
-        ) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if is_k3_context_kv_weight(name):
-                    yield name.removeprefix("model."), tensor
-                else:
-                    counts["skipped"] += 1
+            return AutoWeightsLoader(self).load_weights(kept, mapper=k3_mapper)
 
     return K3DSparkContextKVForCausalLM
 
 
-_CLASSES: dict[str | None, type] = {}
-
-
-def k3_context_kv_class(module_name: str | None = None) -> type:
-    """The Kimi-K3 context-only top-level class."""
-    if module_name not in _CLASSES:
-        _CLASSES[module_name] = _build_k3_classes(module_name)
-    return _CLASSES[module_name]
+families.register(
+    families.DraftFamily("Kimi-K3 DSpark", ("K3DSparkModel",), __name__, k3_context_kv_class)
+)

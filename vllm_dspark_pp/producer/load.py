@@ -1,4 +1,5 @@
-"""Pick the family's context-KV-only class and load it through vLLM's DSpark loading path.
+"""Load the draft family's context-KV-only class (producer/families.py names it) through vLLM's
+DSpark loading path.
 
 The build is logged (one ``Built the context-KV-only DSpark drafter: {json}`` line per worker
 that builds one: class, KV-cache layers, parameter names and bytes); tests read that line from
@@ -14,36 +15,17 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer.deepseek_v4 import dsv4_context_kv_class
-from vllm_dspark_pp.producer.drafter import (
-    DSV4_ARCH,
-    K3_ARCH,
-    check_draft_supported,
-    draft_architectures,
-    is_context_kv_only,
-)
-from vllm_dspark_pp.producer.kimi_k3 import k3_context_kv_class
-from vllm_dspark_pp.producer.qwen3 import qwen3_context_kv_class
+from vllm_dspark_pp.producer.drafter import is_context_kv_only
+from vllm_dspark_pp.producer.families import context_kv_class_for
 
 if TYPE_CHECKING:
     from torch import nn
-    from vllm.config import SpeculativeConfig, VllmConfig
+    from vllm.config import VllmConfig
 
 logger = init_logger("vllm.dspark_pp.producer.load")
 
 #: The log line of a context-KV-only build (followed by ``: {json}``).
 BUILT_LINE = "Built the context-KV-only DSpark drafter"
-
-
-def context_kv_class_for(spec_config: SpeculativeConfig) -> type:
-    """The context-only top-level class for this draft's architecture."""
-    check_draft_supported(spec_config)
-    archs = draft_architectures(spec_config)
-    if DSV4_ARCH in archs:
-        return dsv4_context_kv_class()
-    if K3_ARCH in archs:
-        return k3_context_kv_class()
-    return qwen3_context_kv_class()
 
 
 # --------------------------------------------------------------------------- loading

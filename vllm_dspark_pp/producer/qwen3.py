@@ -24,13 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer.drafter import (
-    RefuseDrafting,
-    _refuse,
-    layer_holding,
-    refusing,
-    weight_filter,
-)
+from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +44,7 @@ _KEEP = re.compile(
 
 
 #: Whether a Qwen3 DSpark checkpoint tensor is needed by the context-only drafter; the rest.
-is_context_kv_weight, skipped_weight_names = weight_filter(_KEEP)
+is_context_kv_weight, skipped_weight_names = drafter.weight_filter(_KEEP)
 
 
 # --------------------------------------------------------------------------- Qwen3 model
@@ -64,8 +58,16 @@ def _uses_aux_hidden_state(config: Any) -> bool:
     return bool(getattr(config, "use_aux_hidden_state", True))
 
 
-def _build_qwen3_classes() -> tuple[type, type]:
-    """Define the Qwen3 context-only classes (deferred: needs torch and vLLM layers)."""
+#: vLLM 0.34.0's Qwen3 DSpark (DFlash) drafter, whose context-KV code the classes borrow.
+QWEN3_DRAFTER_MODULE = "vllm.model_executor.models.qwen3_dflash"
+
+
+@drafter.built_once
+def qwen3_context_kv_class(module_name: str | None = None) -> type:
+    """The Qwen3 context-only top-level class, defined against vLLM's Qwen3 DSpark drafter module
+    (default :data:`QWEN3_DRAFTER_MODULE`; deferred: needs torch and vLLM layers)."""
+    import importlib
+
     from torch import nn
     from vllm.config import get_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_world_size
@@ -74,7 +76,6 @@ def _build_qwen3_classes() -> tuple[type, type]:
     from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.model_executor.model_loader.weight_utils import make_attention_sink
-    from vllm.model_executor.models import qwen3_dflash as qd
     from vllm.model_executor.models.utils import (
         AutoWeightsLoader,
         get_draft_quant_config,
@@ -83,6 +84,8 @@ def _build_qwen3_classes() -> tuple[type, type]:
     from vllm.transformers_utils.config import set_default_rope_theta
     from vllm.v1.attention.backend import AttentionType
 
+    qd: Any = importlib.import_module(module_name or QWEN3_DRAFTER_MODULE)
+
     class _EpsOnly(nn.Module):
         """Stands in for q_norm: vLLM's context path reads only its epsilon."""
 
@@ -90,7 +93,7 @@ def _build_qwen3_classes() -> tuple[type, type]:
             super().__init__()
             self.variance_epsilon = eps
 
-        forward = refusing("q_norm")
+        forward = drafter.refusing("q_norm")
 
     class Qwen3DSparkContextKVAttention(nn.Module):
         """The K/V half of DFlashQwen3Attention: same attribute names, no query side."""
@@ -157,15 +160,28 @@ def _build_qwen3_classes() -> tuple[type, type]:
             self.q_norm = _EpsOnly(config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-        forward = refusing("draft attention forward")
+        forward = drafter.refusing("draft attention forward")
 
-    Qwen3DSparkContextKVLayer = layer_holding(
+    Qwen3DSparkContextKVLayer = drafter.layer_holding(
         Qwen3DSparkContextKVAttention, "Qwen3DSparkContextKVLayer"
     )
 
     base = qd.DFlashQwen3Model
 
-    class Qwen3DSparkContextKVModel(nn.Module):
+    # vLLM 0.34.0's context-KV code, used as is (qwen3_dflash.py, DFlashQwen3Model).
+    context_path: Any = drafter.context_path(
+        base,
+        "_build_context_kv_buffers",
+        "_build_fused_kv_buffers",
+        "_normalize_context_states",
+        "_project_context_kv_token_major",
+        "_project_context_kv",
+        "_apply_context_rope",
+        "_normalize_context_k",
+        "precompute_and_store_context_kv",
+    )
+
+    class Qwen3DSparkContextKVModel(context_path, nn.Module):
         """fc + hidden_norm + per-layer K/V; context KV via vLLM's own precompute."""
 
         hf_to_vllm_mapper = base.hf_to_vllm_mapper
@@ -207,21 +223,6 @@ def _build_qwen3_classes() -> tuple[type, type]:
                 self.fc = ReplicatedLinear(in_features, self.config.hidden_size, **fc_options)
             self.hidden_norm = RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
 
-        # vLLM 0.34.0's context-KV code, used as is (qwen3_dflash.py, DFlashQwen3Model).
-        _build_context_kv_buffers = base._build_context_kv_buffers
-        _build_fused_kv_buffers = base._build_fused_kv_buffers
-        _normalize_context_states = base._normalize_context_states
-        _project_context_kv_token_major = base._project_context_kv_token_major
-        _project_context_kv = base._project_context_kv
-        _apply_context_rope = base._apply_context_rope
-        _normalize_context_k = base._normalize_context_k
-        precompute_and_store_context_kv = base.precompute_and_store_context_kv
-
-        forward = refusing("draft backbone forward")
-
-        def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-            raise _refuse("draft token embedding")
-
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             loader = AutoWeightsLoader(self)
             return loader.load_weights(self._kv_rows_only(weights), mapper=self.hf_to_vllm_mapper)
@@ -239,24 +240,12 @@ def _build_qwen3_classes() -> tuple[type, type]:
                     weight = weight[q_rows:]
                 yield name, weight
 
-    class Qwen3DSparkContextKVForCausalLM(RefuseDrafting, nn.Module):
+    class Qwen3DSparkContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
         """Top level of the Qwen3 context-KV-only DSpark drafter."""
 
+        family = "Qwen3 DSpark"
         model_cls = Qwen3DSparkContextKVModel
-
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            self.draft_model_config = spec.draft_model_config
-            self.config = self.draft_model_config.hf_config
-            self.model = self.model_cls(
-                vllm_config=vllm_config,
-                prefix=maybe_prefix(prefix, "model"),
-                start_layer_id=vllm_config.model_config.get_total_num_hidden_layers(),
-            )
-            # No d2t map, no heads: nothing here samples.
-            self.draft_id_to_target_id = None
+        is_context_kv_weight = staticmethod(is_context_kv_weight)
 
         get_draft_kv_cache_layer_names = qd.DFlashQwen3ForCausalLM.get_draft_kv_cache_layer_names
         get_draft_attn_causal = qd.DFlashQwen3ForCausalLM.get_draft_attn_causal
@@ -264,36 +253,13 @@ def _build_qwen3_classes() -> tuple[type, type]:
         precompute_and_store_context_kv = qd.DFlashQwen3ForCausalLM.precompute_and_store_context_kv
 
         def process_weights_after_loading(self) -> None:
-            self.model._build_fused_kv_buffers()  # type: ignore[misc]  # vLLM's method, our model
+            self.model._build_fused_kv_buffers()
 
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            kept: list[tuple[str, torch.Tensor]] = []
-            skipped = 0
-            for name, tensor in weights:
-                if not is_context_kv_weight(name):
-                    skipped += 1
-                    continue
-                kept.append((name if name.startswith("model.") else "model." + name, tensor))
-            logger.info(
-                "Context-KV-only DSpark drafter: loading %d tensors, skipping %d "
-                "(embeddings, heads, MLPs, query/output projections).",
-                len(kept),
-                skipped,
-            )
-            return AutoWeightsLoader(self).load_weights(kept)
+        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+            prefixed = ((n if n.startswith("model.") else "model." + n, t) for n, t in weights)
+            return AutoWeightsLoader(self).load_weights(prefixed)
 
-    return Qwen3DSparkContextKVModel, Qwen3DSparkContextKVForCausalLM
-
-
-_CLASSES: dict[str, type] = {}
-
-
-def qwen3_context_kv_class() -> type:
-    """The Qwen3 context-only top-level class (built once per process)."""
-    if "qwen3" not in _CLASSES:
-        _, top = _build_qwen3_classes()
-        _CLASSES["qwen3"] = top
-    return _CLASSES["qwen3"]
+    return Qwen3DSparkContextKVForCausalLM
 
 
 # --------------------------------------------------------------------------- sizes
@@ -381,3 +347,40 @@ def draft_param_bytes(
         "builds": "context_only" if prefill_only else "full",
         "built_bytes": context_only if prefill_only else full - shared,
     }
+
+
+def draft_load_bytes(hf: Any, dtype_bytes: int, own_embed: bool, own_head: bool) -> dict:
+    """GPU bytes a Qwen3 DSpark drafter holds after vLLM loads it, per role (pure).
+
+    Parameters the drafter owns (vLLM aliases the target's embedding and LM head when the
+    checkpoint ships none) plus what ``DFlashQwen3Model._build_fused_kv_buffers`` derives after
+    loading, in both drafters: a concatenated copy of every layer's K/V projection rows and the
+    stacked K norms. Measured against the allocator on the H200 by
+    benchmarks/perf_real_shapes.py (docs/results/performance.md).
+    """
+    sizes = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)
+    comp = sizes["components"]
+    derived = comp["layers.kv_proj"] + comp["layers.k_norm"]
+    full = sizes["full_bytes"]
+    if not own_embed:
+        full -= comp["embed_tokens"]
+    if not own_head:
+        full -= comp["lm_head"]
+    return {
+        "full": full + derived,
+        "context_only": sizes["context_only_bytes"] + derived,
+        "fused_kv_copy": derived,
+        "shared_with_target": sizes["full_bytes"] - full,
+    }
+
+
+#: The one family with a memory rule for ``plan`` (measured, docs/results/performance.md).
+families.register(
+    families.DraftFamily(
+        "Qwen3 DSpark",
+        ("Qwen3DSparkModel",),
+        __name__,
+        qwen3_context_kv_class,
+        draft_memory=draft_load_bytes,
+    )
+)

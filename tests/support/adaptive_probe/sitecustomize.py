@@ -16,11 +16,12 @@ start-up); then the next ``sitecustomize`` on the path runs too (a GPU kit may h
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 
 
 def _install() -> None:
-    from vllm_dspark_pp.patches._on_import import when_imported
+    from vllm_dspark_pp.patches import when_imported
 
     slope = os.environ.get("DSPARK_TEST_VERIFY_COST_SLOPE")
 
@@ -72,18 +73,7 @@ def _install() -> None:
         when_imported("vllm_dspark_pp.protocol.handler", patch_handler)
 
 
-def _chain() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:
-        path = os.path.join(os.path.abspath(entry or "."), "sitecustomize.py")
-        if os.path.dirname(path) != here and os.path.isfile(path):
-            with open(path) as f:
-                code = compile(f.read(), path, "exec")
-            exec(code, {"__name__": "sitecustomize_next", "__file__": path})
-            return
-
-
-try:
-    _install()
-finally:
-    _chain()
+_CHAIN = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize_chain.py"
+)
+runpy.run_path(_CHAIN)["install_then_chain"](__file__, _install)

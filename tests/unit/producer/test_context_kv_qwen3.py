@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -229,25 +228,3 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
     assert sizes["builds"] == "context_only" and sizes["built_bytes"] == ctx_bytes
     both = qwen3.draft_param_bytes(hf, "kv_both", dtype_bytes=4)
     assert both["builds"] == "full"
-
-
-@pytest.mark.parametrize(
-    "arch,refused",
-    [
-        ("Qwen3DSparkModel", False),
-        ("DSparkDraftModel", False),
-        ("K3DSparkModel", False),
-        ("DSparkV41DraftModel", True),
-        ("DSparkMiniMaxDraftModel", True),
-        ("Gemma4DSparkModel", True),
-        ("Qwen3OmniDSparkModel", True),
-        ("SomethingElse", True),
-    ],
-)
-def test_unsupported_families_refused(arch, refused):
-    spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(architectures=[arch]))
-    problem = drafter.unsupported_draft_problem(spec)
-    assert (problem is not None) == refused
-    if refused:
-        with pytest.raises(NotImplementedError, match="kv_both"):
-            drafter.check_draft_supported(spec)

@@ -108,7 +108,7 @@ def test_dsv4_config_is_valid_on_every_cpu(dsv4_pair, cpu):
 def test_plan_of_a_k3_deployment_is_accepted_on_every_cpu(k3_pair, cpu):
     """`vllm-dspark-pp plan` judges the GPU deployment: vLLM's CPU platform refusing prefix caching
     for a hybrid MLA target without AMX is noted, not a rejection (plan.CPU_MLA_PREFIX_CACHING)."""
-    from vllm_dspark_pp.plan import CPU_MLA_PREFIX_CACHING, make_plan
+    from vllm_dspark_pp.deployment_plan import CPU_MLA_PREFIX_CACHING, make_plan
 
     with cpu_answers(**CPUS[cpu]):
         plan = make_plan(

@@ -3,7 +3,7 @@ point.
 
 The facts test also launches the session's background engine jobs (conftest.gpu_jobs), so that
 the kernel tests run while the engines start. Whether the plugin is applied inside a real vLLM
-worker is checked by test_gpu_30_e2e_parity.py::test_plugin_is_applied_inside_the_vllm_worker.
+worker is checked by test_e2e_parity_gpu.py::test_plugin_is_applied_inside_the_vllm_worker.
 """
 
 from __future__ import annotations

@@ -268,43 +268,19 @@ def _checkpoint_ships(draft_dir: str) -> tuple[bool, bool]:
     return embed, head
 
 
-def draft_load_bytes(hf: Any, dtype_bytes: int, own_embed: bool, own_head: bool) -> dict:
-    """GPU bytes a Qwen3 DSpark drafter holds after vLLM loads it, per role (pure).
-
-    Parameters the drafter owns (vLLM aliases the target's embedding and LM head when the
-    checkpoint ships none) plus what ``DFlashQwen3Model._build_fused_kv_buffers`` derives after
-    loading, in both drafters: a concatenated copy of every layer's K/V projection rows and the
-    stacked K norms. Measured against the allocator on the H200 by
-    benchmarks/perf_real_shapes.py (docs/results/performance.md).
-    """
-    from vllm_dspark_pp.producer.qwen3 import draft_param_bytes
-
-    sizes = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)
-    comp = sizes["components"]
-    derived = comp["layers.kv_proj"] + comp["layers.k_norm"]
-    full = sizes["full_bytes"]
-    if not own_embed:
-        full -= comp["embed_tokens"]
-    if not own_head:
-        full -= comp["lm_head"]
-    return {
-        "full": full + derived,
-        "context_only": sizes["context_only_bytes"] + derived,
-        "fused_kv_copy": derived,
-        "shared_with_target": sizes["full_bytes"] - full,
-    }
-
-
 def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str, str]:
     """Draft bytes this instance holds on the drafting GPU (full drafter vs context-KV-only on
-    producers), as vLLM builds them (see :func:`draft_load_bytes`)."""
+    producers), by the memory rule the draft's family registers (producer/families.py)."""
+    from vllm_dspark_pp.producer.families import draft_architectures, families, family_for
     from vllm_dspark_pp.producer.roles import is_dspark_prefill_only
 
     hf = spec.draft_model_config.hf_config
-    if "Qwen3DSparkModel" not in spec.draft_model_config.architectures:
-        return {"draft bytes": "computed for Qwen3 DSpark drafts only"}
+    family = family_for(draft_architectures(spec))
+    if family is None or family.draft_memory is None:
+        sized = " and ".join(f.name for f in families() if f.draft_memory is not None)
+        return {"draft bytes": f"computed for {sized} drafts only"}
     own_embed, own_head = _checkpoint_ships(spec.draft_model_config.model)
-    b = draft_load_bytes(hf, dtype_bytes, own_embed, own_head)
+    b = family.draft_memory(hf, dtype_bytes, own_embed, own_head)
     mib = 1024 * 1024
     shared = [n for n, own in (("embedding", own_embed), ("LM head", own_head)) if not own]
     out = {
