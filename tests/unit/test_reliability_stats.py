@@ -1,21 +1,24 @@
 """The statistics behind the sampling-exactness test (tests/support/reliability.py), on synthetic
 distributions: the p-value function against known chi-square quantiles, the PIT test accepting
 draws from the right distribution and rejecting tempered ones (its control), the exact power
-computation agreeing with what the draws show."""
+computation agreeing with what the draws show; which sampled tokens end an accepted draft block,
+and the engine worker's per-request sampling of a wave."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from support.reliability import (
-    chi_square_gof,
     chi_square_sf,
     critical_value,
-    noncentrality,
     pit_bin_probs_under,
     randomized_pit,
     tempered,
+    tokens_after_accepted_drafts,
     uniformity_chi_square,
 )
+
+from dspark_dev.engine_worker import wave_params
 
 
 def test_chi_square_sf_matches_known_quantiles():
@@ -45,12 +48,22 @@ def test_pit_accepts_the_right_sampler_and_rejects_a_tempered_one():
     assert shifted[0] > 0.2 > shifted[-1]
 
 
-def test_pearson_counts_pool_rare_tokens_and_see_a_missing_one():
-    p = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01], dtype=torch.float64)
-    ok = [0] * 50 + [1] * 30 + [2] * 15 + [3] * 4 + [4]
-    res = chi_square_gof(ok, p)
-    assert res["bins"][-1] == [3, 4] and res["p_value"] > 0.5  # 5 expected in the pooled bin
-    never_second = [0] * 80 + [2] * 15 + [3] * 5
-    assert chi_square_gof(never_second, p)["p_value"] < 1e-6
-    q = tempered(p, 0.5)
-    assert noncentrality(p, q, res["bins"], 100) > noncentrality(p, q, res["bins"], 10)
+def test_the_token_ending_each_accepted_block_is_found_from_the_step_lengths():
+    # prefill 1 token; a step with no accepted draft (+1); 3 accepted (+4); 1 accepted (+2);
+    # a step cut by max_tokens after 2 accepted (+3 emitted)
+    assert tokens_after_accepted_drafts([1, 2, 6, 8, 11]) == [5, 7, 10]
+    assert tokens_after_accepted_drafts([1, 2, 3, 4]) == []  # nothing ever accepted
+    assert tokens_after_accepted_drafts([3]) == []  # the first output is the prefill's
+
+
+def test_a_wave_gives_each_request_its_own_sampling_parameters():
+    base = {"temperature": 0.0, "max_tokens": 8}
+    assert wave_params(base, None, 2) == [base, base]
+    assert wave_params(base, {"temperature": 1.0}, 2) == [{"temperature": 1.0, "max_tokens": 8}] * 2
+    per = wave_params(base, [{"seed": 1, "temperature": 1.0}, {"seed": 2}], 2)
+    assert per == [
+        {"temperature": 1.0, "max_tokens": 8, "seed": 1},
+        {"temperature": 0.0, "max_tokens": 8, "seed": 2},
+    ]
+    with pytest.raises(ValueError, match="1 entries for a wave of 2"):
+        wave_params(base, [{"seed": 1}], 2)
