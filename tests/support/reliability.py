@@ -259,28 +259,37 @@ def seeded_sampling_wave(
 
 
 def tokens_after_accepted_drafts(step_lengths: list[int]) -> list[int]:
-    """Indices of the tokens that end an accepted draft block: a verification step that adds
-    ``m >= 2`` tokens accepted ``m - 1`` drafts, and its last token was sampled after them (the
-    next position's rejection test, the recovered token or the bonus token). ``step_lengths``:
-    the request's token count after each step (``dspark_dev.engine_worker``)."""
+    """Indices of the tokens sampled right after an accepted draft token of the same verification
+    step: the next draft's rejection test (accepted), the recovered token or the bonus token.
+    ``step_lengths``: the request's token count after each step (``dspark_dev.engine_worker``);
+    a verification step that adds ``m`` tokens accepted its first ``m - 1``, so tokens 2..m of
+    its chunk follow an accepted draft.
+
+    The selection looks only at the previous position's outcome. Selecting the *last* token of
+    each accepted block instead would select on the token's own outcome (its draft rejected),
+    and such a token comes from the residual distribution ``(p - q)+``, not from ``p``; with
+    vLLM's token-level verification (``rejection_sample_method`` "standard", the default) the
+    randomness of a position is independent of the earlier positions' acceptance, so the tokens
+    selected here are draws from the target's ``p`` at their context."""
     out, prev = [], 0
     for n in step_lengths:
-        if prev > 0 and n - prev >= 2:
-            out.append(n - 1)
+        if prev > 0:
+            out.extend(range(prev + 1, n))
         prev = n
     return out
 
 
 def pit_of_wave(wave: dict, *, seed: int, near_certain: float = 0.99) -> dict:
     """Randomized PIT values (:func:`randomized_pit`, under the target's own distributions at
-    each sampled context) of a sampled wave's first tokens and of its tokens that end an accepted
-    draft block, informative contexts only (top token below ``near_certain``: chosen from the
-    context, not from the sampled token, so the null distribution stays U(0, 1)). Also the
-    contexts' distributions (for power statements) and the wave's step bookkeeping."""
-    groups: dict[int, list[int]] = {}  # requests by prompt: one batched forward per prompt
+    each sampled context) of a sampled wave's first tokens and of its tokens that follow an
+    accepted draft token (:func:`tokens_after_accepted_drafts`), informative contexts only (top
+    token below ``near_certain``: chosen from the context, not from the sampled token, so the
+    null distribution stays U(0, 1)). Also the contexts' distributions (for power statements)
+    and the wave's step bookkeeping."""
+    groups: dict[tuple, list[int]] = {}  # requests by prompt: one batched forward per prompt
     prompts = wave["prompts"]
     for i, p in enumerate(prompts):
-        groups.setdefault(tuple(p), []).append(i)  # type: ignore[arg-type]
+        groups.setdefault(tuple(p), []).append(i)
     u: dict[str, list] = {"first": [], "after_accepted": []}
     ctx: dict[str, list] = {"first": [], "after_accepted": []}
     for g, (prefix, idx) in enumerate(groups.items()):
