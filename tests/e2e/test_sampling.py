@@ -55,7 +55,8 @@ ALPHA = 1e-3
 PIT_BINS = 5
 CONTROL_TEMPERATURE = 0.5
 # Hand run: seeded requests per temperature (0 = skipped). 256 requests of 9 tokens at
-# temperature 1 and 256 at 0.5 took about N s with the engine's start on the 2-core machine.
+# temperature 1 and 256 at 0.5: 106 + 140 s of sampling, 28 s start-up, 299 s for the test on
+# the 2-core machine at load 5-9 (2026-12-04, docs/results/reliability.md).
 HAND_REQUESTS = int(os.environ.get("DSPARK_SAMPLING_REQUESTS", "0"))
 HAND_MAX_TOKENS = 9  # the first token + one whole verification block (k + 1)
 HAND_LLM = {"enable_chunked_prefill": True, "max_num_batched_tokens": 1024, "max_num_seqs": 128}
@@ -121,7 +122,7 @@ def _pit_report(exact: dict, control: dict) -> dict:
 
 @pytest.mark.skipif(
     HAND_REQUESTS <= 0,
-    reason="hand run (about 4 min on CPU): DSPARK_SAMPLING_REQUESTS=256; results in "
+    reason="hand run (about 5 min on CPU): DSPARK_SAMPLING_REQUESTS=256; results in "
     "docs/results/reliability.md",
 )
 def test_first_tokens_and_tokens_after_an_accepted_block_are_the_targets(e2e_timeout_s):

@@ -45,7 +45,7 @@ PAIR_SAMPLING = {"max_tokens": PAIR_MAX_TOKENS, "ignore_eos": False}
 # verification block (k + 1 = 8 tokens). Sampled steps are slow on the CPU platform (vLLM's Triton
 # sampling and rejection kernels run in the Triton interpreter: about 5 ms per token row and step,
 # 8 rows per request and step): 16 requests took 6.7 s at PP=1, 15.3 s at PP=2 sync and 12.1 s at
-# PP=2 async (load 5), so the CI wave has 8.
+# PP=2 async (load 5), so the CI wave has 8: 4.4 / 6.4 / 12.4 s (load 5-6).
 SEEDED_REQUESTS = 8
 SEEDED_MAX_TOKENS = 9
 SEEDED_SEED0 = 28_000
