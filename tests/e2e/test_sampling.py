@@ -22,11 +22,10 @@ PP=1's), so seeded requests must give PP=1 DSpark's tokens at PP=2, in both sche
   the prefill's logits) and the tokens sampled right after an accepted draft token of the same
   step (the next draft's test, the recovered or the bonus token; found from the per-step token
   counts, ``support.reliability.tokens_after_accepted_drafts``, which says why not only each
-  block's last token) are mapped through
-  the target's own next-token distribution at their sampled context (``transformers`` on the
-  checkpoint, float64 softmax: vLLM is not involved) by the randomized probability integral
-  transform; Pearson's chi-square over 5 equiprobable bins must not reject uniformity at
-  alpha 1e-3 at temperature 1 and must reject it for the control.
+  block's last token) are mapped through the target's own next-token distribution at their
+  sampled context (``transformers`` on the checkpoint, float64 softmax: vLLM is not involved) by
+  the randomized probability integral transform; Pearson's chi-square over 5 equiprobable bins
+  must not reject uniformity at alpha 1e-3 at temperature 1 and must reject it for the control.
 """
 
 from __future__ import annotations
@@ -73,8 +72,8 @@ def test_seeded_sampling_at_pp2_gives_pp1_dsparks_tokens(pair_pp1, pair_pp2_sync
     print("seeded wave, s per engine:", {k: _seeded(r)["wall_s"] for k, r in runs.items()})
     assert [len(t) for t in ref["tokens"]] == [SEEDED_MAX_TOKENS] * SEEDED_REQUESTS
     # The wave samples for real: the two seeds of a prefix differ somewhere (so equal tokens
-    # across engines are not automatic), and DSpark accepted drafts in it (so tokens that follow
-    # an accepted draft block are among the compared ones).
+    # across engines are not automatic), and DSpark accepted drafts in it (so tokens sampled
+    # right after an accepted draft token are among the compared ones).
     pairs = list(zip(ref["tokens"][0::2], ref["tokens"][1::2], strict=True))
     assert any(a != b for a, b in pairs), "two seeds of one prefix gave the same tokens"
     after = [tokens_after_accepted_drafts(s) for s in ref["step_lengths"]]
