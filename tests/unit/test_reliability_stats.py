@@ -1,8 +1,9 @@
 """The statistics behind the sampling-exactness test (tests/support/reliability.py), on synthetic
 distributions: the p-value function against known chi-square quantiles, the PIT test accepting
 draws from the right distribution and rejecting tempered ones (its control), the exact power
-computation agreeing with what the draws show; which sampled tokens follow an accepted draft token,
-and the engine worker's per-request sampling of a wave."""
+computation agreeing with what the draws show; which sampled tokens follow an accepted draft token
+(from the step lengths, and on a simulated verification step: they are the target's draws, each
+block's last token is not); the engine worker's per-request sampling of a wave."""
 
 from __future__ import annotations
 
@@ -68,3 +69,55 @@ def test_a_wave_gives_each_request_its_own_sampling_parameters():
     ]
     with pytest.raises(ValueError, match="1 entries for a wave of 2"):
         wave_params(base, [{"seed": 1}], 2)
+
+
+def _one_verification_step(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int):
+    """Token-level speculative sampling, simulated: per trial a prefill token (id 0, not tested)
+    then one verification step of ``k`` drafts from ``q[j]`` checked against ``p[j]`` (accept
+    with probability min(1, p/q), else a token from the residual (p - q)+ and stop; all
+    accepted: a bonus token from ``p[k]``). Returns each trial's tokens and step lengths."""
+    g = torch.Generator().manual_seed(seed)
+    k = q.shape[0]
+    outs, lengths = [], []
+    for _ in range(trials):
+        toks = [0]
+        for j in range(k + 1):
+            if j == k:
+                toks.append(int(torch.multinomial(p[j], 1, generator=g)))
+                break
+            d = int(torch.multinomial(q[j], 1, generator=g))
+            if float(torch.rand(1, generator=g, dtype=torch.float64)) < min(
+                1.0, float(p[j, d] / q[j, d])
+            ):
+                toks.append(d)
+                continue
+            residual = (p[j] - q[j]).clamp_min(0)
+            toks.append(int(torch.multinomial(residual / residual.sum(), 1, generator=g)))
+            break
+        outs.append(toks)
+        lengths.append([1, len(toks)])
+    return outs, lengths
+
+
+def test_tokens_after_accepted_drafts_are_the_targets_but_each_blocks_last_is_not():
+    """The e2e test's selection keeps the target's distribution; the tempting alternative, each
+    accepted block's last token (selected on its own rejection), does not: its tokens come from
+    the residual, and the same PIT test rejects them (the control)."""
+    k, vocab = 3, 12
+    p = _dists(k + 1, vocab, 5)
+    q = torch.stack([tempered(row, 0.4) for row in p[:k]])  # a drafter sharper than the target
+    outs, lengths = _one_verification_step(p, q, 6000, 7)
+    chosen: list[tuple[int, int]] = []  # (position in the step, token)
+    last: list[tuple[int, int]] = []
+    for toks, sl in zip(outs, lengths, strict=True):
+        chosen += [(i - 1, toks[i]) for i in tokens_after_accepted_drafts(sl)]
+        if len(toks) >= 3:  # at least one accepted draft: the block's last token
+            last.append((len(toks) - 2, toks[-1]))
+
+    def pit(pairs):
+        rows = torch.stack([p[j] for j, _ in pairs])
+        return randomized_pit(rows, torch.tensor([t for _, t in pairs]), 3)
+
+    assert len(chosen) > 1000 and len(last) > 1000
+    assert uniformity_chi_square(pit(chosen), 5)["p_value"] > 1e-3
+    assert uniformity_chi_square(pit(last), 5)["p_value"] < 1e-6
