@@ -29,9 +29,9 @@ import contextlib
 import time
 
 import pytest
-from support import engines, pp_launch, tiny_pair
+from support import engines, tiny_pair
 
-from dspark_dev import serve_demo
+from dspark_dev import pp_launch, serve_demo
 from dspark_dev.serve_demo import Server, free_port, serve_argv
 from vllm_dspark_pp.protocol import handshake
 
@@ -45,7 +45,7 @@ SILENT_TIMEOUT_S = 10.0  # ... of the no-plugin test (node 0 waits it plus a 5 s
 @contextlib.contextmanager
 def two_nodes(tmp_path, *, spec1=None, env0=None, env1=None):
     """Node 0 (API server, PP rank 0) and node 1 (headless, PP rank 1) on loopback
-    (tests/support/pp_launch.py: the same composition as the one-GPU PP tier)."""
+    (dspark_dev/pp_launch.py: the same composition as the one-GPU PP tier)."""
     dep = pp_launch.deployment(
         "two_nodes",
         tiny_pair.TARGET,

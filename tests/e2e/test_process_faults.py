@@ -25,9 +25,10 @@ import threading
 import time
 
 import pytest
-from support import engines, pp_launch, tiny_pair
+from support import engines, tiny_pair
 from support.reliability import stream_completion, worker_pid
 
+from dspark_dev import pp_launch
 from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
 
 pytestmark = pytest.mark.e2e

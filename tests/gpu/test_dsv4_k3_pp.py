@@ -4,7 +4,7 @@ The tiny real-architecture targets of tests/gpu/test_dsv4_k3_engine.py (Kimi-K3:
 MoE, 4 layers; DeepSeek-V4: one compressed-sparse and one heavily-compressed attention layer, hash
 + routed MoE, its in-checkpoint DSpark draft), dummy weights (vLLM seeds every tensor alike, so a
 stage holds the same weights as the PP=1 engine), served at PP=2 by two launchers on GPU 0
-(tests/support/pp_launch.py; ``DSPARK_GPU_PP_LAYOUT=per-stage`` for one GPU per stage). Each
+(dspark_dev/pp_launch.py; ``DSPARK_GPU_PP_LAYOUT=per-stage`` for one GPU per stage). Each
 stage holds half the target's layers; the draft, on the last stage, reads the target's aux hidden
 states from layers of both stages (relayed across the stage boundary) and its own embedding, and
 for Kimi-K3 its MLA layers sit in their own KV-cache group (the KV-split patch).
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 from gpu_common import GRAPH_COMPILATION_CONFIG, Jobs, make_prompts, require_cuda
-from support import pp_launch
 from support.parity import compare_tokens, counters_close
 
+from dspark_dev import pp_launch
 from dspark_dev.serve import GPU_CHILD_ENV
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)

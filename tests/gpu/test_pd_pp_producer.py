@@ -1,6 +1,6 @@
 """PD with a PP=2 prefill-only producer over MooncakeConnector, on one GPU (issue 25, part 2).
 
-Three launchers on GPU 0 by default (tests/support/pp_launch.py; ``DSPARK_GPU_PP_LAYOUT=
+Three launchers on GPU 0 by default (dspark_dev/pp_launch.py; ``DSPARK_GPU_PP_LAYOUT=
 per-stage`` puts producer stage R on GPU R and the decoder on GPU 2): the producer is ``vllm
 serve -pp 2 --nnodes 2`` (node 0 with the API server and Mooncake's bootstrap, node 1 headless),
 both stages ``kv_producer`` with the DSpark speculative config, so the plugin's prefill-only role
@@ -39,9 +39,10 @@ from gpu_common import (
     pair_prompts,
     require_cuda,
 )
-from support import pp_launch, tiny_pair
+from support import tiny_pair
 from support.parity import acceptance_rate, compare_tokens, counters_close
 
+from dspark_dev import pp_launch
 from dspark_dev.serve import free_port
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)

@@ -4,7 +4,7 @@ vLLM 0.34.0 refuses ``enable_adaptive_verification`` with PP; the plugin ships t
 per-request admitted draft counts to every stage in the drafts payload and lifts the refusal for
 DSpark (docs/protocol.md, "Adaptive verification under PP"). Adaptive verification needs full
 CUDA graphs, so only a GPU runs it end to end. Four deployments start at once on GPU 0 (the PP=2
-ones through tests/support/pp_launch.py: two ``vllm serve`` launchers, ``--nnodes 2``, node 1
+ones through dspark_dev/pp_launch.py: two ``vllm serve`` launchers, ``--nnodes 2``, node 1
 headless, each its own ``NCCL_HOSTID``, NCCL over loopback sockets):
 
 * ``ref``: PP=1 without speculation, eager (the parity reference);
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import pytest
 from gpu_common import DRYRUN_CPU, GRAPH_COMPILATION_CONFIG, PAIR_DTYPE, Jobs, require_cuda
-from support import pp_launch, tiny_pair
+from support import tiny_pair
 
-from dspark_dev import serve_demo
+from dspark_dev import pp_launch, serve_demo
 from dspark_dev.serve import GPU_CHILD_ENV
 
 pytestmark = pytest.mark.gpu

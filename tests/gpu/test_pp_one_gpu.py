@@ -1,7 +1,7 @@
 """One GPU, several ranks: DSpark on PP=2 and PP=3 targets through real NCCL (issue 25).
 
 Every PP stage is its own vLLM launcher (``vllm serve --nnodes N --node-rank R``, node R > 0
-headless; tests/support/pp_launch.py). By default all stages share GPU 0, each launcher with its
+headless; dspark_dev/pp_launch.py). By default all stages share GPU 0, each launcher with its
 own ``NCCL_HOSTID`` so NCCL treats them as hosts and joins them over loopback sockets;
 ``DSPARK_GPU_PP_LAYOUT=per-stage`` puts stage R on GPU R instead (a several-GPU machine), with no
 other change. Model: the trained tiny pair (models/tiny-pair, k=7, ``DSPARK_GPU_PAIR_DTYPE``,
@@ -52,10 +52,10 @@ from gpu_common import (
     Jobs,
     require_cuda,
 )
-from support import pp_launch, tiny_pair
+from support import tiny_pair
 from support.parity import compare_tokens, counters_close
 
-from dspark_dev import serve_demo
+from dspark_dev import pp_launch, serve_demo
 from dspark_dev.metrics import EMPTY, counter_sum
 from dspark_dev.proc import live_group_members
 from dspark_dev.serve import GPU_CHILD_ENV

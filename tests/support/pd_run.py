@@ -105,7 +105,7 @@ def run_pd(
     def producer(name: str, args: list[str], env: dict) -> Server:
         """One launcher of the producer: node 0 (``pre``: API server, Mooncake bootstrap) or, for
         a PP producer of several launchers, a headless node with its own (args, env)
-        (tests/support/pp_launch.py composes them)."""
+        (dspark_dev/pp_launch.py composes them)."""
         kv = json.dumps(mooncake_kv_config("kv_producer", engine_id))
         return Server(
             name,

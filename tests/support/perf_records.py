@@ -36,3 +36,48 @@ def run_record(
         "draft_ms": dft if engine == "dspark" else None,
         "step_ms": step,
     }
+
+
+def serve_point(config, al, c, tok_s, *, ttft=(50.0, 90.0), tpot=(5.0, 6.0), measured=None):
+    """One measured point of benchmarks/serve_pp_one_gpu.py (``bench`` holds the fields of
+    vLLM's ``vllm bench serve`` result JSON that the plot reads); ``ttft``/``tpot`` are
+    (p50, p99) in ms."""
+    pp = 2 if config.startswith("pp2") else 1
+    return {
+        "config": config,
+        "pp": pp,
+        "spec": "dspark" in config,
+        "plugin": not config.endswith("_stock"),
+        "acceptance_length": al,
+        "concurrency": c,
+        "num_prompts": max(16, 4 * c),
+        "full_prompts": max(16, 4 * c),
+        "trimmed": None,
+        "bench": {
+            "completed": max(16, 4 * c),
+            "output_throughput": tok_s,
+            "p50_ttft_ms": ttft[0],
+            "p99_ttft_ms": ttft[1],
+            "p50_tpot_ms": tpot[0],
+            "p99_tpot_ms": tpot[1],
+        },
+        "measured_acceptance_length": measured if measured is not None else al,
+    }
+
+
+def serve_run(points, *, skipped=(), servers=None, concurrency=(1, 4), als=(3.99,)) -> dict:
+    """A whole serve_pp_one_gpu.py result file around ``points``."""
+    return {
+        "meta": {
+            "command": "serve_pp_one_gpu.py --configs test",
+            "date": "2026-12-04 12:00:00 UTC",
+            "concurrency": list(concurrency),
+            "acceptance_lengths": list(als),
+            "input_len": 1024,
+            "output_len": 256,
+            "versions": {"vllm": "0.34.0", "torch": "2.14.0", "gpu": "NVIDIA H200"},
+        },
+        "servers": servers or {},
+        "points": list(points),
+        "skipped": list(skipped),
+    }

@@ -1,11 +1,12 @@
-"""The launcher composition of the PP tiers (tests/support/pp_launch.py), without starting anything:
+"""The launcher composition of the PP tiers (dspark_dev/pp_launch.py), without starting anything:
 each stage's command line and environment for the CPU tier, the one-GPU layout (every stage on
 GPU 0, its own NCCL host id, sockets over loopback) and the one-GPU-per-stage layout."""
 
 from __future__ import annotations
 
 import pytest
-from support import pp_launch
+
+from dspark_dev import pp_launch
 
 
 def _flag(argv: list[str], name: str) -> str | None:

@@ -15,13 +15,16 @@
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
-# Knob: DSPARK_GPU_GROUPS_BUDGET_S (default 540).
+# Knobs: DSPARK_GPU_GROUPS_BUDGET_S (default 540), each group's limit; DSPARK_GPU_GROUPS_STAGGER_S
+# (default 0): seconds between group starts, so the first group's engines compile ahead of the
+# others' (the call then lasts up to BUDGET + (groups - 1) x STAGGER).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
 OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
+STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
 mkdir -p "$OUTDIR"
 ART=$(mktemp -d /tmp/dspark-gpu-artifacts.XXXX)
 PGIDS=$(mktemp -d /tmp/dspark-gpu-pgids.XXXX)
@@ -87,6 +90,7 @@ for g in "$@"; do
     ;;
   *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, pp_adaptive)" ;;
   esac
+  [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
 wait
 

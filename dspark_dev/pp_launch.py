@@ -2,9 +2,10 @@
 
 ``vllm serve TARGET -pp N --nnodes N --node-rank R --master-addr 127.0.0.1 --master-port P``
 for R = 0 .. N-1 (every node but 0 ``--headless``): each launcher runs one stage, node 0 also
-the API server and the engine core. The CPU end-to-end tier (tests/e2e/test_multi_node.py) and
-the one-GPU PP tier (tests/gpu/test_pp_one_gpu.py) start their deployments here, so the launcher
-composition exists once.
+the API server and the engine core. The CPU end-to-end tier (tests/e2e/test_multi_node.py), the
+one-GPU PP tier (tests/gpu/test_pp_one_gpu.py) and the served PP benchmark
+(benchmarks/serve_pp_one_gpu.py) start their deployments here, so the launcher composition exists
+once (in dspark_dev, because a benchmark shares it).
 
 GPU layouts (knob :data:`LAYOUT_ENV`):
 
@@ -24,6 +25,7 @@ device's free memory and would count the other engines' allocations) and a small
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -90,6 +92,23 @@ def launcher_argv(
         base=base_args,
         extra=[*nodes, *extra],
     )
+
+
+NCCL_COMM = re.compile(r"nRanks (\d+) nNodes (\d+)")
+EXCHANGE = re.compile(r"DSpark PP exchange: .*? over (\S+)")
+
+
+def transport_evidence(texts: list[str]) -> dict:
+    """What a deployment's launcher logs say about the stage-to-stage transport: NCCL's
+    communicators (ranks, nodes; needs ``NCCL_DEBUG=INFO``), whether NCCL used its socket
+    transport, the plugin's exchange backend, and whether the PP handshake ran."""
+    text = "\n".join(texts)
+    return {
+        "nccl_comms": sorted({(int(a), int(b)) for a, b in NCCL_COMM.findall(text)}),
+        "nccl_socket": "NET/Socket" in text,
+        "exchange_backends": sorted(set(EXCHANGE.findall(text))),
+        "handshake": bool(re.search(r"PP handshake: \d+ ranks agree", text)),
+    }
 
 
 @dataclass

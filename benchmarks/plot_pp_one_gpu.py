@@ -1,0 +1,434 @@
+#!/usr/bin/env python3
+"""Tables, ratios and a figure from benchmarks/serve_pp_one_gpu.py's recorded JSON (issue 29).
+
+    python3 benchmarks/plot_pp_one_gpu.py RUN1/serve_pp_one_gpu_pp1.json RUN2/...pp2.json \\
+        --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
+        --copy-to docs/results
+
+Every number in the markdown is computed here from the JSON files given (several files of the
+same configuration are repeats: the tables give the median, the repeat count and the spread).
+What it writes:
+
+* per configuration, acceptance length and concurrency: output tok/s, TTFT p50/p99, TPOT p50/p99
+  (vLLM's ``vllm bench serve`` result fields) and the acceptance length measured from the
+  server's spec-decode counters;
+* the ratios: DSpark / no-spec at PP=2 beside the same at PP=1, and their quotient, which is
+  goal (b) of issue 29 (PP=2's ratio at least 0.9x PP=1's at every concurrency), stated as met,
+  missed or not measured from the data; PP=2 / PP=1 at equal work; plugin on / off at PP=2;
+* the transport the PP=2 launchers' logs name (NCCL ranks and nodes, the socket transport,
+  the exchange's backend);
+* a PNG (matplotlib): output tok/s, TTFT p50/p99, TPOT p50/p99 against concurrency and the
+  DSpark / no-spec ratio at PP=1 and PP=2.
+
+``--copy-to DIR`` copies the JSON files into DIR (the markdown names the copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+GOAL_B = 0.9
+METRICS = (
+    ("output_throughput", "output tok/s", "{:.1f}"),
+    ("p50_ttft_ms", "TTFT p50 ms", "{:.1f}"),
+    ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
+    ("p50_tpot_ms", "TPOT p50 ms", "{:.2f}"),
+    ("p99_tpot_ms", "TPOT p99 ms", "{:.2f}"),
+)
+CAVEAT = (
+    "Both PP stages share one GPU's compute and NCCL runs over loopback sockets, so the absolute "
+    "numbers of the PP=2 rows say nothing about PP=2 on two GPUs: only the ratios mean anything."
+)
+
+
+def load(paths: list[str | Path]) -> list[dict]:
+    runs = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        data["_file"] = Path(p).name
+        runs.append(data)
+    return runs
+
+
+def point_key(p: dict) -> tuple[str, float | None, int]:
+    return (p["config"], p.get("acceptance_length"), int(p["concurrency"]))
+
+
+def merge(runs: list[dict]) -> dict[tuple, list[dict]]:
+    """Every measured point of every run, grouped by (configuration, AL, C): the repeats."""
+    out: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for p in run.get("points", []):
+            out.setdefault(point_key(p), []).append(p)
+    return out
+
+
+def metric(p: dict, name: str) -> float | None:
+    v = (p.get("bench") or {}).get(name)
+    if v is None and name.startswith("p50_"):
+        v = (p.get("bench") or {}).get("median_" + name[4:])
+    return None if v is None else float(v)
+
+
+def summarize(points: list[dict]) -> dict:
+    """Medians over repeats, the repeat count and the spread of output tok/s."""
+    out: dict = {"n": len(points)}
+    for name, _, _ in METRICS:
+        vals = [v for v in (metric(p, name) for p in points) if v is not None]
+        out[name] = statistics.median(vals) if vals else None
+    tps = [v for v in (metric(p, "output_throughput") for p in points) if v is not None]
+    out["spread_pct"] = (
+        100.0 * (max(tps) - min(tps)) / statistics.median(tps) if len(tps) > 1 else None
+    )
+    als = [p["measured_acceptance_length"] for p in points if p.get("measured_acceptance_length")]
+    out["measured_al"] = statistics.median(als) if als else None
+    out["prompts"] = sorted({int(p["num_prompts"]) for p in points})
+    return out
+
+
+def table_rows(merged: dict) -> dict[tuple, dict]:
+    return {k: summarize(v) for k, v in merged.items()}
+
+
+def ordered(rows: dict) -> list[tuple[tuple, dict]]:
+    """Rows by configuration, AL (no-spec first), concurrency."""
+    return sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2]))
+
+
+def label(config: str, al: float | None) -> str:
+    return config if al is None else f"{config} AL {al:g}"
+
+
+def tps(rows: dict, config: str, al: float | None, c: int) -> float | None:
+    r = rows.get((config, al, c))
+    return None if r is None else r.get("output_throughput")
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def speedup_ratios(rows: dict) -> list[dict]:
+    """DSpark / no-spec at PP=1 and PP=2 for each (AL, C), and PP=2's over PP=1's (goal b)."""
+    als = sorted({k[1] for k in rows if k[1] is not None})
+    cs = sorted({k[2] for k in rows})
+    out = []
+    for al in als:
+        for c in cs:
+            r1 = _div(tps(rows, "pp1_dspark", al, c), tps(rows, "pp1_nospec", None, c))
+            r2 = _div(tps(rows, "pp2_dspark", al, c), tps(rows, "pp2_nospec", None, c))
+            if r1 is None and r2 is None:
+                continue
+            out.append({"al": al, "c": c, "pp1": r1, "pp2": r2, "pp2_over_pp1": _div(r2, r1)})
+    return out
+
+
+def goal_b(ratios: list[dict], expected_cs: list[int], expected_als: list[float]) -> dict:
+    """Goal (b): PP=2's DSpark/no-spec ratio >= 0.9x PP=1's at every concurrency (and AL)."""
+    have = {(r["al"], r["c"]): r["pp2_over_pp1"] for r in ratios}
+    missing = [(al, c) for al in expected_als for c in expected_cs if have.get((al, c)) is None]
+    below = sorted((al, c, v) for (al, c), v in have.items() if v is not None and v < GOAL_B)
+    vals = [v for v in have.values() if v is not None]
+    if below:
+        verdict = "missed"
+    elif not vals:
+        verdict = "not measured"
+    elif missing:
+        verdict = "met where measured (incomplete)"
+    else:
+        verdict = "met"
+    return {
+        "verdict": verdict,
+        "min": min(vals) if vals else None,
+        "below": below,
+        "missing": missing,
+        "measured": len(vals),
+    }
+
+
+def equal_work_ratios(rows: dict) -> list[dict]:
+    """PP=2 / PP=1 of the same work (no-spec; DSpark at each AL): output tok/s and TPOT p50."""
+    out = []
+    for (config, al, c), r2 in sorted(
+        rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])
+    ):
+        if not config.startswith("pp2_") or config.endswith("_stock"):
+            continue
+        r1 = rows.get(("pp1_" + config[4:], al, c))
+        if r1 is None:
+            continue
+        out.append(
+            {
+                "what": label(config[4:], al),
+                "c": c,
+                "tps": _div(r2["output_throughput"], r1["output_throughput"]),
+                "tpot": _div(r2["p50_tpot_ms"], r1["p50_tpot_ms"]),
+            }
+        )
+    return out
+
+
+def plugin_ratios(rows: dict) -> list[dict]:
+    """Plugin on / off (stock vLLM) at PP=2, same work."""
+    out = []
+    for (config, al, c), off in sorted(
+        rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])
+    ):
+        if not config.endswith("_stock"):
+            continue
+        on = rows.get((config.removesuffix("_stock"), al, c))
+        if on is None:
+            continue
+        out.append(
+            {
+                "what": label(config.removesuffix("_stock"), al),
+                "c": c,
+                "tps": _div(on["output_throughput"], off["output_throughput"]),
+            }
+        )
+    return out
+
+
+def step_rows(merged: dict) -> list[dict]:
+    """Per point (first repeat with step times) and PP rank: the main batch's target / draft /
+    step ms."""
+    out = []
+    for (config, al, c), points in ordered(merged):
+        timed = [p["step_times"] for p in points if isinstance(p.get("step_times"), list)]
+        per_rank = timed[0] if timed else None
+        if per_rank is None:
+            continue
+        for rank, summ in enumerate(per_rank):
+            main = (summ or {}).get("main") if isinstance(summ, dict) else None
+            if not main:
+                continue
+            out.append(
+                {
+                    "what": label(config, al),
+                    "c": c,
+                    "rank": rank,
+                    "batch": summ.get("main_num_reqs"),
+                    "target_ms": main.get("target_ms"),
+                    "draft_ms": main.get("draft_ms"),
+                    "step_ms": main.get("step_ms"),
+                    "draft_share": _div(main.get("draft_ms"), main.get("step_ms")),
+                }
+            )
+    return out
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def transport_lines(runs: list[dict]) -> list[str]:
+    out = []
+    for run in runs:
+        for name, srv in sorted((run.get("servers") or {}).items()):
+            t = srv.get("transport")
+            if not t:
+                continue
+            comms = ", ".join(f"{a} ranks on {b} nodes" for a, b in t.get("nccl_comms", []))
+            out.append(
+                f"* `{name}` ({run['_file']}): NCCL communicators: {comms or 'none logged'}; "
+                f"socket transport (`NET/Socket`): {'yes' if t.get('nccl_socket') else 'no'}; "
+                f"DSpark exchange over: {', '.join(t.get('exchange_backends') or []) or '-'}"
+            )
+    return out
+
+
+def markdown(runs: list[dict], files: list[str]) -> str:
+    merged = merge(runs)
+    rows = table_rows(merged)
+    metas = [r.get("meta", {}) for r in runs]
+    cs = sorted({c for m in metas for c in m.get("concurrency", [])} or {k[2] for k in rows})
+    als = sorted({a for m in metas for a in m.get("acceptance_lengths", [])})
+    lines = [
+        "<!-- generated by benchmarks/plot_pp_one_gpu.py from the JSON files below; "
+        "do not edit by hand -->",
+        "# Served curves at PP=1 and PP=2 on one GPU (issue 29)",
+        "",
+        f"Source: {', '.join(f'[{f}]({f})' for f in files)}.",
+        "",
+        "Runs:",
+        "",
+    ]
+    for run, m in zip(runs, metas, strict=True):
+        v = m.get("versions", {})
+        lines.append(
+            f"* {run['_file']}: {m.get('date', '?')}, {v.get('gpu', m.get('platform', '?'))}, "
+            f"vLLM {v.get('vllm', '?')}, torch {v.get('torch', '?')}; `{m.get('command', '?')}`; "
+            f"shape {m.get('shape', '?')}, {m.get('input_len')} in / {m.get('output_len')} out, "
+            f"servers started {m.get('start', '?')}, layout {m.get('gpu_layout', '?')}"
+        )
+    skipped = [s for run in runs for s in run.get("skipped", [])]
+    if skipped:
+        lines += ["", f"Points not measured ({len(skipped)}):", ""]
+        lines += [
+            f"* {label(s['config'], s.get('acceptance_length'))} C={s['concurrency']}: {s['why']}"
+            for s in skipped
+        ]
+    tl = transport_lines(runs)
+    if tl:
+        lines += ["", "Transport of the PP=2 deployments (from the launchers' logs):", ""] + tl
+    lines += ["", "## Served results", "", CAVEAT, ""]
+    head = [t for _, t, _ in METRICS]
+    lines.append("| configuration | C | " + " | ".join(head) + " | measured AL | prompts | "
+                 "repeats | tok/s spread |")  # fmt: skip
+    lines.append("|---|---:|" + "---:|" * (len(head) + 4))
+    for (config, al, c), r in sorted(
+        rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])
+    ):
+        vals = " | ".join(_f(r[name], fmt) for name, _, fmt in METRICS)
+        lines.append(
+            f"| {label(config, al)} | {c} | {vals} | {_f(r['measured_al'], '{:.2f}')} | "
+            f"{'/'.join(map(str, r['prompts']))} | {r['n']} | {_f(r['spread_pct'], '{:.1f}%')} |"
+        )
+    ratios = speedup_ratios(rows)
+    g = goal_b(ratios, cs, als)
+    lines += ["", "## DSpark / no-spec at PP=2 vs at PP=1 (goal b)", "", CAVEAT, ""]
+    lines += ["| AL | C | PP=1 DSpark/no-spec | PP=2 DSpark/no-spec | PP=2 / PP=1 |",
+              "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in ratios:
+        lines.append(
+            f"| {r['al']:g} | {r['c']} | {_f(r['pp1'], '{:.2f}x')} | {_f(r['pp2'], '{:.2f}x')} | "
+            f"{_f(r['pp2_over_pp1'], '{:.3f}')} |"
+        )
+    verdict = (
+        f"**Goal (b)** (PP=2's DSpark/no-spec ratio at least {GOAL_B}x PP=1's at every "
+        f"concurrency): **{g['verdict']}**"
+    )
+    if g["min"] is not None:
+        verdict += f"; lowest PP=2 / PP=1 {g['min']:.3f} over {g['measured']} points"
+    if g["below"]:
+        verdict += "; below: " + ", ".join(f"AL {a:g} C={c} ({v:.3f})" for a, c, v in g["below"])
+    if g["missing"]:
+        verdict += "; not measured: " + ", ".join(f"AL {a:g} C={c}" for a, c in g["missing"])
+    lines += ["", verdict + "."]
+    ew = equal_work_ratios(rows)
+    if ew:
+        lines += ["", "## PP=2 / PP=1 at equal work", "", CAVEAT, ""]
+        lines += ["| work | C | output tok/s PP=2 / PP=1 | TPOT p50 PP=2 / PP=1 |",
+                  "|---|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            f"| {r['what']} | {r['c']} | {_f(r['tps'], '{:.3f}')} | {_f(r['tpot'], '{:.3f}')} |"
+            for r in ew
+        ]
+    st = step_rows(merged)
+    if st:
+        lines += ["", "## Per-step GPU time per PP rank (`--step-times`)", "", CAVEAT, ""]
+        lines += [
+            "Medians over the decode steps of the most frequent batch size, first timed repeat "
+            "(benchmarks/dspark_bench_hooks.py: target = `execute_model` entry to "
+            "`sample_tokens` entry, draft = the speculator's `propose`, step = `execute_model` "
+            "entry to `sample_tokens` exit, GPU-stream time). The last rank's draft share is the "
+            "bubble the other stage waits on.",
+            "",
+            "| configuration | C | rank | batch | target ms | draft ms | step ms | draft share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in st:
+            lines.append(
+                f"| {r['what']} | {r['c']} | {r['rank']} | {r['batch']} | "
+                f"{_f(r['target_ms'], '{:.3f}')} | {_f(r['draft_ms'], '{:.3f}')} | "
+                f"{_f(r['step_ms'], '{:.3f}')} | {_f(r['draft_share'], '{:.1%}')} |"
+            )
+    pr = plugin_ratios(rows)
+    if pr:
+        lines += ["", "## Plugin on / off at PP=2 (off: stock vLLM 0.34.0, plugin left out)", ""]
+        lines += ["| work | C | output tok/s on / off |", "|---|---:|---:|"]
+        lines += [f"| {r['what']} | {r['c']} | {_f(r['tps'], '{:.3f}')} |" for r in pr]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], png: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot: matplotlib not importable ({e})"
+    rows = table_rows(merge(runs))
+    series: dict[str, list[tuple[int, dict]]] = {}
+    for (config, al, c), r in sorted(rows.items(), key=lambda kv: kv[0][2]):
+        series.setdefault(label(config, al), []).append((c, r))
+    # one colour per work (no-spec, DSpark at each AL), one line style per deployment
+    works = sorted({lab.split("_", 1)[1] for lab in series})
+    colour = {w: f"C{i % 10}" for i, w in enumerate(works)}
+    dash = {"pp1": "-", "pp2": "--"}
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (name, title, _) in zip(axes.flat, METRICS, strict=False):
+        for lab, pts in sorted(series.items()):
+            ys = [(c, r[name]) for c, r in pts if r[name] is not None]
+            if ys:
+                pp, work = lab.split("_", 1)
+                ax.plot([c for c, _ in ys], [y for _, y in ys], dash.get(pp, ":"), marker="o",
+                        color=colour[work], label=lab)  # fmt: skip
+        ax.set_title(title)
+    ax = axes.flat[5]
+    for r_pp in ("pp1", "pp2"):
+        ratios = speedup_ratios(rows)
+        for al in sorted({r["al"] for r in ratios}):
+            ys = [(r["c"], r[r_pp]) for r in ratios if r["al"] == al and r[r_pp] is not None]
+            if ys:
+                ax.plot([c for c, _ in ys], [y for _, y in ys], "--" if r_pp == "pp2" else "-",
+                        marker="o", label=f"{r_pp.upper()} AL {al:g}")  # fmt: skip
+    ax.set_title("DSpark / no-spec output tok/s")
+    cs = sorted({c for pts in series.values() for c, _ in pts})
+    for ax in axes.flat:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("max concurrency")
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle("vllm bench serve, one GPU (PP=2: both stages share it; read ratios only)")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return f"plot: {png}"
+
+
+def copy_results(paths: list[str], dest: Path) -> list[str]:
+    """Copy the JSON files into ``dest`` (same names); returns the names."""
+    dest.mkdir(parents=True, exist_ok=True)
+    names = []
+    for p in paths:
+        src = Path(p)
+        if src.resolve() != (dest / src.name).resolve():
+            shutil.copyfile(src, dest / src.name)
+        names.append(src.name)
+    return names
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--md", type=Path, default=None)
+    ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--copy-to", type=Path, default=None)
+    a = ap.parse_args(argv)
+    runs = load(a.results)
+    if not any(r.get("points") for r in runs):
+        print("no measured points in", ", ".join(a.results))
+        return 1
+    files = copy_results(a.results, a.copy_to) if a.copy_to else [r["_file"] for r in runs]
+    md = markdown(runs, files)
+    if a.png:
+        print(plot(runs, a.png))
+        md += f"\n![served curves]({a.png.name})\n"
+    if a.md:
+        a.md.parent.mkdir(parents=True, exist_ok=True)
+        a.md.write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

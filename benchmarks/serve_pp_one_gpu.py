@@ -1,0 +1,856 @@
+#!/usr/bin/env python3
+"""Served curves at PP=1 and PP=2 on one GPU: ``vllm bench serve`` vs ``vllm serve`` (issue 29).
+
+One GPU command per group of configurations, each under about 470 s of wall time including the
+server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
+
+    source /tmp/site/env.sh && python3 tools/gpu/check_kit.py /tmp/site && \\
+      python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade \\
+        --target /tmp/site . && rm -rf build ./*.egg-info && \\
+      PYTHONUNBUFFERED=1 PYTHONPATH=.:$PYTHONPATH python3 benchmarks/serve_pp_one_gpu.py \\
+        --configs pp1 --out $OUT
+    ... --configs pp2      (PP=2 no-spec + PP=2 DSpark, two launchers each)
+    ... --configs stock    (PP=2 no-spec with the plugin left out, and with it, same lease)
+    python3 benchmarks/plot_pp_one_gpu.py RUN*/serve_pp_one_gpu_*.json \\
+        --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
+        --copy-to docs/results
+
+Configurations (``--configs``: group names or configuration names, comma-separated):
+
+* ``pp1_nospec`` / ``pp1_dspark``: one ``vllm serve``;
+* ``pp2_nospec`` / ``pp2_dspark``: two launchers (``vllm serve --nnodes 2 --node-rank R``,
+  node 1 ``--headless``; composed by dspark_dev/pp_launch.py), both on GPU 0 with their own
+  ``NCCL_HOSTID`` and NCCL over loopback sockets, or one GPU per stage with
+  ``--gpu-layout per-stage``;
+* ``pp2_nospec_stock`` (and ``pp2_dspark_stock``, by name only): the same launchers with the
+  plugin left out of ``VLLM_PLUGINS`` (stock vLLM 0.34.0 under PP, async scheduling).
+
+Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
+pp2_nospec_stock + pp2_nospec. Every server of a group starts at once (``--start together``:
+an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
+starts each just before its sweep).
+
+Model: the Qwen3-8B shape (benchmarks/real_shapes.py, ``--load-format dummy``, bf16) with a
+local tokenizer of its vocabulary (benchmarks/shape_tokenizer.py), DSpark k=7 with vLLM's
+synthetic rejection sampler. One DSpark server serves every acceptance length (``--acceptance-
+lengths``, AL 3.99 and 6.1): before each AL's sweep the driver calls the benchmark hook
+``dspark_bench_ctl("set_acceptance_length", AL)`` on every worker through vLLM's own
+``POST /collective_rpc`` (enabled by ``VLLM_SERVER_DEV_MODE=1``, set for every server alike),
+which rewrites the rates tensor the sampler reads in place; the call must report it applied on
+the last stage.
+
+Per point (configuration, AL, concurrency C): ``vllm bench serve`` (vLLM's own client, run in
+this process through its own argument parser and ``main``, so one Python start serves every
+point; the equivalent command line is recorded), random dataset ``--input-len`` / ``--output-len``
+(1024 / 256), ``ignore_eos``, greedy, ``max(--min-prompts, --prompts-per-c x C)`` prompts, a seed
+that depends on (AL index, C) only, so every configuration sees the same prompts and a server
+never sees a prompt twice (no prefix-cache hits); the server's spec-decode counters
+(``/metrics`` deltas, dspark_dev/metrics.py) beside vLLM's result JSON (its scalar fields;
+per-request lists are not saved). For PP=2 the launchers' logs give the transport: NCCL's init
+lines (ranks, nodes, ``NET/Socket``) and the plugin's exchange line.
+
+Budget: the servers' start and the sweeps share ``--budget-s``. Before each point the driver
+estimates its cost from the server's last measured TPOT (or ``--guess-tpot-ms``) and the time
+left for the sweeps still to come: it cuts the point's prompts (whole waves of C, at least one)
+and skips a point when not even one wave fits; the skip is recorded with its reason. A point
+still running at the deadline is cut by stopping its server. Each point is written to the JSON
+as soon as it is measured, so a killed run keeps what it measured.
+
+Output (two files per command, well inside what comes back from the GPU machine):
+``OUT/serve_pp_one_gpu_<group>.json`` and ``OUT/serve_pp_one_gpu_<group>.log`` (this driver's
+progress and the useful lines of every server log). ``--dry-run`` prints every command and
+environment without starting anything (no GPU needed). ``--cpu`` runs the same plumbing on vLLM's
+CPU platform with a small model folder (``--model-dir``, e.g. models/tiny-pair): numbers
+meaningless, plumbing checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+from perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist  # noqa: E402
+from real_shapes import SHAPES, write_shape  # noqa: E402
+
+from dspark_dev.pp_launch import transport_evidence  # noqa: E402
+
+RESULT_PREFIX = "serve_pp_one_gpu"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    pp: int
+    spec: bool
+    plugin: bool = True
+
+
+CONFIGS = {
+    c.name: c
+    for c in (
+        Config("pp1_nospec", 1, False),
+        Config("pp1_dspark", 1, True),
+        Config("pp2_nospec", 2, False),
+        Config("pp2_dspark", 2, True),
+        Config("pp2_nospec_stock", 2, False, plugin=False),
+        Config("pp2_dspark_stock", 2, True, plugin=False),
+    )
+}
+GROUPS = {
+    "pp1": ("pp1_nospec", "pp1_dspark"),
+    "pp2": ("pp2_nospec", "pp2_dspark"),
+    "stock": ("pp2_nospec_stock", "pp2_nospec"),
+}
+STOP_RESERVE_S = 25.0  # stopping the servers and writing the files at the end
+
+
+def select_configs(text: str) -> list[Config]:
+    """``--configs``: group and configuration names, comma-separated, in order, no repeats."""
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part in GROUPS:
+            names += GROUPS[part]
+        elif part in CONFIGS:
+            names.append(part)
+        else:
+            known = ", ".join([*GROUPS, *CONFIGS])
+            raise SystemExit(f"--configs: unknown name {part!r}; use one of: {known}")
+    if not names:
+        raise SystemExit("--configs: nothing selected")
+    return [CONFIGS[n] for n in dict.fromkeys(names)]
+
+
+def run_tag(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]+", "-", text.strip()).strip("-")
+
+
+def parse_floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_ints(text: str) -> list[int]:
+    vals = [int(x) for x in text.split(",") if x.strip()]
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"--concurrency {text!r}: positive integers, comma-separated")
+    return vals
+
+
+def point_seed(al_index: int, concurrency: int) -> int:
+    """The random dataset's seed of a point: equal across configurations (same prompts for
+    no-spec and DSpark at the same C), distinct across one server's points."""
+    return 1000 + 100 * al_index + concurrency
+
+
+def default_prompts(concurrency: int, per_c: int, minimum: int) -> int:
+    return max(minimum, per_c * concurrency)
+
+
+# --------------------------------------------------------------------------- budget
+@dataclass(frozen=True)
+class CostModel:
+    """Estimated seconds of a point: a fixed part (the client's start, dataset, tokenizer) plus
+    per wave of C requests the decode (output length x TPOT) and the wave's prefills; times
+    ``calib``, the last point's measured / estimated wall time on this server."""
+
+    tpot_ms: float
+    output_len: int
+    prefill_ms: float
+    point_s: float
+    calib: float = 1.0
+
+    def wave_s(self, c: int) -> float:
+        return self.calib * (self.output_len * self.tpot_ms + c * self.prefill_ms) / 1e3
+
+    def point_cost_s(self, c: int, prompts: int) -> float:
+        return self.calib * self.point_s + math.ceil(prompts / c) * self.wave_s(c)
+
+
+def trim_point(
+    c: int, prompts: int, model: CostModel, time_for_point_s: float
+) -> tuple[int, str | None]:
+    """Prompts to run at concurrency ``c`` within ``time_for_point_s``: all of them, fewer
+    (whole waves, at least one), or 0 (skip) with the reason."""
+    waves = math.ceil(prompts / c)
+    if model.point_cost_s(c, prompts) <= time_for_point_s:
+        return prompts, None
+    wave = model.wave_s(c)
+    room = time_for_point_s - model.calib * model.point_s
+    fit = min(waves, int(room // wave)) if wave > 0 else waves
+    if fit < 1:
+        return 0, (
+            f"budget: one wave of {c} needs about {model.point_cost_s(c, c):.0f} s, "
+            f"{time_for_point_s:.0f} s left for this point"
+        )
+    return fit * c, f"budget: {fit} of {waves} waves ({fit * c} of {prompts} prompts)"
+
+
+def plan_point(
+    c: int,
+    later_cs: list[int],
+    later_sweeps: int,
+    all_cs: list[int],
+    time_left_s: float,
+    model: CostModel,
+    prompts_for,
+) -> tuple[int, str | None]:
+    """Prompts for the point at ``c``: its share of ``time_left_s`` among the points still to
+    run (``later_cs`` in this sweep, then ``later_sweeps`` whole sweeps over ``all_cs``, each
+    estimated with ``model``)."""
+
+    def cost(cc: int) -> float:
+        return model.point_cost_s(cc, prompts_for(cc))
+
+    later = [cost(cc) for cc in later_cs] + [sum(cost(cc) for cc in all_cs)] * later_sweeps
+    share = time_for_point(time_left_s, cost(c), later)
+    return trim_point(c, prompts_for(c), model, share)
+
+
+def time_for_point(time_left_s: float, this_cost_s: float, later_costs_s: list[float]) -> float:
+    """This point's share of the time left: proportional to its estimated cost among the points
+    still to run (so a cut falls on every later point alike, not all on the last)."""
+    total = this_cost_s + sum(later_costs_s)
+    if total <= 0:
+        return time_left_s
+    return max(0.0, time_left_s * this_cost_s / total) if total > time_left_s else time_left_s
+
+
+# --------------------------------------------------------------------------- commands
+def shape_base_args(
+    *, cpu: bool, dummy: bool, max_model_len: int, max_num_seqs: int, kv_bytes: int | None
+) -> list[str]:
+    """``vllm serve`` arguments every configuration shares (before the PP/spec ones)."""
+    if cpu:
+        args = ["--dtype", "float32", "--enforce-eager"]
+    else:
+        args = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.05"]
+        if kv_bytes:
+            args += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if dummy:
+        args += ["--load-format", "dummy"]
+    return args + [
+        "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+        "--seed", "0", "--async-scheduling",
+    ]  # fmt: skip
+
+
+def spec_config(draft: str, k: int, acceptance_length: float) -> dict:
+    return {
+        "method": "dspark",
+        "model": draft,
+        "num_speculative_tokens": k,
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_length": acceptance_length,
+    }
+
+
+def server_env(cfg: Config, *, hook_root: str, cpu: bool, extra: dict | None = None) -> dict:
+    """What a configuration's launchers get on top of the machine's environment: the plugin
+    list (ours loaded or left out; the benchmark hook always), the dev endpoint, the hook's
+    import path, NCCL's init/transport lines for PP > 1 on GPUs."""
+    from dspark_dev.serve import GPU_CHILD_ENV
+
+    env = {} if cpu else dict(GPU_CHILD_ENV)
+    env.update(
+        VLLM_PLUGINS=f"{PLUGIN},{BENCH_PLUGIN}" if cfg.plugin else BENCH_PLUGIN,
+        VLLM_SERVER_DEV_MODE="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(REPO), hook_root, str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    )
+    if cfg.pp > 1 and not cpu:
+        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
+    env.update(extra or {})
+    return env
+
+
+def bench_argv(
+    *,
+    url: str,
+    model: str,
+    label: str,
+    concurrency: int,
+    prompts: int,
+    seed: int,
+    input_len: int,
+    output_len: int,
+    result_dir: str,
+    result_name: str,
+) -> list[str]:
+    """``vllm bench serve`` arguments of one point (after ``vllm bench serve``)."""
+    return [
+        "--backend", "vllm", "--base-url", url, "--model", model, "--label", label,
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--random-range-ratio", "0",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+        "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--disable-tqdm", "--save-result", "--result-dir", result_dir,
+        "--result-filename", result_name,
+    ]  # fmt: skip
+
+
+def rpc_body(acceptance_length: float) -> dict:
+    """``POST /collective_rpc`` body that switches the synthetic acceptance length."""
+    return {
+        "method": "dspark_bench_ctl",
+        "args": ["set_acceptance_length", repr(acceptance_length)],
+    }
+
+
+def rpc_applied(response: dict) -> bool:
+    """True when at least one worker (the sampling stage) applied the new rates."""
+    return any(isinstance(r, dict) and r.get("applied") for r in response.get("results") or [])
+
+
+# --------------------------------------------------------------------------- logs
+USEFUL = re.compile(
+    r"NCCL INFO (comm |Init COMPLETE|NET/|Using network)|DSpark|PP handshake|vllm_dspark_pp|"
+    r"Traceback|Error|ERROR|Exception|WARNING.*(KV|memory|graph)|Available KV cache|"
+    r"GPU KV cache size|Maximum concurrency|Model loading took|Graph capturing finished|"
+    r"torch.compile took|init engine|Starting vLLM|plugin"
+)
+TIMESTAMP = re.compile(
+    r"\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?|\d\d:\d\d:\d\d(\.\d+)?|pid=\d+|\(\w+ pid=\d+\)"
+)
+
+
+def useful_lines(text: str, max_lines: int = 300, tail: int = 0) -> list[str]:
+    """The log lines worth bringing back (init, transport, errors), at most ``max_lines``,
+    repeats dropped; plus the last ``tail`` lines (a failed server)."""
+    seen: dict[str, str] = {}
+    for line in text.splitlines():
+        if USEFUL.search(line):
+            key = TIMESTAMP.sub("", line)[:200]  # the same message at another time is a repeat
+            seen.setdefault(key, line)
+    out = list(seen.values())[:max_lines]
+    if tail:
+        out += ["... last lines:"] + text.splitlines()[-tail:]
+    return out
+
+
+# --------------------------------------------------------------------------- results
+SCALAR_TYPES = (int, float, str, bool, type(None))
+# vLLM's per-request fields (one entry per prompt), left out even when the point is small
+PER_REQUEST = set(
+    "latencies queue_times input_lens output_lens ttfts itls start_times generated_texts errors "
+    "server_queue_times server_ttfts".split()
+)
+
+
+def bench_summary(result: dict) -> dict:
+    """vLLM's result JSON without its per-request lists (its scalar fields and short lists,
+    such as the per-position acceptance rates)."""
+    out = {}
+    for k, v in result.items():
+        if k in PER_REQUEST:
+            continue
+        if isinstance(v, SCALAR_TYPES):
+            out[k] = v
+        elif isinstance(v, list) and len(v) <= 16 and all(isinstance(x, SCALAR_TYPES) for x in v):
+            out[k] = v
+    return out
+
+
+def measured_acceptance_length(delta: dict) -> float | None:
+    drafts = delta.get("num_drafts") or 0
+    return 1.0 + delta.get("num_accepted_tokens", 0) / drafts if drafts else None
+
+
+@dataclass
+class Results:
+    """The run's JSON, rewritten (atomically) after every change."""
+
+    path: Path
+    data: dict = field(default_factory=dict)
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        tmp.replace(self.path)
+
+    def add(self, kind: str, item: dict) -> None:
+        self.data.setdefault(kind, []).append(item)
+        self.save()
+
+
+# --------------------------------------------------------------------------- the run
+class Log:
+    def __init__(self, path: Path | None):
+        self.t0 = time.monotonic()
+        self.f = open(path, "a") if path else None
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{RESULT_PREFIX}] {time.strftime('%H:%M:%S')} +{self.elapsed():4.0f}s {msg}"
+        print(line, flush=True)
+        if self.f:
+            self.f.write(line + "\n")
+            self.f.flush()
+
+    def raw(self, lines: list[str]) -> None:
+        if self.f:
+            self.f.write("\n".join(lines) + "\n")
+            self.f.flush()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initial_al: float):
+    """The configuration's launchers (not started): a plain ``vllm serve`` for PP=1,
+    dspark_dev/pp_launch.py's launchers for PP > 1."""
+    from dspark_dev import pp_launch
+    from dspark_dev.serve_demo import Server, free_port, serve_argv
+
+    spec = spec_config(paths.draft, a.k, initial_al) if cfg.spec else None
+    base = shape_base_args(
+        cpu=a.cpu,
+        dummy=a.model_dir is None,
+        max_model_len=a.input_len + a.output_len + 128,
+        max_num_seqs=a.max_num_seqs,
+        kv_bytes=None if a.cpu else int(a.kv_gib * (1 << 30) / cfg.pp),
+    )
+    env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=a.extra_env)
+    if cfg.pp == 1:
+        port = free_port()
+        env = {**env, "VLLM_CACHE_ROOT": tempfile.mkdtemp(prefix=f"dspark-{cfg.name}-cache-")}
+        if not a.cpu and a.gpu_layout == pp_launch.PER_STAGE:
+            env["CUDA_VISIBLE_DEVICES"] = "0"
+        argv = serve_argv(paths.target, pp=1, spec=spec, port=port, base=base)
+        srv = Server(argv, log_dir / f"{cfg.name}.log", env=env, port=port, name=cfg.name,
+                     cpu=a.cpu)  # fmt: skip
+        return pp_launch.Deployment(cfg.name, [srv])
+    return pp_launch.deployment(
+        cfg.name,
+        paths.target,
+        pp=cfg.pp,
+        spec=spec,
+        log_dir=log_dir,
+        device="cpu" if a.cpu else "gpu",
+        gpu_layout=a.gpu_layout,
+        base_args=base,
+        env=env,
+    )
+
+
+def describe(dep) -> list[str]:
+    """Every launcher's environment (what this driver sets) and command line."""
+    out = []
+    for node in dep.nodes:
+        env = " ".join(f"{k}={v}" for k, v in sorted(node.env.items()))
+        out.append(f"  {node.name}: env {env}")
+        out.append(f"  {node.name}: {' '.join(node.argv)}")
+    return out
+
+
+def run_bench_in_process(argv: list[str], timeout_s: float, on_timeout) -> tuple[dict | None, str]:
+    """``vllm bench serve ARGV`` through vLLM's own parser and ``main`` in a thread. Past
+    ``timeout_s`` ``on_timeout()`` runs (it stops the server, which ends the requests), then the
+    thread gets 30 s more. Returns (vLLM's result dict or None, error text)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = main(args)
+        except BaseException as e:  # noqa: BLE001 - recorded, the run goes on
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    th = threading.Thread(target=target, name="bench-serve", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        on_timeout()
+        th.join(30)
+        return None, f"cut after {timeout_s:.0f} s (server stopped)"
+    return box.get("result"), box.get("error", "")
+
+
+def step_rpc(url: str, cmd: str) -> list | dict:
+    """The benchmark hook's per-step timers on every worker (``enable`` before a point,
+    ``collect`` after it: per worker, in rank order, the median target / draft / step GPU
+    milliseconds per batch size; dspark_bench_hooks.summarize_steps)."""
+    try:
+        resp = http_post(url + "/collective_rpc", {"method": "dspark_bench_ctl", "args": [cmd]})
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    results = resp.get("results") or []
+    if cmd == "collect":
+        return [r.get("summary") if isinstance(r, dict) else r for r in results]
+    return results
+
+
+def http_post(url: str, body: dict, timeout: float = 60.0) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read().decode()
+    return json.loads(raw) if raw else {}
+
+
+def versions(cpu: bool) -> dict:
+    out: dict = {}
+    try:
+        import torch
+        import vllm
+
+        out.update(vllm=vllm.__version__, torch=torch.__version__)
+        if not cpu and torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name(0)
+            out["gpus"] = torch.cuda.device_count()
+    except Exception as e:  # noqa: BLE001
+        out["error"] = str(e)
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="pp1", help="groups/configurations, comma-separated")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/dspark-serve-pp"))
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument(
+        "--model-dir", default=None, help="a pair folder (target/, dspark-draft/) instead of a "
+        "dummy-weight shape, e.g. models/tiny-pair for --cpu"
+    )  # fmt: skip
+    ap.add_argument("-k", type=int, default=7, help="DSpark draft tokens (the shape's block)")
+    ap.add_argument("--acceptance-lengths", default="3.99,6.1")
+    ap.add_argument("--concurrency", default="1,4,16,32,64")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts-per-c", type=int, default=4)
+    ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-gib", type=float, default=16.0, help="KV cache per deployment (GiB)")
+    ap.add_argument("--budget-s", type=float, default=470.0)
+    ap.add_argument("--ready-s", type=float, default=360.0, help="start-up deadline per server")
+    ap.add_argument("--start", choices=("together", "sequential"), default="together")
+    ap.add_argument("--gpu-layout", choices=("shared", "per-stage"), default="shared")
+    ap.add_argument("--guess-tpot-ms", type=float, default=6.0, help="until one is measured")
+    ap.add_argument("--guess-prefill-ms", type=float, default=40.0, help="per prompt")
+    ap.add_argument("--guess-point-s", type=float, default=4.0, help="fixed cost of a point")
+    ap.add_argument(
+        "--step-times", action=argparse.BooleanOptionalAction, default=True,
+        help="per-step target/draft GPU times of every worker (CUDA events of "
+        "benchmarks/dspark_bench_hooks.py, installed after start-up) beside each point",
+    )  # fmt: skip
+    ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform (plumbing only)")
+    ap.add_argument("--dry-run", action="store_true", help="print commands, start nothing")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every server")
+    a = ap.parse_args(argv)
+    a.cfgs = select_configs(a.configs)
+    a.als = parse_floats(a.acceptance_lengths)
+    a.cs = parse_ints(a.concurrency)
+    if not a.als:
+        raise SystemExit("--acceptance-lengths: at least one")
+    bad = [e for e in a.env if "=" not in e]
+    if bad:
+        raise SystemExit(f"--env {bad[0]!r}: use KEY=VALUE")
+    a.extra_env = dict(e.split("=", 1) for e in a.env)
+    a.tag = run_tag(a.configs)
+    return a
+
+
+def plan_sweeps(a) -> list[tuple[Config, int | None, float | None]]:
+    """(configuration, AL index, AL) in the order they run; no-spec has one sweep (AL None)."""
+    out = []
+    for cfg in a.cfgs:
+        if cfg.spec:
+            out += [(cfg, i, al) for i, al in enumerate(a.als)]
+        else:
+            out.append((cfg, None, None))
+    return out
+
+
+def prepare_models(a, work: Path):
+    from real_shapes import ShapePaths
+
+    if a.model_dir:
+        d = Path(a.model_dir).resolve()
+        return ShapePaths(d.name, str(d / "target"), str(d / "dspark-draft")), None
+    import shape_tokenizer
+
+    paths = write_shape(a.shape, work / "shapes")
+    return paths, shape_tokenizer.write(paths.target)
+
+
+def preflight() -> str | None:
+    """Why this machine cannot run ``vllm bench serve`` in this process (None: it can). Checked
+    before any server starts, so a missing client dependency costs no start-up."""
+    try:
+        import vllm.benchmarks.serve  # noqa: F401
+    except ImportError as e:
+        return (
+            f"vllm bench serve cannot be imported here ({e}); install the missing package "
+            f"({getattr(e, 'name', None) or '?'}) next to vLLM"
+        )
+    return None
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="dspark-serve-pp-"))
+    log = Log(None if a.dry_run else out / f"{RESULT_PREFIX}_{a.tag}.log")
+    deadline = time.monotonic() + a.budget_s
+    paths, tok = prepare_models(a, work)
+    hook_root = str(make_hook_dist(work / "hooks"))
+    deps = {
+        cfg.name: build_deployment(cfg, a, paths, hook_root, work / "logs", a.als[0])
+        for cfg in a.cfgs
+    }
+    sweeps = plan_sweeps(a)
+    if a.dry_run:
+        try:
+            return dry_run(a, deps, sweeps, paths, tok)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # the shape folders, tokenizer, hook
+    problem = preflight()
+    if problem:
+        log(f"FATAL: {problem}")
+        return 3
+    res = Results(out / f"{RESULT_PREFIX}_{a.tag}.json")
+    res.data = {
+        "meta": {
+            "driver": "benchmarks/serve_pp_one_gpu.py",
+            "command": "serve_pp_one_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "configs": [c.name for c in a.cfgs],
+            "shape": paths.shape,
+            "tokenizer": tok,
+            "k": a.k,
+            "acceptance_lengths": a.als,
+            "concurrency": a.cs,
+            "input_len": a.input_len,
+            "output_len": a.output_len,
+            "prompts": {"per_c": a.prompts_per_c, "min": a.min_prompts},
+            "kv_gib_per_deployment": a.kv_gib,
+            "budget_s": a.budget_s,
+            "start": a.start,
+            "gpu_layout": a.gpu_layout,
+            "platform": "cpu" if a.cpu else "gpu",
+            "step_times": a.step_times,
+            "versions": versions(a.cpu),
+        },
+        "servers": {},
+        "points": [],
+        "skipped": [],
+    }
+    res.save()
+    log(f"configs {', '.join(deps)}; shape {paths.shape}; budget {a.budget_s:.0f} s")
+    try:
+        return run(a, deps, sweeps, paths, res, log, deadline)
+    finally:
+        log("stopping the servers (errors logged after this line are the shutdown's)")
+        for name, dep in deps.items():
+            stuck = dep.stop()
+            texts = [n.log_tail(10**8) for n in dep.nodes]
+            srv = res.data["servers"].setdefault(name, {})
+            if CONFIGS[name].pp > 1:
+                srv["transport"] = transport_evidence(texts)
+            failed = srv.get("outcome") not in (None, "ok")
+            for node, text in zip(dep.nodes, texts, strict=True):
+                log.raw([f"----- {node.name} ({node.log_path}) -----"])
+                log.raw(useful_lines(text, tail=80 if failed else 0))
+            if stuck:
+                srv["left_running"] = stuck
+            res.save()
+        log(f"done: {len(res.data['points'])} points, {len(res.data['skipped'])} skipped; "
+            f"{res.path}")  # fmt: skip
+
+
+def dry_run(a, deps, sweeps, paths, tok) -> int:
+    print(f"# dry run: {', '.join(deps)} ({a.start} start), shape {paths.shape}")
+    if tok:
+        print(f"# tokenizer: {json.dumps(tok)}")
+    for dep in deps.values():
+        print(f"deployment {dep.name}:")
+        print("\n".join(describe(dep)))
+    if a.step_times:
+        rpc = 'POST URL/collective_rpc {"method": "dspark_bench_ctl", "args": ["enable"]}'
+        print(f'# around every point: {rpc} before, ["collect"] after (--no-step-times: not)')
+    for cfg, ali, al in sweeps:
+        url = "URL(" + cfg.name + ")"
+        if al is not None:
+            print(f"POST {url}/collective_rpc {json.dumps(rpc_body(al))}")
+        for c in a.cs:
+            n = default_prompts(c, a.prompts_per_c, a.min_prompts)
+            argv = bench_argv(
+                url=url, model=paths.target, label=cfg.name, concurrency=c, prompts=n,
+                seed=point_seed(ali or 0, c), input_len=a.input_len, output_len=a.output_len,
+                result_dir="DIR", result_name=f"{cfg.name}_al{al}_c{c}.json",
+            )  # fmt: skip
+            print("vllm bench serve " + " ".join(argv))
+    return 0
+
+
+def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
+    started: set[str] = set()
+
+    def start(names):
+        for name in names:
+            if name not in started:
+                deps[name].start()
+                started.add(name)
+                res.data["servers"][name] = {"launchers": len(deps[name].nodes)}
+                log(f"starting {name} ({len(deps[name].nodes)} launcher(s))")
+                log.raw(describe(deps[name]))
+
+    def ready(name) -> bool:
+        srv = res.data["servers"][name]
+        if "outcome" in srv:
+            return srv["outcome"] == "ok"
+        wait = min(a.ready_s, deadline - time.monotonic() - STOP_RESERVE_S)
+        try:
+            srv["ready_s"] = round(deps[name].wait_ready(max(1.0, wait)), 1)
+            srv["outcome"] = "ok"
+            log(f"{name} ready after {srv['ready_s']} s")
+        except (RuntimeError, TimeoutError) as e:
+            srv["outcome"] = f"not ready: {e}"
+            log(f"FAILED: {name}: {e}")
+        res.save()
+        return srv["outcome"] == "ok"
+
+    def skip(cfg, al, c, why):
+        res.add("skipped", {"config": cfg.name, "acceptance_length": al, "concurrency": c,
+                            "why": why[:300]})  # fmt: skip
+
+    if a.start == "together":
+        start(deps)
+    tpot: dict[str, float] = {}
+    calib: dict[str, float] = {}
+    bench_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-res-"))
+    from dspark_dev.metrics import counter_delta
+    from dspark_dev.serve_demo import spec_metrics
+
+    for si, (cfg, ali, al) in enumerate(sweeps):
+        start([cfg.name])
+        dep = deps[cfg.name]
+        what = f"{cfg.name}" + ("" if al is None else f" AL {al}")
+        if not ready(cfg.name):
+            for c in a.cs:
+                skip(cfg, al, c, "server not ready")
+            continue
+        if al is not None:
+            try:
+                resp = http_post(dep.url + "/collective_rpc", rpc_body(al))
+            except OSError as e:
+                resp = {"error": str(e)}
+            if not rpc_applied(resp):
+                log(f"FAILED: {what}: the acceptance length was not applied: {resp}")
+                for c in a.cs:
+                    skip(cfg, al, c, f"AL not applied: {resp}")
+                continue
+            applied = [r for r in resp["results"] if isinstance(r, dict) and r.get("applied")]
+            res.data["servers"][cfg.name].setdefault("acceptance_switch", {})[repr(al)] = {
+                "workers": len(resp["results"]),
+                "applied": len(applied),
+                "unconditional_rates": applied[0].get("unconditional_rates"),
+            }
+            res.save()
+            log(f"{what}: synthetic acceptance length set on {len(applied)} of "
+                f"{len(resp['results'])} workers (the sampling stage)")  # fmt: skip
+        sweeps_left = len(sweeps) - si
+        for ci, c in enumerate(a.cs):
+            dead = dep.dead_nodes()
+            if dead:
+                res.data["servers"][cfg.name]["outcome"] = f"lost: {', '.join(dead)}"
+                log(f"FAILED: {cfg.name}: lost {', '.join(dead)}")
+                res.save()
+                break
+            n_full = default_prompts(c, a.prompts_per_c, a.min_prompts)
+            model = CostModel(
+                tpot_ms=tpot.get(cfg.name, a.guess_tpot_ms),
+                output_len=a.output_len,
+                prefill_ms=a.guess_prefill_ms,
+                point_s=a.guess_point_s,
+                calib=calib.get(cfg.name, 1.0),
+            )
+            n, why = plan_point(
+                c, a.cs[ci + 1 :], sweeps_left - 1, a.cs,
+                deadline - time.monotonic() - STOP_RESERVE_S, model,
+                lambda cc: default_prompts(cc, a.prompts_per_c, a.min_prompts),
+            )  # fmt: skip
+            if n == 0:
+                skip(cfg, al, c, why)
+                log(f"SKIP {what} C={c}: {why}")
+                continue
+            name = f"{cfg.name}_al{al}_c{c}.json"
+            argv = bench_argv(
+                url=dep.url, model=paths.target,
+                label=cfg.name, concurrency=c, prompts=n, seed=point_seed(ali or 0, c),
+                input_len=a.input_len, output_len=a.output_len, result_dir=str(bench_dir),
+                result_name=name,
+            )  # fmt: skip
+            if a.step_times:
+                step_rpc(dep.url, "enable")
+            before = spec_metrics(dep.url, settle_s=0.0)
+            t0 = time.monotonic()
+            result, err = run_bench_in_process(
+                argv, max(5.0, deadline - time.monotonic() - STOP_RESERVE_S), dep.stop
+            )
+            wall = time.monotonic() - t0
+            if result is None or not result.get("completed"):
+                skip(cfg, al, c, f"bench failed: {err}")
+                log(f"FAILED {what} C={c}: {err}")
+                if dep.dead_nodes() or err.startswith("cut"):
+                    break
+                continue
+            delta = counter_delta(before, spec_metrics(dep.url, settle_s=3.0))
+            summary = bench_summary(result)
+            point = {
+                "config": cfg.name, "pp": cfg.pp, "spec": cfg.spec, "plugin": cfg.plugin,
+                "acceptance_length": al, "concurrency": c, "num_prompts": n,
+                "full_prompts": n_full, "trimmed": why, "seed": point_seed(ali or 0, c),
+                "wall_s": round(wall, 2), "bench": summary, "spec_metrics": delta,
+                "measured_acceptance_length": measured_acceptance_length(delta),
+                "bench_command": "vllm bench serve " + " ".join(argv),
+            }  # fmt: skip
+            if a.step_times:
+                point["step_times"] = step_rpc(dep.url, "collect")
+            res.add("points", point)
+            if summary.get("median_tpot_ms"):
+                tpot[cfg.name] = float(summary["median_tpot_ms"])
+                # how far off the estimate was, with the measured TPOT (bounded: one odd point
+                # must not starve or flood the rest)
+                est = replace(model, tpot_ms=tpot[cfg.name], calib=1.0).point_cost_s(c, n)
+                calib[cfg.name] = min(3.0, max(0.5, wall / est)) if est > 0 else 1.0
+            mal = point["measured_acceptance_length"]
+            log(
+                f"{what} C={c}: {summary.get('output_throughput', 0):.1f} tok/s, "
+                f"TTFT p50 {summary.get('p50_ttft_ms', 0):.1f} ms, "
+                f"TPOT p50 {summary.get('p50_tpot_ms', 0):.2f} ms, "
+                f"AL {'-' if mal is None else f'{mal:.2f}'}, {n} prompts"
+                f"{'' if why is None else ' (' + why + ')'}, {wall:.0f} s"
+            )
+    ok = bool(res.data["points"]) and all(
+        s.get("outcome") == "ok" for s in res.data["servers"].values()
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

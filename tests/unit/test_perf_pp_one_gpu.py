@@ -1,0 +1,335 @@
+"""CPU tests of the served PP benchmark (issue 29): benchmarks/serve_pp_one_gpu.py's argument
+handling, launcher commands and environments (--dry-run), budget trimming, per-point JSON;
+benchmarks/shape_tokenizer.py; benchmarks/plot_pp_one_gpu.py's tables, ratios, goal (b) and PNG
+from small recorded samples. Nothing is timed and no server starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from support.perf_records import serve_point, serve_run
+from support.scripts import load_script
+
+serve = load_script("benchmarks/serve_pp_one_gpu.py")
+plot = load_script("benchmarks/plot_pp_one_gpu.py")
+shape_tokenizer = load_script("benchmarks/shape_tokenizer.py")
+
+
+# --------------------------------------------------------------------------- arguments
+def test_groups_expand_in_order_without_repeats():
+    names = [c.name for c in serve.select_configs("pp1,pp2_nospec,pp2")]
+    assert names == ["pp1_nospec", "pp1_dspark", "pp2_nospec", "pp2_dspark"]
+    stock = serve.select_configs("stock")
+    assert [(c.name, c.pp, c.plugin) for c in stock] == [
+        ("pp2_nospec_stock", 2, False),
+        ("pp2_nospec", 2, True),
+    ]
+
+
+def test_an_unknown_configuration_is_refused_naming_the_choices():
+    with pytest.raises(SystemExit, match="unknown name 'pp3'.*pp1_nospec"):
+        serve.select_configs("pp1,pp3")
+    with pytest.raises(SystemExit, match="--concurrency"):
+        serve.parse_args(["--concurrency", "0,4"])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        serve.parse_args(["--env", "NOEQUALS"])
+
+
+def test_seeds_match_across_configurations_and_differ_within_a_server():
+    a = serve.parse_args(["--configs", "pp1"])
+    seeds = {}
+    for cfg, ali, _al in serve.plan_sweeps(a):
+        for c in a.cs:
+            seeds.setdefault(cfg.name, []).append((ali or 0, c, serve.point_seed(ali or 0, c)))
+    dspark = seeds["pp1_dspark"]
+    assert len({s for *_, s in dspark}) == len(dspark)  # no prompt set twice on one server
+    nospec = {(i, c): s for i, c, s in seeds["pp1_nospec"]}
+    assert all(nospec[(0, c)] == s for i, c, s in dspark if i == 0)  # same prompts at AL 0
+
+
+# --------------------------------------------------------------------------- dry run
+def _dry(capsys, *args) -> str:
+    assert serve.main(["--dry-run", "--out", "/nonexistent-not-written", *args]) == 0
+    return capsys.readouterr().out
+
+
+def _launchers(out: str) -> dict[str, dict]:
+    """{launcher name: {"env": {...}, "argv": [...]}} from the dry run's lines."""
+    found: dict[str, dict] = {}
+    for line in out.splitlines():
+        m = re.match(r"  (.+?): env (.*)$", line)
+        if m:
+            found.setdefault(m.group(1), {})["env"] = dict(
+                kv.split("=", 1) for kv in m.group(2).split(" ")
+            )
+            continue
+        m = re.match(r"  (.+?): (/\S+ .*)$", line)
+        if m:
+            found.setdefault(m.group(1), {})["argv"] = shlex.split(m.group(2).replace('"', '\\"'))
+    return found
+
+
+def test_dry_run_composes_two_launchers_on_gpu0_with_distinct_nccl_hosts(capsys):
+    out = _dry(capsys, "--configs", "pp2")
+    nodes = _launchers(out)
+    assert set(nodes) == {
+        "pp2_nospec node 0",
+        "pp2_nospec node 1 (headless)",
+        "pp2_dspark node 0",
+        "pp2_dspark node 1 (headless)",
+    }
+    for name in ("pp2_nospec", "pp2_dspark"):
+        n0, n1 = nodes[f"{name} node 0"], nodes[f"{name} node 1 (headless)"]
+        assert n0["env"]["CUDA_VISIBLE_DEVICES"] == n1["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+        assert n0["env"]["NCCL_HOSTID"] != n1["env"]["NCCL_HOSTID"]
+        assert n0["env"]["NCCL_SOCKET_IFNAME"] == "lo"
+        # NCCL's init lines are the transport evidence the results record
+        assert n0["env"]["NCCL_DEBUG"] == n1["env"]["NCCL_DEBUG"] == "INFO"
+        assert n0["env"]["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc
+        assert n0["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
+        for node, rank in ((n0, "0"), (n1, "1")):
+            argv = " ".join(node["argv"])
+            assert f"--nnodes 2 --node-rank {rank} --master-addr 127.0.0.1" in argv
+            assert "-pp 2" in argv and "--load-format dummy" in argv
+            assert "--kv-cache-memory-bytes 8589934592" in argv  # 16 GiB split over 2 stages
+        assert "--headless" in n1["argv"] and "--port" not in n1["argv"]
+    dspark = " ".join(nodes["pp2_dspark node 0"]["argv"])
+    assert '"rejection_sample_method": "synthetic"' in dspark.replace("\\", "")
+    assert '"synthetic_acceptance_length": 3.99' in dspark.replace("\\", "")
+
+
+def test_dry_run_per_stage_layout_puts_each_stage_on_its_gpu(capsys):
+    nodes = _launchers(_dry(capsys, "--configs", "pp2_nospec", "--gpu-layout", "per-stage"))
+    assert nodes["pp2_nospec node 0"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert nodes["pp2_nospec node 1 (headless)"]["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "NCCL_HOSTID" not in nodes["pp2_nospec node 0"]["env"]
+
+
+def test_dry_run_stock_leaves_the_plugin_out_and_bench_commands_are_vllms(capsys):
+    out = _dry(capsys, "--configs", "stock", "--concurrency", "1,64")
+    nodes = _launchers(out)
+    assert nodes["pp2_nospec_stock node 0"]["env"]["VLLM_PLUGINS"] == "dspark_bench"
+    assert nodes["pp2_nospec node 0"]["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
+    bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
+    assert len(bench) == 4  # two servers x two concurrencies, no AL switch without DSpark
+    assert not [line for line in out.splitlines() if line.startswith("POST ")]
+    c64 = shlex.split(bench[1])
+    opt = {c64[i]: c64[i + 1] for i in range(3, len(c64) - 1) if c64[i].startswith("--")}
+    assert opt["--max-concurrency"] == "64" and opt["--num-prompts"] == "256"
+    assert opt["--dataset-name"] == "random" and opt["--random-input-len"] == "1024"
+    assert opt["--random-output-len"] == "256" and "--ignore-eos" in c64
+    # vLLM's own parser accepts the command
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(c64[3:])
+    assert args.max_concurrency == 64 and args.ignore_eos and args.save_result
+
+
+def test_dry_run_switches_the_acceptance_length_per_sweep(capsys):
+    out = _dry(capsys, "--configs", "pp1_dspark", "--acceptance-lengths", "3.99,6.1")
+    lines = [line for line in out.splitlines() if line.startswith("POST ")]
+    rpcs = [json.loads(line.split(" ", 2)[2]) for line in lines]
+    assert [r["args"] for r in rpcs] == [
+        ["set_acceptance_length", "3.99"],
+        ["set_acceptance_length", "6.1"],
+    ]
+    assert all(r["method"] == "dspark_bench_ctl" for r in rpcs)
+    assert '"args": ["enable"]} before, ["collect"] after' in out  # the step timers
+    quiet = _dry(capsys, "--configs", "pp1_dspark", "--no-step-times")
+    assert '["enable"]' not in quiet
+    assert serve.rpc_applied({"results": [{"applied": False}, {"applied": True}]})
+    assert not serve.rpc_applied({"results": [{"applied": False}, None]})
+    assert not serve.rpc_applied({"error": "connection refused"})
+
+
+# --------------------------------------------------------------------------- budget, records
+def _model(**kw):
+    base = dict(tpot_ms=5.0, output_len=200, prefill_ms=0.0, point_s=0.0)  # a wave: 1 s
+    return serve.CostModel(**{**base, **kw})
+
+
+def test_trimming_keeps_whole_waves_and_skips_when_none_fits():
+    assert serve.trim_point(16, 64, _model(), time_for_point_s=100.0) == (64, None)
+    n, why = serve.trim_point(16, 64, _model(point_s=1.0), time_for_point_s=3.5)
+    assert n == 32 and "2 of 4 waves" in why  # whole waves of C, after the fixed part
+    n, why = serve.trim_point(64, 256, _model(calib=2.0), time_for_point_s=1.9)
+    assert n == 0 and "one wave of 64" in why
+
+
+def test_the_time_left_is_shared_in_proportion_to_cost():
+    assert serve.time_for_point(100.0, 10.0, [20.0, 30.0]) == 100.0  # everything fits
+    assert serve.time_for_point(30.0, 10.0, [20.0, 30.0]) == pytest.approx(5.0)
+    assert serve.time_for_point(-5.0, 10.0, [20.0]) == 0.0
+    m = _model(tpot_ms=5.0, output_len=256, prefill_ms=40.0, point_s=4.0, calib=1.5)
+    assert m.point_cost_s(4, 16) == pytest.approx(1.5 * (4.0 + 4 * (1.28 + 0.16)))
+
+
+def test_a_short_budget_trims_every_point_alike_and_the_last_sweep_is_not_starved():
+    def prompts(c):
+        return max(16, 4 * c)
+
+    m = _model(point_s=1.0)  # a point: 1 s + 4 waves of 1 s (16 at C=1)
+    cs = [1, 4, 16, 32, 64]
+    # the whole plan (3 sweeps of 17 + 4 x 5 = 37 s) fits in 200 s: nothing is cut
+    assert serve.plan_point(1, cs[1:], 2, cs, 200.0, m, prompts) == (16, None)
+    # with 55.5 s for 111 s of work the first point gets half of its 17 s: 7 of 16 waves
+    n, why = serve.plan_point(1, cs[1:], 2, cs, 55.5, m, prompts)
+    assert n == 7 and "7 of 16 waves" in why
+    # the last point of the last sweep gets all that is left, whole waves only
+    assert serve.plan_point(64, [], 0, cs, 3.5, m, prompts)[0] == 128
+    assert serve.plan_point(64, [], 0, cs, 1.5, m, prompts)[0] == 0
+
+
+def test_every_point_is_on_disk_as_soon_as_it_is_added(tmp_path):
+    res = serve.Results(tmp_path / "r.json", {"meta": {}, "points": []})
+    res.save()
+    res.add("points", {"config": "pp1_nospec", "concurrency": 1})
+    assert json.loads((tmp_path / "r.json").read_text())["points"] == [
+        {"config": "pp1_nospec", "concurrency": 1}
+    ]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_bench_summary_keeps_scalars_and_drops_per_request_lists():
+    s = serve.bench_summary(
+        {"output_throughput": 1.5, "ttfts": list(range(100)), "label": "x", "errors": [""] * 4,
+         "latencies": [1.0, 2.0],
+         "spec_decode_per_position_acceptance_rates": [0.9, 0.5], "nested": {"a": 1}}
+    )  # fmt: skip
+    assert s == {
+        "output_throughput": 1.5,
+        "label": "x",
+        "spec_decode_per_position_acceptance_rates": [0.9, 0.5],
+    }
+    assert serve.measured_acceptance_length({"num_drafts": 4, "num_accepted_tokens": 12}) == 4.0
+    assert serve.measured_acceptance_length({"num_drafts": 0}) is None
+
+
+def test_transport_evidence_and_useful_lines_from_launcher_logs():
+    log0 = (
+        "h:1:2 [0] NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
+        "h:1:2 [0] NCCL INFO comm 0x1 rank 0 nRanks 2 nNodes 2 localRanks 1 - Init COMPLETE\n"
+        "INFO 12-04 11:00:01 [x.py:1] DSpark PP exchange: rank 0 of 2 over nccl\n"
+        "INFO 12-04 11:00:02 [y.py:2] something routine\n"
+        "INFO 12-04 11:00:03 [z.py:3] PP handshake: 2 ranks agree\n"
+    )
+    log1 = log0.replace("rank 0", "rank 1")
+    ev = serve.transport_evidence([log0, log1])
+    assert ev == {
+        "nccl_comms": [(2, 2)],
+        "nccl_socket": True,
+        "exchange_backends": ["nccl"],
+        "handshake": True,
+    }
+    assert serve.transport_evidence(["no nccl here"])["nccl_comms"] == []
+    lines = serve.useful_lines(log0 + log0.replace("11:00:0", "11:09:0"))
+    assert len(lines) == 4 and not any("routine" in x for x in lines)
+
+
+# --------------------------------------------------------------------------- tokenizer
+def test_the_shape_tokenizer_has_the_configs_vocabulary_and_round_trips(tmp_path):
+    real_shapes = load_script("benchmarks/real_shapes.py")
+    paths = real_shapes.write_shape("qwen3-8b", tmp_path)
+    info = shape_tokenizer.write(paths.target)
+    assert info["vocab_size"] == info["config_vocab_size"] == 151936
+    assert info["special_tokens"] == {"151643": "<|endoftext|>", "151645": "<|im_end|>"}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(paths.target)
+    assert len(tok) == tok.vocab_size == 151936
+    assert tok.eos_token_id == 151645 and tok.bos_token is None
+    # special in tokenizer.json too: vLLM's incremental detokenizer decodes with the backend
+    assert tok.backend_tokenizer.decode([151645, 5, 151643], skip_special_tokens=True) == "w5"
+    assert set(tok.all_special_ids) == {151643, 151645}  # the random dataset leaves them out
+    assert tok.encode("w7 w151935", add_special_tokens=False) == [7, 151935]
+    n, bad = shape_tokenizer.round_trip_failures(paths.target, n=3, length=1024)
+    assert n == 3 and bad == []
+    # one token at a time (the incremental detokenizer) gives the whole text
+    ids = [5, 151000, 42]
+    assert "".join(tok.decode(ids[: i + 1])[len(tok.decode(ids[:i])) :] for i in range(3)) == (
+        tok.decode(ids)
+    )
+
+
+# --------------------------------------------------------------------------- plot
+def _write(tmp_path: Path, name: str, run: dict) -> str:
+    p = tmp_path / name
+    p.write_text(json.dumps(run))
+    return str(p)
+
+
+def _sample(pp2_dspark_c4: float) -> list[dict]:
+    """PP=1: no-spec 100 / 400 tok/s, DSpark 300 / 1000 (3.00x, 2.50x); PP=2: no-spec 90 / 360,
+    DSpark 270 at C=1 (3.00x) and ``pp2_dspark_c4`` at C=4."""
+    return [
+        serve_point("pp1_nospec", None, 1, 100.0),
+        serve_point("pp1_nospec", None, 4, 400.0),
+        serve_point("pp1_dspark", 3.99, 1, 300.0, measured=3.98),
+        serve_point("pp1_dspark", 3.99, 4, 1000.0),
+        serve_point("pp2_nospec", None, 1, 90.0),
+        serve_point("pp2_nospec", None, 4, 360.0),
+        serve_point("pp2_dspark", 3.99, 1, 270.0),
+        serve_point("pp2_dspark", 3.99, 4, pp2_dspark_c4),
+    ]
+
+
+def test_goal_b_is_computed_from_the_ratios(tmp_path):
+    runs = plot.load([_write(tmp_path, "a.json", serve_run(_sample(pp2_dspark_c4=720.0)))])
+    rows = plot.table_rows(plot.merge(runs))
+    ratios = plot.speedup_ratios(rows)
+    assert [(r["c"], r["pp1"], r["pp2"]) for r in ratios] == [(1, 3.0, 3.0), (4, 2.5, 2.0)]
+    g = plot.goal_b(ratios, [1, 4], [3.99])
+    assert g["verdict"] == "missed" and g["below"] == [(3.99, 4, pytest.approx(0.8))]
+    good = plot.load([_write(tmp_path, "b.json", serve_run(_sample(pp2_dspark_c4=900.0)))])
+    met = plot.goal_b(plot.speedup_ratios(plot.table_rows(plot.merge(good))), [1, 4], [3.99])
+    assert met["verdict"] == "met" and met["min"] == pytest.approx(1.0)
+    partial = plot.goal_b(ratios[:1], [1, 4], [3.99])
+    assert partial["verdict"] == "met where measured (incomplete)"
+    assert partial["missing"] == [(3.99, 4)]
+
+
+def test_markdown_and_png_from_recorded_runs(tmp_path):
+    first = serve_run(
+        _sample(pp2_dspark_c4=720.0),
+        skipped=[{"config": "pp2_dspark", "acceptance_length": 3.99, "concurrency": 64,
+                  "why": "budget: one wave of 64 needs about 9 s"}],
+        servers={"pp2_dspark": {"transport": {"nccl_comms": [[2, 2]], "nccl_socket": True,
+                                              "exchange_backends": ["nccl"]}}},
+    )  # fmt: skip
+    step = {"main_num_reqs": 4, "main": {"target_ms": 3.0, "draft_ms": None, "step_ms": 4.0}}
+    last = {"main_num_reqs": 4, "main": {"target_ms": 2.5, "draft_ms": 1.0, "step_ms": 4.0}}
+    first["points"][-1]["step_times"] = [step, last]  # pp2_dspark C=4
+    repeat = serve_run([serve_point("pp1_nospec", None, 1, 110.0)])
+    stock = serve_run([serve_point("pp2_nospec_stock", None, 1, 100.0)])
+    files = [
+        _write(tmp_path, "serve_pp_one_gpu_all.json", first),
+        _write(tmp_path, "serve_pp_one_gpu_rep.json", repeat),
+        _write(tmp_path, "serve_pp_one_gpu_stock.json", stock),
+    ]
+    dest = tmp_path / "docs"
+    md_path, png = dest / "perf.md", dest / "perf.png"
+    argv = [*files, "--md", str(md_path), "--png", str(png), "--copy-to", str(dest)]
+    assert plot.main(argv) == 0
+    md = md_path.read_text()
+    assert sorted(p.name for p in dest.glob("*.json")) == sorted(Path(f).name for f in files)
+    # pp1 no-spec C=1 has two repeats: median 105, spread 10/105
+    assert "| pp1_nospec | 1 | 105.0 | 50.0 | 90.0 | 5.00 | 6.00 | - | 16 | 2 | 9.5% |" in md
+    assert "| 3.99 | 4 | 2.50x | 2.00x | 0.800 |" in md
+    # PP=1 ratio at C=1 uses the median no-spec (105): 300 / 105
+    assert "| 3.99 | 1 | 2.86x | 3.00x | 1.050 |" in md
+    assert "**missed**" in md and "AL 3.99 C=4 (0.800)" in md
+    assert "| nospec | 1 | 0.857 | 1.000 |" in md  # PP=2 / PP=1 at equal work: 90 / 105
+    assert "| pp2_nospec | 1 | 0.900 |" in md  # plugin on / off at PP=2: 90 / 100
+    assert "2 ranks on 2 nodes; socket transport (`NET/Socket`): yes" in md
+    assert "pp2_dspark AL 3.99 C=64: budget" in md
+    assert "| pp2_dspark AL 3.99 | 4 | 0 | 4 | 3.000 | - | 4.000 | - |" in md
+    assert "| pp2_dspark AL 3.99 | 4 | 1 | 4 | 2.500 | 1.000 | 4.000 | 25.0% |" in md
+    assert md.count(plot.CAVEAT) >= 4
+    assert png.stat().st_size > 10_000 and "![served curves](perf.png)" in md
