@@ -8,7 +8,10 @@ the wave sizes), ``sampling`` (``SamplingParams`` keyword arguments; greedy, ``i
 ``abort`` (optional ``{"wave": w, "index": i, "after_tokens": n}``: abort that request once it has
 ``n`` tokens), ``probe`` (ask every worker whether the plugin is loaded and applied) and
 ``async_scheduling`` (force async scheduling back on after the CPU platform turns it off).
-Requests go through ``LLM.llm_engine`` step by step. The result file is rewritten at every phase
+Requests go through ``LLM.llm_engine`` step by step; each wave's result also has
+``step_lengths``: per request, its token count after every engine step that gave it tokens (the
+first entry is the prefill's one token; with speculative decoding a step that adds ``m`` tokens
+accepted ``m - 1`` draft tokens). The result file is rewritten at every phase
 change (import, startup, probe, wave N, shutdown), so a killed child still says where it stopped.
 """
 
@@ -89,13 +92,26 @@ def _config_summary(llm) -> dict:
     }
 
 
-def _run_wave(engine, wi: int, wave: list, params, abort: dict | None) -> dict:
+def wave_params(base: dict, override, n: int) -> list[dict]:
+    """The ``SamplingParams`` keyword arguments of each of a wave's ``n`` requests (see
+    ``wave_sampling`` in the module docstring)."""
+    if override is None:
+        return [base] * n
+    if isinstance(override, dict):
+        return [{**base, **override}] * n
+    if len(override) != n:
+        raise ValueError(f"wave_sampling has {len(override)} entries for a wave of {n} requests")
+    return [{**base, **o} for o in override]
+
+
+def _run_wave(engine, wi: int, wave: list, params: list, abort: dict | None) -> dict:
     ids = []
-    for i, p in enumerate(wave):
+    for i, (p, sp) in enumerate(zip(wave, params, strict=True)):
         rid = f"w{wi}-r{i}"
-        engine.add_request(rid, {"prompt_token_ids": p} if isinstance(p, list) else p, params)
+        engine.add_request(rid, {"prompt_token_ids": p} if isinstance(p, list) else p, sp)
         ids.append(rid)
     tokens: dict[str, list[int]] = {}
+    step_lengths: dict[str, list[int]] = {r: [] for r in ids}
     texts: dict[str, str] = {}
     logprobs: dict[str, list] = {}
     finished: dict[str, str | None] = {}
@@ -108,6 +124,9 @@ def _run_wave(engine, wi: int, wave: list, params, abort: dict | None) -> dict:
             comp = out.outputs[0] if out.outputs else None
             if comp is not None:
                 tokens[out.request_id] = list(comp.token_ids)
+                lengths = step_lengths[out.request_id]
+                if not lengths or lengths[-1] != len(comp.token_ids):
+                    lengths.append(len(comp.token_ids))
                 texts[out.request_id] = comp.text
                 if comp.logprobs is not None:
                     logprobs[out.request_id] = [
@@ -124,6 +143,7 @@ def _run_wave(engine, wi: int, wave: list, params, abort: dict | None) -> dict:
         "texts": [texts.get(r, "") for r in ids],
         "logprobs": [logprobs.get(r) for r in ids] if logprobs else None,
         "finish_reasons": [finished.get(r) for r in ids],
+        "step_lengths": [step_lengths[r] for r in ids],
         "steps": steps,
         "aborted": aborted,
     }
@@ -163,7 +183,8 @@ def main(spec_path: str, result_path: str) -> int:
             result["phase"] = "probe"
             dump()
             result["probe"] = llm.collective_rpc(probe_worker, timeout=60)
-        params = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **spec["sampling"]})
+        base = {"temperature": 0.0, "ignore_eos": True, **spec["sampling"]}
+        per_wave = spec.get("wave_sampling") or [None] * len(spec["waves"])
         abort = spec.get("abort") or None
         waves = []
         before = spec_metrics_from_llm(llm)
@@ -171,7 +192,10 @@ def main(spec_path: str, result_path: str) -> int:
             result["phase"] = f"wave {wi} ({len(wave)} requests)"
             dump()
             w_abort = abort if abort and abort.get("wave", 0) == wi else None
+            params = [SamplingParams(**kw) for kw in wave_params(base, per_wave[wi], len(wave))]
+            t_wave = time.monotonic()
             out = _run_wave(llm.llm_engine, wi, wave, params, w_abort)
+            out["wall_s"] = round(time.monotonic() - t_wave, 2)
             after = spec_metrics_from_llm(llm)
             out["metrics"] = counter_delta(before, after)
             before = after

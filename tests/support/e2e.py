@@ -11,10 +11,18 @@
         sampling={"max_tokens": 24},                     # SamplingParams kwargs (greedy by default)
         async_scheduling=False,                          # True: forced on after the CPU hook
         abort={"index": 1, "after_tokens": 5},           # optional: abort a request mid-stream
+        extra_waves=[{"prompts": [[5, 6]] * 4,           # optional: more waves after the first,
+                      "sampling": [{"temperature": 1.0, "seed": s} for s in range(4)]}],
     )
     res.tokens            # list[list[int]], one per prompt
     res.metrics           # {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
     "accepted_per_pos"}
+    res.waves             # every wave's raw result (tokens, metrics, step_lengths, ...), first
+                          # wave included
+
+An extra wave's ``sampling`` is merged over ``sampling`` (a dict: for all its requests; a list:
+one dict per request), so one engine start serves a greedy wave and then, say, many seeded
+sampled requests (``wave_sampling`` of :mod:`dspark_dev.engine_worker`).
 
 ``cfg`` goes to ``vllm.LLM(**cfg)`` after the defaults below (float32, eager mode,
 ``distributed_executor_backend="mp"``, small KV cache, ``disable_log_stats=False``). The child is
@@ -69,6 +77,7 @@ class Result:
     startup_s: float
     logprobs: list = field(default_factory=list)
     aborted: bool = False
+    waves: list = field(default_factory=list)
     log_tail: str = ""
     log_text: str = ""  # the whole log of the case (engine core and workers included)
 
@@ -87,13 +96,15 @@ def run_generate(
     async_scheduling: bool = False,
     abort: dict | None = None,
     env: dict | None = None,
+    extra_waves: list[dict] | None = None,
 ) -> Result:
     """Run ``vllm.LLM(**cfg)`` on ``prompts`` in a fresh process tree; see the module docstring."""
     llm_kwargs = {**DEFAULT_LLM_KWARGS, **cfg}
     spec = {
         "name": "e2e",
         "llm": llm_kwargs,
-        "waves": [prompts],
+        "waves": [prompts] + [w["prompts"] for w in extra_waves or []],
+        "wave_sampling": [None] + [w.get("sampling") for w in extra_waves or []],
         "sampling": {"max_tokens": 32, **(sampling or {})},
         "async_scheduling": bool(async_scheduling),
         "abort": abort,
@@ -134,6 +145,7 @@ def run_generate(
         startup_s=res.get("startup_s", 0.0),
         logprobs=wave.get("logprobs") or [],
         aborted=wave["aborted"],
+        waves=res["waves"],
         log_tail=run.log_text[-3000:],
         log_text=run.log_text,
     )

@@ -12,7 +12,10 @@ cut: 16 running requests x (1 + k) tokens = the budget):
   (its ``config["async_scheduling"]`` records what vLLM used).
 
 Used by tests/e2e/test_pp_parity.py (tokens and counters) and tests/evals/gsm8k (accuracy and
-acceptance gates of the ``ci: cpu`` configurations, scored from these same runs).
+acceptance gates of the ``ci: cpu`` configurations, scored from these same runs). ``pair_pp1``,
+``pair_pp2_sync`` and ``pair_pp2_async`` then run a second wave, :func:`seeded_wave` (seeded
+temperature-1 requests; tests/e2e/test_sampling.py compares their tokens across the three): its
+``waves[1]``; everything else of the result is the first (greedy) wave's.
 
 Random-weight pair (``tiny_models``, k=4), :data:`RANDOM_PROMPTS`: ``random_reference`` (PP=1
 no-spec, chunked prefill with a 32-token budget), ``random_pp1`` (PP=1 DSpark, same budget),
@@ -27,6 +30,7 @@ import pytest
 
 from support import tiny_pair
 from support.e2e import run_generate
+from support.reliability import seeded_sampling_wave
 
 # ------------------------------------------------------------------ trained pair
 PAIR_NUM_PROMPTS = 32
@@ -37,6 +41,21 @@ PAIR_LLM = {
     "max_num_seqs": 16,
 }
 PAIR_SAMPLING = {"max_tokens": PAIR_MAX_TOKENS, "ignore_eos": False}
+# The seeded wave (issue 28 case 4'): 4 prefixes x 2 seeds, the first token + one whole
+# verification block (k + 1 = 8 tokens). Sampled steps are slow on the CPU platform (vLLM's Triton
+# sampling and rejection kernels run in the Triton interpreter: about 5 ms per token row and step,
+# 8 rows per request and step): 16 requests took 6.7 s at PP=1, 15.3 s at PP=2 sync and 12.1 s at
+# PP=2 async (load 5), so the CI wave has 8: 4.4 / 6.4 / 12.4 s (load 5-6).
+SEEDED_REQUESTS = 8
+SEEDED_MAX_TOKENS = 9
+SEEDED_SEED0 = 28_000
+
+
+def seeded_wave() -> dict:
+    return seeded_sampling_wave(
+        SEEDED_REQUESTS, SEEDED_MAX_TOKENS, temperature=1.0, seed0=SEEDED_SEED0, per_prompt=2
+    )
+
 
 # ------------------------------------------------------------------ random pair
 RANDOM_MAX_TOKENS = 16
@@ -115,12 +134,12 @@ def pair_reference(e2e_timeout_s):
 
 @pytest.fixture(scope="session")
 def pair_pp1(e2e_timeout_s):
-    return run_pair(e2e_timeout_s, pp=1, spec=True)
+    return run_pair(e2e_timeout_s, pp=1, spec=True, extra_waves=[seeded_wave()])
 
 
 @pytest.fixture(scope="session")
 def pair_pp2_sync(e2e_timeout_s):
-    return run_pair(e2e_timeout_s, pp=2, spec=True)
+    return run_pair(e2e_timeout_s, pp=2, spec=True, extra_waves=[seeded_wave()])
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +149,9 @@ def pair_pp3_sync(e2e_timeout_s):
 
 @pytest.fixture(scope="session")
 def pair_pp2_async(e2e_timeout_s):
-    return run_pair(e2e_timeout_s, pp=2, spec=True, async_scheduling=True)
+    return run_pair(
+        e2e_timeout_s, pp=2, spec=True, async_scheduling=True, extra_waves=[seeded_wave()]
+    )
 
 
 @pytest.fixture(scope="session")

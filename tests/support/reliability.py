@@ -9,11 +9,13 @@ can hang up, the lost-stage measurement, and the statistics of the sampling-exac
   measured (CPU e2e and GPU tests), :func:`lost_stage_summary` its one-screen summary;
 * :func:`target_next_token_probs`: the target's exact next-token distribution (float64 softmax
   of the checkpoint run by ``transformers``, independent of vLLM) for each context;
-* :func:`chi_square_gof`: Pearson's goodness-of-fit test of observed counts against
-  probabilities, sparse bins pooled; :func:`chi_square_sf` its p-value (regularized upper
-  incomplete gamma from ``torch.special``: no scipy in the environment);
-* :func:`noncentrality`: the expected excess of the statistic under an alternative, for the power
-  statement.
+* :func:`randomized_pit` + :func:`uniformity_chi_square`: the sampled tokens mapped through the
+  target's distributions, and Pearson's test of their uniformity; :func:`chi_square_sf` its
+  p-value (regularized upper incomplete gamma from ``torch.special``: no scipy in the
+  environment); :func:`pit_bin_probs_under`: the exact bin probabilities under an alternative,
+  for the power statement;
+* :func:`seeded_sampling_wave`, :func:`tokens_after_accepted_drafts`, :func:`pit_of_wave`: the
+  seeded sampled waves of tests/e2e/test_sampling.py and what is tested of them.
 """
 
 from __future__ import annotations
@@ -251,49 +253,6 @@ def chi_square_sf(stat: float, df: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), s))
 
 
-def _bins(p: torch.Tensor, n: int, min_expected: float) -> list[list[int]]:
-    """Tokens with expected count >= ``min_expected`` get a bin each; the others share one
-    pooled bin (if its expectation is still too small it joins the smallest bin)."""
-    order = torch.argsort(p, descending=True).tolist()
-    big = [[t] for t in order if n * float(p[t]) >= min_expected]
-    rest = [t for t in order if n * float(p[t]) < min_expected]
-    if rest:
-        if n * float(p[rest].sum()) >= min_expected or not big:
-            big.append(rest)
-        else:
-            big[-1] = big[-1] + rest
-    return big
-
-
-def chi_square_gof(tokens: list[int], p: torch.Tensor, min_expected: float = 5.0) -> dict:
-    """Pearson's test that ``tokens`` are draws from ``p``: statistic, degrees of freedom,
-    p-value, the sample size and the bins used (token lists, most probable first)."""
-    n = len(tokens)
-    bins = _bins(p, n, min_expected)
-    where = {t: i for i, b in enumerate(bins) for t in b}
-    observed = [0] * len(bins)
-    for t in tokens:
-        observed[where[t]] += 1
-    expected = [n * float(p[b].sum()) for b in bins]
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
-    df = len(bins) - 1
-    return {
-        "n": n,
-        "stat": stat,
-        "df": df,
-        "p_value": chi_square_sf(stat, df) if df > 0 else 1.0,
-        "bins": bins,
-        "observed": observed,
-        "expected": expected,
-    }
-
-
-def noncentrality(p: torch.Tensor, q: torch.Tensor, bins: list[list[int]], n: int) -> float:
-    """``n * sum((q_b - p_b)^2 / p_b)`` over the bins: the statistic's expected excess over its
-    degrees of freedom when the samples come from ``q`` instead of ``p``."""
-    return n * sum((float(q[b].sum()) - float(p[b].sum())) ** 2 / float(p[b].sum()) for b in bins)
-
-
 def critical_value(df: int, alpha: float) -> float:
     """The chi-square(df) quantile 1 - alpha (bisection on :func:`chi_square_sf`)."""
     lo, hi = 0.0, float(df) + 20.0 * (df**0.5) + 100.0
@@ -370,3 +329,83 @@ def pit_bin_probs_under(probs: torch.Tensor, q: torch.Tensor, bins: int = 20) ->
         overlap = (torch.minimum(hi, edges[b + 1]) - torch.maximum(lo, edges[b])).clamp_min(0)
         out[b] = (sq * overlap / width).sum() / probs.shape[0]
     return out
+
+
+# ------------------------------------------------------------------ seeded sampled waves
+# Prompts of the sampled waves: held-out questions cut after this many tokens ("Question: NAME"),
+# where the trained target is uncertain (the next token's mode has about 0.63 of the mass; the
+# answers themselves are near-certain). The drafter was trained on answers: in question text it
+# accepts mostly at draft position 0, so the tokens closing an accepted block are those of steps
+# that accepted one or two drafts.
+SAMPLING_PREFIX_TOKENS = 3
+
+
+def seeded_sampling_wave(
+    requests: int, max_tokens: int, *, temperature: float, seed0: int, per_prompt: int = 1
+) -> dict:
+    """An extra wave for :func:`support.e2e.run_generate`: ``requests`` seeded sampled requests
+    (``ignore_eos``, so every sample has ``max_tokens`` tokens), ``per_prompt`` consecutive
+    requests per held-out prefix, request ``i`` seeded ``seed0 + i``."""
+    n_prompts = -(-requests // per_prompt)
+    prefixes = [p[:SAMPLING_PREFIX_TOKENS] for p in tiny_pair.heldout_prompts(n_prompts)]
+    prompts = [prefixes[i // per_prompt] for i in range(requests)]
+    base = {"temperature": temperature, "max_tokens": max_tokens, "ignore_eos": True}
+    sampling = [{**base, "seed": seed0 + i} for i in range(requests)]
+    return {"prompts": prompts, "sampling": sampling}
+
+
+def tokens_after_accepted_drafts(step_lengths: list[int]) -> list[int]:
+    """Indices of the tokens sampled right after an accepted draft token of the same verification
+    step: the next draft's rejection test (accepted), the recovered token or the bonus token.
+    ``step_lengths``: the request's token count after each step (``dspark_dev.engine_worker``);
+    a verification step that adds ``m`` tokens accepted its first ``m - 1``, so tokens 2..m of
+    its chunk follow an accepted draft.
+
+    The selection looks only at the previous position's outcome. Selecting the *last* token of
+    each accepted block instead would select on the token's own outcome (its draft rejected),
+    and such a token comes from the residual distribution ``(p - q)+``, not from ``p``; with
+    vLLM's token-level verification (``rejection_sample_method`` "standard", the default) the
+    randomness of a position is independent of the earlier positions' acceptance, so the tokens
+    selected here are draws from the target's ``p`` at their context."""
+    out, prev = [], 0
+    for n in step_lengths:
+        if prev > 0:
+            out.extend(range(prev + 1, n))
+        prev = n
+    return out
+
+
+def pit_of_wave(wave: dict, *, seed: int, near_certain: float = 0.99) -> dict:
+    """Randomized PIT values (:func:`randomized_pit`, under the target's own distributions at
+    each sampled context) of a sampled wave's first tokens and of its tokens that follow an
+    accepted draft token (:func:`tokens_after_accepted_drafts`), informative contexts only (top
+    token below ``near_certain``: chosen from the context, not from the sampled token, so the
+    null distribution stays U(0, 1)). Also the contexts' distributions (for power statements)
+    and the wave's step bookkeeping."""
+    groups: dict[tuple, list[int]] = {}  # requests by prompt: one batched forward per prompt
+    prompts = wave["prompts"]
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p), []).append(i)
+    u: dict[str, list] = {"first": [], "after_accepted": []}
+    ctx: dict[str, list] = {"first": [], "after_accepted": []}
+    for g, (prefix, idx) in enumerate(groups.items()):
+        toks = torch.tensor([wave["tokens"][i] for i in idx])
+        probs = continuation_probs(list(prefix), toks.tolist())  # [R, M, V]
+        pit = randomized_pit(probs, toks, seed=seed + g)
+        informative = probs.max(dim=-1).values < near_certain
+        for r, i in enumerate(idx):
+            for name, cols in (
+                ("first", [0]),
+                ("after_accepted", tokens_after_accepted_drafts(wave["step_lengths"][i])),
+            ):
+                keep = [c for c in cols if informative[r, c]]
+                u[name].append(pit[r, keep])
+                ctx[name].append(probs[r, keep])
+    return {
+        "u": {k: torch.cat(v) for k, v in u.items()},
+        "contexts": {k: torch.cat(v) for k, v in ctx.items()},
+        "verification_steps": sum(len(s) - 1 for s in wave["step_lengths"]),
+        "accepted_in_output": sum(
+            b - a - 1 for s in wave["step_lengths"] for a, b in zip(s, s[1:], strict=False)
+        ),
+    }

@@ -1,21 +1,25 @@
 """The statistics behind the sampling-exactness test (tests/support/reliability.py), on synthetic
 distributions: the p-value function against known chi-square quantiles, the PIT test accepting
 draws from the right distribution and rejecting tempered ones (its control), the exact power
-computation agreeing with what the draws show."""
+computation agreeing with what the draws show; which sampled tokens follow an accepted draft token
+(from the step lengths, and on a simulated verification step: they are the target's draws, each
+block's last token is not); the engine worker's per-request sampling of a wave."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from support.reliability import (
-    chi_square_gof,
     chi_square_sf,
     critical_value,
-    noncentrality,
     pit_bin_probs_under,
     randomized_pit,
     tempered,
+    tokens_after_accepted_drafts,
     uniformity_chi_square,
 )
+
+from dspark_dev.engine_worker import wave_params
 
 
 def test_chi_square_sf_matches_known_quantiles():
@@ -45,12 +49,75 @@ def test_pit_accepts_the_right_sampler_and_rejects_a_tempered_one():
     assert shifted[0] > 0.2 > shifted[-1]
 
 
-def test_pearson_counts_pool_rare_tokens_and_see_a_missing_one():
-    p = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01], dtype=torch.float64)
-    ok = [0] * 50 + [1] * 30 + [2] * 15 + [3] * 4 + [4]
-    res = chi_square_gof(ok, p)
-    assert res["bins"][-1] == [3, 4] and res["p_value"] > 0.5  # 5 expected in the pooled bin
-    never_second = [0] * 80 + [2] * 15 + [3] * 5
-    assert chi_square_gof(never_second, p)["p_value"] < 1e-6
-    q = tempered(p, 0.5)
-    assert noncentrality(p, q, res["bins"], 100) > noncentrality(p, q, res["bins"], 10)
+def test_the_tokens_after_accepted_drafts_are_found_from_the_step_lengths():
+    # prefill 1 token; a step with no accepted draft (+1); 3 accepted (+4); 1 accepted (+2);
+    # a step cut by max_tokens after 2 accepted (+3 emitted). Not only each block's last token
+    # (5, 7, 10): that one is selected on its own outcome (tests/support/reliability.py).
+    assert tokens_after_accepted_drafts([1, 2, 6, 8, 11]) == [3, 4, 5, 7, 9, 10]
+    assert tokens_after_accepted_drafts([1, 2, 3, 4]) == []  # nothing ever accepted
+    assert tokens_after_accepted_drafts([3]) == []  # the first output is the prefill's
+
+
+def test_a_wave_gives_each_request_its_own_sampling_parameters():
+    base = {"temperature": 0.0, "max_tokens": 8}
+    assert wave_params(base, None, 2) == [base, base]
+    assert wave_params(base, {"temperature": 1.0}, 2) == [{"temperature": 1.0, "max_tokens": 8}] * 2
+    per = wave_params(base, [{"seed": 1, "temperature": 1.0}, {"seed": 2}], 2)
+    assert per == [
+        {"temperature": 1.0, "max_tokens": 8, "seed": 1},
+        {"temperature": 0.0, "max_tokens": 8, "seed": 2},
+    ]
+    with pytest.raises(ValueError, match="1 entries for a wave of 2"):
+        wave_params(base, [{"seed": 1}], 2)
+
+
+def _one_verification_step(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int):
+    """Token-level speculative sampling, simulated: per trial a prefill token (id 0, not tested)
+    then one verification step of ``k`` drafts from ``q[j]`` checked against ``p[j]`` (accept
+    with probability min(1, p/q), else a token from the residual (p - q)+ and stop; all
+    accepted: a bonus token from ``p[k]``). Returns each trial's tokens and step lengths."""
+    g = torch.Generator().manual_seed(seed)
+    k = q.shape[0]
+    outs, lengths = [], []
+    for _ in range(trials):
+        toks = [0]
+        for j in range(k + 1):
+            if j == k:
+                toks.append(int(torch.multinomial(p[j], 1, generator=g)))
+                break
+            d = int(torch.multinomial(q[j], 1, generator=g))
+            if float(torch.rand(1, generator=g, dtype=torch.float64)) < min(
+                1.0, float(p[j, d] / q[j, d])
+            ):
+                toks.append(d)
+                continue
+            residual = (p[j] - q[j]).clamp_min(0)
+            toks.append(int(torch.multinomial(residual / residual.sum(), 1, generator=g)))
+            break
+        outs.append(toks)
+        lengths.append([1, len(toks)])
+    return outs, lengths
+
+
+def test_tokens_after_accepted_drafts_are_the_targets_but_each_blocks_last_is_not():
+    """The e2e test's selection keeps the target's distribution; the tempting alternative, each
+    accepted block's last token (selected on its own rejection), does not: its tokens come from
+    the residual, and the same PIT test rejects them (the control)."""
+    k, vocab = 3, 12
+    p = _dists(k + 1, vocab, 5)
+    q = torch.stack([tempered(row, 0.4) for row in p[:k]])  # a drafter sharper than the target
+    outs, lengths = _one_verification_step(p, q, 6000, 7)
+    chosen: list[tuple[int, int]] = []  # (position in the step, token)
+    last: list[tuple[int, int]] = []
+    for toks, sl in zip(outs, lengths, strict=True):
+        chosen += [(i - 1, toks[i]) for i in tokens_after_accepted_drafts(sl)]
+        if len(toks) >= 3:  # at least one accepted draft: the block's last token
+            last.append((len(toks) - 2, toks[-1]))
+
+    def pit(pairs):
+        rows = torch.stack([p[j] for j, _ in pairs])
+        return randomized_pit(rows, torch.tensor([t for _, t in pairs]), 3)
+
+    assert len(chosen) > 1000 and len(last) > 1000
+    assert uniformity_chi_square(pit(chosen), 5)["p_value"] > 1e-3
+    assert uniformity_chi_square(pit(last), 5)["p_value"] < 1e-6
