@@ -19,7 +19,6 @@ import json
 import platform
 import statistics
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,17 +34,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=200)
     args = ap.parse_args()
 
+    from dspark_dev.mq_pair import remote_queue_pair
     from vllm_dspark_pp.patches import _util, apply_all
 
     apply_all()
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    writer = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    reader = MessageQueue.create_from_handle(writer.export_handle(), rank=1)
-    t = threading.Thread(target=writer.wait_until_ready)
-    t.start()
-    reader.wait_until_ready()
-    t.join()
+    writer, reader = remote_queue_pair()
     patched = MessageQueue.dequeue
     stock = _util.original(MessageQueue, "dequeue")
     assert patched is not stock, "the patch is not installed"

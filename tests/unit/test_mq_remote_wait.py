@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from dspark_dev.mq_pair import remote_queue_pair
 from vllm_dspark_pp.patches import _util, apply_all
 from vllm_dspark_pp.protocol.liveness import QueueShutDown
 
@@ -18,12 +19,7 @@ def mq_pair():
     apply_all()
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    writer = MessageQueue(1, 0, connect_ip="127.0.0.1")  # one reader, on "another node"
-    reader = MessageQueue.create_from_handle(writer.export_handle(), rank=1)
-    t = threading.Thread(target=writer.wait_until_ready)
-    t.start()
-    reader.wait_until_ready()
-    t.join(30)
+    writer, reader = remote_queue_pair()
     assert reader._is_remote_reader
     return MessageQueue, writer, reader
 
@@ -45,14 +41,8 @@ def test_remote_reader_data_and_timeout_unchanged(mq_pair):
 
 def test_remote_reader_gives_up_when_its_queue_is_shut_down():
     apply_all()
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    writer = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    reader = MessageQueue.create_from_handle(writer.export_handle(), rank=1)
-    t = threading.Thread(target=writer.wait_until_ready)
-    t.start()
-    reader.wait_until_ready()
-    t.join(30)
+    writer, reader = remote_queue_pair()
     outcome: list = []
 
     def wait_for_reply():
