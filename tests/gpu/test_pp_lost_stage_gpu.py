@@ -15,8 +15,8 @@ off (``VLLM_DSPARK_PP_PEER_TIMEOUT_S=0``, execute timeout 60 s): must time out i
     source /tmp/site/env.sh && DSPARK_GPU_GROUPS_BUDGET_S=540 bash tools/gpu/run_groups.sh \\
         $OUT lost_stage lost_stage_control
 
-(``$OUT/lost_stage*/result.json`` and the launchers' logs come back; ``DSPARK_GPU_LOST_STAGE_LOGS``
-sets that folder when run by hand.)
+(``result.json`` and the launchers' logs come back in ``$OUT/artifacts.tgz``;
+``DSPARK_GPU_LOST_STAGE_LOGS`` sets that folder when run by hand.)
 """
 
 from __future__ import annotations

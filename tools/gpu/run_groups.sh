@@ -19,7 +19,8 @@
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
 # Knobs: DSPARK_GPU_GROUPS_BUDGET_S (default 540), each group's limit; DSPARK_GPU_GROUPS_STAGGER_S
 # (default 0): seconds between group starts, so the first group's engines compile ahead of the
-# others' (the call then lasts up to BUDGET + (groups - 1) x STAGGER).
+# others' (the call then lasts up to BUDGET + (groups - 1) x STAGGER); DSPARK_GPU_LOST_STAGE_READY_S
+# (default BUDGET - 200): the lost_stage groups' start-up deadline.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -91,8 +92,10 @@ for g in "$@"; do
       run_group "$g" tests/gpu/test_pp_adaptive_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   lost_stage | lost_stage_control)
-    mkdir -p "$OUTDIR/$g" # result.json and both launchers' logs come back
-    DSPARK_GPU_LOST_STAGE_LOGS="$OUTDIR/$g" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
+    # result.json and both launchers' logs come back in artifacts.tgz (at most 8 files come back
+    # from the GPU machine: one folder per group would pass that); the summary is in $g.log.
+    mkdir -p "$ART/$g"
+    DSPARK_GPU_LOST_STAGE_LOGS="$ART/$g" DSPARK_GPU_PP_READY_S=${DSPARK_GPU_LOST_STAGE_READY_S:-$((BUDGET - 200))} \
       DSPARK_GPU_LOST_STAGE_CONTROL=$([ "$g" = lost_stage_control ] && echo 1 || echo 0) \
       run_group "$g" tests/gpu/test_pp_lost_stage_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
