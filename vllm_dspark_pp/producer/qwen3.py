@@ -235,25 +235,16 @@ def qwen3_context_kv_class(module_name: str | None = None) -> type:
             before (same tensor, same GEMM, same bytes written); a weight reload writes
             through the views into the fused buffer, and the rebuild refills it in place.
             Without a fused buffer (quantized weights, vLLM's CPU platform: the projections
-            run through their quant method) nothing was copied and nothing changes.
+            run through their quant method) only the K norms were copied.
             """
-            fused = self._fused_kv_weight
-            if fused is None:
+            attns: list[Any] = [layer.self_attn for layer in self.layers]
+            derived: Any = self.__dict__  # vLLM's derived tensors are plain attributes
+            drafter.hold_as_views(derived["_k_norm_weights"], (a.k_norm.weight for a in attns))
+            if derived["_fused_kv_weight"] is None:
                 return
-            attns = [layer.self_attn for layer in self.layers]
-            rows = [attn.qkv_proj.weight.shape[0] for attn in attns]
-            if sum(rows) != fused.shape[0]:
-                raise RuntimeError(
-                    f"the fused K/V weight has {fused.shape[0]} rows, the layers {sum(rows)}: "
-                    "vLLM's fused layout is not 0.34.0's (the only release supported)"
-                )
-            bias, start = self._fused_kv_bias, 0
-            for i, (attn, n) in enumerate(zip(attns, rows, strict=True)):
-                attn.qkv_proj.weight.data = fused[start : start + n]
-                if bias is not None:
-                    attn.qkv_proj.bias.data = bias[start : start + n]
-                attn.k_norm.weight.data = self._k_norm_weights[i]
-                start += n
+            drafter.hold_as_views(derived["_fused_kv_weight"], (a.qkv_proj.weight for a in attns))
+            if derived["_fused_kv_bias"] is not None:
+                drafter.hold_as_views(derived["_fused_kv_bias"], (a.qkv_proj.bias for a in attns))
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             loader = AutoWeightsLoader(self)
