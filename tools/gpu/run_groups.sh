@@ -88,7 +88,8 @@ for g in "$@"; do
     # (its benchmark JSON, JSONL and logs come back in artifacts.tgz: 8 files at most come back)
     # and the tiny pair's bitwise context-KV test (logged as producer_kv)
     mkdir -p "$ART/producer_memory"
-    DSPARK_PRODUCER_MEMORY_OUT="$ART/producer_memory" DSPARK_PRODUCER_MEMORY_BUDGET_S=$((BUDGET - 60)) \
+    DSPARK_GPU_PRODUCER_MEMORY=1 DSPARK_PRODUCER_MEMORY_OUT="$ART/producer_memory" \
+      DSPARK_PRODUCER_MEMORY_BUDGET_S=$((BUDGET - 60)) \
       run_group "$g" tests/gpu/test_producer_memory_gpu.py --timeout=$((BUDGET - 20)) &
     run_group producer_kv "tests/gpu/test_producer_gpu.py::test_materialize_context_kv_writes_full_drafter_kv" \
       --timeout=$((BUDGET - 20)) &
