@@ -12,7 +12,8 @@
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
 #         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
 #         producer_memory (issue 29 item 4: the producer's drafter at the Qwen3-8B shape by the
-#         allocator, beside producer_kv: its context KV bitwise equal to the full drafter's),
+#         allocator, beside producer_kv: its context KV bitwise equal to the full drafter's, and
+#         producer_mla: the DeepSeek-V4 / Kimi-K3 context-only drafters on CUDA),
 #         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control),
 #         lost_stage / lost_stage_control (issue 28 case 3b: PP rank 1 killed across two launchers;
 #         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off).
@@ -84,15 +85,17 @@ for g in "$@"; do
     run_group "$g" tests/gpu/test_dsv4_router_256.py --timeout=$((BUDGET - 20)) &
     ;;
   producer_memory)
-    # two runs side by side (each about 150 s on a fresh machine): the Qwen3-8B producer engine
-    # (its benchmark JSON, JSONL and logs come back in artifacts.tgz: 8 files at most come back)
-    # and the tiny pair's bitwise context-KV test (logged as producer_kv)
+    # three runs side by side (each about 150 s on a fresh machine): the Qwen3-8B producer engine
+    # (its benchmark JSON, JSONL and logs come back in artifacts.tgz: 8 files at most come back),
+    # the tiny pair's bitwise context-KV test (logged as producer_kv) and the DeepSeek-V4 / Kimi-K3
+    # context-only drafters against vLLM's on CUDA (bitwise caches, held bytes; producer_mla)
     mkdir -p "$ART/producer_memory"
     DSPARK_GPU_PRODUCER_MEMORY=1 DSPARK_PRODUCER_MEMORY_OUT="$ART/producer_memory" \
       DSPARK_PRODUCER_MEMORY_BUDGET_S=$((BUDGET - 60)) \
       run_group "$g" tests/gpu/test_producer_memory_gpu.py --timeout=$((BUDGET - 20)) &
     run_group producer_kv "tests/gpu/test_producer_gpu.py::test_materialize_context_kv_writes_full_drafter_kv" \
       --timeout=$((BUDGET - 20)) &
+    run_group producer_mla tests/gpu/test_context_kv_mla_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   nixl)
     mkdir -p "$OUTDIR/nixl"
