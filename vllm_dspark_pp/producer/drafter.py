@@ -129,7 +129,7 @@ def hold_as_views(derived: torch.Tensor, params: Iterable[torch.Tensor]) -> None
             f"a derived weight buffer of {flat.numel()} elements is not its parameters' "
             f"{sum(p.numel() for p in params)}: vLLM's layout is not 0.34.0's"
         )
-    start = 0
+    views, start = [], 0
     for p in params:
         view = flat[start : start + p.numel()].view(p.shape)
         if view.dtype != p.dtype or view.device != p.device or not view.equal(p.data):
@@ -137,8 +137,10 @@ def hold_as_views(derived: torch.Tensor, params: Iterable[torch.Tensor]) -> None
                 "a derived weight buffer does not hold its parameters in order: vLLM's layout "
                 "is not 0.34.0's"
             )
-        p.data = view
+        views.append(view)
         start += p.numel()
+    for p, view in zip(params, views, strict=True):  # all checked first: none or every one
+        p.data = view
 
 
 def held_weight_bytes(model: Any) -> int:

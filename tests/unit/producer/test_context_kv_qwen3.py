@@ -346,3 +346,27 @@ def test_context_kv_with_the_gpu_layout_equals_full_drafter_and_reads_the_parame
     ck2, cv2 = _context_kv(ctx, ccfg, aux_states, positions)
     assert torch.equal(ck2, ck) and not torch.equal(cv2, cv)
     assert not equal_to_full(ck2, cv2)
+
+
+def test_hold_as_views_shares_storage_and_refuses_another_layout():
+    def params():
+        return [
+            torch.nn.Parameter(torch.arange(6.0).view(2, 3), requires_grad=False),
+            torch.nn.Parameter(torch.arange(6.0, 9.0), requires_grad=False),
+        ]
+
+    stacked = torch.cat([p.data.reshape(-1) for p in params()])
+    last_differs = stacked.clone()
+    last_differs[-1] += 1
+    for wrong in (stacked.flip(0), stacked[:-1], last_differs):  # order; size; contents
+        ps, buf = params(), wrong.clone()
+        with pytest.raises(RuntimeError, match="0.34.0"):
+            drafter.hold_as_views(buf, ps)
+        assert not _storages(ps) & _storages([buf])  # all or nothing: none became a view
+    ps = params()
+    drafter.hold_as_views(stacked, ps)
+    assert _storages(ps) == _storages([stacked])
+    assert ps[0].shape == (2, 3) and torch.equal(ps[1], torch.arange(6.0, 9.0))
+    stacked[-1] = 42.0  # a write to the buffer is a write to the parameter, and back
+    ps[0].data[0, 0] = -1.0
+    assert ps[1][-1] == 42.0 and stacked[0] == -1.0
