@@ -6,7 +6,7 @@ tests/unit/producer/test_context_kv_qwen3.py::test_draft_param_bytes_matches_the
 ``--markdown`` adds what each drafter holds after loading by ``plan``'s rule
 (``qwen3.draft_load_bytes``, embedding and LM head shared with the target): the full drafter
 with vLLM's fused K/V copy, the context-KV-only drafter without (checked against the built
-module in tests/unit/producer/test_context_kv_qwen3.py::test_context_only_drafter_holds_one_kv_copy).
+module: tests/unit/producer/test_context_kv_qwen3.py, test_context_only_drafter_holds_one_kv_copy).
 
 Shape: Qwen3-8B DSpark as given in issue 3 (hidden 4096, intermediate 12288, 32 query / 8 KV
 heads, head_dim 128, vocab 151936, 5 draft layers), bf16. Not published in that list, so shown
