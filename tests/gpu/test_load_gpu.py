@@ -200,9 +200,15 @@ def _serve_deployment(name: str, dep, deadline: float, during=None) -> dict:
         rec["error"] = f"{type(e).__name__}: {e}"
         rec["log_tail"] = dep.logs(3000)
     finally:
+        # errors while serving: the logs before the stop (a stop by SIGTERM makes vLLM's API
+        # server log EngineDeadError as its engine goes away: recorded apart)
+        served = [n.log_tail(10**8) for n in dep.nodes]
+        rec["error_lines"] = [served_load.error_lines(t)[:20] for t in served]
         rec["left_running"] = dep.stop(grace_s=10.0)
-        logs = [n.log_tail(10**8) for n in dep.nodes]
-        rec["error_lines"] = [served_load.error_lines(t)[:20] for t in logs]
+        rec["stop_error_lines"] = [
+            len(served_load.error_lines(n.log_tail(10**8))) - len(served_load.error_lines(t))
+            for n, t in zip(dep.nodes, served, strict=True)
+        ]
         _trim_logs(dep.nodes)
     return rec
 

@@ -303,7 +303,7 @@ def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
     finally:
         dec_log = pair.decoder.log_text()
         rec["decoder_connector_lines"] = pd_fault.connector_lines(dec_log)
-        rec["decoder_error_lines"] = served_load.error_lines(dec_log)[:20]
+        rec["decoder_error_lines"] = served_load.error_lines(dec_log)[:20]  # before the stop
         if "error" in rec:
             rec["log_tails"] = {s.name: s.log_text()[-2500:] for s in (*pair.producers,
                                                                        pair.decoder)}  # fmt: skip
