@@ -60,14 +60,12 @@ def test_gpu_apps_are_summed_per_pid_and_unreadable_lines_skipped():
 
 
 def test_group_rss_counts_only_live_members_of_the_groups():
-    procs = [
-        start_in_session(
-            [sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(60)"]
-        )  # fmt: skip
-        for _ in range(2)
-    ]
+    # the memory is held by a child of each group's leader: members, not just leaders, count
+    holder = "import time; x = bytearray(64 << 20); time.sleep(60)"
+    leader = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {holder!r}])"
+    procs = [start_in_session([sys.executable, "-c", leader]) for _ in range(2)]
     try:
-        time.sleep(1.5)
+        time.sleep(3.0)
         one = served_load.group_rss_mib([procs[0].pid])
         both = served_load.group_rss_mib([p.pid for p in procs])
         assert one >= 64 and both >= one + 64, (one, both)
