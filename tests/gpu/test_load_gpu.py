@@ -5,9 +5,10 @@ PP=2 DSpark served by two launchers on GPU 0 (dspark_dev/pp_launch.py: node 0 ``
 ``NCCL_HOSTID``, NCCL over loopback sockets), the trained tiny pair (models/tiny-pair, k=7), CUDA
 graphs (decode graphs up to 32 requests), async scheduling. ``vllm bench serve`` (vLLM's own
 client: random dataset, streaming) sends ``DSPARK_GPU_LOAD_PROMPTS`` (500) requests at
-``--max-concurrency`` 32, random input and output lengths (128 and 128 tokens, range ratio 0.5:
-at most 384 tokens, inside ``max_model_len`` 512), greedy, ``ignore_eos``, three runs against the
-same server. During the second run a greedy client sends a fixed sample (8 held-out questions,
+``--max-concurrency`` 32, random input and output lengths (128 and 64 tokens, range ratio 0.5:
+at most 288 tokens, inside ``max_model_len`` 512; ``DSPARK_GPU_LOAD_INPUT_LEN`` /
+``_OUTPUT_LEN``), greedy, ``ignore_eos``, three runs against the same server, each run's
+deadline the group's time left divided by the runs left (``DSPARK_GPU_LOAD_BUDGET_S``). During the second run a greedy client sends a fixed sample (8 held-out questions,
 where the pair accepts about 7.5 tokens a step, and 8 random token prompts) into the load.
 
 Checked: every request of every run completed (0 failed); no ERROR or traceback line in either
@@ -59,7 +60,7 @@ PROMPTS = _env_num("DSPARK_GPU_LOAD_PROMPTS", 8 if DRYRUN_CPU else 500)
 CONCURRENCY = _env_num("DSPARK_GPU_LOAD_CONCURRENCY", 4 if DRYRUN_CPU else 32)
 RUNS = _env_num("DSPARK_GPU_LOAD_RUNS", 3)
 INPUT_LEN = _env_num("DSPARK_GPU_LOAD_INPUT_LEN", 32 if DRYRUN_CPU else 128)
-OUTPUT_LEN = _env_num("DSPARK_GPU_LOAD_OUTPUT_LEN", 8 if DRYRUN_CPU else 128)
+OUTPUT_LEN = _env_num("DSPARK_GPU_LOAD_OUTPUT_LEN", 8 if DRYRUN_CPU else 64)
 RANGE_RATIO = 0.5
 BUDGET_S = _env_num("DSPARK_GPU_LOAD_BUDGET_S", 1800 if DRYRUN_CPU else 320, float)
 READY_S = _env_num("DSPARK_GPU_PP_READY_S", 900 if DRYRUN_CPU else 200, float)
