@@ -333,3 +333,182 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
     assert "| pp2_dspark AL 3.99 | 4 | 1 | 4 | 2.500 | 1.000 | 4.000 | 25.0% |" in md
     assert md.count(plot.CAVEAT) >= 4
     assert png.stat().st_size > 10_000 and "![served curves](perf.png)" in md
+
+
+# --------------------------------------------------------------------------- PD vs aggregated
+def test_the_pd_group_sweeps_al_3_99_and_both_sides_hold_the_same_kv():
+    a = serve.parse_args(["--configs", "pd"])
+    assert [c.name for c in a.cfgs] == ["pd_dspark", "agg_dspark_kv"] and a.als == [3.99]
+    assert serve.parse_args(["--configs", "pd,pp1"]).als == [3.99, 6.1]  # mixed: the usual
+    pd, agg = (serve.kv_plan(c, 16.0, 24.0, 0.75) for c in a.cfgs)
+    assert agg == {"engine": 24 << 30}
+    assert pd == {"producer": 6 << 30, "decoder": 18 << 30}
+    # an odd share rounds the decoder down to whole MiB and the producer takes the rest
+    pd_odd = serve.kv_plan(a.cfgs[0], 16.0, 10.0, 0.333)
+    assert sum(pd_odd.values()) == 10 << 30 and pd_odd["decoder"] % (1 << 20) == 0
+    assert serve.kv_plan(serve.CONFIGS["pp2_dspark"], 16.0, 24.0, 0.75) == {
+        "stage0": 8 << 30,
+        "stage1": 8 << 30,
+    }
+    with pytest.raises(SystemExit, match="--pd-decoder-share"):
+        serve.parse_args(["--configs", "pd", "--pd-decoder-share", "1"])
+
+
+def test_dry_run_composes_producer_decoder_and_proxy(capsys):
+    out = _dry(capsys, "--configs", "pd", "--concurrency", "1,64")
+    nodes = _launchers(out)
+    assert set(nodes) == {
+        "pd_dspark producer",
+        "pd_dspark decoder",
+        "pd_dspark proxy",
+        "agg_dspark_kv",
+    }
+
+    def opt(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    def json_opt(who, flag):
+        """A JSON option of a launcher, read from its printed command line."""
+        line = next(x for x in out.splitlines() if x.startswith(f"  {who}: /"))
+        return json.JSONDecoder().raw_decode(line, line.index(flag + " ") + len(flag) + 1)[0]
+
+    pre, dec, proxy = (nodes[f"pd_dspark {r}"] for r in ("producer", "decoder", "proxy"))
+    agg = nodes["agg_dspark_kv"]
+    pre_kv = json_opt("pd_dspark producer", "--kv-transfer-config")
+    dec_kv = json_opt("pd_dspark decoder", "--kv-transfer-config")
+    assert pre_kv["kv_role"] == "kv_producer" and dec_kv["kv_role"] == "kv_consumer"
+    assert pre_kv["kv_connector"] == dec_kv["kv_connector"] == "MooncakeConnector"
+    assert pre_kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}
+    assert "--kv-transfer-config" not in agg["argv"]
+    # the same total KV: producer + decoder == the aggregated engine, each set exactly once
+    kv = {n: [a for a in x["argv"] if a == "--kv-cache-memory-bytes"] for n, x in nodes.items()}
+    assert kv == {"pd_dspark producer": ["--kv-cache-memory-bytes"],
+                  "pd_dspark decoder": ["--kv-cache-memory-bytes"], "pd_dspark proxy": [],
+                  "agg_dspark_kv": ["--kv-cache-memory-bytes"]}  # fmt: skip
+    total = int(opt(pre["argv"], "--kv-cache-memory-bytes")) + int(
+        opt(dec["argv"], "--kv-cache-memory-bytes")
+    )
+    assert total == int(opt(agg["argv"], "--kv-cache-memory-bytes")) == 24 << 30
+    # both engines: the same DSpark config, their own ports; the proxy joins them
+    spec = json_opt("pd_dspark producer", "--speculative-config")
+    assert spec == json_opt("pd_dspark decoder", "--speculative-config")
+    assert spec["method"] == "dspark" and spec["synthetic_acceptance_length"] == 3.99
+    assert pre["env"]["VLLM_PORT"] != dec["env"]["VLLM_PORT"]
+    boot = pre["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+    assert dec["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"] != boot
+    assert proxy["argv"][1:3] == ["-m", "dspark_dev.pd_proxy"]
+    assert opt(proxy["argv"], "--prefill") == f"http://127.0.0.1:{opt(pre['argv'], '--port')}"
+    assert opt(proxy["argv"], "--decode") == f"http://127.0.0.1:{opt(dec['argv'], '--port')}"
+    assert opt(proxy["argv"], "--bootstrap") == f"http://127.0.0.1:{boot}"
+    assert opt(proxy["argv"], "--engine-id") == pre_kv["engine_id"]
+    # the acceptance switch goes to the decoder, the client to the proxy
+    posts = [line for line in out.splitlines() if line.startswith("POST ")]
+    assert posts[0].startswith("POST URL(pd_dspark decoder)/collective_rpc")
+    assert posts[1].startswith("POST URL(agg_dspark_kv)/collective_rpc")
+    bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
+    assert len(bench) == 4 and "--base-url URL(pd_dspark proxy) " in bench[0]
+    # the same prompts on both sides
+    seeds = [shlex.split(b)[shlex.split(b).index("--seed") + 1] for b in bench]
+    assert seeds[:2] == seeds[2:]
+
+
+class _Node:
+    def __init__(self, name, exit_code=None, port=1):
+        self.name, self.code, self.port, self.started, self.argv = name, exit_code, port, 0, []
+
+    url = property(lambda self: f"http://127.0.0.1:{self.port}")
+
+    def start(self):
+        self.started += 1
+
+    def exited(self):
+        return self.code
+
+    def wait_ready(self, timeout_s):
+        if self.code is not None:
+            raise RuntimeError(f"{self.name} exited with code {self.code} before it was ready")
+
+
+def _pd(monkeypatch, seen="eng-1", decoder_exit=None):
+    from dspark_dev import pd_launch
+
+    monkeypatch.setattr(pd_launch, "wait_engine_id", lambda url, deadline: seen)
+    proxy = _Node("proxy")
+    proxy.argv = ["python", "-m", "dspark_dev.pd_proxy", "--engine-id", "eng-1"]
+    dep = pd_launch.PDDeployment(
+        "pd", [_Node("producer")], _Node("decoder", decoder_exit, port=2), proxy, "boot", "eng-1"
+    )
+    return dep.start(), proxy
+
+
+def test_pd_deployment_starts_the_proxy_only_when_both_engines_answer(monkeypatch):
+    dep, proxy = _pd(monkeypatch)
+    assert proxy.started == 0  # not with the engines
+    dep.wait_ready(5.0)
+    assert proxy.started == 1 and dep.control_url == "http://127.0.0.1:2"
+    assert dep.url == proxy.url and dep.nodes[-1] is proxy
+    dep, proxy = _pd(monkeypatch, seen="eng-registered")
+    dep.wait_ready(5.0)  # the proxy names the engine the bootstrap server lists
+    assert proxy.argv[-1] == "eng-registered" and dep.engine_id == "eng-registered"
+    dep, proxy = _pd(monkeypatch, decoder_exit=1)
+    with pytest.raises(RuntimeError, match="decoder.*exit"):
+        dep.wait_ready(5.0)
+    assert proxy.started == 0
+
+
+def test_pd_deltas_are_after_minus_before():
+    before = {
+        "decoder_kv": {"vllm:external_prefix_cache_hits_total": 100.0},
+        "producer_spec": {"num_draft_tokens": 0, "accepted_per_pos": [1, 2]},
+        "proxy": {"requests": 3, "errors": ["old"]},
+    }
+    after = {
+        "decoder_kv": {"vllm:external_prefix_cache_hits_total": 1124.0},
+        "producer_spec": {"num_draft_tokens": 0, "accepted_per_pos": [1, 5]},
+        "proxy": {"requests": 7, "errors": ["old", "new"]},
+    }
+    assert serve.pd_delta(before, after) == {
+        "decoder_kv": {"vllm:external_prefix_cache_hits_total": 1024.0},
+        "producer_spec": {"num_draft_tokens": 0, "accepted_per_pos": [0, 3]},
+        "proxy": {"requests": 4, "errors": ["new"]},
+    }
+    gone = serve.pd_delta(before, {**after, "proxy": {"error": "URLError: refused"}})
+    assert gone["proxy"] == {"error": "URLError: refused"}
+
+
+def _pd_point(config, c, tok_s, ttft, tpot, *, pulled=1.0):
+    p = serve_point(config, 3.99, c, tok_s, ttft=ttft, tpot=tpot, measured=3.98)
+    if config == "pd_dspark":
+        prompt = 1024.0 * p["num_prompts"]
+        p["pd"] = {
+            "decoder_kv": {"vllm:external_prefix_cache_hits_total": pulled * prompt,
+                           "vllm:prompt_tokens_total": prompt},
+            "producer_spec": {"num_draft_tokens": 0},
+            "proxy": {"requests": p["num_prompts"], "errors": []},
+        }  # fmt: skip
+    return p
+
+
+def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
+    run = serve_run(
+        [
+            _pd_point("pd_dspark", 1, 500.0, (80.0, 120.0), (1.8, 2.0)),
+            _pd_point("agg_dspark_kv", 1, 550.0, (40.0, 60.0), (1.7, 1.9)),
+            _pd_point("pd_dspark", 4, 1500.0, (150.0, 300.0), (2.0, 2.5), pulled=0.5),
+            _pd_point("agg_dspark_kv", 4, 2000.0, (100.0, 200.0), (1.75, 2.2)),
+        ]
+    )
+    f = _write(tmp_path, "serve_pp_one_gpu_pd.json", run)
+    md_path, png = tmp_path / "pd.md", tmp_path / "perf.png"
+    assert plot.main([f, "--md", str(md_path), "--png", str(png)]) == 0
+    md = md_path.read_text()
+    assert "## PD vs aggregated, served" in md and plot.PD_NOTE in md
+    assert (
+        "| 3.99 | 1 | 80.0 / 40.0 | 120.0 / 60.0 | 1.80 / 1.70 | 2.00 / 1.90 | 500 / 550 | "
+        "0.909 | 3.98 / 3.98 | 100.0% | 0 | 0 | 1 / 1 |"
+    ) in md
+    assert "| 3.99 | 4 | 150.0 / 100.0 | 300.0 / 200.0 |" in md and "| 0.750 |" in md
+    assert "| 50.0% |" in md  # half the prompt tokens came over the connector
+    pd_png = tmp_path / "perf_pd.png"
+    assert pd_png.stat().st_size > 10_000 and "![PD vs aggregated](perf_pd.png)" in md
+    assert not png.exists() and "![served curves]" not in md  # no PP rows: no PP figure
