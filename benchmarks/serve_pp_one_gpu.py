@@ -11,6 +11,7 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
         --configs pp1 --out $OUT
     ... --configs pp2      (PP=2 no-spec + PP=2 DSpark, two launchers each)
     ... --configs stock    (PP=2 no-spec with the plugin left out, and with it, same lease)
+    ... --configs pd --budget-s 520   (PD vs aggregated, AL 3.99; three engines on the GPU)
     python3 benchmarks/plot_pp_one_gpu.py RUN*/serve_pp_one_gpu_*.json \\
         --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
         --copy-to docs/results
@@ -25,8 +26,24 @@ Configurations (``--configs``: group names or configuration names, comma-separat
 * ``pp2_nospec_stock`` (and ``pp2_dspark_stock``, by name only): the same launchers with the
   plugin left out of ``VLLM_PLUGINS`` (stock vLLM 0.34.0 under PP, async scheduling).
 
+* ``pd_dspark``: PD over MooncakeConnector (TCP) on GPU 0, composed by dspark_dev/pd_launch.py:
+  the DSpark prefill-only producer (``kv_producer``: the plugin's context-KV-only drafter, no
+  drafts scheduled) and the DSpark decoder (``kv_consumer``), same speculative config, each with
+  its own ``VLLM_PORT`` block, the producer's Mooncake bootstrap port named to the proxy;
+  dspark_dev/pd_proxy.py in its own process (started once both engines answer and the bootstrap
+  server lists the producer's engine) is what ``vllm bench serve`` targets: it prefills on the
+  producer (one token) and streams the decoder's answer back. The acceptance switch, the step
+  timers and the spec-decode counters go to the decoder; each point also records the decoder's
+  KV-connector counters (prompt tokens pulled over the connector), the producer's draft tokens
+  and the proxy's request/error counts (``pd``);
+* ``agg_dspark_kv``: one aggregated DSpark ``vllm serve`` whose ``--kv-cache-memory-bytes`` is
+  the producer's plus the decoder's (``--pd-kv-gib`` per side, the decoder
+  ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
+
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
-pp2_nospec_stock + pp2_nospec. Every server of a group starts at once (``--start together``:
+pp2_nospec_stock + pp2_nospec, ``pd`` = pd_dspark + agg_dspark_kv (AL 3.99 unless
+``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
+Every server of a group starts at once (``--start together``:
 an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
 starts each just before its sweep).
 

@@ -512,3 +512,62 @@ def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
     pd_png = tmp_path / "perf_pd.png"
     assert pd_png.stat().st_size > 10_000 and "![PD vs aggregated](perf_pd.png)" in md
     assert not png.exists() and "![served curves]" not in md  # no PP rows: no PP figure
+
+
+# --------------------------------------------------------------------------- projection vs served
+pp_projection = load_script("benchmarks/pp_projection.py")
+
+
+def _steps(*ranks):
+    """step_times of one point: (batch, draft_ms) per rank."""
+    return [
+        {"main_num_reqs": b, "main": {"target_ms": 3.0, "draft_ms": d, "step_ms": 6.0}}
+        for b, d in ranks
+    ]
+
+
+def test_projection_beside_the_served_runs_splits_what_pp2_adds(tmp_path):
+    proj = {
+        "hidden_size": 1000,
+        "rows": [
+            {"acceptance_length": 4.0, "concurrency": 4, "pp1_tok_s_model": 1000.0,
+             "pp2_one_wave_tok_s": 990.0, "pp2_two_waves_tok_s": 1500.0, "t_x_ms": 0.05,
+             "t_tok_ms": 0.05, "bubble_share_one_wave": 0.25,
+             "activation_bytes": 4_000_000 + 4 * 1000 * 2 * 2},
+        ],
+        "nospec_rows": [
+            {"concurrency": 4, "pp1_tok_s_model": 400.0, "pp2_one_wave_tok_s": 396.0,
+             "pp2_two_waves_tok_s": 750.0},
+        ],
+    }  # fmt: skip
+    d1 = serve_point("pp1_dspark", 4.0, 4, 1000.0, tpot=(1.5, 2.0), measured=4.0)
+    d2 = serve_point("pp2_dspark", 4.0, 4, 400.0, tpot=(4.0, 5.0), measured=4.0)
+    d1["step_times"], d2["step_times"] = _steps((4, 1.0)), _steps((2, None), (2, 2.0))
+    runs = [
+        serve_run([serve_point("pp1_nospec", None, 4, 400.0, tpot=(5.0, 6.0)), d1]),
+        serve_run([serve_point("pp2_nospec", None, 4, 200.0, tpot=(10.0, 11.0)), d2]),
+    ]
+    files = [_write(tmp_path, f"serve_pp_one_gpu_pp{i + 1}.json", r) for i, r in enumerate(runs)]
+    (r,) = pp_projection.served_comparison(proj, files)["rows"]
+    assert r["meas_quot"] == pytest.approx((400 / 200) / (1000 / 400))  # 0.8: goal (b) missed
+    assert r["proj_quot_one_wave"] == pytest.approx((990 / 396) / (1000 / 400))
+    assert r["meas_added_ms_nospec"] == pytest.approx(5.0)  # (10 - 5) ms x 1 token
+    assert r["meas_added_ms_dspark"] == pytest.approx(10.0)  # (4 - 1.5) ms x 4 tokens
+    assert r["micro_batches"] == 2 and r["extra_draft_ms"] == pytest.approx(3.0)  # 2 x 2 - 1
+    assert r["rest_ms"] == pytest.approx(2.0) and r["more_bytes"] == 4_000_000
+    assert r["implied_gbps"] == pytest.approx(2.0)
+    md = pp_projection.served_markdown(pp_projection.served_comparison(proj, files))
+    assert "| 4 | 4 | 2.50x / 2.50x | 2.50x / 2.00x / 2.00x | 1.000 / 0.800 / **0.800** |" in md
+    assert "| 5.0 | 2 x 2.00 (1.00) | 3.0 | 2.0 | 4.0 | 2.00 |" in md
+    assert "missed at: AL 4 C=4 (0.800)." in md
+
+
+def test_the_docs_comparison_block_is_what_the_script_writes_from_the_recorded_json(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs/performance-bound.md").read_text()
+    block = doc.split("<!-- BEGIN SERVED_VS_PROJECTION -->\n", 1)[1].split("\n<!-- END", 1)[0]
+    res = json.loads((root / "docs/results/perf_qwen3-8b.json").read_text())
+    perf = load_script("benchmarks/perf_real_shapes.py")
+    p = pp_projection.project(perf.merge_results([res]))
+    served = [root / f"docs/results/serve_pp_one_gpu_pp{i}.json" for i in (1, 2)]
+    assert block == pp_projection.served_markdown(pp_projection.served_comparison(p, served))
