@@ -18,7 +18,13 @@ What it writes:
 * the transport the PP=2 launchers' logs name (NCCL ranks and nodes, the socket transport,
   the exchange's backend);
 * a PNG (matplotlib): output tok/s, TTFT p50/p99, TPOT p50/p99 against concurrency and the
-  DSpark / no-spec ratio at PP=1 and PP=2.
+  DSpark / no-spec ratio at PP=1 and PP=2;
+* PD vs aggregated (the ``pd`` group: ``pd_dspark``, the prefill-only producer + decoder behind
+  dspark_dev/pd_proxy.py, against ``agg_dspark_kv``, one aggregated engine with the same total KV
+  cache): per AL and C both sides' TTFT and TPOT p50/p99, output tok/s and their quotient, the
+  acceptance length each side's counters give, and the PD evidence of each point (the share of
+  prompt tokens the decoder took from the connector, the producer's draft tokens, the proxy's
+  errors); with ``--png`` a second figure ``<png>_pd.png`` of the same.
 
 ``--copy-to DIR`` copies the JSON files into DIR (the markdown names the copies).
 """
@@ -32,6 +38,16 @@ import statistics
 from pathlib import Path
 
 GOAL_B = 0.9
+PD, AGG = "pd_dspark", "agg_dspark_kv"
+PD_CONFIGS = (PD, AGG)
+PD_NOTE = (
+    "Producer, decoder and the aggregated engine all run on the one GPU; when the PD side is "
+    "measured the aggregated engine sits idle and the other way round, but the producer's "
+    "prefills and the decoder's steps share the GPU's compute, and the KV goes over "
+    "MooncakeConnector's TCP transport on loopback (GPU to host to socket and back), so PD "
+    "here pays its transfer without getting a second GPU: read it as the cost side of PD, not "
+    "as what PD gains on two devices."
+)
 METRICS = (
     ("output_throughput", "output tok/s", "{:.1f}"),
     ("p50_ttft_ms", "TTFT p50 ms", "{:.1f}"),
@@ -221,6 +237,141 @@ def step_rows(merged: dict) -> list[dict]:
     return out
 
 
+def pd_evidence(points: list[dict]) -> dict:
+    """What the recorded PD counters say over every repeat of a point: the share of the
+    decoder's prompt tokens that came from the connector (``external_prefix_cache_hits`` /
+    ``prompt_tokens``), the producer's draft tokens (0 for a prefill-only producer), the proxy's
+    requests and errors."""
+    hits = prompt = drafts = requests = 0.0
+    errors = 0
+    seen = False
+    for p in points:
+        pd = p.get("pd") or {}
+        kv, prod, proxy = (
+            pd.get("decoder_kv") or {},
+            pd.get("producer_spec") or {},
+            pd.get("proxy") or {},
+        )
+        if "error" in kv or not kv:
+            continue
+        seen = True
+        hits += kv.get("vllm:external_prefix_cache_hits_total", 0.0)
+        prompt += kv.get("vllm:prompt_tokens_total", 0.0)
+        drafts += prod.get("num_draft_tokens", 0.0)
+        requests += proxy.get("requests", 0.0)
+        errors += len(proxy.get("errors") or [])
+    if not seen:
+        return {"kv_pulled": None, "producer_drafts": None, "requests": None, "errors": None}
+    return {
+        "kv_pulled": _div(hits, prompt),
+        "producer_drafts": drafts,
+        "requests": requests,
+        "errors": errors,
+    }
+
+
+def pd_rows(rows: dict, merged: dict) -> list[dict]:
+    """PD vs aggregated per (AL, C) measured on either side."""
+    keys = sorted({(k[1] or 0.0, k[2]) for k in rows if k[0] in PD_CONFIGS})
+    out = []
+    for al, c in keys:
+        pd, agg = rows.get((PD, al, c)), rows.get((AGG, al, c))
+        out.append(
+            {
+                "al": al,
+                "c": c,
+                "pd": pd,
+                "agg": agg,
+                "tps_ratio": _div(
+                    (pd or {}).get("output_throughput"), (agg or {}).get("output_throughput")
+                ),  # fmt: skip
+                "evidence": pd_evidence(merged.get((PD, al, c), [])),
+            }
+        )
+    return out
+
+
+def pd_markdown(rows: dict, merged: dict) -> list[str]:
+    table = pd_rows(rows, merged)
+    if not table:
+        return []
+
+    def g(side, name, fmt):
+        return _f((side or {}).get(name), fmt)
+
+    lines = ["", "## PD vs aggregated, served (issue 29 item 3)", "", PD_NOTE, ""]
+    lines += [
+        "`pd_dspark`: the DSpark prefill-only producer (`kv_producer`, context-KV-only drafter) "
+        "and the DSpark decoder (`kv_consumer`) over MooncakeConnector (TCP), behind "
+        "dspark_dev/pd_proxy.py (its own process; it streams the decoder's answer, so TTFT "
+        "includes the prefill, the KV pull and the decoder's first step). `agg_dspark_kv`: one "
+        "aggregated DSpark engine with the producer's plus the decoder's KV-cache bytes. "
+        "Medians over repeats; AL = the decoder's / the aggregated engine's spec-decode counters.",
+        "",
+        "| AL | C | TTFT p50 PD / agg ms | TTFT p99 PD / agg ms | TPOT p50 PD / agg ms | "
+        "TPOT p99 PD / agg ms | tok/s PD / agg | PD / agg tok/s | AL PD / agg | KV pulled | "
+        "producer drafts | proxy errors | repeats PD / agg |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        pd, agg, ev = r["pd"], r["agg"], r["evidence"]
+        lines.append(
+            f"| {r['al']:g} | {r['c']} | {g(pd, 'p50_ttft_ms', '{:.1f}')} / "
+            f"{g(agg, 'p50_ttft_ms', '{:.1f}')} | {g(pd, 'p99_ttft_ms', '{:.1f}')} / "
+            f"{g(agg, 'p99_ttft_ms', '{:.1f}')} | {g(pd, 'p50_tpot_ms', '{:.2f}')} / "
+            f"{g(agg, 'p50_tpot_ms', '{:.2f}')} | {g(pd, 'p99_tpot_ms', '{:.2f}')} / "
+            f"{g(agg, 'p99_tpot_ms', '{:.2f}')} | {g(pd, 'output_throughput', '{:.0f}')} / "
+            f"{g(agg, 'output_throughput', '{:.0f}')} | {_f(r['tps_ratio'], '{:.3f}')} | "
+            f"{g(pd, 'measured_al', '{:.2f}')} / {g(agg, 'measured_al', '{:.2f}')} | "
+            f"{_f(ev['kv_pulled'], '{:.1%}')} | {_f(ev['producer_drafts'], '{:.0f}')} | "
+            f"{_f(ev['errors'], '{}')} | {(pd or {}).get('n', 0)} / {(agg or {}).get('n', 0)} |"
+        )
+    return lines
+
+
+def plot_pd(runs: list[dict], png: Path) -> str | None:
+    """TTFT p50/p99, TPOT p50/p99 and output tok/s of PD and aggregated against concurrency."""
+    merged = merge(runs)
+    table = pd_rows(table_rows(merged), merged)
+    if not table:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no PD plot: matplotlib not importable ({e})"
+    fig, axes = plt.subplots(1, 5, figsize=(20, 4))
+    for ax, (name, title, _) in zip(axes.flat, METRICS[1:] + METRICS[:1], strict=True):
+        for side, style in (("pd", "-"), ("agg", "--")):
+            for al in sorted({r["al"] for r in table}):
+                pts = [(r["c"], (r[side] or {}).get(name)) for r in table if r["al"] == al]
+                pts = [(c, y) for c, y in pts if y is not None]
+                if pts:
+                    who = "PD (producer + decoder)" if side == "pd" else "aggregated, same KV"
+                    ax.plot([c for c, _ in pts], [y for _, y in pts], style, marker="o",
+                            label=f"{who}, AL {al:g}")  # fmt: skip
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        cs = sorted({r["c"] for r in table})
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("max concurrency")
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle("DSpark PD vs aggregated, vllm bench serve, all engines on one GPU")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return f"plot: {png}"
+
+
+def pd_png_path(png: Path) -> Path:
+    return png.with_name(png.stem + "_pd" + png.suffix)
+
+
 def _f(v, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -337,6 +488,7 @@ def markdown(runs: list[dict], files: list[str]) -> str:
                 f"{_f(r['target_ms'], '{:.3f}')} | {_f(r['draft_ms'], '{:.3f}')} | "
                 f"{_f(r['step_ms'], '{:.3f}')} | {_f(r['draft_share'], '{:.1%}')} |"
             )
+    lines += pd_markdown(rows, merged)
     pr = plugin_ratios(rows)
     if pr:
         lines += ["", "## Plugin on / off at PP=2 (off: stock vLLM 0.34.0, plugin left out)", ""]
@@ -356,6 +508,8 @@ def plot(runs: list[dict], png: Path) -> str:
     rows = table_rows(merge(runs))
     series: dict[str, list[tuple[int, dict]]] = {}
     for (config, al, c), r in sorted(rows.items(), key=lambda kv: kv[0][2]):
+        if config in PD_CONFIGS:  # their own figure (plot_pd)
+            continue
         series.setdefault(label(config, al), []).append((c, r))
     # one colour per work (no-spec, DSpark at each AL), one line style per deployment
     works = sorted({lab.split("_", 1)[1] for lab in series})
@@ -421,8 +575,13 @@ def main(argv=None) -> int:
     files = copy_results(a.results, a.copy_to) if a.copy_to else [r["_file"] for r in runs]
     md = markdown(runs, files)
     if a.png:
-        print(plot(runs, a.png))
-        md += f"\n![served curves]({a.png.name})\n"
+        if any(k[0] not in PD_CONFIGS for k in merge(runs)):
+            print(plot(runs, a.png))
+            md += f"\n![served curves]({a.png.name})\n"
+        done = plot_pd(runs, pd_png_path(a.png))
+        if done and pd_png_path(a.png).exists():
+            print(done)
+            md += f"\n![PD vs aggregated]({pd_png_path(a.png).name})\n"
     if a.md:
         a.md.parent.mkdir(parents=True, exist_ok=True)
         a.md.write_text(md)

@@ -41,6 +41,7 @@ import json
 from pathlib import Path
 
 BF16 = 2
+GOAL_B = 0.9  # issue 29 goal (b): PP=2's DSpark/no-spec ratio >= 0.9x PP=1's
 
 
 def pp2_stage0_taps(target_layer_ids: list[int], num_layers: int) -> int:
@@ -165,6 +166,7 @@ def project(res: dict, link_gbps: float = 300.0, bcast_us: float = 20.0) -> dict
         "shape": res.get("shape"),
         "k": k,
         "num_layers": num_layers,
+        "hidden_size": hidden,
         "stage0_taps": n_taps0,
         "link_gbps": link_gbps,
         "bcast_us": bcast_us,
@@ -257,6 +259,207 @@ def markdown(p: dict, gloo: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def _served_plot():
+    """benchmarks/plot_pp_one_gpu.py (the served tables' reader), imported once."""
+    import importlib
+    import sys
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("plot_pp_one_gpu")
+
+
+def served_comparison(p: dict, served_paths: list) -> dict:
+    """The projection ``p`` beside the MEASURED served PP=1 / PP=2 runs of
+    benchmarks/serve_pp_one_gpu.py (one GPU, both stages on it, NCCL over loopback sockets).
+
+    Per (AL, C): DSpark / no-spec at PP=1 and at PP=2 and their quotient (goal b), projected
+    (one batch in flight and two) and measured; PP=2 / PP=1 at equal work, projected (one wave)
+    and measured; the time a PP=2 step adds per request over PP=1 (measured TPOT x tokens per
+    step, PP=2 minus PP=1) beside the projected exchange (activation send + token broadcasts);
+    the last stage's draft time and its share of that stage's step at PP=1 and at PP=2
+    (``--step-times``), beside the projected bubble share."""
+    plot = _served_plot()
+    runs = plot.load(served_paths)
+    merged = plot.merge(runs)
+    rows = plot.table_rows(merged)
+    measured = {(r["al"], r["c"]): r for r in plot.speedup_ratios(rows)}
+    steps = {(r["what"], r["c"], r["rank"]): r for r in plot.step_rows(merged)}
+    nospec = {r["concurrency"]: r for r in p.get("nospec_rows") or []}
+    out = []
+    for r in p["rows"]:
+        al, c = r["acceptance_length"], r["concurrency"]
+        n = nospec.get(c)
+        m = measured.get((al, c))
+        if n is None or m is None:
+            continue
+
+        def q(a, b):
+            return None if a is None or b is None or b == 0 else a / b
+
+        proj_pp1 = q(r["pp1_tok_s_model"], n["pp1_tok_s_model"])
+        proj_1w = q(r["pp2_one_wave_tok_s"], n["pp2_one_wave_tok_s"])
+        proj_2w = q(r["pp2_two_waves_tok_s"], n["pp2_two_waves_tok_s"])
+        d1, d2 = rows.get(("pp1_dspark", al, c)), rows.get(("pp2_dspark", al, c))
+        n1, n2 = rows.get(("pp1_nospec", None, c)), rows.get(("pp2_nospec", None, c))
+        tau = (d2 or {}).get("measured_al") or al
+
+        def added_ms(two, one, per_step):
+            if not two or not one or two.get("p50_tpot_ms") is None:
+                return None
+            return (two["p50_tpot_ms"] - one["p50_tpot_ms"]) * per_step
+
+        s1 = steps.get((f"pp1_dspark AL {al:g}", c, 0)) or {}
+        s2 = steps.get((f"pp2_dspark AL {al:g}", c, 1)) or {}
+        added_d, added_n = added_ms(d2, d1, tau), added_ms(n2, n1, 1.0)
+        # PP=2 runs the C requests as micro-batches of s2["batch"]: the last stage drafts once
+        # per micro-batch, so once per request step at PP=1 becomes `micro` times at PP=2
+        micro = max(1, round(c / s2["batch"])) if s2.get("batch") else None
+        extra_draft = (
+            micro * s2["draft_ms"] - s1["draft_ms"]
+            if micro and s1.get("draft_ms") is not None and s2.get("draft_ms") is not None
+            else None
+        )
+        dspark_only = None if added_d is None or added_n is None else added_d - added_n
+        rest = None if dspark_only is None or extra_draft is None else dspark_only - extra_draft
+        # what DSpark sends stage 0 -> 1 beyond no-spec: C (1 + k) tokens with the relayed taps
+        # instead of C tokens, hidden + residual each
+        hidden = p.get("hidden_size", 4096)
+        more_bytes = r["activation_bytes"] - c * hidden * BF16 * 2
+        out.append(
+            {
+                "al": al,
+                "c": c,
+                "proj_pp1": proj_pp1,
+                "proj_pp2_one_wave": proj_1w,
+                "proj_pp2_two_waves": proj_2w,
+                "proj_quot_one_wave": q(proj_1w, proj_pp1),
+                "proj_quot_two_waves": q(proj_2w, proj_pp1),
+                "meas_pp1": m["pp1"],
+                "meas_pp2": m["pp2"],
+                "meas_quot": m["pp2_over_pp1"],
+                "proj_equal_work_dspark": q(r["pp2_one_wave_tok_s"], r["pp1_tok_s_model"]),
+                "meas_equal_work_dspark": q(
+                    (d2 or {}).get("output_throughput"), (d1 or {}).get("output_throughput")
+                ),
+                "meas_equal_work_nospec": q(
+                    (n2 or {}).get("output_throughput"), (n1 or {}).get("output_throughput")
+                ),
+                "proj_exchange_ms": r["t_x_ms"] + r["t_tok_ms"],
+                "meas_added_ms_dspark": added_d,
+                "meas_added_ms_nospec": added_n,
+                "dspark_only_added_ms": dspark_only,
+                "micro_batches": micro,
+                "extra_draft_ms": extra_draft,
+                "rest_ms": rest,
+                "more_bytes": more_bytes,
+                "implied_gbps": more_bytes / (rest * 1e6) if rest and rest > 0 else None,
+                "draft_ms_pp1": s1.get("draft_ms"),
+                "draft_ms_pp2_last": s2.get("draft_ms"),
+                "draft_share_pp1": s1.get("draft_share"),
+                "draft_share_pp2_last": s2.get("draft_share"),
+                "pp2_batch_per_step": s2.get("batch"),
+                "proj_bubble_share": r["bubble_share_one_wave"],
+            }
+        )
+    return {
+        "rows": out,
+        "files": [run["_file"] for run in runs],
+        "transport": plot.transport_lines(runs),
+    }
+
+
+def served_markdown(cmp: dict) -> str:
+    """The comparison as markdown; every number computed from the JSON."""
+    rows = cmp["rows"]
+    if not rows:
+        return "No (AL, C) is both projected and measured at PP=1 and PP=2 in these files."
+
+    def f(v, fmt):
+        return "-" if v is None else fmt.format(v)
+
+    lines = [
+        f"Measured: {', '.join(cmp['files'])} (benchmarks/serve_pp_one_gpu.py, `vllm bench "
+        "serve`, both PP stages on one H200). Projected: the block above.",
+        "",
+        *cmp["transport"],
+        "",
+        "| AL | C | DSpark/no-spec PP=1 proj / meas | PP=2 proj 1 wave / 2 waves / meas | "
+        "PP=2 / PP=1 proj 1 wave / 2 waves / **meas** |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['al']:g} | {r['c']} | {f(r['proj_pp1'], '{:.2f}x')} / "
+            f"{f(r['meas_pp1'], '{:.2f}x')} | {f(r['proj_pp2_one_wave'], '{:.2f}x')} / "
+            f"{f(r['proj_pp2_two_waves'], '{:.2f}x')} / {f(r['meas_pp2'], '{:.2f}x')} | "
+            f"{f(r['proj_quot_one_wave'], '{:.3f}')} / {f(r['proj_quot_two_waves'], '{:.3f}')} "
+            f"/ **{f(r['meas_quot'], '{:.3f}')}** |"
+        )
+    lines += [
+        "",
+        "Where the model and the measurement part. *added* = (TPOT at PP=2 - TPOT at PP=1) "
+        "x tokens per request per step: what a PP=2 step costs a request beyond the PP=1 step "
+        "(projected: the exchange alone). *DSpark - no-spec* splits DSpark's extra over "
+        "no-spec's into *drafting* (the last stage drafts once per micro-batch: micro-batches "
+        "x its PP=2 draft ms - the PP=1 draft ms, GPU-stream times from `--step-times`) and "
+        "the *rest*; *more MB* = what DSpark sends stage 0 -> 1 per step beyond no-spec "
+        "(C (1 + k) tokens with the relayed taps instead of C tokens), *GB/s* = more MB / "
+        "rest, the bandwidth that would explain the rest.",
+        "",
+        "| AL | C | PP=2/PP=1 tok/s DSpark proj / meas, no-spec meas | added ms DSpark meas "
+        "(proj) / no-spec meas | DSpark - no-spec ms | micro-batches x draft ms PP=2 (PP=1) | "
+        "drafting ms | rest ms | more MB | GB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['al']:g} | {r['c']} | {f(r['proj_equal_work_dspark'], '{:.3f}')} / "
+            f"{f(r['meas_equal_work_dspark'], '{:.3f}')}, "
+            f"{f(r['meas_equal_work_nospec'], '{:.3f}')} | "
+            f"{f(r['meas_added_ms_dspark'], '{:.1f}')} ({r['proj_exchange_ms']:.2f}) / "
+            f"{f(r['meas_added_ms_nospec'], '{:.1f}')} | "
+            f"{f(r['dspark_only_added_ms'], '{:.1f}')} | {f(r['micro_batches'], '{}')} x "
+            f"{f(r['draft_ms_pp2_last'], '{:.2f}')} ({f(r['draft_ms_pp1'], '{:.2f}')}) | "
+            f"{f(r['extra_draft_ms'], '{:.1f}')} | {f(r['rest_ms'], '{:.1f}')} | "
+            f"{r['more_bytes'] / 1e6:.1f} | {f(r['implied_gbps'], '{:.2f}')} |"
+        )
+    meas = [r for r in rows if r["meas_quot"] is not None]
+    low = min(meas, key=lambda r: r["meas_quot"]) if meas else None
+    proj = [r["proj_quot_one_wave"] for r in rows if r["proj_quot_one_wave"] is not None]
+
+    def rng(key):
+        vals = [r[key] for r in rows if r[key] is not None]
+        return "-" if not vals else f"{min(vals):.3g} to {max(vals):.3g}"
+
+    lines += [""]
+    if low is not None and proj:
+        lines.append(
+            f"Summary (computed): the projection put PP=2's DSpark/no-spec ratio at "
+            f"{min(proj):.3f}-{max(proj):.3f}x PP=1's with one batch in flight; measured on one "
+            f"GPU it is {min(r['meas_quot'] for r in meas):.3f}-"
+            f"{max(r['meas_quot'] for r in meas):.3f}x, lowest at AL {low['al']:g} C={low['c']}. "
+            f"PP=2 / PP=1 at equal work: projected {rng('proj_equal_work_dspark')} (DSpark), "
+            f"measured {rng('meas_equal_work_dspark')} (DSpark) and "
+            f"{rng('meas_equal_work_nospec')} (no-spec). Added per step: projected exchange "
+            f"{rng('proj_exchange_ms')} ms, measured {rng('meas_added_ms_dspark')} ms (DSpark) "
+            f"and {rng('meas_added_ms_nospec')} ms (no-spec). Last-stage draft per step: "
+            f"{rng('draft_ms_pp1')} ms at PP=1, {rng('draft_ms_pp2_last')} ms at PP=2. "
+            f"Bandwidth that would explain DSpark's remaining extra: {rng('implied_gbps')} GB/s."
+        )
+        below = [r for r in meas if r["meas_quot"] < GOAL_B]
+        lines.append(
+            ""
+            if not below
+            else "\nGoal (b) (PP=2 / PP=1 at least "
+            f"{GOAL_B}) missed at: "
+            + ", ".join(f"AL {r['al']:g} C={r['c']} ({r['meas_quot']:.3f})" for r in below)
+            + "."
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     import sys
 
@@ -275,6 +478,15 @@ def main(argv=None) -> int:
         default=None,
         help="write into this file's PROJECTION block (docs/performance-bound.md)",
     )
+    ap.add_argument(
+        "--served", nargs="+", default=None,
+        help="benchmarks/serve_pp_one_gpu.py result JSONs (PP=1 and PP=2 groups) to set "
+        "beside the projection",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fill-served", type=Path, default=None,
+        help="write the comparison into this file's SERVED_VS_PROJECTION block",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     from perf_real_shapes import merge_results
 
@@ -291,6 +503,13 @@ def main(argv=None) -> int:
 
         fill_between(a.fill, "PROJECTION", md)
     print(md)
+    if a.served:
+        smd = served_markdown(served_comparison(p, a.served))
+        if a.fill_served:
+            from plot_perf import fill_between
+
+            fill_between(a.fill_served, "SERVED_VS_PROJECTION", smd)
+        print(smd)
     return 0 if p["rows"] else 1
 
 

@@ -11,6 +11,7 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
         --configs pp1 --out $OUT
     ... --configs pp2      (PP=2 no-spec + PP=2 DSpark, two launchers each)
     ... --configs stock    (PP=2 no-spec with the plugin left out, and with it, same lease)
+    ... --configs pd --budget-s 520   (PD vs aggregated, AL 3.99; three engines on the GPU)
     python3 benchmarks/plot_pp_one_gpu.py RUN*/serve_pp_one_gpu_*.json \\
         --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
         --copy-to docs/results
@@ -25,8 +26,24 @@ Configurations (``--configs``: group names or configuration names, comma-separat
 * ``pp2_nospec_stock`` (and ``pp2_dspark_stock``, by name only): the same launchers with the
   plugin left out of ``VLLM_PLUGINS`` (stock vLLM 0.34.0 under PP, async scheduling).
 
+* ``pd_dspark``: PD over MooncakeConnector (TCP) on GPU 0, composed by dspark_dev/pd_launch.py:
+  the DSpark prefill-only producer (``kv_producer``: the plugin's context-KV-only drafter, no
+  drafts scheduled) and the DSpark decoder (``kv_consumer``), same speculative config, each with
+  its own ``VLLM_PORT`` block, the producer's Mooncake bootstrap port named to the proxy;
+  dspark_dev/pd_proxy.py in its own process (started once both engines answer and the bootstrap
+  server lists the producer's engine) is what ``vllm bench serve`` targets: it prefills on the
+  producer (one token) and streams the decoder's answer back. The acceptance switch, the step
+  timers and the spec-decode counters go to the decoder; each point also records the decoder's
+  KV-connector counters (prompt tokens pulled over the connector), the producer's draft tokens
+  and the proxy's request/error counts (``pd``);
+* ``agg_dspark_kv``: one aggregated DSpark ``vllm serve`` whose ``--kv-cache-memory-bytes`` is
+  the producer's plus the decoder's (``--pd-kv-gib`` per side, the decoder
+  ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
+
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
-pp2_nospec_stock + pp2_nospec. Every server of a group starts at once (``--start together``:
+pp2_nospec_stock + pp2_nospec, ``pd`` = pd_dspark + agg_dspark_kv (AL 3.99 unless
+``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
+Every server of a group starts at once (``--start together``:
 an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
 starts each just before its sweep).
 
@@ -99,6 +116,8 @@ class Config:
     pp: int
     spec: bool
     plugin: bool = True
+    pd: bool = False  # prefill-only producer + decoder + proxy (dspark_dev/pd_launch.py)
+    pd_kv: bool = False  # KV budget --pd-kv-gib (the PD group's total) instead of --kv-gib
 
 
 CONFIGS = {
@@ -110,13 +129,20 @@ CONFIGS = {
         Config("pp2_dspark", 2, True),
         Config("pp2_nospec_stock", 2, False, plugin=False),
         Config("pp2_dspark_stock", 2, True, plugin=False),
+        Config("pd_dspark", 1, True, pd=True, pd_kv=True),
+        Config("agg_dspark_kv", 1, True, pd_kv=True),
     )
 }
 GROUPS = {
     "pp1": ("pp1_nospec", "pp1_dspark"),
     "pp2": ("pp2_nospec", "pp2_dspark"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
+    "pd": ("pd_dspark", "agg_dspark_kv"),
 }
+#: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
+#: start leaves time for one sweep each within one GPU command).
+DEFAULT_ALS = "3.99,6.1"
+PD_DEFAULT_ALS = "3.99"
 STOP_RESERVE_S = 25.0  # stopping the servers and writing the files at the end
 
 
@@ -233,6 +259,25 @@ def time_for_point(time_left_s: float, this_cost_s: float, later_costs_s: list[f
 
 
 # --------------------------------------------------------------------------- commands
+GIB = 1 << 30
+
+
+def kv_plan(cfg: Config, kv_gib: float, pd_kv_gib: float, decoder_share: float) -> dict:
+    """KV-cache bytes per engine of a configuration: a PP deployment splits ``--kv-gib`` over
+    its stages; the PD group's two sides hold ``--pd-kv-gib`` each in all: the aggregated engine
+    all of it, the producer and decoder together exactly as much (the decoder
+    ``decoder_share`` of it, dspark_dev/pd_launch.split_kv_bytes)."""
+    from dspark_dev.pd_launch import split_kv_bytes
+
+    total = int((pd_kv_gib if cfg.pd_kv else kv_gib) * GIB)
+    if cfg.pd:
+        producer, decoder = split_kv_bytes(total, decoder_share)
+        return {"producer": producer, "decoder": decoder}
+    if cfg.pp == 1:
+        return {"engine": total}
+    return {f"stage{r}": total // cfg.pp for r in range(cfg.pp)}
+
+
 def shape_base_args(
     *, cpu: bool, dummy: bool, max_model_len: int, max_num_seqs: int, kv_bytes: int | None
 ) -> list[str]:
@@ -420,14 +465,24 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
     from dspark_dev.serve_demo import Server, free_port, serve_argv
 
     spec = spec_config(paths.draft, a.k, initial_al) if cfg.spec else None
+    kv = kv_plan(cfg, *kv_args(a))
     base = shape_base_args(
         cpu=a.cpu,
         dummy=a.model_dir is None,
         max_model_len=a.input_len + a.output_len + 128,
         max_num_seqs=a.max_num_seqs,
-        kv_bytes=None if a.cpu else int(a.kv_gib * (1 << 30) / cfg.pp),
+        # a PD deployment gives each role its own share (pd_deployment); PP stages hold equal ones
+        kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
     env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=a.extra_env)
+    if cfg.pd:
+        from dspark_dev.pd_launch import pd_deployment
+
+        return pd_deployment(
+            cfg.name, paths.target, spec=spec, base_args=base,
+            producer_kv_bytes=kv["producer"], decoder_kv_bytes=kv["decoder"],
+            log_dir=log_dir, env=env, cpu=a.cpu, proxy_timeout_s=a.proxy_timeout_s,
+        )  # fmt: skip
     if cfg.pp == 1:
         port = free_port()
         env = {**env, "VLLM_CACHE_ROOT": tempfile.mkdtemp(prefix=f"dspark-{cfg.name}-cache-")}
@@ -448,6 +503,62 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         base_args=base,
         env=env,
     )
+
+
+def kv_args(a) -> tuple[float, float, float]:
+    return a.kv_gib, a.pd_kv_gib, a.pd_decoder_share
+
+
+def control_url(dep) -> str:
+    """Where the spec-decode counters and ``/collective_rpc`` of a deployment live: the API
+    server, or for PD the decoder (the engine that drafts and samples)."""
+    return getattr(dep, "control_url", dep.url)
+
+
+def pd_snapshot(dep) -> dict:
+    """What a PD point records besides the decoder's spec-decode counters: the decoder's
+    KV-connector counters, the producer's spec-decode counters (no drafts expected), the
+    proxy's request counters."""
+    from dspark_dev.pd_launch import kv_counters_at
+    from dspark_dev.serve_demo import spec_metrics
+
+    out: dict = {}
+    for key, fn in (
+        ("decoder_kv", lambda: kv_counters_at(dep.control_url)),
+        ("producer_spec", lambda: spec_metrics(dep.producer_url, settle_s=0.0)),
+        ("proxy", lambda: http_get_json(dep.url + "/stats")),
+    ):
+        try:
+            out[key] = fn()
+        except (OSError, ValueError) as e:
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def pd_delta(before: dict, after: dict) -> dict:
+    """After minus before of :func:`pd_snapshot` (numbers; the proxy's new errors)."""
+    out: dict = {}
+    for key, a in after.items():
+        b = before.get(key) or {}
+        if "error" in a or "error" in b:
+            out[key] = {"error": a.get("error") or b.get("error")}
+            continue
+        d = {}
+        for k, v in a.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                d[k] = v - b.get(k, 0)
+            elif isinstance(v, list) and k == "errors":
+                d[k] = v[len(b.get(k) or []) :][:5]
+            elif isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+                old = b.get(k) or [0] * len(v)
+                d[k] = [x - y for x, y in zip(v, old, strict=False)]
+        out[key] = d
+    return out
+
+
+def http_get_json(url: str, timeout: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read().decode() or "{}")
 
 
 def describe(dep) -> list[str]:
@@ -536,7 +647,11 @@ def parse_args(argv=None):
         "dummy-weight shape, e.g. models/tiny-pair for --cpu"
     )  # fmt: skip
     ap.add_argument("-k", type=int, default=7, help="DSpark draft tokens (the shape's block)")
-    ap.add_argument("--acceptance-lengths", default="3.99,6.1")
+    ap.add_argument(
+        "--acceptance-lengths", default=None,
+        help=f"comma-separated (default {DEFAULT_ALS}; {PD_DEFAULT_ALS} when only the pd group's "
+        "configurations run)",
+    )  # fmt: skip
     ap.add_argument("--concurrency", default="1,4,16,32,64")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -544,6 +659,17 @@ def parse_args(argv=None):
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-gib", type=float, default=16.0, help="KV cache per deployment (GiB)")
+    ap.add_argument(
+        "--pd-kv-gib", type=float, default=24.0,
+        help="the pd group's KV cache per side (GiB): the aggregated engine's, and the producer's "
+        "plus the decoder's together",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pd-decoder-share", type=float, default=0.75,
+        help="the decoder's share of --pd-kv-gib (it holds every running request's whole "
+        "context; the producer only prompts not yet pulled)",
+    )  # fmt: skip
+    ap.add_argument("--proxy-timeout-s", type=float, default=300.0, help="pd proxy, per upstream")
     ap.add_argument("--budget-s", type=float, default=470.0)
     ap.add_argument("--ready-s", type=float, default=360.0, help="start-up deadline per server")
     ap.add_argument("--start", choices=("together", "sequential"), default="together")
@@ -561,7 +687,12 @@ def parse_args(argv=None):
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every server")
     a = ap.parse_args(argv)
     a.cfgs = select_configs(a.configs)
+    if a.acceptance_lengths is None:
+        only_pd = all(c.name in GROUPS["pd"] for c in a.cfgs)
+        a.acceptance_lengths = PD_DEFAULT_ALS if only_pd else DEFAULT_ALS
     a.als = parse_floats(a.acceptance_lengths)
+    if any(c.pd_kv for c in a.cfgs) and not 0.0 < a.pd_decoder_share < 1.0:
+        raise SystemExit(f"--pd-decoder-share {a.pd_decoder_share}: strictly between 0 and 1")
     a.cs = parse_ints(a.concurrency)
     if not a.als:
         raise SystemExit("--acceptance-lengths: at least one")
@@ -648,6 +779,12 @@ def main(argv=None) -> int:
             "output_len": a.output_len,
             "prompts": {"per_c": a.prompts_per_c, "min": a.min_prompts},
             "kv_gib_per_deployment": a.kv_gib,
+            "pd_kv_gib_per_side": a.pd_kv_gib if any(c.pd_kv for c in a.cfgs) else None,
+            "pd_decoder_share": a.pd_decoder_share if any(c.pd for c in a.cfgs) else None,
+            "kv_cache_bytes": {c.name: kv_plan(c, *kv_args(a)) for c in a.cfgs},
+            "pd_proxy": "dspark_dev/pd_proxy.py (own process; streams the decoder's answer)"
+            if any(c.pd for c in a.cfgs)
+            else None,
             "budget_s": a.budget_s,
             "start": a.start,
             "gpu_layout": a.gpu_layout,
@@ -671,6 +808,9 @@ def main(argv=None) -> int:
             srv = res.data["servers"].setdefault(name, {})
             if CONFIGS[name].pp > 1:
                 srv["transport"] = transport_evidence(texts)
+            if CONFIGS[name].pd:
+                srv["engine_id"] = dep.engine_id
+                srv["producer_log_markers"] = dep.log_markers()
             failed = srv.get("outcome") not in (None, "ok")
             for node, text in zip(dep.nodes, texts, strict=True):
                 log.raw([f"----- {node.name} ({node.log_path}) -----"])
@@ -692,10 +832,16 @@ def dry_run(a, deps, sweeps, paths, tok) -> int:
     if a.step_times:
         rpc = 'POST URL/collective_rpc {"method": "dspark_bench_ctl", "args": ["enable"]}'
         print(f'# around every point: {rpc} before, ["collect"] after (--no-step-times: not)')
+    if any(c.pd for c in a.cfgs):
+        print(
+            "# pd: the proxy starts once producer and decoder answer /health and the producer's "
+            "bootstrap /query lists its engine; /metrics and /collective_rpc go to the decoder"
+        )
     for cfg, ali, al in sweeps:
-        url = "URL(" + cfg.name + ")"
+        url = "URL(" + cfg.name + (" proxy" if cfg.pd else "") + ")"
+        ctl = "URL(" + cfg.name + " decoder)" if cfg.pd else url
         if al is not None:
-            print(f"POST {url}/collective_rpc {json.dumps(rpc_body(al))}")
+            print(f"POST {ctl}/collective_rpc {json.dumps(rpc_body(al))}")
         for c in a.cs:
             n = default_prompts(c, a.prompts_per_c, a.min_prompts)
             argv = bench_argv(
@@ -731,6 +877,10 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
         except (RuntimeError, TimeoutError) as e:
             srv["outcome"] = f"not ready: {e}"
             log(f"FAILED: {name}: {e}")
+            for node in deps[name].nodes:  # the cause on the console, not only in the log file
+                tail = node.log_tail(6000).splitlines()[-25:]
+                print(f"----- {node.name}: last lines of {node.log_path} -----", flush=True)
+                print("\n".join(tail), flush=True)
         res.save()
         return srv["outcome"] == "ok"
 
@@ -754,9 +904,10 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
             for c in a.cs:
                 skip(cfg, al, c, "server not ready")
             continue
+        ctl = control_url(dep)
         if al is not None:
             try:
-                resp = http_post(dep.url + "/collective_rpc", rpc_body(al))
+                resp = http_post(ctl + "/collective_rpc", rpc_body(al))
             except OSError as e:
                 resp = {"error": str(e)}
             if not rpc_applied(resp):
@@ -806,8 +957,9 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 result_name=name,
             )  # fmt: skip
             if a.step_times:
-                step_rpc(dep.url, "enable")
-            before = spec_metrics(dep.url, settle_s=0.0)
+                step_rpc(ctl, "enable")
+            before = spec_metrics(ctl, settle_s=0.0)
+            pd_before = pd_snapshot(dep) if cfg.pd else None
             t0 = time.monotonic()
             result, err = run_bench_in_process(
                 argv, max(5.0, deadline - time.monotonic() - STOP_RESERVE_S), dep.stop
@@ -819,18 +971,21 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
                 if dep.dead_nodes() or err.startswith("cut"):
                     break
                 continue
-            delta = counter_delta(before, spec_metrics(dep.url, settle_s=3.0))
+            delta = counter_delta(before, spec_metrics(ctl, settle_s=3.0))
             summary = bench_summary(result)
             point = {
                 "config": cfg.name, "pp": cfg.pp, "spec": cfg.spec, "plugin": cfg.plugin,
+                "pd": cfg.pd,
                 "acceptance_length": al, "concurrency": c, "num_prompts": n,
                 "full_prompts": n_full, "trimmed": why, "seed": point_seed(ali or 0, c),
                 "wall_s": round(wall, 2), "bench": summary, "spec_metrics": delta,
                 "measured_acceptance_length": measured_acceptance_length(delta),
                 "bench_command": "vllm bench serve " + " ".join(argv),
             }  # fmt: skip
+            if cfg.pd:
+                point["pd"] = pd_delta(pd_before, pd_snapshot(dep))
             if a.step_times:
-                point["step_times"] = step_rpc(dep.url, "collect")
+                point["step_times"] = step_rpc(ctl, "collect")
             res.add("points", point)
             if summary.get("median_tpot_ms"):
                 tpot[cfg.name] = float(summary["median_tpot_ms"])

@@ -16,9 +16,17 @@ These are the keys vLLM 0.34.0's MooncakeConnector reads (mooncake_connector.py:
 1204-1250 scheduler side; the decoder queries ``<bootstrap>/query`` for the prefiller's workers,
 :2810-2858). The prefiller's engine id is taken from its bootstrap server's ``/query`` unless given.
 
-``GET /health`` answers 200; ``GET /stats`` gives the proxy's counters. Streaming is refused (400).
-Upstream errors come back with the upstream status and body, and a timeout as 504, so a stuck
-server becomes a failed request, never a hung client.
+A streaming request (``"stream": true``, what ``vllm bench serve`` sends) is prefilled the same
+way (the prefiller's copy never streams), then the decoder's event stream is relayed to the
+client as it arrives, so the client's time to first token includes the prefill, the KV pull and
+the decoder's first step. ``GET /metrics`` and ``GET /v1/models``, ``POST /tokenize`` and
+``POST /detokenize`` are passed to the decoder (the engine that drafts and samples), so a
+benchmark client that reads them sees the decoder's.
+
+``GET /health`` answers 200; ``GET /stats`` gives the proxy's counters. Upstream errors come back
+with the upstream status and body, and a timeout as 504, so a stuck server becomes a failed
+request, never a hung client. The listen backlog is 256, so a burst of concurrent clients is
+queued, not dropped into TCP retries.
 
 Run standalone: ``python -m dspark_dev.pd_proxy --prefill http://127.0.0.1:8100 --decode
 http://127.0.0.1:8200 --bootstrap http://127.0.0.1:8998 --port 8000``.
@@ -35,6 +43,13 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+DECODER_GETS = ("/metrics", "/v1/models")
+DECODER_POSTS = ("/tokenize", "/detokenize")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
 
 
 class UpstreamError(Exception):
@@ -122,10 +137,9 @@ class PDProxy:
         self.bootstrap_addr = bootstrap_addr.rstrip("/")
         self._engine_id = engine_id
         self.timeout_s = timeout_s
-        self.stats = {"requests": 0, "prefill_ok": 0, "decode_ok": 0, "errors": []}
+        self.stats = {"requests": 0, "prefill_ok": 0, "decode_ok": 0, "streamed": 0, "errors": []}
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer((host, port), self._handler_class())
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), self._handler_class())
         self._thread: threading.Thread | None = None
 
     @property
@@ -139,24 +153,57 @@ class PDProxy:
             self._engine_id = query_engine_id(self.bootstrap_addr)
         return self._engine_id
 
-    def handle(self, path: str, body: dict) -> dict:
-        """Prefill then decode one request; raises UpstreamError on an upstream failure."""
+    def prefill(self, path: str, body: dict) -> dict:
+        """Step 1 of a request: the prefiller computes the prompt's KV; returns the decoder's
+        copy of the request (raises UpstreamError on an upstream failure)."""
         with self._lock:
             self.stats["requests"] += 1
         tid = f"dspark-pd-{uuid.uuid4().hex}"
         p = _post(self.prefill_url + path, prefill_request(body, tid), self.timeout_s)
         with self._lock:
             self.stats["prefill_ok"] += 1
-        d = _post(
-            self.decode_url + path,
-            decode_request(
-                body, tid, self.engine_id, self.bootstrap_addr, p.get("kv_transfer_params")
-            ),
-            self.timeout_s,
+        return decode_request(
+            body, tid, self.engine_id, self.bootstrap_addr, p.get("kv_transfer_params")
         )
+
+    def handle(self, path: str, body: dict) -> dict:
+        """Prefill then decode one request; raises UpstreamError on an upstream failure."""
+        d = _post(self.decode_url + path, self.prefill(path, body), self.timeout_s)
         with self._lock:
             self.stats["decode_ok"] += 1
         return d
+
+    def open_decode_stream(self, path: str, body: dict):
+        """Prefill, then open the decoder's streaming answer (an open HTTP response whose
+        ``read1`` gives the event stream as it comes)."""
+        req = urllib.request.Request(
+            self.decode_url + path,
+            data=json.dumps(self.prefill(path, body)).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout_s)
+        except urllib.error.HTTPError as e:
+            raise UpstreamError(e.code, e.read(), self.decode_url + path) from e
+        except (TimeoutError, urllib.error.URLError, OSError) as e:
+            raise UpstreamError(
+                504, json.dumps({"error": f"{self.decode_url}: {type(e).__name__}: {e}"}).encode(),
+                self.decode_url + path,
+            ) from e  # fmt: skip
+
+    def forward(self, method: str, path: str, data: bytes | None) -> tuple[int, bytes, str]:
+        """``method path`` on the decoder, answer passed back as is."""
+        req = urllib.request.Request(
+            self.decode_url + path, data=data, method=method,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return r.status, r.read(), r.headers.get("Content-Type", "application/json")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read(), "application/json"
+        except (TimeoutError, urllib.error.URLError, OSError) as e:
+            return 504, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), "text/plain"
 
     def _handler_class(self):
         proxy = self
@@ -178,19 +225,49 @@ class PDProxy:
                 if self.path == "/stats":
                     with proxy._lock:
                         return self._send(200, json.dumps(proxy.stats).encode())
+                if self.path in DECODER_GETS:
+                    return self._send(*proxy.forward("GET", self.path, None))
                 return self._send(404, b'{"error": "not found"}')
 
+            def _relay(self, upstream) -> None:
+                """The decoder's event stream, chunk by chunk as it arrives (HTTP/1.0: the
+                end of the answer is the end of the connection)."""
+                with upstream:
+                    self.send_response(upstream.status)
+                    ctype = upstream.headers.get("Content-Type", "text/event-stream")
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Cache-Control", "no-cache")
+                    self.end_headers()
+                    try:
+                        while True:
+                            chunk = upstream.read1(65536)
+                            if not chunk:
+                                break
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                    except Exception as e:  # noqa: BLE001 - headers are out: end the answer
+                        with proxy._lock:
+                            proxy.stats["errors"].append(f"stream cut: {type(e).__name__}: {e}")
+                        self.close_connection = True
+                        return
+                with proxy._lock:
+                    proxy.stats["decode_ok"] += 1
+                    proxy.stats["streamed"] += 1
+
             def do_POST(self):
+                n = int(self.headers.get("Content-Length", "0") or 0)
+                raw = self.rfile.read(n) if n else b""
+                if self.path in DECODER_POSTS:
+                    return self._send(*proxy.forward("POST", self.path, raw))
                 if self.path not in ROUTES:
                     return self._send(404, b'{"error": "not found"}')
                 try:
-                    n = int(self.headers.get("Content-Length", "0"))
-                    body = json.loads(self.rfile.read(n).decode() or "{}")
+                    body = json.loads(raw.decode() or "{}")
                 except ValueError as e:
                     return self._send(400, json.dumps({"error": f"bad JSON: {e}"}).encode())
-                if body.get("stream"):
-                    return self._send(400, b'{"error": "pd_proxy does not stream"}')
                 try:
+                    if body.get("stream"):
+                        return self._relay(proxy.open_decode_stream(self.path, body))
                     out = proxy.handle(self.path, body)
                 except UpstreamError as e:
                     with proxy._lock:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from dspark_dev.metrics import counter_delta, parse_prometheus
 from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
+from dspark_dev.pd_launch import PREFILL_MARKERS  # what a prefill-only producer logs
 from dspark_dev.pd_proxy import PDProxy
 from dspark_dev.serve import (
     Server,
@@ -52,11 +53,6 @@ from dspark_dev.serve import (
     http_text,
 )
 
-#: What a DSpark prefill-only producer logs (same strings as pd_run.PREFILL_MARKERS).
-PREFILL_MARKERS = (
-    "Built the context-KV-only DSpark drafter",
-    "the scheduler schedules no draft tokens",
-)
 #: What the decoder logs when our patch paired the peer's layers (draft layers included).
 PAIRED = re.compile(r"NIXL KV layers match engine (\S+): (\d+) target \+ (\d+) draft layers")
 #: Decoder/prefiller log lines that explain a NIXL failure.

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dspark_dev.metrics import counter_delta, parse_prometheus
 from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
+from dspark_dev.pd_launch import PREFILL_MARKERS, kv_counters, mooncake_kv_config
 from dspark_dev.pd_proxy import PDProxy, query_engine_id
 from dspark_dev.serve import (
     Server,
@@ -33,42 +34,12 @@ from dspark_dev.serve import (
 )
 from support.gpu import GPUCaseFailure
 
-KV_METRICS = (
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:external_prefix_cache_queries_total",
-    "vllm:prompt_tokens_total",
-    "vllm:mooncake_num_failed_transfers_total",
-    "vllm:mooncake_num_failed_recvs_total",
-)
-
 
 def _metrics(server: Server) -> dict[str, float]:
     return parse_prometheus(http_text(server.url + "/metrics"))
 
 
-def _kv_counters(m: dict[str, float]) -> dict[str, float]:
-    out = {k: m.get(k, 0.0) for k in KV_METRICS}
-    out.update({k: v for k, v in m.items() if k.startswith("vllm:prompt_tokens_by_source_total{")})
-    return out
-
-
-def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
-    cfg = {
-        "kv_connector": "MooncakeConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
-    }
-    if engine_id:
-        cfg["engine_id"] = engine_id
-    return cfg
-
-
-#: Log lines a DSpark prefill-only producer prints (producer/load.py, patches/*producer*,
-#: scheduler).
-PREFILL_MARKERS = (
-    "Built the context-KV-only DSpark drafter",
-    "the scheduler schedules no draft tokens",
-)
+_kv_counters = kv_counters  # the decoder's KV-connector counters (dspark_dev/pd_launch.py)
 
 
 def run_pd(

@@ -119,7 +119,7 @@ def test_prefill_then_decode_with_the_mooncake_keys(fakes):
         "remote_engine_id": "eng-P",  # from the bootstrap's /query
         "remote_bootstrap_addr": boot.url,
     }
-    assert stats == {"requests": 1, "prefill_ok": 1, "decode_ok": 1, "errors": []}
+    assert stats == {"requests": 1, "prefill_ok": 1, "decode_ok": 1, "streamed": 0, "errors": []}
 
 
 def test_each_request_gets_its_own_transfer_id_and_prefill_params_are_kept(fakes):
@@ -169,14 +169,92 @@ def test_a_stuck_decoder_becomes_a_504_not_a_hang(fakes):
     assert status == 504 and took < 4
 
 
-def test_streaming_and_unknown_routes_are_refused(fakes):
+def test_unknown_routes_are_refused(fakes):
     pre = fakes(lambda p, b: (200, {}))
     with pd_proxy.PDProxy(pre.url, pre.url, "http://127.0.0.1:1", engine_id="e") as proxy:
-        assert post(proxy.url + "/v1/completions", {"prompt": [1], "stream": True})[0] == 400
         assert post(proxy.url + "/v1/other", {})[0] == 404
         with urllib.request.urlopen(proxy.url + "/health", timeout=5) as r:
             assert r.status == 200
     assert pre.bodies == []
+
+
+class StreamingDecoder:
+    """A decoder that answers with two server-sent events and sends the second only after the
+    test says it saw the first through the proxy (``seen_first``): a proxy that buffered the
+    answer would never pass the first on in time."""
+
+    def __init__(self):
+        self.seen_first = threading.Event()
+        self.bodies: list[dict] = []
+        dec = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                dec.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+                self.wfile.flush()
+                dec.seen_first.wait(3.0)
+                self.wfile.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+                self.wfile.flush()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_a_streaming_request_is_prefilled_then_relayed_as_it_arrives(fakes):
+    pre = fakes(lambda p, b: (200, {"choices": [{}], "kv_transfer_params": {}}))
+    dec = StreamingDecoder()
+    body = {"prompt": [1, 2], "max_tokens": 4, "stream": True, "stream_options": {"x": 1}}
+    try:
+        with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="e") as proxy:
+            req = urllib.request.Request(
+                proxy.url + "/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=10) as r:
+                t0 = time.monotonic()
+                first = r.read1(65536)
+                waited = time.monotonic() - t0
+                dec.seen_first.set()
+                rest = r.read()
+            stats = dict(proxy.stats)
+    finally:
+        dec.seen_first.set()
+        dec.server.shutdown()
+        dec.server.server_close()
+    assert first.startswith(b'data: {"choices": [{"text": "a"}]}') and waited < 2.5, (
+        f"the first event came after {waited:.1f} s: the proxy held the stream back"
+    )
+    assert rest.endswith(b"data: [DONE]\n\n")
+    ((_, pb),) = pre.bodies
+    assert pb["stream"] is False and "stream_options" not in pb and pb["max_tokens"] == 1
+    (db,) = dec.bodies
+    assert (
+        db["stream"] is True
+        and db["max_tokens"] == 4
+        and db["kv_transfer_params"]["do_remote_prefill"]
+    )
+    assert stats["streamed"] == stats["decode_ok"] == 1 and not stats["errors"], stats
+
+
+def test_metrics_models_and_tokenize_are_the_decoders(fakes):
+    pre = fakes(lambda p, b: (200, {"who": "prefill"}))
+    dec = fakes(lambda p, b: (200, {"who": "decode", "path": p}))
+    with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="e") as proxy:
+        for path in ("/metrics", "/v1/models"):
+            with urllib.request.urlopen(proxy.url + path, timeout=5) as r:
+                assert json.loads(r.read()) == {"who": "decode", "path": path}
+        status, out = post(proxy.url + "/tokenize", {"prompt": "x"})
+    assert status == 200 and out == {"who": "decode", "path": "/tokenize"}
+    assert pre.bodies == [] and dec.bodies == [("/tokenize", {"prompt": "x"})]
 
 
 def test_bootstrap_listing_two_engines_is_an_error(fakes):

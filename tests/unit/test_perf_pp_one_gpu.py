@@ -333,3 +333,241 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
     assert "| pp2_dspark AL 3.99 | 4 | 1 | 4 | 2.500 | 1.000 | 4.000 | 25.0% |" in md
     assert md.count(plot.CAVEAT) >= 4
     assert png.stat().st_size > 10_000 and "![served curves](perf.png)" in md
+
+
+# --------------------------------------------------------------------------- PD vs aggregated
+def test_the_pd_group_sweeps_al_3_99_and_both_sides_hold_the_same_kv():
+    a = serve.parse_args(["--configs", "pd"])
+    assert [c.name for c in a.cfgs] == ["pd_dspark", "agg_dspark_kv"] and a.als == [3.99]
+    assert serve.parse_args(["--configs", "pd,pp1"]).als == [3.99, 6.1]  # mixed: the usual
+    pd, agg = (serve.kv_plan(c, 16.0, 24.0, 0.75) for c in a.cfgs)
+    assert agg == {"engine": 24 << 30}
+    assert pd == {"producer": 6 << 30, "decoder": 18 << 30}
+    # an odd share rounds the decoder down to whole MiB and the producer takes the rest
+    pd_odd = serve.kv_plan(a.cfgs[0], 16.0, 10.0, 0.333)
+    assert sum(pd_odd.values()) == 10 << 30 and pd_odd["decoder"] % (1 << 20) == 0
+    assert serve.kv_plan(serve.CONFIGS["pp2_dspark"], 16.0, 24.0, 0.75) == {
+        "stage0": 8 << 30,
+        "stage1": 8 << 30,
+    }
+    with pytest.raises(SystemExit, match="--pd-decoder-share"):
+        serve.parse_args(["--configs", "pd", "--pd-decoder-share", "1"])
+
+
+def test_dry_run_composes_producer_decoder_and_proxy(capsys):
+    out = _dry(capsys, "--configs", "pd", "--concurrency", "1,64")
+    nodes = _launchers(out)
+    assert set(nodes) == {
+        "pd_dspark producer",
+        "pd_dspark decoder",
+        "pd_dspark proxy",
+        "agg_dspark_kv",
+    }
+
+    def opt(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    def json_opt(who, flag):
+        """A JSON option of a launcher, read from its printed command line."""
+        line = next(x for x in out.splitlines() if x.startswith(f"  {who}: /"))
+        return json.JSONDecoder().raw_decode(line, line.index(flag + " ") + len(flag) + 1)[0]
+
+    pre, dec, proxy = (nodes[f"pd_dspark {r}"] for r in ("producer", "decoder", "proxy"))
+    agg = nodes["agg_dspark_kv"]
+    pre_kv = json_opt("pd_dspark producer", "--kv-transfer-config")
+    dec_kv = json_opt("pd_dspark decoder", "--kv-transfer-config")
+    assert pre_kv["kv_role"] == "kv_producer" and dec_kv["kv_role"] == "kv_consumer"
+    assert pre_kv["kv_connector"] == dec_kv["kv_connector"] == "MooncakeConnector"
+    assert pre_kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}
+    assert "--kv-transfer-config" not in agg["argv"]
+    # the same total KV: producer + decoder == the aggregated engine, each set exactly once
+    kv = {n: [a for a in x["argv"] if a == "--kv-cache-memory-bytes"] for n, x in nodes.items()}
+    assert kv == {"pd_dspark producer": ["--kv-cache-memory-bytes"],
+                  "pd_dspark decoder": ["--kv-cache-memory-bytes"], "pd_dspark proxy": [],
+                  "agg_dspark_kv": ["--kv-cache-memory-bytes"]}  # fmt: skip
+    total = int(opt(pre["argv"], "--kv-cache-memory-bytes")) + int(
+        opt(dec["argv"], "--kv-cache-memory-bytes")
+    )
+    assert total == int(opt(agg["argv"], "--kv-cache-memory-bytes")) == 24 << 30
+    # both engines: the same DSpark config, their own ports; the proxy joins them
+    spec = json_opt("pd_dspark producer", "--speculative-config")
+    assert spec == json_opt("pd_dspark decoder", "--speculative-config")
+    assert spec["method"] == "dspark" and spec["synthetic_acceptance_length"] == 3.99
+    assert pre["env"]["VLLM_PORT"] != dec["env"]["VLLM_PORT"]
+    boot = pre["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+    assert dec["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"] != boot
+    assert proxy["argv"][1:3] == ["-m", "dspark_dev.pd_proxy"]
+    assert opt(proxy["argv"], "--prefill") == f"http://127.0.0.1:{opt(pre['argv'], '--port')}"
+    assert opt(proxy["argv"], "--decode") == f"http://127.0.0.1:{opt(dec['argv'], '--port')}"
+    assert opt(proxy["argv"], "--bootstrap") == f"http://127.0.0.1:{boot}"
+    assert opt(proxy["argv"], "--engine-id") == pre_kv["engine_id"]
+    # the acceptance switch goes to the decoder, the client to the proxy
+    posts = [line for line in out.splitlines() if line.startswith("POST ")]
+    assert posts[0].startswith("POST URL(pd_dspark decoder)/collective_rpc")
+    assert posts[1].startswith("POST URL(agg_dspark_kv)/collective_rpc")
+    bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
+    assert len(bench) == 4 and "--base-url URL(pd_dspark proxy) " in bench[0]
+    # the same prompts on both sides
+    seeds = [shlex.split(b)[shlex.split(b).index("--seed") + 1] for b in bench]
+    assert seeds[:2] == seeds[2:]
+
+
+class _Node:
+    def __init__(self, name, exit_code=None, port=1):
+        self.name, self.code, self.port, self.started, self.argv = name, exit_code, port, 0, []
+
+    url = property(lambda self: f"http://127.0.0.1:{self.port}")
+
+    def start(self):
+        self.started += 1
+
+    def exited(self):
+        return self.code
+
+    def wait_ready(self, timeout_s):
+        if self.code is not None:
+            raise RuntimeError(f"{self.name} exited with code {self.code} before it was ready")
+
+
+def _pd(monkeypatch, seen="eng-1", decoder_exit=None):
+    from dspark_dev import pd_launch
+
+    monkeypatch.setattr(pd_launch, "wait_engine_id", lambda url, deadline: seen)
+    proxy = _Node("proxy")
+    proxy.argv = ["python", "-m", "dspark_dev.pd_proxy", "--engine-id", "eng-1"]
+    dep = pd_launch.PDDeployment(
+        "pd", [_Node("producer")], _Node("decoder", decoder_exit, port=2), proxy, "boot", "eng-1"
+    )
+    return dep.start(), proxy
+
+
+def test_pd_deployment_starts_the_proxy_only_when_both_engines_answer(monkeypatch):
+    dep, proxy = _pd(monkeypatch)
+    assert proxy.started == 0  # not with the engines
+    dep.wait_ready(5.0)
+    assert proxy.started == 1 and dep.control_url == "http://127.0.0.1:2"
+    assert dep.url == proxy.url and dep.nodes[-1] is proxy
+    dep, proxy = _pd(monkeypatch, seen="eng-registered")
+    dep.wait_ready(5.0)  # the proxy names the engine the bootstrap server lists
+    assert proxy.argv[-1] == "eng-registered" and dep.engine_id == "eng-registered"
+    dep, proxy = _pd(monkeypatch, decoder_exit=1)
+    with pytest.raises(RuntimeError, match="decoder.*exit"):
+        dep.wait_ready(5.0)
+    assert proxy.started == 0
+
+
+def test_pd_deltas_are_after_minus_before():
+    before = {
+        "decoder_kv": {"vllm:external_prefix_cache_hits_total": 100.0},
+        "producer_spec": {"num_draft_tokens": 0, "accepted_per_pos": [1, 2]},
+        "proxy": {"requests": 3, "errors": ["old"]},
+    }
+    after = {
+        "decoder_kv": {"vllm:external_prefix_cache_hits_total": 1124.0},
+        "producer_spec": {"num_draft_tokens": 0, "accepted_per_pos": [1, 5]},
+        "proxy": {"requests": 7, "errors": ["old", "new"]},
+    }
+    assert serve.pd_delta(before, after) == {
+        "decoder_kv": {"vllm:external_prefix_cache_hits_total": 1024.0},
+        "producer_spec": {"num_draft_tokens": 0, "accepted_per_pos": [0, 3]},
+        "proxy": {"requests": 4, "errors": ["new"]},
+    }
+    gone = serve.pd_delta(before, {**after, "proxy": {"error": "URLError: refused"}})
+    assert gone["proxy"] == {"error": "URLError: refused"}
+
+
+def _pd_point(config, c, tok_s, ttft, tpot, *, pulled=1.0):
+    p = serve_point(config, 3.99, c, tok_s, ttft=ttft, tpot=tpot, measured=3.98)
+    if config == "pd_dspark":
+        prompt = 1024.0 * p["num_prompts"]
+        p["pd"] = {
+            "decoder_kv": {"vllm:external_prefix_cache_hits_total": pulled * prompt,
+                           "vllm:prompt_tokens_total": prompt},
+            "producer_spec": {"num_draft_tokens": 0},
+            "proxy": {"requests": p["num_prompts"], "errors": []},
+        }  # fmt: skip
+    return p
+
+
+def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
+    run = serve_run(
+        [
+            _pd_point("pd_dspark", 1, 500.0, (80.0, 120.0), (1.8, 2.0)),
+            _pd_point("agg_dspark_kv", 1, 550.0, (40.0, 60.0), (1.7, 1.9)),
+            _pd_point("pd_dspark", 4, 1500.0, (150.0, 300.0), (2.0, 2.5), pulled=0.5),
+            _pd_point("agg_dspark_kv", 4, 2000.0, (100.0, 200.0), (1.75, 2.2)),
+        ]
+    )
+    f = _write(tmp_path, "serve_pp_one_gpu_pd.json", run)
+    md_path, png = tmp_path / "pd.md", tmp_path / "perf.png"
+    assert plot.main([f, "--md", str(md_path), "--png", str(png)]) == 0
+    md = md_path.read_text()
+    assert "## PD vs aggregated, served" in md and plot.PD_NOTE in md
+    assert (
+        "| 3.99 | 1 | 80.0 / 40.0 | 120.0 / 60.0 | 1.80 / 1.70 | 2.00 / 1.90 | 500 / 550 | "
+        "0.909 | 3.98 / 3.98 | 100.0% | 0 | 0 | 1 / 1 |"
+    ) in md
+    assert "| 3.99 | 4 | 150.0 / 100.0 | 300.0 / 200.0 |" in md and "| 0.750 |" in md
+    assert "| 50.0% |" in md  # half the prompt tokens came over the connector
+    pd_png = tmp_path / "perf_pd.png"
+    assert pd_png.stat().st_size > 10_000 and "![PD vs aggregated](perf_pd.png)" in md
+    assert not png.exists() and "![served curves]" not in md  # no PP rows: no PP figure
+
+
+# --------------------------------------------------------------------------- projection vs served
+pp_projection = load_script("benchmarks/pp_projection.py")
+
+
+def _steps(*ranks):
+    """step_times of one point: (batch, draft_ms) per rank."""
+    return [
+        {"main_num_reqs": b, "main": {"target_ms": 3.0, "draft_ms": d, "step_ms": 6.0}}
+        for b, d in ranks
+    ]
+
+
+def test_projection_beside_the_served_runs_splits_what_pp2_adds(tmp_path):
+    proj = {
+        "hidden_size": 1000,
+        "rows": [
+            {"acceptance_length": 4.0, "concurrency": 4, "pp1_tok_s_model": 1000.0,
+             "pp2_one_wave_tok_s": 990.0, "pp2_two_waves_tok_s": 1500.0, "t_x_ms": 0.05,
+             "t_tok_ms": 0.05, "bubble_share_one_wave": 0.25,
+             "activation_bytes": 4_000_000 + 4 * 1000 * 2 * 2},
+        ],
+        "nospec_rows": [
+            {"concurrency": 4, "pp1_tok_s_model": 400.0, "pp2_one_wave_tok_s": 396.0,
+             "pp2_two_waves_tok_s": 750.0},
+        ],
+    }  # fmt: skip
+    d1 = serve_point("pp1_dspark", 4.0, 4, 1000.0, tpot=(1.5, 2.0), measured=4.0)
+    d2 = serve_point("pp2_dspark", 4.0, 4, 400.0, tpot=(4.0, 5.0), measured=4.0)
+    d1["step_times"], d2["step_times"] = _steps((4, 1.0)), _steps((2, None), (2, 2.0))
+    runs = [
+        serve_run([serve_point("pp1_nospec", None, 4, 400.0, tpot=(5.0, 6.0)), d1]),
+        serve_run([serve_point("pp2_nospec", None, 4, 200.0, tpot=(10.0, 11.0)), d2]),
+    ]
+    files = [_write(tmp_path, f"serve_pp_one_gpu_pp{i + 1}.json", r) for i, r in enumerate(runs)]
+    (r,) = pp_projection.served_comparison(proj, files)["rows"]
+    assert r["meas_quot"] == pytest.approx((400 / 200) / (1000 / 400))  # 0.8: goal (b) missed
+    assert r["proj_quot_one_wave"] == pytest.approx((990 / 396) / (1000 / 400))
+    assert r["meas_added_ms_nospec"] == pytest.approx(5.0)  # (10 - 5) ms x 1 token
+    assert r["meas_added_ms_dspark"] == pytest.approx(10.0)  # (4 - 1.5) ms x 4 tokens
+    assert r["micro_batches"] == 2 and r["extra_draft_ms"] == pytest.approx(3.0)  # 2 x 2 - 1
+    assert r["rest_ms"] == pytest.approx(2.0) and r["more_bytes"] == 4_000_000
+    assert r["implied_gbps"] == pytest.approx(2.0)
+    md = pp_projection.served_markdown(pp_projection.served_comparison(proj, files))
+    assert "| 4 | 4 | 2.50x / 2.50x | 2.50x / 2.00x / 2.00x | 1.000 / 0.800 / **0.800** |" in md
+    assert "| 5.0 | 2 x 2.00 (1.00) | 3.0 | 2.0 | 4.0 | 2.00 |" in md
+    assert "missed at: AL 4 C=4 (0.800)." in md
+
+
+def test_the_docs_comparison_block_is_what_the_script_writes_from_the_recorded_json(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs/performance-bound.md").read_text()
+    block = doc.split("<!-- BEGIN SERVED_VS_PROJECTION -->\n", 1)[1].split("\n<!-- END", 1)[0]
+    res = json.loads((root / "docs/results/perf_qwen3-8b.json").read_text())
+    perf = load_script("benchmarks/perf_real_shapes.py")
+    p = pp_projection.project(perf.merge_results([res]))
+    served = [root / f"docs/results/serve_pp_one_gpu_pp{i}.json" for i in (1, 2)]
+    assert block == pp_projection.served_markdown(pp_projection.served_comparison(p, served))

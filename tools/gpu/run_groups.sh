@@ -16,7 +16,10 @@
 #         producer_mla: the DeepSeek-V4 / Kimi-K3 context-only drafters on CUDA),
 #         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control),
 #         lost_stage / lost_stage_control (issue 28 case 3b: PP rank 1 killed across two launchers;
-#         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off).
+#         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off),
+#         load (issue 28 case 1: vllm bench serve against PP=2 DSpark on two launchers, three runs;
+#         tests/gpu/test_load_gpu.py), pd_kill (issue 28 case 3, PD part: the DSpark prefiller
+#         SIGKILLed with transfers pending; tests/gpu/test_pd_kill_gpu.py).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -115,7 +118,20 @@ for g in "$@"; do
       DSPARK_GPU_LOST_STAGE_CONTROL=$([ "$g" = lost_stage_control ] && echo 1 || echo 0) \
       run_group "$g" tests/gpu/test_pp_lost_stage_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, producer_memory, pp_adaptive, lost_stage, lost_stage_control)" ;;
+  load)
+    # load.json and the trimmed launcher and bench logs come back in artifacts.tgz
+    mkdir -p "$ART/load"
+    DSPARK_GPU_LOAD_LOGS="$ART/load" DSPARK_GPU_LOAD_BUDGET_S=$((BUDGET - 10)) \
+      DSPARK_GPU_PP_READY_S=${DSPARK_GPU_LOAD_READY_S:-$((BUDGET * 6 / 10))} \
+      run_group "$g" tests/gpu/test_load_gpu.py --timeout=$((BUDGET - 5)) &
+    ;;
+  pd_kill)
+    mkdir -p "$ART/pd_kill"
+    DSPARK_GPU_PD_KILL_LOGS="$ART/pd_kill" DSPARK_PD_KILL_BUDGET_S=$((BUDGET - 10)) \
+      DSPARK_PD_KILL_READY_S=${DSPARK_PD_KILL_READY_S:-$((BUDGET * 6 / 10))} \
+      run_group "$g" tests/gpu/test_pd_kill_gpu.py --timeout=$((BUDGET - 5)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, load, pd_kill)" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
@@ -150,5 +166,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|PRODUCER DRAFTER MEMORY|^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|sample under load|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80

@@ -1,0 +1,263 @@
+"""PD on loopback: a DSpark prefill-only producer, a DSpark decoder, dspark_dev/pd_proxy.py.
+
+The pieces every PD run shares, once: the MooncakeConnector ``--kv-transfer-config`` of each role
+(:func:`mooncake_kv_config`, TCP protocol), the log lines that prove the producer is the plugin's
+prefill-only role (:data:`PREFILL_MARKERS`), the decoder's KV-connector counters
+(:data:`KV_METRICS`, :func:`kv_counters`), how a total KV budget is split between producer and
+decoder (:func:`split_kv_bytes`), and :class:`PDDeployment`, the producer / decoder / proxy
+processes of a served benchmark (benchmarks/serve_pp_one_gpu.py). The GPU tests start their
+servers through tests/support/pd_run.py, which takes its settings from here.
+
+Ports: the producer's Mooncake bootstrap server listens on ``VLLM_MOONCAKE_BOOTSTRAP_PORT``; each
+engine gets its own ``VLLM_PORT`` block (vLLM counts its internal ports up from it) so two
+engines on one host never collide; the decoder gets its own, unused, bootstrap port.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark_dev.metrics import parse_prometheus
+from dspark_dev.serve import free_port, free_port_block
+
+#: Log lines a DSpark prefill-only producer prints (producer/load.py, patches/*producer*,
+#: scheduler).
+PREFILL_MARKERS = (
+    "Built the context-KV-only DSpark drafter",
+    "the scheduler schedules no draft tokens",
+)
+
+#: The decoder's counters that show the prompt KV came over the connector.
+KV_METRICS = (
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:prompt_tokens_total",
+    "vllm:mooncake_num_failed_transfers_total",
+    "vllm:mooncake_num_failed_recvs_total",
+)
+
+
+def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
+    """``--kv-transfer-config`` of a MooncakeConnector engine over TCP (``kv_producer`` /
+    ``kv_consumer``); the producer's ``engine_id`` is what the proxy names to the decoder."""
+    cfg = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+    if engine_id:
+        cfg["engine_id"] = engine_id
+    return cfg
+
+
+def kv_counters(m: dict[str, float]) -> dict[str, float]:
+    """The :data:`KV_METRICS` (0 when absent) and the prompt tokens by source of a parsed
+    ``/metrics``."""
+    out = {k: m.get(k, 0.0) for k in KV_METRICS}
+    out.update({k: v for k, v in m.items() if k.startswith("vllm:prompt_tokens_by_source_total{")})
+    return out
+
+
+def kv_counters_at(url: str, timeout: float = 10.0) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        return kv_counters(parse_prometheus(r.read().decode()))
+
+
+def split_kv_bytes(total_bytes: int, decoder_share: float, block: int = 1 << 20) -> tuple[int, int]:
+    """(producer, decoder) KV-cache bytes of a PD deployment whose two engines together hold
+    ``total_bytes`` (what one aggregated engine gets, for a same-memory comparison): the decoder
+    ``decoder_share`` of it, rounded down to ``block`` bytes, the producer the rest, so the two
+    always add up to ``total_bytes`` exactly."""
+    if not 0.0 < decoder_share < 1.0:
+        raise ValueError(f"decoder share {decoder_share} must lie strictly between 0 and 1")
+    if total_bytes < 2 * block:
+        raise ValueError(f"total KV {total_bytes} bytes is below two blocks of {block}")
+    dec = max(block, int(total_bytes * decoder_share) // block * block)
+    dec = min(dec, total_bytes - block)
+    return total_bytes - dec, dec
+
+
+def producer_env(bootstrap_port: int) -> dict:
+    return {
+        "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port),
+        "VLLM_PORT": str(free_port_block()),
+    }
+
+
+def decoder_env() -> dict:
+    return {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()), "VLLM_PORT": str(free_port_block())}
+
+
+def proxy_argv(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_url: str,
+    engine_id: str,
+    port: int,
+    timeout_s: float,
+) -> list[str]:
+    """dspark_dev/pd_proxy.py as its own process (so its threads never share a GIL with the
+    benchmark client)."""
+    return [
+        sys.executable, "-m", "dspark_dev.pd_proxy", "--prefill", prefill_url,
+        "--decode", decode_url, "--bootstrap", bootstrap_url, "--engine-id", engine_id,
+        "--port", str(port), "--timeout", str(timeout_s),
+    ]  # fmt: skip
+
+
+def wait_engine_id(bootstrap_url: str, deadline: float) -> str:
+    """The engine id the producer's bootstrap server lists, polled until ``deadline`` (the
+    producer registers while it starts)."""
+    from dspark_dev.pd_proxy import query_engine_id
+
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            seen = query_engine_id(bootstrap_url)
+        except Exception as e:  # noqa: BLE001 - not registered yet
+            last = e
+            time.sleep(1.0)
+            continue
+        return seen
+    raise TimeoutError(f"bootstrap {bootstrap_url} listed no engine in time (last error: {last})")
+
+
+def new_engine_id(tag: str = "dspark-pd-prefill") -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class PDDeployment:
+    """Producer launcher(s), decoder and proxy (``dspark_dev.serve_demo.Server`` objects, not
+    started). Same interface as ``pp_launch.Deployment``: ``url`` is what clients target (the
+    proxy), ``control_url`` where the spec-decode counters and ``/collective_rpc`` go (the
+    decoder, the engine that drafts and samples)."""
+
+    name: str
+    producers: list  # node 0 first (API server, bootstrap), then headless PP launchers
+    decoder: object
+    proxy: object
+    bootstrap_url: str
+    engine_id: str
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def nodes(self) -> list:
+        return [*self.producers, self.decoder, self.proxy]
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    @property
+    def control_url(self) -> str:
+        return self.decoder.url
+
+    @property
+    def producer_url(self) -> str:
+        return self.producers[0].url
+
+    def start(self) -> PDDeployment:
+        """The engines; the proxy starts once both answer (:meth:`wait_ready`)."""
+        self.started_at = time.monotonic()
+        for node in (*self.producers, self.decoder):
+            node.start()
+        return self
+
+    def dead_nodes(self) -> list[str]:
+        return [f"{n.name} (exit {n.exited()})" for n in self.nodes if n.exited() is not None]
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Producer and decoder healthy, the producer's engine registered with its bootstrap
+        server, then the proxy started and healthy; any launcher that exits fails the wait at
+        once (its name in the error). Returns the seconds since :meth:`start`."""
+        deadline = time.monotonic() + timeout_s
+
+        def check_alive():
+            dead = [
+                f"{n.name} (exit {n.exited()})"
+                for n in (*self.producers, self.decoder)
+                if n.exited() is not None
+            ]
+            if dead:
+                raise RuntimeError(f"{self.name}: {', '.join(dead)} exited")
+
+        check_alive()
+        self.producers[0].wait_ready(max(1.0, deadline - time.monotonic()))
+        check_alive()
+        self.decoder.wait_ready(max(1.0, deadline - time.monotonic()))
+        check_alive()
+        seen = wait_engine_id(self.bootstrap_url, deadline)
+        if seen != self.engine_id:  # the proxy names the one the bootstrap server lists
+            self.proxy.argv = [seen if a == self.engine_id else a for a in self.proxy.argv]
+            self.engine_id = seen
+        self.proxy.start()
+        self.proxy.wait_ready(max(5.0, min(30.0, deadline - time.monotonic())))
+        check_alive()
+        return time.monotonic() - self.started_at
+
+    def stop(self, grace_s: float = 10.0) -> list[int]:
+        from dspark_dev.serve_demo import live_group_members
+
+        for node in reversed(self.nodes):  # the proxy first: no new requests reach the engines
+            node.stop(grace_s=grace_s)
+        return [
+            pid for n in self.nodes if n.proc is not None for pid in live_group_members(n.proc.pid)
+        ]
+
+    def log_markers(self) -> dict[str, bool]:
+        text = "\n".join(n.log_tail(10**8) for n in self.producers)
+        return {m: m in text for m in PREFILL_MARKERS}
+
+
+def pd_deployment(
+    name: str,
+    target: str,
+    *,
+    spec: dict,
+    base_args: list[str],
+    producer_kv_bytes: int,
+    decoder_kv_bytes: int,
+    log_dir: Path,
+    env: dict,
+    cpu: bool = False,
+    proxy_timeout_s: float = 300.0,
+) -> PDDeployment:
+    """A PP=1 producer and a PP=1 decoder, both with the DSpark speculative config ``spec`` and
+    ``base_args`` (no ``--kv-cache-memory-bytes`` in it: each gets its own share), on the
+    devices ``env`` names, plus the proxy. Nothing starts here."""
+    from dspark_dev.serve_demo import Server, serve_argv
+
+    if any(a == "--kv-cache-memory-bytes" for a in base_args):
+        raise ValueError("base_args must not set --kv-cache-memory-bytes (each role gets its own)")
+    engine_id = new_engine_id()
+    bport = free_port()
+    log_dir = Path(log_dir)
+
+    def engine(role: str, kv_cfg: dict, kv_bytes: int, role_env: dict) -> Server:
+        port = free_port()
+        kv = [] if cpu else ["--kv-cache-memory-bytes", str(kv_bytes)]
+        extra = [*kv, "--kv-transfer-config", json.dumps(kv_cfg)]
+        argv = serve_argv(target, pp=1, spec=spec, port=port, base=base_args, extra=extra)
+        cache = {"VLLM_CACHE_ROOT": str(log_dir / f"cache-{name}-{role}")}
+        return Server(argv, log_dir / f"{name}_{role}.log", env={**env, **cache, **role_env},
+                      port=port, name=f"{name} {role}", cpu=cpu)  # fmt: skip
+
+    pre = engine(
+        "producer", mooncake_kv_config("kv_producer", engine_id), producer_kv_bytes,
+        producer_env(bport),
+    )  # fmt: skip
+    dec = engine("decoder", mooncake_kv_config("kv_consumer"), decoder_kv_bytes, decoder_env())
+    pport = free_port()
+    proxy = Server(
+        proxy_argv(pre.url, dec.url, f"http://127.0.0.1:{bport}", engine_id, pport,
+                   proxy_timeout_s),
+        log_dir / f"{name}_proxy.log", env=dict(env), port=pport, name=f"{name} proxy", cpu=cpu,
+    )  # fmt: skip
+    return PDDeployment(name, [pre], dec, proxy, f"http://127.0.0.1:{bport}", engine_id)
