@@ -148,7 +148,8 @@ def _load_runs(name: str, nodes, port: int, url: str, deadline: float, during=No
     beside run ``i`` (the greedy sample) and its result is kept."""
     pg = _pgids(nodes)
     rec: dict = {"rss_mib_ready": served_load.group_rss_mib(pg),
-                 "gpu_mib_ready": served_load.gpu_memory_mib(pg), "runs": []}  # fmt: skip
+                 "gpu_mib_ready": served_load.gpu_memory_mib(pg),
+                 "gpu_device_mib_ready": served_load.gpu_device_used_mib(), "runs": []}  # fmt: skip
     for i in range(RUNS):
         left = deadline - time.monotonic()
         if left < 20:
@@ -175,7 +176,8 @@ def _load_runs(name: str, nodes, port: int, url: str, deadline: float, during=No
                **served_load.bench_outcome(b["result"], PROMPTS),
                "kv_usage_after": usage, "running_after": running,
                "rss_mib_after": served_load.group_rss_mib(pg),
-               "gpu_mib_after": served_load.gpu_memory_mib(pg)}  # fmt: skip
+               "gpu_mib_after": served_load.gpu_memory_mib(pg),
+               "gpu_device_mib_after": served_load.gpu_device_used_mib()}  # fmt: skip
         if side:
             row["side"] = side
         rec["runs"].append(row)
