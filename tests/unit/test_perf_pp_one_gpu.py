@@ -512,6 +512,8 @@ def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
     pd_png = tmp_path / "perf_pd.png"
     assert pd_png.stat().st_size > 10_000 and "![PD vs aggregated](perf_pd.png)" in md
     assert not png.exists() and "![served curves]" not in md  # no PP rows: no PP figure
+    assert md.startswith("<!--") and "# PD vs aggregated, served, on one GPU" in md
+    assert "Goal (b)" not in md  # nothing about PP in a PD-only page
 
 
 # --------------------------------------------------------------------------- projection vs served
