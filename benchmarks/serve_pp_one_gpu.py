@@ -143,6 +143,8 @@ GROUPS = {
 #: start leaves time for one sweep each within one GPU command).
 DEFAULT_ALS = "3.99,6.1"
 PD_DEFAULT_ALS = "3.99"
+READY_S = 360.0
+PD_READY_S = 450.0
 STOP_RESERVE_S = 25.0  # stopping the servers and writing the files at the end
 
 
@@ -475,6 +477,9 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
     env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=a.extra_env)
+    if cfg.pd_kv and not a.cpu and "VLLM_ENGINE_READY_TIMEOUT_S" not in a.extra_env:
+        # vLLM's own start-up deadline must not end an engine the driver still waits for
+        env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(a.ready_s))
     if cfg.pd:
         from dspark_dev.pd_launch import pd_deployment
 
@@ -671,7 +676,12 @@ def parse_args(argv=None):
     )  # fmt: skip
     ap.add_argument("--proxy-timeout-s", type=float, default=300.0, help="pd proxy, per upstream")
     ap.add_argument("--budget-s", type=float, default=470.0)
-    ap.add_argument("--ready-s", type=float, default=360.0, help="start-up deadline per server")
+    ap.add_argument(
+        "--ready-s", type=float, default=None,
+        help=f"start-up deadline per server (default {READY_S:.0f} s; {PD_READY_S:.0f} s when "
+        "only the pd group runs: three engines compile and capture at once, and their "
+        "VLLM_ENGINE_READY_TIMEOUT_S follows it)",
+    )  # fmt: skip
     ap.add_argument("--start", choices=("together", "sequential"), default="together")
     ap.add_argument("--gpu-layout", choices=("shared", "per-stage"), default="shared")
     ap.add_argument("--guess-tpot-ms", type=float, default=6.0, help="until one is measured")
@@ -690,6 +700,8 @@ def parse_args(argv=None):
     if a.acceptance_lengths is None:
         only_pd = all(c.name in GROUPS["pd"] for c in a.cfgs)
         a.acceptance_lengths = PD_DEFAULT_ALS if only_pd else DEFAULT_ALS
+    if a.ready_s is None:
+        a.ready_s = PD_READY_S if all(c.name in GROUPS["pd"] for c in a.cfgs) else READY_S
     a.als = parse_floats(a.acceptance_lengths)
     if any(c.pd_kv for c in a.cfgs) and not 0.0 < a.pd_decoder_share < 1.0:
         raise SystemExit(f"--pd-decoder-share {a.pd_decoder_share}: strictly between 0 and 1")

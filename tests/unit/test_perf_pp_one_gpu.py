@@ -91,6 +91,7 @@ def test_dry_run_composes_two_launchers_on_gpu0_with_distinct_nccl_hosts(capsys)
         assert n0["env"]["NCCL_DEBUG"] == n1["env"]["NCCL_DEBUG"] == "INFO"
         assert n0["env"]["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc
         assert n0["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
+        assert n0["env"]["VLLM_ENGINE_READY_TIMEOUT_S"] == "330"  # the PP groups keep theirs
         for node, rank in ((n0, "0"), (n1, "1")):
             argv = " ".join(node["argv"])
             assert f"--nnodes 2 --node-rank {rank} --master-addr 127.0.0.1" in argv
@@ -394,6 +395,9 @@ def test_dry_run_composes_producer_decoder_and_proxy(capsys):
     assert spec == json_opt("pd_dspark decoder", "--speculative-config")
     assert spec["method"] == "dspark" and spec["synthetic_acceptance_length"] == 3.99
     assert pre["env"]["VLLM_PORT"] != dec["env"]["VLLM_PORT"]
+    # three engines start at once: vLLM's start-up deadline follows the driver's (450 s)
+    for node in (pre, dec, agg):
+        assert node["env"]["VLLM_ENGINE_READY_TIMEOUT_S"] == "450"
     boot = pre["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
     assert dec["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"] != boot
     assert proxy["argv"][1:3] == ["-m", "dspark_dev.pd_proxy"]
