@@ -38,8 +38,8 @@ import statistics
 from pathlib import Path
 
 GOAL_B = 0.9
-PD, AGG = "pd_dspark", "agg_dspark_kv"
-PD_CONFIGS = (PD, AGG)
+PD, AGG, PD_PP2 = "pd_dspark", "agg_dspark_kv", "pd_pp2_dspark"
+PD_CONFIGS = (PD, AGG, PD_PP2)
 PD_NOTE = (
     "Producer, decoder and the aggregated engine all run on the one GPU; when the PD side is "
     "measured the aggregated engine sits idle and the other way round, but the producer's "
@@ -270,12 +270,12 @@ def pd_evidence(points: list[dict]) -> dict:
     }
 
 
-def pd_rows(rows: dict, merged: dict) -> list[dict]:
-    """PD vs aggregated per (AL, C) measured on either side."""
-    keys = sorted({(k[1] or 0.0, k[2]) for k in rows if k[0] in PD_CONFIGS})
+def pd_rows(rows: dict, merged: dict, pd_name: str = PD) -> list[dict]:
+    """PD (``pd_name``) vs aggregated per (AL, C) measured on either side."""
+    keys = sorted({(k[1] or 0.0, k[2]) for k in rows if k[0] in (pd_name, AGG)})
     out = []
     for al, c in keys:
-        pd, agg = rows.get((PD, al, c)), rows.get((AGG, al, c))
+        pd, agg = rows.get((pd_name, al, c)), rows.get((AGG, al, c))
         out.append(
             {
                 "al": al,
@@ -285,24 +285,33 @@ def pd_rows(rows: dict, merged: dict) -> list[dict]:
                 "tps_ratio": _div(
                     (pd or {}).get("output_throughput"), (agg or {}).get("output_throughput")
                 ),  # fmt: skip
-                "evidence": pd_evidence(merged.get((PD, al, c), [])),
+                "evidence": pd_evidence(merged.get((pd_name, al, c), [])),
             }
         )
     return out
 
 
 def pd_markdown(rows: dict, merged: dict) -> list[str]:
-    table = pd_rows(rows, merged)
-    if not table:
+    lines = _pd_table(rows, merged, PD)
+    if any(k[0] == PD_PP2 for k in rows):
+        lines += _pd_table(rows, merged, PD_PP2)
+    return lines
+
+
+def _pd_table(rows: dict, merged: dict, pd_name: str) -> list[str]:
+    if not any(k[0] in (pd_name, AGG) for k in rows):
         return []
+    table = pd_rows(rows, merged, pd_name)
 
     def g(side, name, fmt):
         return _f((side or {}).get(name), fmt)
 
-    lines = ["", "## PD vs aggregated, served (issue 29 item 3)", "", PD_NOTE, ""]
+    title = "PD vs aggregated" if pd_name == PD else "PD with a PP=2 producer vs aggregated"
+    lines = ["", f"## {title}, served (issue 29 item 3)", "", PD_NOTE, ""]
     lines += [
-        "`pd_dspark`: the DSpark prefill-only producer (`kv_producer`, context-KV-only drafter) "
-        "and the DSpark decoder (`kv_consumer`) over MooncakeConnector (TCP), behind "
+        f"`{pd_name}`: the DSpark prefill-only producer (`kv_producer`, context-KV-only drafter"
+        + ("; two launchers, one PP stage each" if pd_name == PD_PP2 else "")
+        + ") and the DSpark decoder (`kv_consumer`) over MooncakeConnector (TCP), behind "
         "dspark_dev/pd_proxy.py (its own process; it streams the decoder's answer, so TTFT "
         "includes the prefill, the KV pull and the decoder's first step). `agg_dspark_kv`: one "
         "aggregated DSpark engine with the producer's plus the decoder's KV-cache bytes. "

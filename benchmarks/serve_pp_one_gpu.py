@@ -36,6 +36,9 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   timers and the spec-decode counters go to the decoder; each point also records the decoder's
   KV-connector counters (prompt tokens pulled over the connector), the producer's draft tokens
   and the proxy's request/error counts (``pd``);
+* ``pd_pp2_dspark`` (by name only): the same with a PP=2 producer (two launchers, one stage
+  each, both ``kv_producer`` with one engine id; the producer's KV bytes split over them; the
+  decoder pulls from both stages), the decoder PP=1;
 * ``agg_dspark_kv``: one aggregated DSpark ``vllm serve`` whose ``--kv-cache-memory-bytes`` is
   the producer's plus the decoder's (``--pd-kv-gib`` per side, the decoder
   ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
@@ -131,6 +134,7 @@ CONFIGS = {
         Config("pp2_dspark_stock", 2, True, plugin=False),
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
+        Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
     )
 }
 GROUPS = {
@@ -269,12 +273,15 @@ def kv_plan(cfg: Config, kv_gib: float, pd_kv_gib: float, decoder_share: float) 
     its stages; the PD group's two sides hold ``--pd-kv-gib`` each in all: the aggregated engine
     all of it, the producer and decoder together exactly as much (the decoder
     ``decoder_share`` of it, dspark_dev/pd_launch.split_kv_bytes)."""
-    from dspark_dev.pd_launch import split_kv_bytes
+    from dspark_dev.pd_launch import split_kv_bytes, split_stage_bytes
 
     total = int((pd_kv_gib if cfg.pd_kv else kv_gib) * GIB)
     if cfg.pd:
         producer, decoder = split_kv_bytes(total, decoder_share)
-        return {"producer": producer, "decoder": decoder}
+        out = {"producer": producer, "decoder": decoder}
+        if cfg.pp > 1:  # a PP producer: its bytes over its stages (pd_launch.split_stage_bytes)
+            out["producer_stages"] = split_stage_bytes(producer, cfg.pp)
+        return out
     if cfg.pp == 1:
         return {"engine": total}
     return {f"stage{r}": total // cfg.pp for r in range(cfg.pp)}
@@ -487,6 +494,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
             cfg.name, paths.target, spec=spec, base_args=base,
             producer_kv_bytes=kv["producer"], decoder_kv_bytes=kv["decoder"],
             log_dir=log_dir, env=env, cpu=a.cpu, proxy_timeout_s=a.proxy_timeout_s,
+            producer_pp=cfg.pp, gpu_layout=a.gpu_layout,
         )  # fmt: skip
     if cfg.pp == 1:
         port = free_port()
@@ -698,10 +706,10 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.cfgs = select_configs(a.configs)
     if a.acceptance_lengths is None:
-        only_pd = all(c.name in GROUPS["pd"] for c in a.cfgs)
+        only_pd = all(c.pd_kv for c in a.cfgs)
         a.acceptance_lengths = PD_DEFAULT_ALS if only_pd else DEFAULT_ALS
     if a.ready_s is None:
-        a.ready_s = PD_READY_S if all(c.name in GROUPS["pd"] for c in a.cfgs) else READY_S
+        a.ready_s = PD_READY_S if all(c.pd_kv for c in a.cfgs) else READY_S
     a.als = parse_floats(a.acceptance_lengths)
     if any(c.pd_kv for c in a.cfgs) and not 0.0 < a.pd_decoder_share < 1.0:
         raise SystemExit(f"--pd-decoder-share {a.pd_decoder_share}: strictly between 0 and 1")

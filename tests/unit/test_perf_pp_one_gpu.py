@@ -577,3 +577,44 @@ def test_the_docs_comparison_block_is_what_the_script_writes_from_the_recorded_j
     p = pp_projection.project(perf.merge_results([res]))
     served = [root / f"docs/results/serve_pp_one_gpu_pp{i}.json" for i in (1, 2)]
     assert block == pp_projection.served_markdown(pp_projection.served_comparison(p, served))
+
+
+def test_dry_run_pd_with_a_pp2_producer(capsys):
+    out = _dry(capsys, "--configs", "pd_pp2_dspark,agg_dspark_kv", "--concurrency", "4")
+    nodes = _launchers(out)
+    n0, n1 = (
+        nodes["pd_pp2_dspark producer node 0"],
+        nodes["pd_pp2_dspark producer node 1 (headless)"],
+    )
+    dec = nodes["pd_pp2_dspark decoder"]
+
+    def opt(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    def kv_cfg(who):
+        line = next(x for x in out.splitlines() if x.startswith(f"  {who}: /"))
+        flag = "--kv-transfer-config "
+        return json.JSONDecoder().raw_decode(line, line.index(flag) + len(flag))[0]
+
+    a, b = (
+        kv_cfg("pd_pp2_dspark producer node 0"),
+        kv_cfg("pd_pp2_dspark producer node 1 (headless)"),
+    )
+    assert a == b and a["kv_role"] == "kv_producer" and a["engine_id"]  # one engine, two stages
+    assert kv_cfg("pd_pp2_dspark decoder")["kv_role"] == "kv_consumer"
+    for rank, node in enumerate((n0, n1)):
+        argv = " ".join(node["argv"])
+        assert "-pp 2" in argv and f"--nnodes 2 --node-rank {rank}" in argv
+    assert "--headless" in n1["argv"] and "-pp 1" in " ".join(dec["argv"])
+    assert n0["env"]["NCCL_HOSTID"] != n1["env"]["NCCL_HOSTID"] != dec["env"]["NCCL_HOSTID"]
+    boot = n0["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+    assert (
+        n1["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+        == boot
+        != dec["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+    )
+    kv = [int(opt(x["argv"], "--kv-cache-memory-bytes")) for x in (n0, n1, dec)]
+    assert sum(kv) == int(opt(nodes["agg_dspark_kv"]["argv"], "--kv-cache-memory-bytes"))
+    assert kv[0] == kv[1] == 3 << 30  # the producer's 6 GiB over its two stages
+    plan = serve.kv_plan(serve.CONFIGS["pd_pp2_dspark"], 16.0, 24.0, 0.75)
+    assert plan["producer_stages"] == [3 << 30, 3 << 30] and plan["decoder"] == 18 << 30
