@@ -6,6 +6,7 @@ from small recorded samples. Nothing is timed and no server starts."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -618,3 +619,52 @@ def test_dry_run_pd_with_a_pp2_producer(capsys):
     assert kv[0] == kv[1] == 3 << 30  # the producer's 6 GiB over its two stages
     plan = serve.kv_plan(serve.CONFIGS["pd_pp2_dspark"], 16.0, 24.0, 0.75)
     assert plan["producer_stages"] == [3 << 30, 3 << 30] and plan["decoder"] == 18 << 30
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    os.environ.get("DSPARK_PD_SERVE_HAND") != "1",
+    reason="hand run (about 30 s, vLLM's bench client in process): DSPARK_PD_SERVE_HAND=1",
+)
+def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
+    """The whole ``--configs pd`` run (start, readiness, bootstrap, proxy, acceptance switch on
+    the decoder, ``vllm bench serve`` through the proxy, counters, PD evidence, shutdown) with
+    tests/support/fake_vllm_serve.py in place of ``vllm serve``: what the GPU command does,
+    minus the model."""
+    import sys
+
+    import dspark_dev.serve_demo as serve_demo
+
+    fake = Path(__file__).resolve().parents[1] / "support" / "fake_vllm_serve.py"
+    real = serve_demo.serve_argv
+
+    def stand_in(target, **kw):
+        argv = real(target, **kw)
+        return [sys.executable, str(fake), *argv[argv.index("serve") + 1 :]]
+
+    monkeypatch.setattr(serve_demo, "serve_argv", stand_in)
+    out = tmp_path / "out"
+    rc = serve.main(["--configs", "pd", "--budget-s", "150", "--concurrency", "1,8",
+                     "--input-len", "64", "--output-len", "32", "--out", str(out)])  # fmt: skip
+    res = json.loads((out / "serve_pp_one_gpu_pd.json").read_text())
+    assert rc == 0, res
+    assert {n: s["outcome"] for n, s in res["servers"].items()} == {
+        "pd_dspark": "ok",
+        "agg_dspark_kv": "ok",
+    }
+    assert all(res["servers"]["pd_dspark"]["producer_log_markers"].values())
+    assert not any(s.get("left_running") for s in res["servers"].values())
+    points = {(p["config"], p["concurrency"]): p for p in res["points"]}
+    assert set(points) == {(c, n) for c in ("pd_dspark", "agg_dspark_kv") for n in (1, 8)}
+    for (config, _c), p in points.items():
+        assert p["bench"]["completed"] == p["num_prompts"] and not p["bench"].get("failed")
+        assert p["measured_acceptance_length"] == pytest.approx(4.0)  # the decoder's counters
+        if config == "pd_dspark":
+            pd = p["pd"]
+            assert pd["proxy"]["requests"] >= p["num_prompts"] and not pd["proxy"]["errors"]
+            hits = pd["decoder_kv"]["vllm:external_prefix_cache_hits_total"]
+            assert hits == pd["decoder_kv"]["vllm:prompt_tokens_total"] > 0
+            assert pd["producer_spec"]["num_draft_tokens"] == 0
+    md = plot.markdown(plot.load([out / "serve_pp_one_gpu_pd.json"]), ["pd.json"])
+    assert "| 3.99 | 8 |" in md and "| 100.0% | 0 | 0 | 1 / 1 |" in md
