@@ -24,7 +24,8 @@ What it writes:
   cache): per AL and C both sides' TTFT and TPOT p50/p99, output tok/s and their quotient, the
   acceptance length each side's counters give, and the PD evidence of each point (the share of
   prompt tokens the decoder took from the connector, the producer's draft tokens, the proxy's
-  errors); with ``--png`` a second figure ``<png>_pd.png`` of the same.
+  errors); with ``--png`` a figure of the same (``<png>_pd.png`` beside the PP figure, or the
+  PNG itself when the files hold PD runs only).
 
 ``--copy-to DIR`` copies the JSON files into DIR (the markdown names the copies).
 """
@@ -438,7 +439,7 @@ def markdown(runs: list[dict], files: list[str]) -> str:
     tl = transport_lines(runs)
     if tl:
         lines += ["", "Transport of the PP=2 deployments (from the launchers' logs):", ""] + tl
-    lines += ["", "## Served results", "", CAVEAT, ""]
+    lines += ["", "## Served results", "", CAVEAT if pp_runs else PD_NOTE, ""]
     head = [t for _, t, _ in METRICS]
     lines.append("| configuration | C | " + " | ".join(head) + " | measured AL | prompts | "
                  "repeats | tok/s spread |")  # fmt: skip
@@ -454,7 +455,7 @@ def markdown(runs: list[dict], files: list[str]) -> str:
     if pp_runs:
         lines += goal_b_section(rows, cs, als)
     lines += pd_markdown(rows, merged)
-    return "\n".join(lines + pp_tail(rows, merged)) + "\n"
+    return "\n".join(lines + pp_tail(rows, merged, pp_runs)) + "\n"
 
 
 def goal_b_section(rows: dict, cs: list[int], als: list[float]) -> list[str]:
@@ -483,7 +484,7 @@ def goal_b_section(rows: dict, cs: list[int], als: list[float]) -> list[str]:
     return lines
 
 
-def pp_tail(rows: dict, merged: dict) -> list[str]:
+def pp_tail(rows: dict, merged: dict, pp_runs: bool = True) -> list[str]:
     """Equal work, per-step times, plugin on / off (each only where its rows exist)."""
     lines: list[str] = []
     ew = equal_work_ratios(rows)
@@ -497,7 +498,8 @@ def pp_tail(rows: dict, merged: dict) -> list[str]:
         ]
     st = step_rows(merged)
     if st:
-        lines += ["", "## Per-step GPU time per PP rank (`--step-times`)", "", CAVEAT, ""]
+        lines += ["", "## Per-step GPU time per PP rank (`--step-times`)", ""]
+        lines += [CAVEAT, ""] if pp_runs else []
         lines += [
             "Medians over the decode steps of the most frequent batch size, first timed repeat "
             "(benchmarks/dspark_bench_hooks.py: target = `execute_model` entry to "
@@ -600,13 +602,15 @@ def main(argv=None) -> int:
     files = copy_results(a.results, a.copy_to) if a.copy_to else [r["_file"] for r in runs]
     md = markdown(runs, files)
     if a.png:
+        pd_png = a.png  # a PD-only run: its figure is the PNG asked for
         if any(k[0] not in PD_CONFIGS for k in merge(runs)):
             print(plot(runs, a.png))
             md += f"\n![served curves]({a.png.name})\n"
-        done = plot_pd(runs, pd_png_path(a.png))
-        if done and pd_png_path(a.png).exists():
+            pd_png = pd_png_path(a.png)
+        done = plot_pd(runs, pd_png)
+        if done and pd_png.exists():
             print(done)
-            md += f"\n![PD vs aggregated]({pd_png_path(a.png).name})\n"
+            md += f"\n![PD vs aggregated]({pd_png.name})\n"
     if a.md:
         a.md.parent.mkdir(parents=True, exist_ok=True)
         a.md.write_text(md)

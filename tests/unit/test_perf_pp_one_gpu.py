@@ -514,11 +514,11 @@ def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
     ) in md
     assert "| 3.99 | 4 | 150.0 / 100.0 | 300.0 / 200.0 |" in md and "| 0.750 |" in md
     assert "| 50.0% |" in md  # half the prompt tokens came over the connector
-    pd_png = tmp_path / "perf_pd.png"
-    assert pd_png.stat().st_size > 10_000 and "![PD vs aggregated](perf_pd.png)" in md
-    assert not png.exists() and "![served curves]" not in md  # no PP rows: no PP figure
+    # no PP rows: no PP figure, the PD figure is the PNG asked for
+    assert png.stat().st_size > 10_000 and "![PD vs aggregated](perf.png)" in md
+    assert "![served curves]" not in md and not (tmp_path / "perf_pd.png").exists()
     assert md.startswith("<!--") and "# PD vs aggregated, served, on one GPU" in md
-    assert "Goal (b)" not in md  # nothing about PP in a PD-only page
+    assert "Goal (b)" not in md and plot.CAVEAT not in md  # nothing about PP in a PD-only page
 
 
 # --------------------------------------------------------------------------- projection vs served
