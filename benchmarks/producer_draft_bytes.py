@@ -3,6 +3,10 @@
 Analytic (``vllm_dspark_pp.qwen3.draft_param_bytes``; its count is checked against the
 modules vLLM actually builds for the tiny pair in
 tests/unit/producer/test_context_kv_qwen3.py::test_draft_param_bytes_matches_the_built_modules).
+``--markdown`` adds what each drafter holds after loading by ``plan``'s rule
+(``qwen3.draft_load_bytes``, embedding and LM head shared with the target): the full drafter
+with vLLM's fused K/V copy, the context-KV-only drafter without (checked against the built
+module: tests/unit/producer/test_context_kv_qwen3.py, test_context_only_drafter_holds_one_kv_copy).
 
 Shape: Qwen3-8B DSpark as given in issue 3 (hidden 4096, intermediate 12288, 32 query / 8 KV
 heads, head_dim 128, vocab 151936, 5 draft layers), bf16. Not published in that list, so shown
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_dspark_pp.producer.qwen3 import draft_param_bytes
+from vllm_dspark_pp.producer.qwen3 import draft_load_bytes, draft_param_bytes
 
 QWEN3_8B_DSPARK = {
     "hidden_size": 4096,
@@ -68,6 +72,20 @@ def main() -> int:
         keep = set(table[0][2]["context_only_components"])
         for k, v in comp.items():
             print(f"| {k} | {v:,} | {'yes' if k in keep else 'no'} |")
+        print()
+        print(
+            "| markov rank | held after loading: full drafter (incl. fused K/V copy) | fused K/V "
+            "copy | context-KV-only drafter (no copy) |"
+        )
+        print("|---:|---:|---:|---:|")
+        for r, _, _ in table:
+            held = draft_load_bytes(
+                dict(QWEN3_8B_DSPARK, markov_rank=r), 2, own_embed=False, own_head=False
+            )
+            print(
+                f"| {r} | {held['full']:,} B | {held['fused_kv_copy']:,} B | "
+                f"{held['context_only']:,} B |"
+            )
     else:
         for r, full, ctx in table:
             print(

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # dspark_dev and the test helpers of a checkout
 
 from support import engines, tiny_pair  # noqa: E402
-from support.reliability import gauge, get_text  # noqa: E402
+from support.served_load import group_rss_mib, wait_idle  # noqa: E402
 
 from dspark_dev.serve_demo import (  # noqa: E402
     Server,
@@ -40,29 +40,6 @@ from dspark_dev.serve_demo import (  # noqa: E402
     live_group_members,
     serve_argv,
 )
-
-
-def group_rss_mib(pgid: int) -> float:
-    total = 0
-    for pid in live_group_members(pgid):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024.0
-
-
-def wait_idle(port: int, timeout_s: float = 60.0) -> tuple[float | None, float | None]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = get_text(port, "/metrics")
-        usage = gauge(m, "vllm:kv_cache_usage_perc")
-        running = gauge(m, "vllm:num_requests_running")
-        if (usage, running) == (0.0, 0.0) or time.monotonic() > deadline:
-            return usage, running
-        time.sleep(0.5)
 
 
 def main(argv=None) -> int:
@@ -96,7 +73,7 @@ def main(argv=None) -> int:
     try:
         srv.start()
         srv.wait_ready(600)
-        rss0 = group_rss_mib(srv.proc.pid)
+        rss0 = group_rss_mib([srv.proc.pid])
         for i in range(a.runs):
             res_dir = Path(tempfile.mkdtemp(prefix="rel-load-"))
             cmd = [
@@ -125,7 +102,7 @@ def main(argv=None) -> int:
                 "output_tok_s": round(float(r.get("output_throughput", 0.0)), 1),
                 "kv_usage_after": usage,
                 "running_after": running,
-                "rss_mib_after": round(group_rss_mib(srv.proc.pid), 1),
+                "rss_mib_after": group_rss_mib([srv.proc.pid]),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -285,9 +285,9 @@ def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str
     shared = [n for n, own in (("embedding", own_embed), ("LM head", own_head)) if not own]
     out = {
         "draft bytes": (
-            f"full drafter {b['full'] / mib:.2f} MiB, context-KV-only "
-            f"{b['context_only'] / mib:.2f} MiB (incl. {b['fused_kv_copy'] / mib:.2f} MiB fused "
-            f"K/V copy; {' and '.join(shared) or 'nothing'} shared with the target"
+            f"full drafter {b['full'] / mib:.2f} MiB (incl. {b['fused_kv_copy'] / mib:.2f} MiB "
+            f"fused K/V copy), context-KV-only {b['context_only'] / mib:.2f} MiB (no copy; "
+            f"{' and '.join(shared) or 'nothing'} shared with the target"
             + (f", {b['shared_with_target'] / mib:.2f} MiB" if shared else "")
             + ")"
         )

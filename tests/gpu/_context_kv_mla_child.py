@@ -287,6 +287,11 @@ def _load():
     assert torch.equal(getattr(full.model, pw).weight, getattr(ctx.model, cw).weight)
     _post_load(full)
     _post_load(ctx)
+    # each weight held once after loading: nothing vLLM derived is a copy (issue 29 item 4)
+    held = drafter.held_weight_bytes(ctx)
+    params = sum(p.numel() * p.element_size() for p in ctx.parameters())
+    report["facts"]["context_held_bytes"] = {"held": held, "parameters": params}
+    assert held == params, report["facts"]["context_held_bytes"]
 
 
 @step("context_kv_written_equal")

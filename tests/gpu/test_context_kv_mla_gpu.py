@@ -18,7 +18,9 @@ checks, each as a named step:
 4. ``skipped_weights``: over the generated checkpoint names, exactly the context tensors are kept.
 5. ``load_weights``: the context-only drafter loads exactly its parameters (Kimi-K3: the full one
    loads all of its own from the same checkpoint), and the stacked context KV projection equals
-   the full drafter's.
+   the full drafter's; after post-processing the context-only drafter holds each weight once
+   (``drafter.held_weight_bytes`` = its parameter bytes: Kimi-K3's per-layer ``kv_a_layernorm``
+   weights are views of vLLM's stacked copy).
 6. ``context_kv_written_equal``: both run vLLM's context-KV code (projection, kv norm, RoPE and
    the CUDA cache insert: DeepSeek-V4 ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` into
    the fp8_ds_mla SWA cache, Kimi-K3 ``concat_and_cache_mla_grouped``) for the same inputs and slot

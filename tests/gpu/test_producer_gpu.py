@@ -7,7 +7,10 @@ Run on the GPU machine:  pytest -m gpu tests/gpu/test_producer_gpu.py -v
    run the same prompts with the test file connector of tests/e2e/producer (ExampleConnector +
    draft layers); every saved layer's KV, target and draft, must be bitwise equal. This compares
    the cache contents written by ``materialize_context_kv`` (CUDA kernels: rms_norm, rotary,
-   ``do_kv_cache_update`` of the GPU attention backend) with the full drafter's path.
+   ``do_kv_cache_update`` of the GPU attention backend) with the full drafter's path. The
+   producer's build log line must report ``held_bytes`` equal to plan's context-only rule (the
+   drafter holds no fused K/V copy; tests/gpu/test_producer_memory_gpu.py measures it with the
+   allocator at the Qwen3-8B shape).
 2. ``test_producer_decodes_like_a_plain_engine``: the same producer asked for 16 tokens per
    request (async scheduling, eager like its reference) decodes exactly like the non-speculative
    engine and
@@ -22,12 +25,14 @@ Each engine runs in its own subprocess with a hard timeout (no hang can outlive 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 from support.gpu import run_llm
 
+from vllm_dspark_pp.producer import qwen3
 from vllm_dspark_pp.producer.load import builds_in_log
 
 pytestmark = pytest.mark.gpu
@@ -112,6 +117,11 @@ def test_materialize_context_kv_writes_full_drafter_kv(tiny, tmp_path):
         out = _run(tmp_path, role, dict(base, kv_transfer_config=_kv(role, store)), 1)
         builds[role] = builds_in_log(out["log"])
     assert builds["kv_both"] == [] and len(builds["kv_producer"]) == 1, builds
+    # the producer's drafter holds each weight once (no fused K/V copy): plan's rule, exactly
+    rule = qwen3.draft_load_bytes(
+        json.loads(Path(tiny.draft, "config.json").read_text()), 2, True, True
+    )
+    assert builds["kv_producer"][0]["held_bytes"] == rule["context_only"], (builds, rule)
 
     def load(store):
         return {

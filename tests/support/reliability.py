@@ -42,10 +42,13 @@ def stream_completion(
     *,
     close_after: int | None = None,
     timeout_s: float = 120.0,
+    on_event=None,
 ) -> dict:
     """POST a streaming completion; return the events' token ids and how the stream ended.
 
     ``close_after``: close the socket after that many data events (the client disconnects).
+    ``on_event(n)``: called after the ``n``-th data event (a caller waiting for a stream to be
+    under way).
     Returns ``{"status", "events", "token_ids", "text", "finish_reason", "done", "error"}``."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     out = {"events": 0, "token_ids": [], "text": "", "finish_reason": None, "done": False}
@@ -79,6 +82,8 @@ def stream_completion(
                 out["error"] = event["error"]
                 continue
             out["events"] += 1
+            if on_event is not None:
+                on_event(out["events"])
             for c in event.get("choices", []):
                 out["token_ids"] += list(c.get("token_ids") or [])
                 out["text"] += c.get("text") or ""

@@ -191,7 +191,7 @@ def test_real_shape_builds_vllm_engine_config(tmp_path):
     assert got["synthetic_acceptance_rates"] == pytest.approx([1, 1, 0.99, 0, 0, 0, 0])
 
 
-def test_plan_draft_bytes_exclude_shared_embedding_and_count_the_fused_kv_copy(tmp_path):
+def test_plan_draft_bytes_exclude_shared_embedding_and_count_the_full_drafters_kv_copy(tmp_path):
     from vllm_dspark_pp.deployment_plan import _checkpoint_ships
     from vllm_dspark_pp.producer.qwen3 import draft_load_bytes, draft_param_bytes
 
@@ -201,6 +201,11 @@ def test_plan_draft_bytes_exclude_shared_embedding_and_count_the_fused_kv_copy(t
     own = draft_load_bytes(hf, 2, own_embed=True, own_head=True)
     assert own["full"] - shared["full"] == comp["embed_tokens"] + comp["lm_head"]
     assert shared["fused_kv_copy"] == 5 * 4096 * 2 * 8 * 128 * 2 + 5 * 128 * 2
+    # the full drafter holds vLLM's fused K/V copy; the context-only one shares it (no copy)
+    full_params = draft_param_bytes(hf, "kv_both", 2)["full_bytes_excluding_shared"]
+    assert shared["full"] == full_params + shared["fused_kv_copy"]
+    context = ("fc", "hidden_norm", "layers.kv_proj", "layers.k_norm")
+    assert shared["context_only"] == sum(comp[k] for k in context)
     assert shared["context_only"] == own["context_only"]
     assert shared["context_only"] < shared["full"] / 5
     # a config-only folder ships neither; a checkpoint naming them ships both

@@ -11,9 +11,15 @@
 #         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
 #         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
+#         producer_memory (issue 29 item 4: the producer's drafter at the Qwen3-8B shape by the
+#         allocator, beside producer_kv: its context KV bitwise equal to the full drafter's, and
+#         producer_mla: the DeepSeek-V4 / Kimi-K3 context-only drafters on CUDA),
 #         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control),
 #         lost_stage / lost_stage_control (issue 28 case 3b: PP rank 1 killed across two launchers;
-#         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off).
+#         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off),
+#         load (issue 28 case 1: vllm bench serve against PP=2 DSpark on two launchers, three runs;
+#         tests/gpu/test_load_gpu.py), pd_kill (issue 28 case 3, PD part: the DSpark prefiller
+#         SIGKILLed with transfers pending; tests/gpu/test_pd_kill_gpu.py).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -81,6 +87,19 @@ for g in "$@"; do
   router)
     run_group "$g" tests/gpu/test_dsv4_router_256.py --timeout=$((BUDGET - 20)) &
     ;;
+  producer_memory)
+    # three runs side by side (each about 150 s on a fresh machine): the Qwen3-8B producer engine
+    # (its benchmark JSON, JSONL and logs come back in artifacts.tgz: 8 files at most come back),
+    # the tiny pair's bitwise context-KV test (logged as producer_kv) and the DeepSeek-V4 / Kimi-K3
+    # context-only drafters against vLLM's on CUDA (bitwise caches, held bytes; producer_mla)
+    mkdir -p "$ART/producer_memory"
+    DSPARK_GPU_PRODUCER_MEMORY=1 DSPARK_PRODUCER_MEMORY_OUT="$ART/producer_memory" \
+      DSPARK_PRODUCER_MEMORY_BUDGET_S=$((BUDGET - 60)) \
+      run_group "$g" tests/gpu/test_producer_memory_gpu.py --timeout=$((BUDGET - 20)) &
+    run_group producer_kv "tests/gpu/test_producer_gpu.py::test_materialize_context_kv_writes_full_drafter_kv" \
+      --timeout=$((BUDGET - 20)) &
+    run_group producer_mla tests/gpu/test_context_kv_mla_gpu.py --timeout=$((BUDGET - 20)) &
+    ;;
   nixl)
     mkdir -p "$OUTDIR/nixl"
     DSPARK_GPU_NIXL=1 DSPARK_NIXL_OUT="$OUTDIR/nixl" DSPARK_NIXL_READY_S=$((BUDGET / 2)) \
@@ -99,7 +118,20 @@ for g in "$@"; do
       DSPARK_GPU_LOST_STAGE_CONTROL=$([ "$g" = lost_stage_control ] && echo 1 || echo 0) \
       run_group "$g" tests/gpu/test_pp_lost_stage_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, pp_adaptive, lost_stage, lost_stage_control)" ;;
+  load)
+    # load.json and the trimmed launcher and bench logs come back in artifacts.tgz
+    mkdir -p "$ART/load"
+    DSPARK_GPU_LOAD_LOGS="$ART/load" DSPARK_GPU_LOAD_BUDGET_S=$((BUDGET - 10)) \
+      DSPARK_GPU_PP_READY_S=${DSPARK_GPU_LOAD_READY_S:-$((BUDGET * 6 / 10))} \
+      run_group "$g" tests/gpu/test_load_gpu.py --timeout=$((BUDGET - 5)) &
+    ;;
+  pd_kill)
+    mkdir -p "$ART/pd_kill"
+    DSPARK_GPU_PD_KILL_LOGS="$ART/pd_kill" DSPARK_PD_KILL_BUDGET_S=$((BUDGET - 10)) \
+      DSPARK_PD_KILL_READY_S=${DSPARK_PD_KILL_READY_S:-$((BUDGET * 6 / 10))} \
+      run_group "$g" tests/gpu/test_pd_kill_gpu.py --timeout=$((BUDGET - 5)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, load, pd_kill)" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
@@ -134,5 +166,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|sample under load|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80

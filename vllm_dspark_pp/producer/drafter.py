@@ -116,6 +116,66 @@ def weight_filter(
     return is_kept, skipped
 
 
+def hold_as_views(derived: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
+    """Make ``params`` views of ``derived``, the buffer vLLM built from them after loading by
+    concatenating (or stacking) them in order along dimension 0, so their own storage is freed
+    and the drafter holds those weights once. The contents must already be equal (checked:
+    a layout that is not vLLM 0.34.0's raises instead of changing a weight); a weight reload
+    then writes through the views into ``derived``, which vLLM's rebuild refills in place."""
+    params = list(params)
+    flat = derived.view(-1)  # fails unless contiguous
+    if sum(p.numel() for p in params) != flat.numel():
+        raise RuntimeError(
+            f"a derived weight buffer of {flat.numel()} elements is not its parameters' "
+            f"{sum(p.numel() for p in params)}: vLLM's layout is not 0.34.0's"
+        )
+    views, start = [], 0
+    for p in params:
+        view = flat[start : start + p.numel()].view(p.shape)
+        if view.dtype != p.dtype or view.device != p.device or not view.equal(p.data):
+            raise RuntimeError(
+                "a derived weight buffer does not hold its parameters in order: vLLM's layout "
+                "is not 0.34.0's"
+            )
+        views.append(view)
+        start += p.numel()
+    for p, view in zip(params, views, strict=True):  # all checked first: none or every one
+        p.data = view
+
+
+def held_weight_bytes(model: Any) -> int:
+    """Bytes of the distinct storages that hold ``model``'s weights: its parameters and the
+    tensors its modules keep as plain attributes (what vLLM derives from the weights after
+    loading, e.g. a fused K/V projection), each storage counted once (a view of another
+    tensor costs nothing); buffers (rotary tables, scales), storages they share and scalars
+    (the attention layers' host copies of their KV scales) are left out. Empty tensors count 0,
+    so call it before the KV cache is bound."""
+    import torch
+
+    def tensors(value: Any) -> Iterator[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    yield v
+
+    buffers = {b.untyped_storage().data_ptr() for b in model.buffers() if b.numel()}
+    held: dict[tuple[Any, int], int] = {}
+    for module in model.modules():
+        found = list(module.parameters(recurse=False))
+        for name, value in vars(module).items():
+            if not name.startswith(("_parameters", "_buffers", "_modules")):
+                found.extend(tensors(value))
+        for t in found:
+            if t.dim() == 0 or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in buffers:
+                held[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(held.values())
+
+
 def is_context_kv_only(model: Any) -> bool:
     return bool(getattr(model, "context_kv_only", False))
 

@@ -47,7 +47,8 @@ class DraftFamily:
     #: a prefill-only producer.
     context_kv_class: Callable[..., type] | None = None
     #: ``(draft hf_config, dtype_bytes, own_embed, own_head) -> bytes`` with the keys ``full``,
-    #: ``context_only``, ``fused_kv_copy`` (derived after loading, included in both) and
+    #: ``context_only``, ``fused_kv_copy`` (what the full drafter derives from its weights after
+    #: loading, a copy included in ``full``; the context-only drafter holds none) and
     #: ``shared_with_target``; ``None``: plan prints no figure.
     draft_memory: Callable[[Any, int, bool, bool], dict[str, int]] | None = None
     #: Each takes the ``VllmConfig`` and raises ``DSparkConfigError`` naming the fix.

@@ -292,7 +292,16 @@ def k3_context_kv_class(module_name: str | None = None) -> type:
         combine_hidden_states = base_top.combine_hidden_states
         get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
         precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
-        process_weights_after_loading = base_top.process_weights_after_loading
+
+        def process_weights_after_loading(self) -> None:
+            """vLLM's hook (stacks every layer's ``kv_a_layernorm`` weight into
+            ``_context_kv_norm_weights``, which the fused insert reads), then the per-layer
+            norms become views of that stack: held once. The K/V projection is already held
+            once: only the stacked ``context_kv_proj`` is built (the full drafter also keeps
+            every layer's rows in its ``fused_qkv_a_proj``)."""
+            base_top.process_weights_after_loading(self)
+            norms = (layer.self_attn.kv_a_layernorm.weight for layer in self.model.layers)
+            drafter.hold_as_views(self.model._context_kv_norm_weights, norms)
 
         def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
             unprefixed = ((n.removeprefix("model."), t) for n, t in weights)

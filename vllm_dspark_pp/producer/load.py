@@ -2,8 +2,9 @@
 DSpark loading path.
 
 The build is logged (one ``Built the context-KV-only DSpark drafter: {json}`` line per worker
-that builds one: class, KV-cache layers, parameter names and bytes); tests read that line from
-the log instead of a report file.
+that builds one: class, KV-cache layers, parameter names and bytes, and ``held_bytes``: the
+distinct storages holding its weights, derived ones included); tests read that line from the log
+instead of a report file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from vllm_dspark_pp.producer.drafter import is_context_kv_only
+from vllm_dspark_pp.producer.drafter import held_weight_bytes, is_context_kv_only
 from vllm_dspark_pp.producer.families import context_kv_class_for
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> n
         "class": type(model).__name__,
         "layers": model.get_draft_kv_cache_layer_names(),  # type: ignore[operator]
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "held_bytes": held_weight_bytes(model),
         "params": sorted(n for n, _ in model.named_parameters()),
     }
     logger.info("%s: %s", BUILT_LINE, json.dumps(build))

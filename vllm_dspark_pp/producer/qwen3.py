@@ -223,6 +223,29 @@ def qwen3_context_kv_class(module_name: str | None = None) -> type:
                 self.fc = ReplicatedLinear(in_features, self.config.hidden_size, **fc_options)
             self.hidden_norm = RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
 
+        def keep_one_kv_copy(self) -> None:
+            """Hold the K/V projection and the K norms once, not twice.
+
+            vLLM's ``_build_fused_kv_buffers`` (run after loading) concatenates every layer's
+            K/V rows into ``_fused_kv_weight`` (and bias) and stacks the K norms into
+            ``_k_norm_weights``: copies, next to the per-layer weights they came from. Here the
+            projection holds K/V rows only (``q_size == 0``), so each layer's weight is a
+            contiguous row block of the fused buffer: the per-layer parameters become views of
+            it and their own storage is freed. The context path reads the fused buffer as
+            before (same tensor, same GEMM, same bytes written); a weight reload writes
+            through the views into the fused buffer, and the rebuild refills it in place.
+            Without a fused buffer (quantized weights, vLLM's CPU platform: the projections
+            run through their quant method) only the K norms were copied.
+            """
+            attns: list[Any] = [layer.self_attn for layer in self.layers]
+            derived: Any = self.__dict__  # vLLM's derived tensors are plain attributes
+            drafter.hold_as_views(derived["_k_norm_weights"], (a.k_norm.weight for a in attns))
+            if derived["_fused_kv_weight"] is None:
+                return
+            drafter.hold_as_views(derived["_fused_kv_weight"], (a.qkv_proj.weight for a in attns))
+            if derived["_fused_kv_bias"] is not None:
+                drafter.hold_as_views(derived["_fused_kv_bias"], (a.qkv_proj.bias for a in attns))
+
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             loader = AutoWeightsLoader(self)
             return loader.load_weights(self._kv_rows_only(weights), mapper=self.hf_to_vllm_mapper)
@@ -254,6 +277,7 @@ def qwen3_context_kv_class(module_name: str | None = None) -> type:
 
         def process_weights_after_loading(self) -> None:
             self.model._build_fused_kv_buffers()
+            self.model.keep_one_kv_copy()
 
         def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
             prefixed = ((n if n.startswith("model.") else "model." + n, t) for n, t in weights)
@@ -353,10 +377,13 @@ def draft_load_bytes(hf: Any, dtype_bytes: int, own_embed: bool, own_head: bool)
     """GPU bytes a Qwen3 DSpark drafter holds after vLLM loads it, per role (pure).
 
     Parameters the drafter owns (vLLM aliases the target's embedding and LM head when the
-    checkpoint ships none) plus what ``DFlashQwen3Model._build_fused_kv_buffers`` derives after
-    loading, in both drafters: a concatenated copy of every layer's K/V projection rows and the
-    stacked K norms. Measured against the allocator on the H200 by
-    benchmarks/perf_real_shapes.py (docs/results/performance.md).
+    checkpoint ships none) plus, in the full drafter only, what
+    ``DFlashQwen3Model._build_fused_kv_buffers`` derives after loading: a concatenated copy of
+    every layer's K/V projection rows and the stacked K norms (``fused_kv_copy``). The
+    context-KV-only drafter derives the same buffers but keeps its per-layer K/V weights and K
+    norms as views of them (``keep_one_kv_copy``), so it holds no copy. Measured against the
+    allocator on the H200 by benchmarks/perf_real_shapes.py (docs/results/performance.md);
+    ``held_bytes`` of the build's log line is the same count of the built module.
     """
     sizes = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)
     comp = sizes["components"]
@@ -368,7 +395,7 @@ def draft_load_bytes(hf: Any, dtype_bytes: int, own_embed: bool, own_head: bool)
         full -= comp["lm_head"]
     return {
         "full": full + derived,
-        "context_only": sizes["context_only_bytes"] + derived,
+        "context_only": sizes["context_only_bytes"],
         "fused_kv_copy": derived,
         "shared_with_target": sizes["full_bytes"] - full,
     }

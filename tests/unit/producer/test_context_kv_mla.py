@@ -332,6 +332,11 @@ def test_k3_context_kv_written_equals_the_full_drafter(k3_pair, k3_checkpoint, m
             layer.self_attn.rotary_emb = rope
         _repack_linears(model)
         model.process_weights_after_loading()
+    # each weight held once: vLLM's stacked kv_a_layernorm copy holds the per-layer norms, and
+    # the K/V rows live only in context_kv_proj (the full drafter holds both)
+    ctx_params = sum(p.numel() * p.element_size() for p in ctx.parameters())
+    assert drafter.held_weight_bytes(ctx) == ctx_params
+    assert ctx.model._context_kv_norm_weights.numel() > 0
 
     cfg = tiny.tiny_k3_config()
     n_tok, n_blocks, block = 11, 4, 16

@@ -228,3 +228,145 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
     assert sizes["builds"] == "context_only" and sizes["built_bytes"] == ctx_bytes
     both = qwen3.draft_param_bytes(hf, "kv_both", dtype_bytes=4)
     assert both["builds"] == "full"
+
+
+# --------------------------------------------------------------------------- one K/V copy
+# On a GPU the unquantized projections keep their raw ``.weight`` after loading, so vLLM's
+# ``_build_fused_kv_buffers`` concatenates every layer's K/V rows into ``_fused_kv_weight`` (a
+# copy) and the context path runs one GEMM over it. vLLM's CPU platform repacks the weights
+# instead and builds no fused buffer; ``_gpu_weight_layout`` gives the CPU the GPU's layout:
+# vLLM's own plain-``F.linear`` CPU fallback (``_cpu_skip_gemm_dispatch``) and the GPU's answer
+# to ``_reads_raw_weights`` for unquantized weights.
+@pytest.fixture
+def gpu_weight_layout(monkeypatch):
+    import importlib
+
+    qd = importlib.import_module(qwen3.QWEN3_DRAFTER_MODULE)
+    monkeypatch.setattr(qd, "_reads_raw_weights", lambda projs: True)
+
+    def load(model, checkpoint, cfg):
+        from vllm.model_executor.layers.linear import LinearBase
+
+        for m in model.modules():
+            if isinstance(m, LinearBase):
+                m._cpu_skip_gemm_dispatch = True
+        return _loaded(model, checkpoint, cfg)
+
+    return load
+
+
+def _context_kv(model, cfg, aux_states, positions):
+    """The K (normed, rotated) and V of vLLM's context path (the code both drafters run)."""
+    from vllm.config import set_current_vllm_config
+
+    m, n_tok = model.model, aux_states.shape[0]
+    with set_current_vllm_config(cfg):
+        states = model.combine_hidden_states(aux_states)
+        k, v = m._project_context_kv(
+            states, n_tok, m._num_attn_layers, m._num_kv_heads, m._head_dim
+        )
+        k = m._normalize_context_k(k)
+        m._apply_context_rope(k, positions)
+    return k, v
+
+
+def _storages(tensors):
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+@pytest.mark.parametrize("keep_copy", [False, True], ids=["as-built", "control-copy-kept"])
+def test_context_only_drafter_holds_one_kv_copy(
+    producer_cfg, checkpoint, tiny_pair, gpu_weight_layout, monkeypatch, keep_copy
+):
+    """The built drafter's weight storages add up to the family's ``draft_memory`` rule for
+    the context-only role, which has no fused K/V copy; the control keeps vLLM's copy (the
+    drafter before the fix) and must hold exactly ``fused_kv_copy`` more."""
+    import json
+
+    cls = qwen3.qwen3_context_kv_class()
+    if keep_copy:
+        monkeypatch.setattr(cls.model_cls, "keep_one_kv_copy", lambda self: None)
+    ctx, ccfg = _build(producer_cfg, cls)
+    gpu_weight_layout(ctx, checkpoint, ccfg)
+    m = ctx.model
+    assert m._fused_kv_weight is not None  # the GPU path: vLLM built its fused buffer
+
+    hf = json.load(open(f"{tiny_pair.draft}/config.json"))
+    rule = qwen3.draft_load_bytes(hf, 4, own_embed=True, own_head=True)
+    assert rule["fused_kv_copy"] > 0
+    held = drafter.held_weight_bytes(ctx)
+    expected = rule["context_only"] + (rule["fused_kv_copy"] if keep_copy else 0)
+    assert held == expected, (held, rule)
+    # and what holds it: the per-layer parameters are views of vLLM's derived buffers
+    attn = m.layers[0].self_attn
+    shared = _storages([attn.qkv_proj.weight]) == _storages([m._fused_kv_weight])
+    shared &= _storages([attn.k_norm.weight]) == _storages([m._k_norm_weights])
+    assert shared != keep_copy
+
+
+def test_context_kv_with_the_gpu_layout_equals_full_drafter_and_reads_the_parameters(
+    producer_cfg, checkpoint, gpu_weight_layout
+):
+    """With the GPU's fused path (one GEMM over ``_fused_kv_weight``) the context KV is the
+    full drafter's, bit for bit, after the first load and after a weight reload (which writes
+    through the per-layer views); a change to a layer's K/V parameter reaches the context KV
+    (with a kept copy it would not: the path would read the stale copy)."""
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, ccfg = _build(producer_cfg, qwen3.qwen3_context_kv_class())
+    gpu_weight_layout(ctx, checkpoint, ccfg)
+    gpu_weight_layout(full, checkpoint, fcfg)
+
+    g = torch.Generator().manual_seed(1)
+    aux_states = torch.randn(11, full.model.fc.input_size, generator=g)
+    positions = torch.arange(5, 16)
+
+    def equal_to_full(ck, cv):
+        fk, fv = _context_kv(full, fcfg, aux_states, positions)
+        assert fk.abs().sum() > 0 and fv.abs().sum() > 0
+        return torch.equal(ck, fk) and torch.equal(cv, fv)
+
+    assert equal_to_full(*_context_kv(ctx, ccfg, aux_states, positions))
+
+    # a reload of other weights (both drafters), through vLLM's loader and post-processing
+    reloaded = {
+        n: (t * 1.5 if ".self_attn." in n or n.startswith("fc.") else t)
+        for n, t in checkpoint.items()
+    }
+    gpu_weight_layout(ctx, reloaded, ccfg)
+    gpu_weight_layout(full, reloaded, fcfg)
+    ck, cv = _context_kv(ctx, ccfg, aux_states, positions)
+    assert equal_to_full(ck, cv)
+
+    # the context path reads the parameters themselves: perturb one V row of the layer
+    attn = ctx.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.qkv_proj.weight[attn.kv_size] += 1.0
+    ck2, cv2 = _context_kv(ctx, ccfg, aux_states, positions)
+    assert torch.equal(ck2, ck) and not torch.equal(cv2, cv)
+    assert not equal_to_full(ck2, cv2)
+
+
+def test_hold_as_views_shares_storage_and_refuses_another_layout():
+    def params():
+        return [
+            torch.nn.Parameter(torch.arange(6.0).view(2, 3), requires_grad=False),
+            torch.nn.Parameter(torch.arange(6.0, 9.0), requires_grad=False),
+        ]
+
+    stacked = torch.cat([p.data.reshape(-1) for p in params()])
+    last_differs = stacked.clone()
+    last_differs[-1] += 1
+    for wrong in (stacked.flip(0), stacked[:-1], last_differs):  # order; size; contents
+        ps, buf = params(), wrong.clone()
+        with pytest.raises(RuntimeError, match="0.34.0"):
+            drafter.hold_as_views(buf, ps)
+        assert not _storages(ps) & _storages([buf])  # all or nothing: none became a view
+    ps = params()
+    drafter.hold_as_views(stacked, ps)
+    assert _storages(ps) == _storages([stacked])
+    assert ps[0].shape == (2, 3) and torch.equal(ps[1], torch.arange(6.0, 9.0))
+    stacked[-1] = 42.0  # a write to the buffer is a write to the parameter, and back
+    ps[0].data[0, 0] = -1.0
+    assert ps[1][-1] == 42.0 and stacked[0] == -1.0

@@ -1,0 +1,395 @@
+"""A PD prefiller killed mid-transfer (issue 28, case 3, PD part; group ``pd_kill``).
+
+The DSpark prefill-only producer (``kv_producer``) and a DSpark decoder (``kv_consumer``) on GPU
+0 over MooncakeConnector/TCP, as tests/gpu/test_pd_mooncake_gpu.py (trained tiny pair, k=7, CUDA
+graphs, async scheduling). Requests go by hand (the keys of dspark_dev/pd_proxy.py: prefill on
+the producer with one token, then a streamed decode on the decoder naming the producer's engine
+and bootstrap), so the kill finds them in known states:
+
+1. two PD requests before the kill (the reference answers; the decoder now knows the producer);
+2. group A, 4 requests: prefilled, pulled, decoding 300 tokens when the producer dies;
+3. group B, 4 requests: prefilled, their KV still on the producer (not pulled) when it dies:
+   their decode is sent right after the kill (the transfer the kill interrupts);
+4. SIGKILL of the producer's whole process group (API server, engine core, worker: a host
+   lost);
+5. meanwhile a plain request to the decoder (no producer needed);
+6. a producer restarted on the same bootstrap port (a new engine id, as a restart gives) and the
+   two reference requests through it again.
+
+Asserted: no hang (every request of A and B ends, or is cut by its client after
+``DSPARK_PD_KILL_BOUND_S`` of silence, and the decoder stays up and answers ``/health``); group
+A completes (its KV was already pulled); the plain request answers within the bound with the
+tokens it gave before the kill; the restarted producer serves again (the same tokens, KV pulled
+over Mooncake). Recorded: what group B saw (vLLM's error, or silence until the client gave
+up), the decoder's connector lines, KV usage and running requests afterwards. Control: the same
+with stock vLLM 0.34.0 (plugin left out, no speculation), at the same time; recorded.
+
+    source /tmp/site/env.sh && DSPARK_GPU_GROUPS_BUDGET_S=250 bash tools/gpu/run_groups.sh \\
+        $OUT pd_kill
+
+``pd_kill.json`` and trimmed server logs come back in ``$OUT/artifacts.tgz``
+(``DSPARK_GPU_PD_KILL_LOGS`` sets that folder by hand); the group log prints ``PD KILL RESULT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from gpu_common import GRAPH_COMPILATION_CONFIG, PAIR_DTYPE, require_cuda
+from support import pd_fault, served_load, tiny_pair
+from support.pd_run import mooncake_kv_config
+from support.reliability import stream_completion
+
+from dspark_dev.metrics import parse_prometheus
+from dspark_dev.pd_proxy import decode_request, prefill_request, query_engine_id
+from dspark_dev.serve import Server, free_port, free_port_block, http_json, http_text
+
+pytestmark = pytest.mark.gpu
+
+BOUND_S = float(os.environ.get("DSPARK_PD_KILL_BOUND_S", "40"))
+BUDGET_S = float(os.environ.get("DSPARK_PD_KILL_BUDGET_S", "240"))
+READY_S = float(os.environ.get("DSPARK_PD_KILL_READY_S", "150"))
+STOCK = os.environ.get("DSPARK_PD_KILL_STOCK", "1") == "1"
+LONG_TOKENS = 300  # group A and B: random prompts of 64-96 tokens + 300 <= 512
+REF_TOKENS = 48
+LOG_DIR = Path(
+    os.environ.get("DSPARK_GPU_PD_KILL_LOGS") or tempfile.mkdtemp(prefix="dspark-pd-kill-")
+)
+COMMON = [
+    "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
+    "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(512 << 20),
+    "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG), "--async-scheduling",
+]  # fmt: skip
+MOONCAKE_COUNTERS = (
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:mooncake_num_failed_transfers_total",
+    "vllm:mooncake_num_failed_recvs_total",
+)
+
+
+def _prompts() -> dict[str, list[list[int]]]:
+    rng = random.Random(2803)
+    randoms = [[rng.randrange(4, 448) for _ in range(rng.randrange(64, 97))] for _ in range(8)]
+    return {
+        "ref": tiny_pair.heldout_prompts(2),
+        "plain": tiny_pair.heldout_prompts(3)[2:],
+        "A": randoms[:4],
+        "B": randoms[4:],
+    }
+
+
+class Pair:
+    """One producer + decoder over Mooncake (``spec`` None: no speculation)."""
+
+    def __init__(self, name: str, spec: dict | None, env: dict):
+        self.name, self.spec, self.env = name, spec, env
+        self.bport = free_port()
+        self.bootstrap = f"http://127.0.0.1:{self.bport}"
+        self.producers: list[Server] = []
+        spec_args = ["--speculative-config", json.dumps(spec)] if spec else []
+        self.decoder = Server(
+            f"{name}-decoder",
+            tiny_pair.TARGET,
+            [*COMMON, *spec_args, "--kv-transfer-config",
+             json.dumps(mooncake_kv_config("kv_consumer"))],
+            env={**env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
+                 "VLLM_PORT": str(free_port_block())},
+        )  # fmt: skip
+
+    def new_producer(self) -> Server:
+        n = len(self.producers)
+        engine_id = f"{self.name}-producer{n}-{uuid.uuid4().hex[:6]}"
+        spec_args = ["--speculative-config", json.dumps(self.spec)] if self.spec else []
+        env = {**self.env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bport),
+               "VLLM_PORT": str(free_port_block())}  # fmt: skip
+        if self.producers:  # the restart reuses the first one's compile cache
+            env["VLLM_CACHE_ROOT"] = self.producers[0].env["VLLM_CACHE_ROOT"]
+        p = Server(
+            f"{self.name}-producer{n}",
+            tiny_pair.TARGET,
+            [*COMMON, *spec_args, "--kv-transfer-config",
+             json.dumps(mooncake_kv_config("kv_producer", engine_id))],
+            env=env,
+        )  # fmt: skip
+        self.producers.append(p)
+        return p
+
+    def engine_id(self, deadline: float) -> str:
+        while True:
+            try:
+                return query_engine_id(self.bootstrap)
+            except Exception:  # noqa: BLE001 - not registered yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def body(self, prompt: list[int], max_tokens: int) -> dict:
+        return {"model": tiny_pair.TARGET, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+
+    def prefill(self, producer: Server, prompt: list[int], max_tokens: int) -> dict:
+        tid = uuid.uuid4().hex
+        out = http_json(
+            producer.url + "/v1/completions",
+            prefill_request(self.body(prompt, max_tokens), tid),
+            timeout=60,
+        )
+        return {"tid": tid, "params": out.get("kv_transfer_params")}
+
+    def decode_body(self, prompt, max_tokens: int, pre: dict, engine_id: str) -> dict:
+        return decode_request(
+            self.body(prompt, max_tokens), pre["tid"], engine_id, self.bootstrap, pre["params"]
+        )
+
+    def stream(self, body: dict, box: list, i: int, started: threading.Event | None = None):
+        t0 = time.monotonic()
+        try:
+            r = stream_completion(
+                self.decoder.port,
+                body,
+                timeout_s=BOUND_S,
+                on_event=None if started is None else (lambda n: started.set()),
+            )
+        except Exception as e:  # noqa: BLE001 - what the client saw is the measurement
+            r = {"exception": f"{type(e).__name__}: {e}"}
+        r["seconds"] = round(time.monotonic() - t0, 1)
+        box[i] = r
+
+    def pd_greedy(self, producer: Server, prompts, engine_id: str) -> list[list[int]]:
+        def one(p):
+            pre = self.prefill(producer, p, REF_TOKENS)
+            out = http_json(
+                self.decoder.url + "/v1/completions",
+                self.decode_body(p, REF_TOKENS, pre, engine_id),
+                timeout=BOUND_S,
+            )
+            return list(out["choices"][0]["token_ids"])
+
+        with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
+            return list(ex.map(one, prompts))
+
+    def plain(self, prompt) -> tuple[list[int], float]:
+        t0 = time.monotonic()
+        out = http_json(
+            self.decoder.url + "/v1/completions", self.body(prompt, REF_TOKENS), timeout=BOUND_S
+        )
+        return list(out["choices"][0]["token_ids"]), round(time.monotonic() - t0, 1)
+
+    def counters(self) -> dict:
+        m = parse_prometheus(http_text(self.decoder.url + "/metrics"))
+        return {k: m.get(k, 0.0) for k in MOONCAKE_COUNTERS}
+
+    def stop(self) -> None:
+        for s in (*self.producers, self.decoder):
+            s.stop()
+            (LOG_DIR / f"{s.name}.log").write_text(_trimmed(s.log_text()))
+
+
+def _trimmed(text: str, keep: int = 300) -> str:
+    lines = text.splitlines()
+    if len(lines) <= 3 * keep:
+        return text
+    errs = served_load.error_lines(text)[:200]
+    return "\n".join([*lines[:keep], "... [trimmed: error lines] ...", *errs,
+                      "... [trimmed: last lines] ...", *lines[-keep:]])  # fmt: skip
+
+
+def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
+    pr = _prompts()
+    pair = Pair(name, spec, env)
+    rec: dict = {"name": name, "speculation": spec is not None}
+    step = "start"
+    try:
+        p0 = pair.new_producer()
+        p0.start()
+        pair.decoder.start()
+        ready_by = min(deadline, time.monotonic() + READY_S)
+        step = "wait for the producer"
+        p0.wait_ready(ready_by)
+        step = "wait for the decoder"
+        pair.decoder.wait_ready(ready_by)
+        eid = pair.engine_id(ready_by)
+        step = "reference PD requests"
+        rec["ref_tokens"] = pair.pd_greedy(p0, pr["ref"], eid)
+        step = "plain reference"
+        rec["plain_ref"], _ = pair.plain(pr["plain"][0])
+        before = pair.counters()
+        step = "group A: prefill, then decode streams"
+        a_pre = [pair.prefill(p0, p, LONG_TOKENS) for p in pr["A"]]
+        a_box: list = [None] * 4
+        a_started = [threading.Event() for _ in a_pre]
+        a_threads = [
+            threading.Thread(
+                target=pair.stream,
+                args=(pair.decode_body(p, LONG_TOKENS, pre, eid), a_box, i, a_started[i]),
+                daemon=True,
+            )
+            for i, (p, pre) in enumerate(zip(pr["A"], a_pre, strict=True))
+        ]
+        for t in a_threads:
+            t.start()
+        for ev in a_started:  # every A request has its first token: its KV was pulled
+            ev.wait(timeout=BOUND_S)
+        rec["a_streaming_before_kill"] = sum(ev.is_set() for ev in a_started)
+        step = "group B: prefill only"
+        b_pre = [pair.prefill(p0, p, LONG_TOKENS) for p in pr["B"]]
+        step = "kill the producer"
+        rec["a_running_at_kill"] = sum(1 for x in a_box if x is None)
+        os.killpg(p0.proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        step = "group B: decode after the kill"
+        b_box: list = [None] * 4
+        b_threads = [
+            threading.Thread(
+                target=pair.stream,
+                args=(pair.decode_body(p, LONG_TOKENS, pre, eid), b_box, i),
+                daemon=True,
+            )
+            for i, (p, pre) in enumerate(zip(pr["B"], b_pre, strict=True))
+        ]
+        for t in b_threads:
+            t.start()
+        time.sleep(2.0)
+        step = "plain request during the loss"
+        try:
+            rec["plain_after"], rec["plain_after_s"] = pair.plain(pr["plain"][0])
+        except Exception as e:  # noqa: BLE001 - recorded and asserted
+            rec["plain_after_error"] = f"{type(e).__name__}: {e}"
+        for t in (*a_threads, *b_threads):
+            t.join(timeout=BOUND_S + 30)
+        rec["threads_left"] = sum(t.is_alive() for t in (*a_threads, *b_threads))
+        rec["groups_ended_s"] = round(time.monotonic() - t_kill, 1)
+        rec["A"] = [pd_fault.outcome(x or {"exception": "no result"}, LONG_TOKENS) for x in a_box]
+        rec["B"] = [pd_fault.outcome(x or {"exception": "no result"}, LONG_TOKENS) for x in b_box]
+        rec["tally"] = {"A": pd_fault.tally(rec["A"]), "B": pd_fault.tally(rec["B"])}
+        rec["decoder_alive"] = pair.decoder.proc.poll() is None
+        try:
+            rec["health_after"] = http_text(pair.decoder.url + "/health") is not None
+        except Exception as e:  # noqa: BLE001
+            rec["health_after"] = f"{type(e).__name__}: {e}"
+        usage, running = served_load.wait_idle(pair.decoder.port, timeout_s=20)
+        rec["kv_usage_after"], rec["running_after"] = usage, running
+        rec["counters_delta"] = {k: v - before.get(k, 0.0) for k, v in pair.counters().items()}
+        step = "restart the producer"
+        left = deadline - time.monotonic()
+        if left < 40:
+            rec["restart"] = {"skipped": f"budget spent ({left:.0f} s left)"}
+        else:
+            p1 = pair.new_producer()
+            p1.start()
+            p1.wait_ready(deadline)
+            eid1 = pair.engine_id(deadline)
+            hits0 = pair.counters()["vllm:external_prefix_cache_hits_total"]
+            t0 = time.monotonic()
+            tokens = pair.pd_greedy(p1, pr["ref"], eid1)
+            rec["restart"] = {
+                "engine_id_changed": eid1 != eid,
+                "tokens_equal_before_kill": tokens == rec["ref_tokens"],
+                "seconds": round(time.monotonic() - t0, 1),
+                "external_hits": pair.counters()["vllm:external_prefix_cache_hits_total"] - hits0,
+            }
+    except Exception as e:  # noqa: BLE001 - recorded; the tests read it
+        rec["error"] = f"at step {step!r}: {type(e).__name__}: {e}"
+    finally:
+        dec_log = pair.decoder.log_text()
+        rec["decoder_connector_lines"] = pd_fault.connector_lines(dec_log)
+        rec["decoder_error_lines"] = served_load.error_lines(dec_log)[:20]  # before the stop
+        if "error" in rec:
+            rec["log_tails"] = {s.name: s.log_text()[-2500:] for s in (*pair.producers,
+                                                                       pair.decoder)}  # fmt: skip
+        pair.stop()
+    return rec
+
+
+@pytest.fixture(scope="module")
+def pd_kill():
+    require_cuda()
+    ok, why = tiny_pair.available()
+    if not ok:
+        pytest.skip(why)
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    deadline = t0 + BUDGET_S - 10
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        f_stock = (
+            ex.submit(_scenario, "stock", None, {"VLLM_PLUGINS": "no-such-plugin"}, deadline)
+            if STOCK
+            else None
+        )
+        ours = _scenario("dspark", tiny_pair.spec_config(), {}, deadline)
+        stock = f_stock.result() if f_stock else {"skipped": "DSPARK_PD_KILL_STOCK=0"}
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "bound_s": BOUND_S,
+        "ours": ours,
+        "stock": stock,
+    }
+    (LOG_DIR / "pd_kill.json").write_text(json.dumps(summary, indent=1, default=str))
+    shown = {k: ({kk: vv for kk, vv in v.items() if kk != "log_tails"} if isinstance(v, dict)
+                 else v) for k, v in summary.items()}  # fmt: skip
+    print("PD KILL RESULT " + json.dumps(shown, indent=1, default=str))
+    return summary
+
+
+def _ours(pd_kill) -> dict:
+    rec = pd_kill["ours"]
+    assert "error" not in rec, f"{rec['error']}\n{json.dumps(rec.get('log_tails'), indent=1)}"
+    return rec
+
+
+def test_no_hang_every_request_ends_and_the_decoder_stays_up(pd_kill):
+    rec = _ours(pd_kill)
+    print(f"group A {rec['tally']['A']}, group B {rec['tally']['B']} (bound {BOUND_S:.0f} s)")
+    assert rec["threads_left"] == 0, rec
+    assert rec["decoder_alive"] and rec["health_after"] is True, rec
+
+
+def test_requests_already_decoding_complete(pd_kill):
+    rec = _ours(pd_kill)
+    print(
+        f"group A: {rec['a_streaming_before_kill']} streaming before the B prefills, "
+        f"{rec['a_running_at_kill']} still running at the kill: {json.dumps(rec['A'])}"
+    )
+    assert rec["a_streaming_before_kill"] == 4, rec["A"]
+    assert rec["a_running_at_kill"] >= 1, "group A ended before the kill: nothing was in flight"
+    assert rec["tally"]["A"] == {pd_fault.COMPLETED: 4}, rec["A"]
+
+
+def test_what_the_interrupted_transfers_did_is_recorded(pd_kill):
+    rec = _ours(pd_kill)
+    print(f"group B (KV on the killed producer): {json.dumps(rec['B'])}")
+    print("decoder connector lines:\n  " + "\n  ".join(rec["decoder_connector_lines"]))
+    print(f"decoder after: KV usage {rec['kv_usage_after']}, running {rec['running_after']}, "
+          f"counters {rec['counters_delta']}")  # fmt: skip
+    assert len(rec["B"]) == 4 and all(o["kind"] in pd_fault.KINDS for o in rec["B"]), rec["B"]
+
+
+def test_decoder_keeps_serving_requests_that_need_no_producer(pd_kill):
+    rec = _ours(pd_kill)
+    assert "plain_after_error" not in rec, rec["plain_after_error"]
+    assert rec["plain_after"] == rec["plain_ref"], (rec["plain_after"], rec["plain_ref"])
+    assert rec["plain_after_s"] <= BOUND_S, rec["plain_after_s"]
+
+
+def test_a_restarted_producer_serves_again(pd_kill):
+    r = _ours(pd_kill)["restart"]
+    assert "skipped" not in r, r
+    assert r["tokens_equal_before_kill"] and r["external_hits"] > 0, r
+
+
+def test_stock_control_is_recorded(pd_kill):
+    st = pd_kill["stock"]
+    shown = {k: v for k, v in st.items() if k != "log_tails"}
+    print(f"STOCK vLLM 0.34.0 PD (no speculation) producer killed: {json.dumps(shown)}")
+    assert st, "no stock record"

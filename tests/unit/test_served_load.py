@@ -1,0 +1,194 @@
+"""The non-serving parts of the sustained-load runs (tests/support/served_load.py) and of the
+PD prefiller kill (tests/support/pd_fault.py): what the GPU groups ``load`` and ``pd_kill``
+compose and parse, checked on CPU without starting anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from support import pd_fault, served_load
+
+from dspark_dev.proc import kill_group, start_in_session
+
+
+def _bench_args(**kw):
+    base = dict(base_url="http://127.0.0.1:9", model="/m/target", num_prompts=500,
+                concurrency=32, input_len=128, output_len=128, range_ratio=0.5, seed=2,
+                result_dir="/tmp/r", max_model_len=512)  # fmt: skip
+    return served_load.bench_argv(**{**base, **kw})
+
+
+def test_bench_argv_is_what_vllm_bench_serve_parses():
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    a = parser.parse_args(_bench_args())
+    assert (a.num_prompts, a.max_concurrency, a.seed) == (500, 32, 2)
+    assert (a.random_input_len, a.random_output_len) == (128, 128)
+    assert float(a.random_range_ratio) == 0.5
+    assert a.dataset_name == "random" and a.backend == "vllm" and a.ignore_eos
+    assert a.save_result and a.save_detailed and a.result_dir == "/tmp/r"
+    assert a.ready_check_timeout_sec == 0 and a.temperature == 0.0
+
+
+def test_bench_lengths_beyond_max_model_len_are_refused_before_anything_starts():
+    _bench_args(input_len=170, output_len=170)  # 255 + 255 = 510 fits
+    with pytest.raises(ValueError, match="exceed max_model_len 512"):
+        _bench_args(input_len=200, output_len=200)  # 300 + 300
+
+
+def test_bench_outcome_counts_failed_and_lost_requests():
+    ok = {"completed": 500, "failed": 0, "errors": [""] * 500, "duration": 12.34,
+          "output_throughput": 99.9, "total_output_tokens": 64000}  # fmt: skip
+    assert served_load.bench_outcome(ok, 500)["failed"] == 0
+    bad = {"completed": 497, "failed": 2, "errors": ["", "boom", "boom"]}
+    out = served_load.bench_outcome(bad, 500)
+    assert (out["completed"], out["failed"], out["errors"]) == (497, 3, ["boom"])  # 1 lost
+    assert served_load.bench_outcome(None, 500)["failed"] == 500
+
+
+def test_gpu_apps_are_summed_per_pid_and_unreadable_lines_skipped():
+    text = "123, 2048\n456, [N/A]\n\n123, 512\nNo running processes found\n789, 100\n"
+    assert served_load.parse_gpu_apps(text) == {123: 2560.0, 789: 100.0}
+
+
+def test_group_rss_counts_only_live_members_of_the_groups():
+    # the memory is held by a child of each group's leader: members, not just leaders, count
+    holder = "import time; x = bytearray(64 << 20); time.sleep(60)"
+    leader = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {holder!r}])"
+    procs = [start_in_session([sys.executable, "-c", leader]) for _ in range(2)]
+    try:
+        time.sleep(3.0)
+        one = served_load.group_rss_mib([procs[0].pid])
+        both = served_load.group_rss_mib([p.pid for p in procs])
+        assert one >= 64 and both >= one + 64, (one, both)
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert served_load.group_rss_mib([p.pid for p in procs]) == 0.0
+
+
+def test_error_lines_take_vllm_errors_and_tracebacks_not_warnings():
+    log = "\n".join([
+        "(APIServer pid=1) INFO 12-04 [api.py:1] Route: /v1/completions",
+        "(EngineCore pid=2) ERROR 12-04 [core.py:9] EngineCore failed to start.",
+        "(APIServer pid=1) WARNING 12-04 [x.py:3] an ERROR-prone setting",
+        "Traceback (most recent call last):",
+        "ERROR 12-04 14:00:00 [serve.py:1] bare error line",
+        "INFO: 127.0.0.1 - \"POST /v1/completions HTTP/1.1\" 200 OK",
+    ])  # fmt: skip
+    got = served_load.error_lines(log)
+    assert len(got) == 3 and "WARNING" not in "".join(got)
+
+
+def test_growth_states_the_steps_and_bounds_the_total():
+    g = served_load.growth([100.0, 130.0, 145.0], bound=50)
+    assert g["steps"] == [30.0, 15.0] and g["total"] == 45.0 and g["within"]
+    assert not served_load.growth([100.0, 130.0, 175.0], bound=50)["within"]
+    rec = {"rss_mib_ready": 90.0, "gpu_mib_ready": None,
+           "runs": [{"rss_mib_after": 100.0, "gpu_mib_after": None},
+                    {"rss_mib_after": 120.0, "gpu_mib_after": None},
+                    {"run": 2, "skipped": "budget"}]}  # fmt: skip
+    lg = served_load.load_growth(rec, 50)
+    assert lg["rss"]["first_run_warmup"] == 10.0 and lg["rss"]["total"] == 20.0
+    assert lg["gpu"] is None
+
+
+def test_top_logprobs_are_keyed_by_token_id():
+    choice = {"logprobs": {"top_logprobs": [{"token_id:5": -0.1, "token_id:9": -2.5},
+                                            {"token_id:7": -0.01}]}}  # fmt: skip
+    assert served_load.top_logprobs_by_id(choice) == [{5: -0.1, 9: -2.5}, {7: -0.01}]
+    assert served_load.top_logprobs_by_id({"logprobs": None}) is None
+    with pytest.raises(ValueError, match="token_id"):
+        served_load.top_logprobs_by_id({"logprobs": {"top_logprobs": [{"hello": -0.1}]}})
+
+
+def test_run_bench_ends_a_client_that_passes_its_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        served_load,
+        "bench_command",
+        lambda argv: [sys.executable, "-c", "import time; time.sleep(30)"],
+    )
+    t0 = time.monotonic()
+    r = served_load.run_bench([], tmp_path / "r.json", tmp_path / "b.log", timeout_s=1.0)
+    assert r["rc"] == "timeout" and r["result"] is None and time.monotonic() - t0 < 10
+    assert "cut after 1 s" in (tmp_path / "b.log").read_text()
+
+
+def test_run_bench_reads_the_result_json(tmp_path, monkeypatch):
+    res = tmp_path / "r.json"
+    code = f"import json; json.dump({{'completed': 3, 'failed': 0}}, open({str(res)!r}, 'w'))"
+    monkeypatch.setattr(served_load, "bench_command", lambda argv: [sys.executable, "-c", code])
+    r = served_load.run_bench([], res, tmp_path / "b.log", timeout_s=30)
+    assert r["rc"] == 0 and r["result"] == {"completed": 3, "failed": 0}
+
+
+# ------------------------------------------------------------------ the PD prefiller kill
+def test_pd_outcomes_name_each_ending():
+    ok = {"status": 200, "done": True, "token_ids": list(range(300)), "error": None}
+    assert pd_fault.outcome(ok, 300)["kind"] == pd_fault.COMPLETED
+    short = {**ok, "token_ids": list(range(12))}
+    assert pd_fault.outcome(short, 300)["kind"] == pd_fault.CLOSED
+    err = {"status": 200, "done": True, "token_ids": [], "error": {"message": "KV load failed"}}
+    o = pd_fault.outcome(err, 300)
+    assert o["kind"] == pd_fault.ERROR and "KV load failed" in o["detail"]
+    assert pd_fault.outcome({"status": 500, "error": "x"}, 300)["kind"] == pd_fault.ERROR
+    silent = {"exception": "TimeoutError: timed out", "seconds": 40.0}
+    assert pd_fault.outcome(silent, 300) == {
+        "kind": pd_fault.STALLED, "detail": "TimeoutError: timed out", "seconds": 40.0}  # fmt: skip
+    reset = {"exception": "ConnectionResetError: [Errno 104] Connection reset by peer"}
+    assert pd_fault.outcome(reset, 300)["kind"] == pd_fault.CLOSED
+    outs = [pd_fault.outcome(x, 300) for x in (ok, ok, silent, err)]
+    assert pd_fault.tally(outs) == {"completed": 2, "stalled": 1, "error": 1}
+
+
+def test_connector_lines_keep_the_decoders_words_about_the_producer():
+    log = "\n".join([
+        "(EngineCore pid=3) INFO 12-04 [mooncake_connector.py:1] Mooncake prefill ready",
+        "(EngineCore pid=3) WARNING 12-04 [mooncake_connector.py:2760] Mooncake recv failed: "
+        "transfer failed: Resource temporarily unavailable",
+        "(EngineCore pid=3) ERROR 12-04 [scheduler.py:9] Failing 4 requests whose KV load failed",
+        "(APIServer pid=1) ERROR 12-04 [serving.py:1] unrelated error in the tokenizer",
+    ])  # fmt: skip
+    got = pd_fault.connector_lines(log)
+    assert len(got) == 2 and "Mooncake recv failed" in got[0] and "KV load" in got[1]
+
+
+def test_stream_completion_reports_each_event_to_its_caller():
+    """The hook the PD kill test waits on (group A streaming before the kill), against a tiny
+    server that streams three events."""
+    from support.reliability import stream_completion
+
+    code = (
+        "import http.server, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_POST(self):\n"
+        "        self.rfile.read(int(self.headers['Content-Length']))\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "        for i in range(3):\n"
+        "            self.wfile.write(b'data: ' + (b'{\"choices\": [{\"token_ids\": [%d]}]}' % i)"
+        " + b'\\n\\n')\n"
+        "        self.wfile.write(b'data: [DONE]\\n\\n')\n"
+        "    def log_message(self, *a): pass\n"
+        "s = http.server.HTTPServer(('127.0.0.1', 0), H)\n"
+        "print(s.server_address[1], flush=True)\n"
+        "s.handle_request()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ})  # fmt: skip
+    try:
+        port = int(proc.stdout.readline())
+        seen: list[int] = []
+        out = stream_completion(port, {"prompt": [1]}, timeout_s=10, on_event=seen.append)
+        assert seen == [1, 2, 3] and out["token_ids"] == [0, 1, 2] and out["done"]
+        assert json.dumps(out)  # a plain record
+    finally:
+        proc.kill()
+        proc.wait()
