@@ -8,8 +8,9 @@ client: random dataset, streaming) sends ``DSPARK_GPU_LOAD_PROMPTS`` (500) reque
 ``--max-concurrency`` 32, random input and output lengths (128 and 64 tokens, range ratio 0.5:
 at most 288 tokens, inside ``max_model_len`` 512; ``DSPARK_GPU_LOAD_INPUT_LEN`` /
 ``_OUTPUT_LEN``), greedy, ``ignore_eos``, three runs against the same server, each run's
-deadline the group's time left divided by the runs left (``DSPARK_GPU_LOAD_BUDGET_S``). During the second run a greedy client sends a fixed sample (8 held-out questions,
-where the pair accepts about 7.5 tokens a step, and 8 random token prompts) into the load.
+deadline the group's time left divided by the runs left (``DSPARK_GPU_LOAD_BUDGET_S``). During
+the second run a greedy client sends a fixed sample (8 held-out questions, where the pair accepts
+about 7.5 tokens a step, and 8 random token prompts) into the load.
 
 Checked: every request of every run completed (0 failed); no ERROR or traceback line in either
 launcher's log; KV-cache usage and running requests back to 0 after each run (``/metrics``);
@@ -147,7 +148,8 @@ def _load_runs(name: str, nodes, port: int, url: str, deadline: float, during=No
     beside run ``i`` (the greedy sample) and its result is kept."""
     pg = _pgids(nodes)
     rec: dict = {"rss_mib_ready": served_load.group_rss_mib(pg),
-                 "gpu_mib_ready": served_load.gpu_memory_mib(pg), "runs": []}  # fmt: skip
+                 "gpu_mib_ready": served_load.gpu_memory_mib(pg),
+                 "gpu_device_mib_ready": served_load.gpu_device_used_mib(), "runs": []}  # fmt: skip
     for i in range(RUNS):
         left = deadline - time.monotonic()
         if left < 20:
@@ -174,7 +176,8 @@ def _load_runs(name: str, nodes, port: int, url: str, deadline: float, during=No
                **served_load.bench_outcome(b["result"], PROMPTS),
                "kv_usage_after": usage, "running_after": running,
                "rss_mib_after": served_load.group_rss_mib(pg),
-               "gpu_mib_after": served_load.gpu_memory_mib(pg)}  # fmt: skip
+               "gpu_mib_after": served_load.gpu_memory_mib(pg),
+               "gpu_device_mib_after": served_load.gpu_device_used_mib()}  # fmt: skip
         if side:
             row["side"] = side
         rec["runs"].append(row)

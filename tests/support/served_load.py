@@ -141,20 +141,41 @@ def parse_gpu_apps(text: str) -> dict[int, float]:
     return out
 
 
-def gpu_memory_mib(pgids: list[int]) -> float | None:
-    """GPU memory used by the processes of ``pgids`` (nvidia-smi's per-process figure), None
-    when nvidia-smi is not there (CPU dry runs)."""
+def _nvidia_smi(query: str) -> str | None:
     try:
-        text = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory",
-             "--format=csv,noheader,nounits"],
+        return subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=30,
         ).stdout  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
-    apps = parse_gpu_apps(text)
+
+
+def apps_memory_mib(apps: dict[int, float], pids: set[int]) -> float | None:
+    """GPU MiB of the processes ``pids`` among nvidia-smi's ``apps``; None when none of them is
+    listed (no GPU process of ours, or nvidia-smi sees another PID namespace: a container)."""
+    mine = [v for p, v in apps.items() if p in pids]
+    return round(sum(mine), 1) if mine else None
+
+
+def gpu_memory_mib(pgids: list[int]) -> float | None:
+    """GPU memory used by the processes of ``pgids`` (nvidia-smi's per-process figure), None
+    when nvidia-smi is not there (CPU dry runs) or lists none of them."""
+    text = _nvidia_smi("--query-compute-apps=pid,used_memory")
+    if text is None:
+        return None
     pids = {p for g in pgids for p in live_group_members(g)}
-    return round(sum(v for p, v in apps.items() if p in pids), 1)
+    return apps_memory_mib(parse_gpu_apps(text), pids)
+
+
+def gpu_device_used_mib() -> float | None:
+    """Memory in use on GPU 0 as nvidia-smi reports it (every process on the device), None
+    without nvidia-smi."""
+    text = _nvidia_smi("--query-gpu=memory.used")
+    try:
+        return float(text.splitlines()[0]) if text else None
+    except (ValueError, IndexError):
+        return None
 
 
 def wait_idle(port: int, timeout_s: float = 60.0) -> tuple[float | None, float | None]:

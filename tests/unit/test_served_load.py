@@ -59,6 +59,12 @@ def test_gpu_apps_are_summed_per_pid_and_unreadable_lines_skipped():
     assert served_load.parse_gpu_apps(text) == {123: 2560.0, 789: 100.0}
 
 
+def test_gpu_memory_of_our_processes_is_none_when_nvidia_smi_lists_none_of_them():
+    apps = {123: 2560.0, 789: 100.0}
+    assert served_load.apps_memory_mib(apps, {123, 5}) == 2560.0
+    assert served_load.apps_memory_mib(apps, {5, 6}) is None  # not 0: another PID namespace
+
+
 def test_group_rss_counts_only_live_members_of_the_groups():
     # the memory is held by a child of each group's leader: members, not just leaders, count
     holder = "import time; x = bytearray(64 << 20); time.sleep(60)"
