@@ -44,7 +44,7 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
 
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
-pp2_nospec_stock + pp2_nospec, ``pd`` = pd_dspark + agg_dspark_kv (AL 3.99 unless
+pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unless
 ``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
 Every server of a group starts at once (``--start together``:
 an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
@@ -141,7 +141,9 @@ GROUPS = {
     "pp1": ("pp1_nospec", "pp1_dspark"),
     "pp2": ("pp2_nospec", "pp2_dspark"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
-    "pd": ("pd_dspark", "agg_dspark_kv"),
+    # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
+    # cut at the deadline and must not take the reference's measurements with it
+    "pd": ("agg_dspark_kv", "pd_dspark"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).

@@ -340,13 +340,14 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
 # --------------------------------------------------------------------------- PD vs aggregated
 def test_the_pd_group_sweeps_al_3_99_and_both_sides_hold_the_same_kv():
     a = serve.parse_args(["--configs", "pd"])
-    assert [c.name for c in a.cfgs] == ["pd_dspark", "agg_dspark_kv"] and a.als == [3.99]
+    # the aggregated reference runs first (a stalled PD side cannot take its time)
+    assert [c.name for c in a.cfgs] == ["agg_dspark_kv", "pd_dspark"] and a.als == [3.99]
     assert serve.parse_args(["--configs", "pd,pp1"]).als == [3.99, 6.1]  # mixed: the usual
-    pd, agg = (serve.kv_plan(c, 16.0, 24.0, 0.75) for c in a.cfgs)
+    agg, pd = (serve.kv_plan(c, 16.0, 24.0, 0.75) for c in a.cfgs)
     assert agg == {"engine": 24 << 30}
     assert pd == {"producer": 6 << 30, "decoder": 18 << 30}
     # an odd share rounds the decoder down to whole MiB and the producer takes the rest
-    pd_odd = serve.kv_plan(a.cfgs[0], 16.0, 10.0, 0.333)
+    pd_odd = serve.kv_plan(serve.CONFIGS["pd_dspark"], 16.0, 10.0, 0.333)
     assert sum(pd_odd.values()) == 10 << 30 and pd_odd["decoder"] % (1 << 20) == 0
     assert serve.kv_plan(serve.CONFIGS["pp2_dspark"], 16.0, 24.0, 0.75) == {
         "stage0": 8 << 30,
@@ -408,10 +409,10 @@ def test_dry_run_composes_producer_decoder_and_proxy(capsys):
     assert opt(proxy["argv"], "--engine-id") == pre_kv["engine_id"]
     # the acceptance switch goes to the decoder, the client to the proxy
     posts = [line for line in out.splitlines() if line.startswith("POST ")]
-    assert posts[0].startswith("POST URL(pd_dspark decoder)/collective_rpc")
-    assert posts[1].startswith("POST URL(agg_dspark_kv)/collective_rpc")
+    assert posts[0].startswith("POST URL(agg_dspark_kv)/collective_rpc")
+    assert posts[1].startswith("POST URL(pd_dspark decoder)/collective_rpc")
     bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
-    assert len(bench) == 4 and "--base-url URL(pd_dspark proxy) " in bench[0]
+    assert len(bench) == 4 and "--base-url URL(pd_dspark proxy) " in bench[2]
     # the same prompts on both sides
     seeds = [shlex.split(b)[shlex.split(b).index("--seed") + 1] for b in bench]
     assert seeds[:2] == seeds[2:]
