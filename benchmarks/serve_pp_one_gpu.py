@@ -36,12 +36,15 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   timers and the spec-decode counters go to the decoder; each point also records the decoder's
   KV-connector counters (prompt tokens pulled over the connector), the producer's draft tokens
   and the proxy's request/error counts (``pd``);
+* ``pd_pp2_dspark`` (by name only): the same with a PP=2 producer (two launchers, one stage
+  each, both ``kv_producer`` with one engine id; the producer's KV bytes split over them; the
+  decoder pulls from both stages), the decoder PP=1;
 * ``agg_dspark_kv``: one aggregated DSpark ``vllm serve`` whose ``--kv-cache-memory-bytes`` is
   the producer's plus the decoder's (``--pd-kv-gib`` per side, the decoder
   ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
 
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
-pp2_nospec_stock + pp2_nospec, ``pd`` = pd_dspark + agg_dspark_kv (AL 3.99 unless
+pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unless
 ``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
 Every server of a group starts at once (``--start together``:
 an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
@@ -131,18 +134,23 @@ CONFIGS = {
         Config("pp2_dspark_stock", 2, True, plugin=False),
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
+        Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
     )
 }
 GROUPS = {
     "pp1": ("pp1_nospec", "pp1_dspark"),
     "pp2": ("pp2_nospec", "pp2_dspark"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
-    "pd": ("pd_dspark", "agg_dspark_kv"),
+    # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
+    # cut at the deadline and must not take the reference's measurements with it
+    "pd": ("agg_dspark_kv", "pd_dspark"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).
 DEFAULT_ALS = "3.99,6.1"
 PD_DEFAULT_ALS = "3.99"
+READY_S = 360.0
+PD_READY_S = 450.0
 STOP_RESERVE_S = 25.0  # stopping the servers and writing the files at the end
 
 
@@ -267,12 +275,15 @@ def kv_plan(cfg: Config, kv_gib: float, pd_kv_gib: float, decoder_share: float) 
     its stages; the PD group's two sides hold ``--pd-kv-gib`` each in all: the aggregated engine
     all of it, the producer and decoder together exactly as much (the decoder
     ``decoder_share`` of it, dspark_dev/pd_launch.split_kv_bytes)."""
-    from dspark_dev.pd_launch import split_kv_bytes
+    from dspark_dev.pd_launch import split_kv_bytes, split_stage_bytes
 
     total = int((pd_kv_gib if cfg.pd_kv else kv_gib) * GIB)
     if cfg.pd:
         producer, decoder = split_kv_bytes(total, decoder_share)
-        return {"producer": producer, "decoder": decoder}
+        out = {"producer": producer, "decoder": decoder}
+        if cfg.pp > 1:  # a PP producer: its bytes over its stages (pd_launch.split_stage_bytes)
+            out["producer_stages"] = split_stage_bytes(producer, cfg.pp)
+        return out
     if cfg.pp == 1:
         return {"engine": total}
     return {f"stage{r}": total // cfg.pp for r in range(cfg.pp)}
@@ -475,6 +486,9 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
     env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=a.extra_env)
+    if cfg.pd_kv and not a.cpu and "VLLM_ENGINE_READY_TIMEOUT_S" not in a.extra_env:
+        # vLLM's own start-up deadline must not end an engine the driver still waits for
+        env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(a.ready_s))
     if cfg.pd:
         from dspark_dev.pd_launch import pd_deployment
 
@@ -482,6 +496,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
             cfg.name, paths.target, spec=spec, base_args=base,
             producer_kv_bytes=kv["producer"], decoder_kv_bytes=kv["decoder"],
             log_dir=log_dir, env=env, cpu=a.cpu, proxy_timeout_s=a.proxy_timeout_s,
+            producer_pp=cfg.pp, gpu_layout=a.gpu_layout,
         )  # fmt: skip
     if cfg.pp == 1:
         port = free_port()
@@ -671,7 +686,12 @@ def parse_args(argv=None):
     )  # fmt: skip
     ap.add_argument("--proxy-timeout-s", type=float, default=300.0, help="pd proxy, per upstream")
     ap.add_argument("--budget-s", type=float, default=470.0)
-    ap.add_argument("--ready-s", type=float, default=360.0, help="start-up deadline per server")
+    ap.add_argument(
+        "--ready-s", type=float, default=None,
+        help=f"start-up deadline per server (default {READY_S:.0f} s; {PD_READY_S:.0f} s when "
+        "only the pd group runs: three engines compile and capture at once, and their "
+        "VLLM_ENGINE_READY_TIMEOUT_S follows it)",
+    )  # fmt: skip
     ap.add_argument("--start", choices=("together", "sequential"), default="together")
     ap.add_argument("--gpu-layout", choices=("shared", "per-stage"), default="shared")
     ap.add_argument("--guess-tpot-ms", type=float, default=6.0, help="until one is measured")
@@ -688,8 +708,10 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.cfgs = select_configs(a.configs)
     if a.acceptance_lengths is None:
-        only_pd = all(c.name in GROUPS["pd"] for c in a.cfgs)
+        only_pd = all(c.pd_kv for c in a.cfgs)
         a.acceptance_lengths = PD_DEFAULT_ALS if only_pd else DEFAULT_ALS
+    if a.ready_s is None:
+        a.ready_s = PD_READY_S if all(c.pd_kv for c in a.cfgs) else READY_S
     a.als = parse_floats(a.acceptance_lengths)
     if any(c.pd_kv for c in a.cfgs) and not 0.0 < a.pd_decoder_share < 1.0:
         raise SystemExit(f"--pd-decoder-share {a.pd_decoder_share}: strictly between 0 and 1")

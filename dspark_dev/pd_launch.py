@@ -203,10 +203,21 @@ class PDDeployment:
         return time.monotonic() - self.started_at
 
     def stop(self, grace_s: float = 10.0) -> list[int]:
+        """The proxy first (no new requests reach the engines), then every engine launcher at
+        once (each one's grace period runs alongside the others'). Returns pids still alive."""
+        import threading
+
         from dspark_dev.serve_demo import live_group_members
 
-        for node in reversed(self.nodes):  # the proxy first: no new requests reach the engines
-            node.stop(grace_s=grace_s)
+        self.proxy.stop(grace_s=grace_s)
+        threads = [
+            threading.Thread(target=n.stop, kwargs={"grace_s": grace_s}, daemon=True)
+            for n in (*self.producers, self.decoder)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(grace_s + 30.0)
         return [
             pid for n in self.nodes if n.proc is not None for pid in live_group_members(n.proc.pid)
         ]
@@ -228,10 +239,15 @@ def pd_deployment(
     env: dict,
     cpu: bool = False,
     proxy_timeout_s: float = 300.0,
+    producer_pp: int = 1,
+    gpu_layout: str | None = None,
 ) -> PDDeployment:
-    """A PP=1 producer and a PP=1 decoder, both with the DSpark speculative config ``spec`` and
-    ``base_args`` (no ``--kv-cache-memory-bytes`` in it: each gets its own share), on the
-    devices ``env`` names, plus the proxy. Nothing starts here."""
+    """A producer (PP=1, or ``producer_pp`` launchers composed by dspark_dev/pp_launch.py, one
+    stage each, ``producer_kv_bytes`` split evenly over them) and a PP=1 decoder, all with the
+    DSpark speculative config ``spec`` and ``base_args`` (no ``--kv-cache-memory-bytes`` in it:
+    each gets its own share), on the devices ``env`` names, plus the proxy. Nothing starts
+    here."""
+    from dspark_dev import pp_launch
     from dspark_dev.serve_demo import Server, serve_argv
 
     if any(a == "--kv-cache-memory-bytes" for a in base_args):
@@ -249,15 +265,54 @@ def pd_deployment(
         return Server(argv, log_dir / f"{name}_{role}.log", env={**env, **cache, **role_env},
                       port=port, name=f"{name} {role}", cpu=cpu)  # fmt: skip
 
-    pre = engine(
-        "producer", mooncake_kv_config("kv_producer", engine_id), producer_kv_bytes,
-        producer_env(bport),
-    )  # fmt: skip
-    dec = engine("decoder", mooncake_kv_config("kv_consumer"), decoder_kv_bytes, decoder_env())
+    pre_kv = mooncake_kv_config("kv_producer", engine_id)
+    if producer_pp == 1:
+        producers = [engine("producer", pre_kv, producer_kv_bytes, producer_env(bport))]
+        dec_env = decoder_env()
+    else:
+        # every stage is a kv_producer with the same engine id; the decoder pulls from each
+        device = "cpu" if cpu else "gpu"
+        chosen = pp_launch.layout(gpu_layout) if device == "gpu" else pp_launch.SHARED
+        api_port, master = free_port(), free_port()
+        stage_bytes = split_stage_bytes(producer_kv_bytes, producer_pp)
+        producers = []
+        for rank in range(producer_pp):
+            kv = [] if cpu else ["--kv-cache-memory-bytes", str(stage_bytes[rank])]
+            argv = pp_launch.launcher_argv(
+                target, pp=producer_pp, rank=rank, master_port=master,
+                api_port=api_port if rank == 0 else None, spec=spec, base_args=base_args,
+                extra=[*kv, "--kv-transfer-config", json.dumps(pre_kv)],
+            )  # fmt: skip
+            node_env = {
+                **pp_launch.stage_env(rank, device=device, gpu_layout=chosen, tag=name),
+                **env,
+                "VLLM_CACHE_ROOT": str(log_dir / f"cache-{name}-producer{rank}"),
+                **producer_env(bport),
+            }
+            if device == "gpu":
+                node_env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
+            producers.append(
+                Server(argv, log_dir / f"{name}_producer_node{rank}.log", env=node_env,
+                       port=api_port if rank == 0 else None, cpu=cpu,
+                       name=f"{name} producer node {rank}" + (" (headless)" if rank else ""))
+            )  # fmt: skip
+        # the decoder after the producer's stages (its own GPU with the per-stage layout)
+        dec_env = {
+            **decoder_env(),
+            **pp_launch.stage_env(producer_pp, device=device, gpu_layout=chosen, tag=name),
+        }
+    dec = engine("decoder", mooncake_kv_config("kv_consumer"), decoder_kv_bytes, dec_env)
     pport = free_port()
     proxy = Server(
-        proxy_argv(pre.url, dec.url, f"http://127.0.0.1:{bport}", engine_id, pport,
+        proxy_argv(producers[0].url, dec.url, f"http://127.0.0.1:{bport}", engine_id, pport,
                    proxy_timeout_s),
         log_dir / f"{name}_proxy.log", env=dict(env), port=pport, name=f"{name} proxy", cpu=cpu,
     )  # fmt: skip
-    return PDDeployment(name, [pre], dec, proxy, f"http://127.0.0.1:{bport}", engine_id)
+    return PDDeployment(name, producers, dec, proxy, f"http://127.0.0.1:{bport}", engine_id)
+
+
+def split_stage_bytes(total: int, stages: int, block: int = 1 << 20) -> list[int]:
+    """A PP producer's KV bytes per stage: equal whole-``block`` shares, the last stage the
+    remainder, so they add up to ``total`` exactly."""
+    share = total // stages // block * block
+    return [share] * (stages - 1) + [total - share * (stages - 1)]

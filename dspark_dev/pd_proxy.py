@@ -209,6 +209,10 @@ class PDProxy:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
+            # each streamed event is a small write: without TCP_NODELAY, Nagle's algorithm and
+            # the client's delayed ACK can hold an event back for tens of milliseconds
+            disable_nagle_algorithm = True
+
             def log_message(self, *args):  # quiet
                 pass
 

@@ -11,7 +11,9 @@
   / NixlConnector;
 * ``support.dflash_prepare_ref``: the reference of the DFlash input preparation (GPU test);
 * ``support.wheel``: the packages ``pip install .`` puts in the wheel;
-* ``support.scripts``: import a script of ``benchmarks/`` or ``tools/gpu/`` by its path.
+* ``support.scripts``: import a script of ``benchmarks/`` or ``tools/gpu/`` by its path;
+* ``support.fake_vllm_serve``: a stand-in ``vllm serve`` process (no model) for the served
+  benchmark's PD orchestration run on CPU; ``support.perf_records``: synthetic benchmark records.
 
 Process groups with deadlines, ports, servers, the metrics reader and the PD proxy are in
 ``dspark_dev`` (benchmarks and the GSM8K command use them too, and must not import

@@ -6,6 +6,7 @@ from small recorded samples. Nothing is timed and no server starts."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -91,6 +92,7 @@ def test_dry_run_composes_two_launchers_on_gpu0_with_distinct_nccl_hosts(capsys)
         assert n0["env"]["NCCL_DEBUG"] == n1["env"]["NCCL_DEBUG"] == "INFO"
         assert n0["env"]["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc
         assert n0["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
+        assert n0["env"]["VLLM_ENGINE_READY_TIMEOUT_S"] == "330"  # the PP groups keep theirs
         for node, rank in ((n0, "0"), (n1, "1")):
             argv = " ".join(node["argv"])
             assert f"--nnodes 2 --node-rank {rank} --master-addr 127.0.0.1" in argv
@@ -338,13 +340,14 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
 # --------------------------------------------------------------------------- PD vs aggregated
 def test_the_pd_group_sweeps_al_3_99_and_both_sides_hold_the_same_kv():
     a = serve.parse_args(["--configs", "pd"])
-    assert [c.name for c in a.cfgs] == ["pd_dspark", "agg_dspark_kv"] and a.als == [3.99]
+    # the aggregated reference runs first (a stalled PD side cannot take its time)
+    assert [c.name for c in a.cfgs] == ["agg_dspark_kv", "pd_dspark"] and a.als == [3.99]
     assert serve.parse_args(["--configs", "pd,pp1"]).als == [3.99, 6.1]  # mixed: the usual
-    pd, agg = (serve.kv_plan(c, 16.0, 24.0, 0.75) for c in a.cfgs)
+    agg, pd = (serve.kv_plan(c, 16.0, 24.0, 0.75) for c in a.cfgs)
     assert agg == {"engine": 24 << 30}
     assert pd == {"producer": 6 << 30, "decoder": 18 << 30}
     # an odd share rounds the decoder down to whole MiB and the producer takes the rest
-    pd_odd = serve.kv_plan(a.cfgs[0], 16.0, 10.0, 0.333)
+    pd_odd = serve.kv_plan(serve.CONFIGS["pd_dspark"], 16.0, 10.0, 0.333)
     assert sum(pd_odd.values()) == 10 << 30 and pd_odd["decoder"] % (1 << 20) == 0
     assert serve.kv_plan(serve.CONFIGS["pp2_dspark"], 16.0, 24.0, 0.75) == {
         "stage0": 8 << 30,
@@ -394,6 +397,9 @@ def test_dry_run_composes_producer_decoder_and_proxy(capsys):
     assert spec == json_opt("pd_dspark decoder", "--speculative-config")
     assert spec["method"] == "dspark" and spec["synthetic_acceptance_length"] == 3.99
     assert pre["env"]["VLLM_PORT"] != dec["env"]["VLLM_PORT"]
+    # three engines start at once: vLLM's start-up deadline follows the driver's (450 s)
+    for node in (pre, dec, agg):
+        assert node["env"]["VLLM_ENGINE_READY_TIMEOUT_S"] == "450"
     boot = pre["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
     assert dec["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"] != boot
     assert proxy["argv"][1:3] == ["-m", "dspark_dev.pd_proxy"]
@@ -403,10 +409,10 @@ def test_dry_run_composes_producer_decoder_and_proxy(capsys):
     assert opt(proxy["argv"], "--engine-id") == pre_kv["engine_id"]
     # the acceptance switch goes to the decoder, the client to the proxy
     posts = [line for line in out.splitlines() if line.startswith("POST ")]
-    assert posts[0].startswith("POST URL(pd_dspark decoder)/collective_rpc")
-    assert posts[1].startswith("POST URL(agg_dspark_kv)/collective_rpc")
+    assert posts[0].startswith("POST URL(agg_dspark_kv)/collective_rpc")
+    assert posts[1].startswith("POST URL(pd_dspark decoder)/collective_rpc")
     bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
-    assert len(bench) == 4 and "--base-url URL(pd_dspark proxy) " in bench[0]
+    assert len(bench) == 4 and "--base-url URL(pd_dspark proxy) " in bench[2]
     # the same prompts on both sides
     seeds = [shlex.split(b)[shlex.split(b).index("--seed") + 1] for b in bench]
     assert seeds[:2] == seeds[2:]
@@ -509,9 +515,11 @@ def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
     ) in md
     assert "| 3.99 | 4 | 150.0 / 100.0 | 300.0 / 200.0 |" in md and "| 0.750 |" in md
     assert "| 50.0% |" in md  # half the prompt tokens came over the connector
-    pd_png = tmp_path / "perf_pd.png"
-    assert pd_png.stat().st_size > 10_000 and "![PD vs aggregated](perf_pd.png)" in md
-    assert not png.exists() and "![served curves]" not in md  # no PP rows: no PP figure
+    # no PP rows: no PP figure, the PD figure is the PNG asked for
+    assert png.stat().st_size > 10_000 and "![PD vs aggregated](perf.png)" in md
+    assert "![served curves]" not in md and not (tmp_path / "perf_pd.png").exists()
+    assert md.startswith("<!--") and "# PD vs aggregated, served, on one GPU" in md
+    assert "Goal (b)" not in md and plot.CAVEAT not in md  # nothing about PP in a PD-only page
 
 
 # --------------------------------------------------------------------------- projection vs served
@@ -571,3 +579,93 @@ def test_the_docs_comparison_block_is_what_the_script_writes_from_the_recorded_j
     p = pp_projection.project(perf.merge_results([res]))
     served = [root / f"docs/results/serve_pp_one_gpu_pp{i}.json" for i in (1, 2)]
     assert block == pp_projection.served_markdown(pp_projection.served_comparison(p, served))
+
+
+def test_dry_run_pd_with_a_pp2_producer(capsys):
+    out = _dry(capsys, "--configs", "pd_pp2_dspark,agg_dspark_kv", "--concurrency", "4")
+    nodes = _launchers(out)
+    n0, n1 = (
+        nodes["pd_pp2_dspark producer node 0"],
+        nodes["pd_pp2_dspark producer node 1 (headless)"],
+    )
+    dec = nodes["pd_pp2_dspark decoder"]
+
+    def opt(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    def kv_cfg(who):
+        line = next(x for x in out.splitlines() if x.startswith(f"  {who}: /"))
+        flag = "--kv-transfer-config "
+        return json.JSONDecoder().raw_decode(line, line.index(flag) + len(flag))[0]
+
+    a, b = (
+        kv_cfg("pd_pp2_dspark producer node 0"),
+        kv_cfg("pd_pp2_dspark producer node 1 (headless)"),
+    )
+    assert a == b and a["kv_role"] == "kv_producer" and a["engine_id"]  # one engine, two stages
+    assert kv_cfg("pd_pp2_dspark decoder")["kv_role"] == "kv_consumer"
+    for rank, node in enumerate((n0, n1)):
+        argv = " ".join(node["argv"])
+        assert "-pp 2" in argv and f"--nnodes 2 --node-rank {rank}" in argv
+    assert "--headless" in n1["argv"] and "-pp 1" in " ".join(dec["argv"])
+    assert n0["env"]["NCCL_HOSTID"] != n1["env"]["NCCL_HOSTID"] != dec["env"]["NCCL_HOSTID"]
+    boot = n0["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+    assert (
+        n1["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+        == boot
+        != dec["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+    )
+    kv = [int(opt(x["argv"], "--kv-cache-memory-bytes")) for x in (n0, n1, dec)]
+    assert sum(kv) == int(opt(nodes["agg_dspark_kv"]["argv"], "--kv-cache-memory-bytes"))
+    assert kv[0] == kv[1] == 3 << 30  # the producer's 6 GiB over its two stages
+    plan = serve.kv_plan(serve.CONFIGS["pd_pp2_dspark"], 16.0, 24.0, 0.75)
+    assert plan["producer_stages"] == [3 << 30, 3 << 30] and plan["decoder"] == 18 << 30
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    os.environ.get("DSPARK_PD_SERVE_HAND") != "1",
+    reason="hand run (about 30 s, vLLM's bench client in process): DSPARK_PD_SERVE_HAND=1",
+)
+def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
+    """The whole ``--configs pd`` run (start, readiness, bootstrap, proxy, acceptance switch on
+    the decoder, ``vllm bench serve`` through the proxy, counters, PD evidence, shutdown) with
+    tests/support/fake_vllm_serve.py in place of ``vllm serve``: what the GPU command does,
+    minus the model."""
+    import sys
+
+    import dspark_dev.serve_demo as serve_demo
+
+    fake = Path(__file__).resolve().parents[1] / "support" / "fake_vllm_serve.py"
+    real = serve_demo.serve_argv
+
+    def stand_in(target, **kw):
+        argv = real(target, **kw)
+        return [sys.executable, str(fake), *argv[argv.index("serve") + 1 :]]
+
+    monkeypatch.setattr(serve_demo, "serve_argv", stand_in)
+    out = tmp_path / "out"
+    rc = serve.main(["--configs", "pd", "--budget-s", "150", "--concurrency", "1,8",
+                     "--input-len", "64", "--output-len", "32", "--out", str(out)])  # fmt: skip
+    res = json.loads((out / "serve_pp_one_gpu_pd.json").read_text())
+    assert rc == 0, res
+    assert {n: s["outcome"] for n, s in res["servers"].items()} == {
+        "pd_dspark": "ok",
+        "agg_dspark_kv": "ok",
+    }
+    assert all(res["servers"]["pd_dspark"]["producer_log_markers"].values())
+    assert not any(s.get("left_running") for s in res["servers"].values())
+    points = {(p["config"], p["concurrency"]): p for p in res["points"]}
+    assert set(points) == {(c, n) for c in ("pd_dspark", "agg_dspark_kv") for n in (1, 8)}
+    for (config, _c), p in points.items():
+        assert p["bench"]["completed"] == p["num_prompts"] and not p["bench"].get("failed")
+        assert p["measured_acceptance_length"] == pytest.approx(4.0)  # the decoder's counters
+        if config == "pd_dspark":
+            pd = p["pd"]
+            assert pd["proxy"]["requests"] >= p["num_prompts"] and not pd["proxy"]["errors"]
+            hits = pd["decoder_kv"]["vllm:external_prefix_cache_hits_total"]
+            assert hits == pd["decoder_kv"]["vllm:prompt_tokens_total"] > 0
+            assert pd["producer_spec"]["num_draft_tokens"] == 0
+    md = plot.markdown(plot.load([out / "serve_pp_one_gpu_pd.json"]), ["pd.json"])
+    assert "| 3.99 | 8 |" in md and "| 100.0% | 0 | 0 | 1 / 1 |" in md
