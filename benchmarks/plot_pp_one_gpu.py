@@ -24,7 +24,11 @@ What it writes:
   cache): per AL and C both sides' TTFT and TPOT p50/p99, output tok/s and their quotient, the
   acceptance length each side's counters give, and the PD evidence of each point (the share of
   prompt tokens the decoder took from the connector, the producer's draft tokens, the proxy's
-  errors); with ``--png`` a second figure ``<png>_pd.png`` of the same.
+  errors); with ``--png`` a second figure ``<png>_pd.png`` of the same;
+* adaptive verification with vs without (``ppN_dspark_adaptive`` against ``ppN_dspark``, PP=1
+  and PP=2, per AL and C; benchmarks/adaptive_bench.py): drafts verified per step and per
+  request, output tok/s and its quotient, TPOT p50/p99, measured acceptance length, and what the
+  draft's confidences were.
 
 ``--copy-to DIR`` copies the JSON files into DIR (the markdown names the copies).
 """
@@ -35,7 +39,11 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adaptive_bench import adaptive_markdown  # noqa: E402
 
 GOAL_B = 0.9
 PD, AGG = "pd_dspark", "agg_dspark_kv"
@@ -489,6 +497,7 @@ def markdown(runs: list[dict], files: list[str]) -> str:
                 f"{_f(r['step_ms'], '{:.3f}')} | {_f(r['draft_share'], '{:.1%}')} |"
             )
     lines += pd_markdown(rows, merged)
+    lines += adaptive_markdown(rows, merged)
     pr = plugin_ratios(rows)
     if pr:
         lines += ["", "## Plugin on / off at PP=2 (off: stock vLLM 0.34.0, plugin left out)", ""]

@@ -40,9 +40,19 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   the producer's plus the decoder's (``--pd-kv-gib`` per side, the decoder
   ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
 
+* ``pp1_dspark_adaptive`` / ``pp2_dspark_adaptive``: ``pp1_dspark`` / ``pp2_dspark`` with
+  ``"enable_adaptive_verification": true`` (vLLM's default CUDA-graph mode, which has the full
+  graphs it needs; not with ``--cpu``), ``VLLM_DSPARK_PP_ADAPTIVE_PP=1`` on every launcher, and
+  ``--adaptive-confidences`` (default ``synthetic``: the synthetic sampler's own per-position
+  rates replace the dummy draft's confidences, which are about 0.5 everywhere and unrelated to
+  what the sampler accepts; benchmarks/dspark_bench_hooks.py, benchmarks/adaptive_bench.py).
+
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
 pp2_nospec_stock + pp2_nospec, ``pd`` = pd_dspark + agg_dspark_kv (AL 3.99 unless
-``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
+``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side),
+``adaptive_pp1`` = pp1_dspark + pp1_dspark_adaptive, ``adaptive_pp2`` = pp2_dspark +
+pp2_dspark_adaptive (two groups: four DSpark deployments' CUDA-graph starts and sweeps do not fit
+one GPU command).
 Every server of a group starts at once (``--start together``:
 an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
 starts each just before its sweep).
@@ -102,6 +112,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
+from adaptive_bench import CONFIDENCE_CHOICES, adaptive_env, check_args  # noqa: E402
 from perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist  # noqa: E402
 from real_shapes import SHAPES, write_shape  # noqa: E402
 
@@ -118,6 +129,7 @@ class Config:
     plugin: bool = True
     pd: bool = False  # prefill-only producer + decoder + proxy (dspark_dev/pd_launch.py)
     pd_kv: bool = False  # KV budget --pd-kv-gib (the PD group's total) instead of --kv-gib
+    adaptive: bool = False  # enable_adaptive_verification (benchmarks/adaptive_bench.py)
 
 
 CONFIGS = {
@@ -131,6 +143,8 @@ CONFIGS = {
         Config("pp2_dspark_stock", 2, True, plugin=False),
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
+        Config("pp1_dspark_adaptive", 1, True, adaptive=True),
+        Config("pp2_dspark_adaptive", 2, True, adaptive=True),
     )
 }
 GROUPS = {
@@ -138,6 +152,9 @@ GROUPS = {
     "pp2": ("pp2_nospec", "pp2_dspark"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
     "pd": ("pd_dspark", "agg_dspark_kv"),
+    # with vs without adaptive verification; one GPU command each (CUDA-graph starts)
+    "adaptive_pp1": ("pp1_dspark", "pp1_dspark_adaptive"),
+    "adaptive_pp2": ("pp2_dspark", "pp2_dspark_adaptive"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).
@@ -296,14 +313,15 @@ def shape_base_args(
     ]  # fmt: skip
 
 
-def spec_config(draft: str, k: int, acceptance_length: float) -> dict:
-    return {
+def spec_config(draft: str, k: int, acceptance_length: float, adaptive: bool = False) -> dict:
+    spec = {
         "method": "dspark",
         "model": draft,
         "num_speculative_tokens": k,
         "rejection_sample_method": "synthetic",
         "synthetic_acceptance_length": acceptance_length,
     }
+    return {**spec, "enable_adaptive_verification": True} if adaptive else spec
 
 
 def server_env(cfg: Config, *, hook_root: str, cpu: bool, extra: dict | None = None) -> dict:
@@ -464,7 +482,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
     from dspark_dev import pp_launch
     from dspark_dev.serve_demo import Server, free_port, serve_argv
 
-    spec = spec_config(paths.draft, a.k, initial_al) if cfg.spec else None
+    spec = spec_config(paths.draft, a.k, initial_al, cfg.adaptive) if cfg.spec else None
     kv = kv_plan(cfg, *kv_args(a))
     base = shape_base_args(
         cpu=a.cpu,
@@ -474,7 +492,8 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         # a PD deployment gives each role its own share (pd_deployment); PP stages hold equal ones
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
-    env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=a.extra_env)
+    extra = {**adaptive_env(cfg.adaptive, a.adaptive_confidences), **a.extra_env}
+    env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=extra)
     if cfg.pd:
         from dspark_dev.pd_launch import pd_deployment
 
@@ -685,8 +704,14 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform (plumbing only)")
     ap.add_argument("--dry-run", action="store_true", help="print commands, start nothing")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every server")
+    ap.add_argument(
+        "--adaptive-confidences", choices=CONFIDENCE_CHOICES, default="synthetic",
+        help="what the *_adaptive configurations rank with: the synthetic sampler's own rates "
+        "(default) or the draft's confidences (benchmarks/dspark_bench_hooks.py)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     a.cfgs = select_configs(a.configs)
+    check_args(any(c.adaptive for c in a.cfgs), a.cpu)
     if a.acceptance_lengths is None:
         only_pd = all(c.name in GROUPS["pd"] for c in a.cfgs)
         a.acceptance_lengths = PD_DEFAULT_ALS if only_pd else DEFAULT_ALS
@@ -790,6 +815,9 @@ def main(argv=None) -> int:
             "gpu_layout": a.gpu_layout,
             "platform": "cpu" if a.cpu else "gpu",
             "step_times": a.step_times,
+            "adaptive_confidences": a.adaptive_confidences
+            if any(c.adaptive for c in a.cfgs)
+            else None,
             "versions": versions(a.cpu),
         },
         "servers": {},
