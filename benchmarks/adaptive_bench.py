@@ -21,17 +21,23 @@ import statistics
 from dspark_bench_hooks import CONFIDENCES_ENV
 
 from vllm_dspark_pp.protocol.adaptive_config import OPT_IN_ENV
+from vllm_dspark_pp.protocol.handshake import TIMEOUT_ENV as HANDSHAKE_TIMEOUT_ENV
 
 SUFFIX = "_adaptive"
 CONFIDENCE_CHOICES = ("synthetic", "draft")
 
 
-def adaptive_env(adaptive: bool, confidences: str) -> dict[str, str]:
+def adaptive_env(adaptive: bool, confidences: str, pp: int) -> dict[str, str]:
     """What an adaptive configuration's launchers get (all of them: the opt-in must be on every
-    node, docs/protocol.md); nothing for the others."""
+    node, docs/protocol.md); nothing for the others. Under PP the last stage waits for every
+    stage's profiled step cost for at most the handshake timeout; while the deployments of a
+    group compile and capture at once on the one GPU it gets the 300 s the one-GPU test gives."""
     if not adaptive:
         return {}
-    return {OPT_IN_ENV: "1", CONFIDENCES_ENV: confidences}
+    env = {OPT_IN_ENV: "1", CONFIDENCES_ENV: confidences}
+    if pp > 1:
+        env[HANDSHAKE_TIMEOUT_ENV] = "300"
+    return env
 
 
 def check_args(adaptive: bool, cpu: bool) -> None:

@@ -37,6 +37,14 @@ in a server's environment chooses what adaptive verification ranks and budgets w
   errors.
 * unset (or ``draft``): the draft's own confidences, as vLLM would use them.
 
+vLLM's synthetic rates for a mean length are its minimum-variance schedule (AL 3.99 at k=7:
+unconditional ``1, 1, 0.99, 0, 0, 0, 0``), so the synthetic confidences say "verify exactly the
+first three": adaptive verification's best case. ``DSPARK_BENCH_SYNTHETIC_SCHEDULE=geometric``
+(the driver's ``--env``, every server alike) makes ``set_acceptance_length`` use a geometric
+profile of the same mean instead (one conditional rate ``p`` at every position; AL 3.99 at k=7:
+``p`` about 0.79), where every extra verified position still pays off a little and the budget has
+a real trade-off to make against the step cost.
+
 Either way each step's draft confidences, as the draft produced them, are summed per position on
 the device (no host synchronisation while serving) and ``collect`` reports their mean per
 position, minimum and maximum (``confidences``), so a run records what the dummy draft gives.
@@ -62,6 +70,7 @@ from typing import Any
 
 FIRST_STEPS_KEPT = 6  # steps of each run reported one by one (``collect``)
 CONFIDENCES_ENV = "DSPARK_BENCH_CONFIDENCES"
+SCHEDULE_ENV = "DSPARK_BENCH_SYNTHETIC_SCHEDULE"
 _STATE: dict[str, Any] = {
     "steps": [], "cur": None, "mem": {}, "installed": False, "rates": None, "conf": None
 }  # fmt: skip
@@ -359,6 +368,32 @@ def _resolve() -> list[dict]:
     return out
 
 
+def acceptance_schedule() -> str:
+    """``DSPARK_BENCH_SYNTHETIC_SCHEDULE``: how ``set_acceptance_length`` spreads a mean
+    acceptance length over the positions: ``min-variance`` (vLLM's: positions before the mean
+    always accepted, one partial, none after) or ``geometric``."""
+    mode = os.environ.get(SCHEDULE_ENV, "min-variance") or "min-variance"
+    if mode not in ("min-variance", "geometric"):
+        raise ValueError(f"{SCHEDULE_ENV}={mode!r}: use 'min-variance' or 'geometric'")
+    return mode
+
+
+def geometric_rates(length: float, n: int) -> list[float]:
+    """Unconditional per-position rates ``p, p^2, ..., p^n`` (every position accepted with the
+    same conditional rate ``p``) whose mean acceptance length ``1 + sum`` is ``length``."""
+    if not 1.0 <= length <= n + 1:
+        raise ValueError(f"acceptance length {length} outside [1, {n + 1}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):  # the sum grows with p: bisection
+        p = (lo + hi) / 2
+        if 1.0 + sum(p**j for j in range(1, n + 1)) < length:
+            lo = p
+        else:
+            hi = p
+    p = (lo + hi) / 2
+    return [p**j for j in range(1, n + 1)]
+
+
 def _set_acceptance_length(runner, length: float) -> dict:
     """Switch the synthetic rejection sampler to another mean acceptance length in place (the
     same tensor, so anything captured keeps reading it)."""
@@ -372,7 +407,10 @@ def _set_acceptance_length(runner, length: float) -> dict:
     if rates_t is None:  # not the sampling PP stage, or not a synthetic engine
         return {"applied": False}
     n = int(rates_t.numel())
-    rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(n, None, float(length))
+    if acceptance_schedule() == "geometric":
+        rates = geometric_rates(float(length), n)
+    else:  # vLLM's own (minimum-variance) schedule
+        rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(n, None, float(length))
     cond = unconditional_to_conditional_rates(rates)
     import torch
 
@@ -380,6 +418,7 @@ def _set_acceptance_length(runner, length: float) -> dict:
     return {
         "applied": True,
         "acceptance_length": length,
+        "schedule": acceptance_schedule(),
         "unconditional_rates": rates,
         "conditional_rates": cond,
     }
@@ -432,5 +471,6 @@ def register() -> None:
     when_imported("vllm.v1.worker.worker_base", _patch_worker)
     when_imported("vllm.v1.worker.gpu.spec_decode.speculator", _patch_speculator_base)
     confidence_mode()  # a wrong value fails at start, naming the choices
+    acceptance_schedule()
     when_imported("vllm.v1.worker.gpu.spec_decode.rejection_sampler", _patch_rejection_sampler)
     when_imported("vllm.v1.worker.gpu.spec_decode.adaptive_verification", _patch_adaptive)

@@ -492,7 +492,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         # a PD deployment gives each role its own share (pd_deployment); PP stages hold equal ones
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
-    extra = {**adaptive_env(cfg.adaptive, a.adaptive_confidences), **a.extra_env}
+    extra = {**adaptive_env(cfg.adaptive, a.adaptive_confidences, cfg.pp), **a.extra_env}
     env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=extra)
     if cfg.pd:
         from dspark_dev.pd_launch import pd_deployment

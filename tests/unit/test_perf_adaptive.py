@@ -56,6 +56,7 @@ def test_dry_run_sets_the_spec_key_and_the_opt_in_on_every_adaptive_launcher(cap
     for node in adapt.values():
         assert node["env"][OPT_IN] == "1"
         assert node["env"][hooks.CONFIDENCES_ENV] == "synthetic"
+        assert node["env"]["VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S"] == "300"  # the cost-curve wait
         assert '"enable_adaptive_verification": true}' in _spec_text(node["argv"])
         assert "--enforce-eager" not in node["argv"]  # adaptive verification needs full graphs
     for node in fixed.values():
@@ -66,6 +67,7 @@ def test_dry_run_sets_the_spec_key_and_the_opt_in_on_every_adaptive_launcher(cap
                        "draft"]) == 0  # fmt: skip
     (node,) = dry_run_launchers(capsys.readouterr().out).values()
     assert node["env"][hooks.CONFIDENCES_ENV] == "draft" and node["env"][OPT_IN] == "1"
+    assert "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S" not in node["env"]  # PP=1: no stages to wait on
 
 
 # --------------------------------------------------------------------------- the hook
@@ -146,6 +148,27 @@ def test_verified_drafts_count_only_steps_that_verify():
     assert (v["verify_steps"], v["verify_rows"], v["verified_drafts"]) == (2, 6, 20)
     assert v["drafts_per_verify_step"] == 10.0
     assert v["drafts_per_request"] == pytest.approx(20 / 6, abs=1e-4)
+
+
+def test_a_geometric_schedule_has_the_mean_and_one_conditional_rate(monkeypatch):
+    runner = types.SimpleNamespace(
+        rejection_sampler=types.SimpleNamespace(synthetic_conditional_rates=torch.zeros(7))
+    )
+    monkeypatch.delenv(hooks.SCHEDULE_ENV, raising=False)
+    got = hooks._set_acceptance_length(runner, 3.99)
+    assert got["schedule"] == "min-variance"
+    assert got["unconditional_rates"] == pytest.approx([1.0, 1.0, 0.99, 0, 0, 0, 0])
+    monkeypatch.setenv(hooks.SCHEDULE_ENV, "geometric")
+    got = hooks._set_acceptance_length(runner, 3.99)
+    assert got["schedule"] == "geometric"
+    assert 1 + sum(got["unconditional_rates"]) == pytest.approx(3.99)
+    p = got["conditional_rates"][0]
+    assert 0.78 < p < 0.79 and got["conditional_rates"] == pytest.approx([p] * 7)
+    assert runner.rejection_sampler.synthetic_conditional_rates.tolist() == pytest.approx([p] * 7)
+    assert hooks.geometric_rates(8.0, 7) == pytest.approx([1.0] * 7)
+    monkeypatch.setenv(hooks.SCHEDULE_ENV, "uniform")
+    with pytest.raises(ValueError, match="'min-variance' or 'geometric'"):
+        hooks.acceptance_schedule()
 
 
 # --------------------------------------------------------------------------- the table
