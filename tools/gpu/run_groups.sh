@@ -26,7 +26,8 @@
 # Knobs: DSPARK_GPU_GROUPS_BUDGET_S (default 540), each group's limit; DSPARK_GPU_GROUPS_STAGGER_S
 # (default 0): seconds between group starts, so the first group's engines compile ahead of the
 # others' (the call then lasts up to BUDGET + (groups - 1) x STAGGER); DSPARK_GPU_LOST_STAGE_READY_S
-# (default BUDGET - 200): the lost_stage groups' start-up deadline.
+# (default BUDGET - 200): the lost_stage groups' start-up deadline; DSPARK_GPU_ADAPTIVE_READY_S
+# (default BUDGET - 200): pp_adaptive's.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -107,7 +108,7 @@ for g in "$@"; do
     ;;
   pp_adaptive)
     mkdir -p "$ART/pp_adaptive" # every launcher's log comes back in artifacts.tgz
-    DSPARK_GPU_PP_LOGS="$ART/pp_adaptive" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
+    DSPARK_GPU_PP_LOGS="$ART/pp_adaptive" DSPARK_GPU_PP_READY_S=${DSPARK_GPU_ADAPTIVE_READY_S:-$((BUDGET - 200))} \
       run_group "$g" tests/gpu/test_pp_adaptive_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   lost_stage | lost_stage_control)
