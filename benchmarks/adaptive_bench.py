@@ -27,25 +27,38 @@ SUFFIX = "_adaptive"
 CONFIDENCE_CHOICES = ("synthetic", "draft")
 
 
-def adaptive_env(adaptive: bool, confidences: str, pp: int) -> dict[str, str]:
+def adaptive_env(adaptive: bool, pp: int) -> dict[str, str]:
     """What an adaptive configuration's launchers get (all of them: the opt-in must be on every
-    node, docs/protocol.md); nothing for the others. Under PP the last stage waits for every
-    stage's profiled step cost for at most the handshake timeout; while the deployments of a
-    group compile and capture at once on the one GPU it gets the 300 s the one-GPU test gives."""
+    node, docs/protocol.md); nothing for the others. The synthetic confidences by default (the
+    driver's ``--env DSPARK_BENCH_CONFIDENCES=draft``, applied after this, keeps the draft's).
+    Under PP the last stage waits for every stage's profiled step cost for at most the handshake
+    timeout; while the deployments of a group compile and capture at once on the one GPU it gets
+    the 300 s the one-GPU test gives."""
     if not adaptive:
         return {}
-    env = {OPT_IN_ENV: "1", CONFIDENCES_ENV: confidences}
+    env = {OPT_IN_ENV: "1", CONFIDENCES_ENV: "synthetic"}
     if pp > 1:
         env[HANDSHAKE_TIMEOUT_ENV] = "300"
     return env
 
 
-def check_args(adaptive: bool, cpu: bool) -> None:
-    """Adaptive verification cannot run on vLLM's CPU platform: fail before anything starts."""
+def confidences_of(extra_env: dict[str, str]) -> str:
+    """What the adaptive configurations rank with, given the driver's ``--env``."""
+    return extra_env.get(CONFIDENCES_ENV, "synthetic")
+
+
+def check_args(adaptive: bool, cpu: bool, extra_env: dict[str, str]) -> None:
+    """Fail before anything starts: adaptive verification cannot run on vLLM's CPU platform; the
+    confidences must be one the hook knows."""
     if adaptive and cpu:
         raise SystemExit(
             "--cpu: adaptive verification needs full CUDA graphs (vLLM refuses it with "
             "--enforce-eager); leave the *_adaptive configurations out of --cpu runs"
+        )
+    if confidences_of(extra_env) not in CONFIDENCE_CHOICES:
+        raise SystemExit(
+            f"--env {CONFIDENCES_ENV}={confidences_of(extra_env)}: use one of "
+            f"{', '.join(CONFIDENCE_CHOICES)}"
         )
 
 

@@ -43,16 +43,17 @@ Configurations (``--configs``: group names or configuration names, comma-separat
 * ``pp1_dspark_adaptive`` / ``pp2_dspark_adaptive``: ``pp1_dspark`` / ``pp2_dspark`` with
   ``"enable_adaptive_verification": true`` (vLLM's default CUDA-graph mode, which has the full
   graphs it needs; not with ``--cpu``), ``VLLM_DSPARK_PP_ADAPTIVE_PP=1`` on every launcher, and
-  ``--adaptive-confidences`` (default ``synthetic``: the synthetic sampler's own per-position
-  rates replace the dummy draft's confidences, which are about 0.5 everywhere and unrelated to
-  what the sampler accepts; benchmarks/dspark_bench_hooks.py, benchmarks/adaptive_bench.py).
+  ``DSPARK_BENCH_CONFIDENCES=synthetic``: the synthetic sampler's own per-position rates replace
+  the dummy draft's confidences, which are about 0.5 everywhere and unrelated to what the sampler
+  accepts (``--env DSPARK_BENCH_CONFIDENCES=draft`` keeps the draft's;
+  benchmarks/dspark_bench_hooks.py, benchmarks/adaptive_bench.py).
+  Their groups: ``adaptive_pp1`` = pp1_dspark + pp1_dspark_adaptive, ``adaptive_pp2`` =
+  pp2_dspark + pp2_dspark_adaptive (two: four DSpark deployments' CUDA-graph starts and sweeps
+  do not fit one GPU command).
 
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
 pp2_nospec_stock + pp2_nospec, ``pd`` = pd_dspark + agg_dspark_kv (AL 3.99 unless
-``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side),
-``adaptive_pp1`` = pp1_dspark + pp1_dspark_adaptive, ``adaptive_pp2`` = pp2_dspark +
-pp2_dspark_adaptive (two groups: four DSpark deployments' CUDA-graph starts and sweeps do not fit
-one GPU command).
+``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
 Every server of a group starts at once (``--start together``:
 an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
 starts each just before its sweep).
@@ -112,7 +113,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from adaptive_bench import CONFIDENCE_CHOICES, adaptive_env, check_args  # noqa: E402
+from adaptive_bench import adaptive_env, check_args, confidences_of  # noqa: E402
 from perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist  # noqa: E402
 from real_shapes import SHAPES, write_shape  # noqa: E402
 
@@ -141,20 +142,20 @@ CONFIGS = {
         Config("pp2_dspark", 2, True),
         Config("pp2_nospec_stock", 2, False, plugin=False),
         Config("pp2_dspark_stock", 2, True, plugin=False),
-        Config("pd_dspark", 1, True, pd=True, pd_kv=True),
-        Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pp1_dspark_adaptive", 1, True, adaptive=True),
         Config("pp2_dspark_adaptive", 2, True, adaptive=True),
+        Config("pd_dspark", 1, True, pd=True, pd_kv=True),
+        Config("agg_dspark_kv", 1, True, pd_kv=True),
     )
 }
 GROUPS = {
     "pp1": ("pp1_nospec", "pp1_dspark"),
     "pp2": ("pp2_nospec", "pp2_dspark"),
-    "stock": ("pp2_nospec_stock", "pp2_nospec"),
-    "pd": ("pd_dspark", "agg_dspark_kv"),
     # with vs without adaptive verification; one GPU command each (CUDA-graph starts)
     "adaptive_pp1": ("pp1_dspark", "pp1_dspark_adaptive"),
     "adaptive_pp2": ("pp2_dspark", "pp2_dspark_adaptive"),
+    "stock": ("pp2_nospec_stock", "pp2_nospec"),
+    "pd": ("pd_dspark", "agg_dspark_kv"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).
@@ -340,6 +341,7 @@ def server_env(cfg: Config, *, hook_root: str, cpu: bool, extra: dict | None = N
     )
     if cfg.pp > 1 and not cpu:
         env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
+    env.update(adaptive_env(cfg.adaptive, cfg.pp))
     env.update(extra or {})
     return env
 
@@ -492,8 +494,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         # a PD deployment gives each role its own share (pd_deployment); PP stages hold equal ones
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
-    extra = {**adaptive_env(cfg.adaptive, a.adaptive_confidences, cfg.pp), **a.extra_env}
-    env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=extra)
+    env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=a.extra_env)
     if cfg.pd:
         from dspark_dev.pd_launch import pd_deployment
 
@@ -704,14 +705,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform (plumbing only)")
     ap.add_argument("--dry-run", action="store_true", help="print commands, start nothing")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every server")
-    ap.add_argument(
-        "--adaptive-confidences", choices=CONFIDENCE_CHOICES, default="synthetic",
-        help="what the *_adaptive configurations rank with: the synthetic sampler's own rates "
-        "(default) or the draft's confidences (benchmarks/dspark_bench_hooks.py)",
-    )  # fmt: skip
     a = ap.parse_args(argv)
     a.cfgs = select_configs(a.configs)
-    check_args(any(c.adaptive for c in a.cfgs), a.cpu)
     if a.acceptance_lengths is None:
         only_pd = all(c.name in GROUPS["pd"] for c in a.cfgs)
         a.acceptance_lengths = PD_DEFAULT_ALS if only_pd else DEFAULT_ALS
@@ -726,6 +721,7 @@ def parse_args(argv=None):
         raise SystemExit(f"--env {bad[0]!r}: use KEY=VALUE")
     a.extra_env = dict(e.split("=", 1) for e in a.env)
     a.tag = run_tag(a.configs)
+    check_args(any(c.adaptive for c in a.cfgs), a.cpu, a.extra_env)
     return a
 
 
@@ -815,7 +811,7 @@ def main(argv=None) -> int:
             "gpu_layout": a.gpu_layout,
             "platform": "cpu" if a.cpu else "gpu",
             "step_times": a.step_times,
-            "adaptive_confidences": a.adaptive_confidences
+            "adaptive_confidences": confidences_of(a.extra_env)
             if any(c.adaptive for c in a.cfgs)
             else None,
             "versions": versions(a.cpu),

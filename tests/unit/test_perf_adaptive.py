@@ -37,8 +37,8 @@ def test_adaptive_on_the_cpu_platform_or_unknown_confidences_are_refused_at_star
     with pytest.raises(SystemExit, match="full CUDA graphs"):
         serve.parse_args(["--configs", "pp1_dspark_adaptive", "--cpu"])
     serve.parse_args(["--configs", "pp1_dspark", "--cpu"])  # the baseline alone runs on a CPU
-    with pytest.raises(SystemExit):
-        serve.parse_args(["--configs", "adaptive_pp1", "--adaptive-confidences", "oracle"])
+    with pytest.raises(SystemExit, match="synthetic, draft"):
+        serve.parse_args(["--configs", "adaptive_pp1", "--env", "DSPARK_BENCH_CONFIDENCES=oracle"])
 
 
 def _spec_text(argv: list[str]) -> str:
@@ -63,8 +63,8 @@ def test_dry_run_sets_the_spec_key_and_the_opt_in_on_every_adaptive_launcher(cap
         assert OPT_IN not in node["env"] and hooks.CONFIDENCES_ENV not in node["env"]
         assert '"method": "dspark"' in _spec_text(node["argv"])
         assert "enable_adaptive_verification" not in _spec_text(node["argv"])
-    assert serve.main([*args, "--configs", "pp1_dspark_adaptive", "--adaptive-confidences",
-                       "draft"]) == 0  # fmt: skip
+    assert serve.main([*args, "--configs", "pp1_dspark_adaptive",
+                       "--env", "DSPARK_BENCH_CONFIDENCES=draft"]) == 0  # fmt: skip
     (node,) = dry_run_launchers(capsys.readouterr().out).values()
     assert node["env"][hooks.CONFIDENCES_ENV] == "draft" and node["env"][OPT_IN] == "1"
     assert "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S" not in node["env"]  # PP=1: no stages to wait on

@@ -10,7 +10,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from support.perf_records import dry_run_launchers, serve_point, serve_run
+from support.perf_records import dry_run_launchers as _launchers
+from support.perf_records import serve_point, serve_run
 from support.scripts import load_script
 
 serve = load_script("benchmarks/serve_pp_one_gpu.py")
@@ -58,7 +59,7 @@ def _dry(capsys, *args) -> str:
 
 def test_dry_run_composes_two_launchers_on_gpu0_with_distinct_nccl_hosts(capsys):
     out = _dry(capsys, "--configs", "pp2")
-    nodes = dry_run_launchers(out)
+    nodes = _launchers(out)
     assert set(nodes) == {
         "pp2_nospec node 0",
         "pp2_nospec node 1 (headless)",
@@ -86,7 +87,7 @@ def test_dry_run_composes_two_launchers_on_gpu0_with_distinct_nccl_hosts(capsys)
 
 
 def test_dry_run_per_stage_layout_puts_each_stage_on_its_gpu(capsys):
-    nodes = dry_run_launchers(_dry(capsys, "--configs", "pp2_nospec", "--gpu-layout", "per-stage"))
+    nodes = _launchers(_dry(capsys, "--configs", "pp2_nospec", "--gpu-layout", "per-stage"))
     assert nodes["pp2_nospec node 0"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert nodes["pp2_nospec node 1 (headless)"]["env"]["CUDA_VISIBLE_DEVICES"] == "1"
     assert "NCCL_HOSTID" not in nodes["pp2_nospec node 0"]["env"]
@@ -94,7 +95,7 @@ def test_dry_run_per_stage_layout_puts_each_stage_on_its_gpu(capsys):
 
 def test_dry_run_stock_leaves_the_plugin_out_and_bench_commands_are_vllms(capsys):
     out = _dry(capsys, "--configs", "stock", "--concurrency", "1,64")
-    nodes = dry_run_launchers(out)
+    nodes = _launchers(out)
     assert nodes["pp2_nospec_stock node 0"]["env"]["VLLM_PLUGINS"] == "dspark_bench"
     assert nodes["pp2_nospec node 0"]["env"]["VLLM_PLUGINS"] == "dspark_pp,dspark_bench"
     bench = [line for line in out.splitlines() if line.startswith("vllm bench serve ")]
@@ -339,7 +340,7 @@ def test_the_pd_group_sweeps_al_3_99_and_both_sides_hold_the_same_kv():
 
 def test_dry_run_composes_producer_decoder_and_proxy(capsys):
     out = _dry(capsys, "--configs", "pd", "--concurrency", "1,64")
-    nodes = dry_run_launchers(out)
+    nodes = _launchers(out)
     assert set(nodes) == {
         "pd_dspark producer",
         "pd_dspark decoder",
