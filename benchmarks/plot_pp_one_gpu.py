@@ -17,6 +17,10 @@ What it writes:
   missed or not measured from the data; PP=2 / PP=1 at equal work; plugin on / off at PP=2;
 * the transport the PP=2 launchers' logs name (NCCL ranks and nodes, the socket transport,
   the exchange's backend);
+* adaptive verification with vs without (``ppN_dspark_adaptive`` against ``ppN_dspark``, PP=1
+  and PP=2, per AL and C; benchmarks/adaptive_bench.py): drafts verified per step and per
+  request, output tok/s and its quotient, TPOT p50/p99, measured acceptance length, and what the
+  draft's confidences were;
 * a PNG (matplotlib): output tok/s, TTFT p50/p99, TPOT p50/p99 against concurrency and the
   DSpark / no-spec ratio at PP=1 and PP=2;
 * PD vs aggregated (the ``pd`` group: ``pd_dspark``, the prefill-only producer + decoder behind
@@ -24,11 +28,7 @@ What it writes:
   cache): per AL and C both sides' TTFT and TPOT p50/p99, output tok/s and their quotient, the
   acceptance length each side's counters give, and the PD evidence of each point (the share of
   prompt tokens the decoder took from the connector, the producer's draft tokens, the proxy's
-  errors); with ``--png`` a second figure ``<png>_pd.png`` of the same;
-* adaptive verification with vs without (``ppN_dspark_adaptive`` against ``ppN_dspark``, PP=1
-  and PP=2, per AL and C; benchmarks/adaptive_bench.py): drafts verified per step and per
-  request, output tok/s and its quotient, TPOT p50/p99, measured acceptance length, and what the
-  draft's confidences were.
+  errors); with ``--png`` a second figure ``<png>_pd.png`` of the same.
 
 ``--copy-to DIR`` copies the JSON files into DIR (the markdown names the copies).
 """
