@@ -120,21 +120,34 @@ def adaptive_rows(rows: dict, merged: dict) -> list[dict]:
 
 
 def confidence_lines(merged: dict) -> list[str]:
-    """Per adaptive configuration: what the draft's confidences were (first point with them)
-    and what adaptive verification ranked with."""
-    out = []
-    for (config, al, c), points in sorted(merged.items(), key=lambda kv: str(kv[0])):
+    """Per adaptive configuration and AL, over all its points: what the draft's confidences
+    were (mean per position weighted by rows, lowest, highest) and what was ranked with."""
+    acc: dict[tuple, dict] = {}
+    for (config, al, _c), points in merged.items():
         if not config.endswith(SUFFIX):
             continue
-        s = next((s for s in map(_last_rank_summary, points) if s and s.get("confidences")), None)
-        if s is None:
-            continue
-        conf = s["confidences"]
-        mean = ", ".join(f"{x:.4f}" for x in conf["mean_per_position"])
+        for s in map(_last_rank_summary, points):
+            conf = (s or {}).get("confidences")
+            if not conf or not conf.get("rows"):
+                continue
+            a = acc.setdefault((config, al), {"rows": 0, "sum": None, "min": [], "max": []})
+            weighted = [m * conf["rows"] for m in conf["mean_per_position"]]
+            a["sum"] = (
+                weighted
+                if a["sum"] is None
+                else [x + y for x, y in zip(a["sum"], weighted, strict=True)]
+            )
+            a["rows"] += conf["rows"]
+            a["min"].append(conf["min"])
+            a["max"].append(conf["max"])
+            a["mode"] = s.get("confidence_mode", "?")
+    out = []
+    for (config, al), a in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        mean = ", ".join(f"{x / a['rows']:.4f}" for x in a["sum"])
         out.append(
-            f"* `{config}` AL {al:g} C={c}: the draft's confidences over {conf['rows']} rows: "
-            f"mean per position [{mean}], min {conf['min']:.4f}, max {conf['max']:.4f}; "
-            f"ranked with: {s.get('confidence_mode', '?')}"
+            f"* `{config}` AL {al:g}: the draft's confidences over {a['rows']} rows: mean per "
+            f"position [{mean}], lowest {min(a['min']):.4f}, highest {max(a['max']):.4f}; "
+            f"ranked with: {a['mode']}"
         )
     return out
 

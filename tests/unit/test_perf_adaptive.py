@@ -189,6 +189,7 @@ def _timed(point: dict, per_request: float, rows: int = 8, conf=None) -> dict:
 
 def _adaptive_sample() -> list[dict]:
     conf = {"steps": 3, "rows": 24, "mean_per_position": [0.5] * 7, "min": 0.4999, "max": 0.5001}
+    conf64 = {"steps": 1, "rows": 8, "mean_per_position": [0.3] * 7, "min": 0.2, "max": 0.6}
     return [
         _timed(serve_point("pp1_dspark", 3.99, 1, 300.0, tpot=(3.0, 4.0)), 7.0),
         _timed(
@@ -196,6 +197,7 @@ def _adaptive_sample() -> list[dict]:
             3.0,
             conf=conf,
         ),  # fmt: skip
+        _timed(serve_point("pp1_dspark_adaptive", 3.99, 64, 900.0), 2.0, conf=conf64),
         _timed(serve_point("pp2_dspark", 3.99, 64, 2000.0), 7.0),
         _timed(serve_point("pp2_dspark_adaptive", 3.99, 64, 2600.0), 2.5),
         serve_point("pp1_nospec", None, 1, 100.0),  # not part of the table
@@ -207,8 +209,13 @@ def test_the_adaptive_table_pairs_each_point_with_its_fixed_baseline(tmp_path):
     path.write_text(json.dumps(serve_run(_adaptive_sample(), concurrency=(1, 64))))
     merged = plot.merge(plot.load([path]))
     rows = adaptive.adaptive_rows(plot.table_rows(merged), merged)
-    assert [(r["pp"], r["al"], r["c"]) for r in rows] == [(1, 3.99, 1), (2, 3.99, 64)]
-    one, two = rows
+    assert [(r["pp"], r["al"], r["c"]) for r in rows] == [
+        (1, 3.99, 1),
+        (1, 3.99, 64),
+        (2, 3.99, 64),
+    ]
+    one, one_unpaired, two = rows
+    assert one_unpaired["fixed"] is None and one_unpaired["tps_ratio"] is None
     assert one["fixed_verify"] == {"per_step": 56.0, "per_request": 7.0}
     assert one["adaptive_verify"] == {"per_step": 24.0, "per_request": 3.0}
     assert one["tps_ratio"] == pytest.approx(1.1) and one["tpot_ratio"] == pytest.approx(0.9)
@@ -218,7 +225,9 @@ def test_the_adaptive_table_pairs_each_point_with_its_fixed_baseline(tmp_path):
     assert "## Adaptive verification (with vs without, issue 30)" in md
     row = "| 1 | 3.99 | 1 | 56.0 | 24.0 | 7.00 | 3.00 | 300.0 | 330.0 | 1.100 | 3.00 | 2.70 |"
     assert row in md
-    assert "mean per position [0.5000, 0.5000" in md and "ranked with: synthetic" in md
+    # one line per adaptive configuration and AL: row-weighted mean, lowest and highest
+    assert "over 32 rows: mean per position [0.4500, 0.4500" in md
+    assert "lowest 0.2000, highest 0.6000; ranked with: synthetic" in md
 
 
 def test_no_adaptive_table_without_an_adaptive_configuration(tmp_path):
