@@ -20,9 +20,6 @@ import statistics
 
 from dspark_bench_hooks import CONFIDENCES_ENV
 
-from vllm_dspark_pp.protocol.adaptive_config import OPT_IN_ENV
-from vllm_dspark_pp.protocol.handshake import TIMEOUT_ENV as HANDSHAKE_TIMEOUT_ENV
-
 SUFFIX = "_adaptive"
 CONFIDENCE_CHOICES = ("synthetic", "draft")
 
@@ -36,6 +33,10 @@ def adaptive_env(adaptive: bool, pp: int) -> dict[str, str]:
     the 300 s the one-GPU test gives."""
     if not adaptive:
         return {}
+    # here, not at the top: the plot tool imports this module where the plugin may be absent
+    from vllm_dspark_pp.protocol.adaptive_config import OPT_IN_ENV
+    from vllm_dspark_pp.protocol.handshake import TIMEOUT_ENV as HANDSHAKE_TIMEOUT_ENV
+
     env = {OPT_IN_ENV: "1", CONFIDENCES_ENV: "synthetic"}
     if pp > 1:
         env[HANDSHAKE_TIMEOUT_ENV] = "300"
