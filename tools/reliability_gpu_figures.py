@@ -61,10 +61,10 @@ def load_lines(d: dict) -> list[str]:
                 f"accepted {sp['num_accepted_tokens']:,} (per position {sp['accepted_per_pos']}), "
                 f"mean acceptance length {mal:.3f}"
             )
-    g = d["growth"]
+    rss, gpu = d["growth"]["rss"], d["growth"]["gpu"]
     out.append(
-        f"  growth ours: RSS steps {g['rss']['steps']} MiB (first run +{g['rss']['first_run_warmup']}),"
-        f" GPU steps {g['gpu']['steps']} MiB (first run +{g['gpu']['first_run_warmup']})"
+        f"  growth ours: RSS steps {rss['steps']} MiB (first run +{rss['first_run_warmup']}),"
+        f" GPU steps {gpu['steps']} MiB (first run +{gpu['first_run_warmup']})"
     )
     out.append(f"  sample parity: {d['parity']['describe']} (ok={d['parity']['ok']})")
     return out
@@ -74,8 +74,8 @@ def lost_lines(name: str, d: dict) -> list[str]:
     errs = sum(1 for c in d["clients"] if c.get("error"))
     toks = [len(c.get("token_ids", [])) for c in d["clients"]]
     return [
-        f"{name}: control={d['control']}, node 0 exit {d['exit_s']} s after the kill, rc {d['rc']}, "
-        f"all nodes gone {d['nodes_exit_s']} s, head group left {d['head_group_left']}, "
+        f"{name}: control={d['control']}, node 0 exit {d['exit_s']} s after the kill, "
+        f"rc {d['rc']}, all nodes gone {d['nodes_exit_s']} s, head group left {d['head_group_left']}, "
         f"other nodes running {d['other_nodes_running']}; {errs} of {len(d['clients'])} streams "
         f"ended with an error event after {min(toks)}-{max(toks)} tokens"
     ]
@@ -104,8 +104,8 @@ def pd_lines(d: dict) -> list[str]:
         )
         out.append(
             f"  {key}: restart ready {rs['ready_s']} s, new engine id {rs['engine_id_changed']}, "
-            f"tokens equal to before the kill {rs['tokens_equal_before_kill']} in {rs['seconds']} s,"
-            f" external prefix-cache hits {rs['external_hits']:.0f}"
+            f"tokens equal to before the kill {rs['tokens_equal_before_kill']} in "
+            f"{rs['seconds']} s, external prefix-cache hits {rs['external_hits']:.0f}"
         )
     return out
 
