@@ -75,7 +75,8 @@ def lost_lines(name: str, d: dict) -> list[str]:
     toks = [len(c.get("token_ids", [])) for c in d["clients"]]
     return [
         f"{name}: control={d['control']}, node 0 exit {d['exit_s']} s after the kill, "
-        f"rc {d['rc']}, all nodes gone {d['nodes_exit_s']} s, head group left {d['head_group_left']}, "
+        f"rc {d['rc']}, all nodes gone {d['nodes_exit_s']} s, "
+        f"head group left {d['head_group_left']}, "
         f"other nodes running {d['other_nodes_running']}; {errs} of {len(d['clients'])} streams "
         f"ended with an error event after {min(toks)}-{max(toks)} tokens"
     ]
