@@ -1,0 +1,125 @@
+"""Print the GPU figures of docs/results/reliability.md from the recorded JSON results.
+
+The files are the groups' own outputs, copied unchanged: ``load.json`` (group ``load``),
+``pd_kill.json`` (group ``pd_kill``) and the two ``result.json`` of ``lost_stage`` and
+``lost_stage_control``, under docs/results/reliability_gpu_*.json. Usage:
+
+    python3 tools/reliability_gpu_figures.py [docs/results]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(folder: Path, name: str) -> dict:
+    return json.loads((folder / f"reliability_gpu_{name}.json").read_text())
+
+
+def _mib(x: float) -> str:
+    return f"{x:,.1f}" if x % 1 else f"{x:,.0f}"
+
+
+def load_lines(d: dict) -> list[str]:
+    s = d["settings"]
+    out = [
+        f"load: {d['date']}, {s['runs']} runs x {s['prompts']} prompts, C={s['concurrency']}, "
+        f"{s['input_len']} in / {s['output_len']} out (range ratio {s['range_ratio']}), "
+        f"{s['dtype']}, wall {d['wall_s']} s"
+    ]
+    for key in ("ours", "stock"):
+        r = d[key]
+        runs = r["runs"]
+        out.append(
+            f"  {key}: ready {r['ready_s']} s; completed "
+            + " / ".join(str(x["completed"]) for x in runs)
+            + "; failed "
+            + " / ".join(str(x["failed"]) for x in runs)
+            + "; bench duration "
+            + " / ".join(f"{x['duration_s']}" for x in runs)
+            + " s; output tok/s "
+            + " / ".join(f"{x['output_tok_s']:,.1f}" for x in runs)
+            + "; KV after "
+            + " / ".join(f"{x['kv_usage_after']}" for x in runs)
+            + "; running after "
+            + " / ".join(f"{x['running_after']:.0f}" for x in runs)
+        )
+        out.append(
+            f"  {key}: RSS MiB {_mib(r['rss_mib_ready'])} ready -> "
+            + " / ".join(_mib(x["rss_mib_after"]) for x in runs)
+            + f"; GPU MiB (its processes) {_mib(r['gpu_mib_ready'])} ready -> "
+            + " / ".join(_mib(x["gpu_mib_after"]) for x in runs)
+            + f"; error lines {r['error_lines']}; left running {r['left_running']}"
+        )
+        sp = r["spec"]
+        if sp.get("num_drafts"):
+            mal = 1 + sp["num_accepted_tokens"] / sp["num_drafts"]
+            out.append(
+                f"  {key}: drafts {sp['num_drafts']:,}, draft tokens {sp['num_draft_tokens']:,}, "
+                f"accepted {sp['num_accepted_tokens']:,} (per position {sp['accepted_per_pos']}), "
+                f"mean acceptance length {mal:.3f}"
+            )
+    rss, gpu = d["growth"]["rss"], d["growth"]["gpu"]
+    out.append(
+        f"  growth ours: RSS steps {rss['steps']} MiB (first run +{rss['first_run_warmup']}),"
+        f" GPU steps {gpu['steps']} MiB (first run +{gpu['first_run_warmup']})"
+    )
+    out.append(f"  sample parity: {d['parity']['describe']} (ok={d['parity']['ok']})")
+    return out
+
+
+def lost_lines(name: str, d: dict) -> list[str]:
+    errs = sum(1 for c in d["clients"] if c.get("error"))
+    toks = [len(c.get("token_ids", [])) for c in d["clients"]]
+    return [
+        f"{name}: control={d['control']}, node 0 exit {d['exit_s']} s after the kill, "
+        f"rc {d['rc']}, all nodes gone {d['nodes_exit_s']} s, "
+        f"head group left {d['head_group_left']}, "
+        f"other nodes running {d['other_nodes_running']}; {errs} of {len(d['clients'])} streams "
+        f"ended with an error event after {min(toks)}-{max(toks)} tokens"
+    ]
+
+
+def pd_lines(d: dict) -> list[str]:
+    out = [f"pd_kill: {d['date']}, client bound {d['bound_s']} s, wall {d['wall_s']} s"]
+    for key in ("ours", "stock"):
+        r = d[key]
+
+        def grp(g: str, r: dict = r) -> str:
+            secs = sorted({x["seconds"] for x in r[g]})
+            details = sorted({x.get("detail", "") for x in r[g]} - {""})
+            return f"{r['tally'][g]} in {secs} s" + (f" ({'; '.join(details)})" if details else "")
+
+        rs = r["restart"]
+        out.append(
+            f"  {key}: A streaming before the kill {r['a_streaming_before_kill']}, running at it "
+            f"{r['a_running_at_kill']}; A {grp('A')}; B {grp('B')}; groups ended "
+            f"{r['groups_ended_s']} s after the kill; plain request equal to before: "
+            f"{r['plain_after'] == r['plain_ref']} in {r['plain_after_s']} s; decoder alive "
+            f"{r['decoder_alive']}, /health {r['health_after']}; KV usage after "
+            f"{r['kv_usage_after'] * 100:.2f} %, running {r['running_after']:.0f}; counters "
+            f"{r['counters_delta']}; connector lines {len(r['decoder_connector_lines'])}, error "
+            f"lines {len(r['decoder_error_lines'])}"
+        )
+        out.append(
+            f"  {key}: restart ready {rs['ready_s']} s, new engine id {rs['engine_id_changed']}, "
+            f"tokens equal to before the kill {rs['tokens_equal_before_kill']} in "
+            f"{rs['seconds']} s, external prefix-cache hits {rs['external_hits']:.0f}"
+        )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[1] if len(argv) > 1 else "docs/results")
+    lines = load_lines(_load(folder, "load"))
+    lines += lost_lines("lost_stage", _load(folder, "lost_stage"))
+    lines += lost_lines("lost_stage_control", _load(folder, "lost_stage_control"))
+    lines += pd_lines(_load(folder, "pd_kill"))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))
