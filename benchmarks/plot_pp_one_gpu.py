@@ -84,11 +84,12 @@ def point_key(p: dict) -> tuple[str, float | None, int]:
 
 
 def merge(runs: list[dict]) -> dict[tuple, list[dict]]:
-    """Every measured point of every run, grouped by (configuration, AL, C): the repeats."""
+    """Every measured point of every run, grouped by (configuration, AL, C): the repeats (each
+    point tagged with its run's file name, ``_file``)."""
     out: dict[tuple, list[dict]] = {}
     for run in runs:
         for p in run.get("points", []):
-            out.setdefault(point_key(p), []).append(p)
+            out.setdefault(point_key(p), []).append({**p, "_file": run.get("_file")})
     return out
 
 
@@ -197,15 +198,30 @@ def equal_work_ratios(rows: dict) -> list[dict]:
     return out
 
 
-def plugin_ratios(rows: dict) -> list[dict]:
-    """Plugin on / off (stock vLLM) at PP=2, same work."""
+def paired_ratio(merged: dict, on_key: tuple, off_key: tuple) -> float | None:
+    """Median over the runs that measured both points of on / off output tok/s (the same run:
+    same servers' start, same GPU state), or None when no run holds both."""
+    vals = []
+    for off in merged.get(off_key, []):
+        for on in merged.get(on_key, []):
+            if on.get("_file") is not None and on.get("_file") == off.get("_file"):
+                r = _div(metric(on, "output_throughput"), metric(off, "output_throughput"))
+                if r is not None:
+                    vals.append(r)
+    return statistics.median(vals) if vals else None
+
+
+def plugin_ratios(rows: dict, merged: dict | None = None) -> list[dict]:
+    """Plugin on / off (stock vLLM) at PP=2, same work: over the medians of every repeat
+    (``tps``) and, with ``merged``, within the runs that measured both (``same_run``)."""
     out = []
     for (config, al, c), off in sorted(
         rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])
     ):
         if not config.endswith("_stock"):
             continue
-        on = rows.get((config.removesuffix("_stock"), al, c))
+        on_key = (config.removesuffix("_stock"), al, c)
+        on = rows.get(on_key)
         if on is None:
             continue
         out.append(
@@ -213,6 +229,10 @@ def plugin_ratios(rows: dict) -> list[dict]:
                 "what": label(config.removesuffix("_stock"), al),
                 "c": c,
                 "tps": _div(on["output_throughput"], off["output_throughput"]),
+                "same_run": (
+                    paired_ratio(merged, on_key, (config, al, c)) if merged is not None else None
+                ),
+                "repeats": (on.get("n", 0), off.get("n", 0)),
             }
         )
     return out
@@ -525,11 +545,22 @@ def pp_tail(rows: dict, merged: dict, pp_runs: bool = True) -> list[str]:
                 f"{_f(r['target_ms'], '{:.3f}')} | {_f(r['draft_ms'], '{:.3f}')} | "
                 f"{_f(r['step_ms'], '{:.3f}')} | {_f(r['draft_share'], '{:.1%}')} |"
             )
-    pr = plugin_ratios(rows)
+    pr = plugin_ratios(rows, merged)
     if pr:
         lines += ["", "## Plugin on / off at PP=2 (off: stock vLLM 0.34.0, plugin left out)", ""]
-        lines += ["| work | C | output tok/s on / off |", "|---|---:|---:|"]
-        lines += [f"| {r['what']} | {r['c']} | {_f(r['tps'], '{:.3f}')} |" for r in pr]
+        lines += [
+            "On / off of the medians over every repeat, and within the run that measured both "
+            "(same start, same GPU state; `-` where no run holds both points).",
+            "",
+            "| work | C | output tok/s on / off (medians) | on / off, same run | "
+            "repeats on / off |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['what']} | {r['c']} | {_f(r['tps'], '{:.3f}')} | "
+            f"{_f(r['same_run'], '{:.3f}')} | {r['repeats'][0]} / {r['repeats'][1]} |"
+            for r in pr
+        ]
     return lines
 
 

@@ -292,8 +292,16 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
     step = {"main_num_reqs": 4, "main": {"target_ms": 3.0, "draft_ms": None, "step_ms": 4.0}}
     last = {"main_num_reqs": 4, "main": {"target_ms": 2.5, "draft_ms": 1.0, "step_ms": 4.0}}
     first["points"][-1]["step_times"] = [step, last]  # pp2_dspark C=4
-    repeat = serve_run([serve_point("pp1_nospec", None, 1, 110.0)])
-    stock = serve_run([serve_point("pp2_nospec_stock", None, 1, 100.0)])
+    repeat = serve_run(
+        [serve_point("pp1_nospec", None, 1, 110.0), serve_point("pp2_nospec", None, 16, 360.0)]
+    )
+    stock = serve_run(
+        [
+            serve_point("pp2_nospec_stock", None, 1, 100.0),
+            serve_point("pp2_nospec_stock", None, 16, 400.0),
+            serve_point("pp2_nospec", None, 16, 396.0),  # the same run's plugin on
+        ]
+    )
     files = [
         _write(tmp_path, "serve_pp_one_gpu_all.json", first),
         _write(tmp_path, "serve_pp_one_gpu_rep.json", repeat),
@@ -312,7 +320,10 @@ def test_markdown_and_png_from_recorded_runs(tmp_path):
     assert "| 3.99 | 1 | 2.86x | 3.00x | 1.050 |" in md
     assert "**missed**" in md and "AL 3.99 C=4 (0.800)" in md
     assert "| nospec | 1 | 0.857 | 1.000 |" in md  # PP=2 / PP=1 at equal work: 90 / 105
-    assert "| pp2_nospec | 1 | 0.900 |" in md  # plugin on / off at PP=2: 90 / 100
+    # plugin on / off at PP=2: C=1 only across runs (90 / 100); C=16 over the medians
+    # (median(360, 396) = 378 / 400) and within the stock run (396 / 400)
+    assert "| pp2_nospec | 1 | 0.900 | - | 1 / 1 |" in md
+    assert "| pp2_nospec | 16 | 0.945 | 0.990 | 2 / 1 |" in md
     assert "2 ranks on 2 nodes; socket transport (`NET/Socket`): yes" in md
     assert "pp2_dspark AL 3.99 C=64: budget" in md
     assert "| pp2_dspark AL 3.99 | 4 | 0 | 4 | 3.000 | - | 4.000 | - |" in md
