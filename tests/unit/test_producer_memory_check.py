@@ -39,6 +39,9 @@ def test_the_gpu_run_s_result_is_the_one_recorded():
     recorded = json.loads((REPO / "docs" / "results" / "perf_qwen3-8b.json").read_text())
     load = run17["memory"]["producer/on"]["draft_load"]
     assert recorded["memory"]["producer/on"]["draft_load"] == load == producer_loads()[-1]
+    # a merge keeps the later call's plan (the rule without the copy), as it keeps its memory
+    assert recorded["plan"] == run17["plan"]
+    assert "context-KV-only 240.01 MiB (no copy" in recorded["plan"]["kv_producer"]["draft bytes"]
 
 
 def test_a_producer_only_call_exits_0_on_its_memory_record_and_1_without_it():
