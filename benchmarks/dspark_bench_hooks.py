@@ -18,6 +18,37 @@ speculator's ``propose`` (context-KV precompute + query pass + Markov sampling),
 the CPU between two events the gap is included (reported as is: it is what a step costs).
 On the CPU platform (dry runs) host clocks replace events.
 
+Adaptive verification (issue 30). With dummy weights the Qwen3-8B shape's DSpark confidence
+head is a ``float32`` linear layer with weights drawn from vLLM's dummy range (+-1e-3), so its
+sigmoid is about 0.5 at every position of every request, and vLLM's synthetic rejection sampler
+accepts draft position ``i`` when a counter-based random number is below the configured
+conditional rate of position ``i``: no draft token, logit or confidence enters that decision.
+The confidences are then no estimate of anything the sampler does. ``DSPARK_BENCH_CONFIDENCES``
+in a server's environment chooses what adaptive verification ranks and budgets with:
+
+* ``synthetic``: every request's confidences are the synthetic sampler's own conditional
+  per-position rates (the tensor ``set_acceptance_length`` rewrites, so they follow every switch),
+  written over the draft's confidences right before vLLM's ``record_confidences`` (the last PP
+  stage; under PP the plugin's decision reads the same rows). The survival products are then the
+  exact expected acceptance of each position, the same for every request: this measures vLLM's
+  budget (expected accepted tokens per step cost, the profiled cost curve) with perfectly
+  calibrated confidences. It does not model confidences that differ between requests or steps
+  (vLLM's per-request ranking only breaks ties, in request order), nor a confidence head's
+  errors.
+* unset (or ``draft``): the draft's own confidences, as vLLM would use them.
+
+vLLM's synthetic rates for a mean length are its minimum-variance schedule (AL 3.99 at k=7:
+unconditional ``1, 1, 0.99, 0, 0, 0, 0``), so the synthetic confidences say "verify exactly the
+first three": adaptive verification's best case. ``DSPARK_BENCH_SYNTHETIC_SCHEDULE=geometric``
+(the driver's ``--env``, every server alike) makes ``set_acceptance_length`` use a geometric
+profile of the same mean instead (one conditional rate ``p`` at every position; AL 3.99 at k=7:
+``p`` about 0.79), where every extra verified position still pays off a little and the budget has
+a real trade-off to make against the step cost.
+
+Either way each step's draft confidences, as the draft produced them, are summed per position on
+the device (no host synchronisation while serving) and ``collect`` reports their mean per
+position, minimum and maximum (``confidences``), so a run records what the dummy draft gives.
+
 The timers are installed on the live model runner and speculator *instances* by the first
 ``dspark_bench_ctl("enable")`` RPC, i.e. after start-up (profiling, compilation and CUDA-graph
 capture never see them). The drafter's memory is measured at load: the allocator's
@@ -32,12 +63,17 @@ LM head copies (docs/results/performance.md).
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from typing import Any
 
 FIRST_STEPS_KEPT = 6  # steps of each run reported one by one (``collect``)
-_STATE: dict[str, Any] = {"steps": [], "cur": None, "mem": {}, "installed": False}
+CONFIDENCES_ENV = "DSPARK_BENCH_CONFIDENCES"
+SCHEDULE_ENV = "DSPARK_BENCH_SYNTHETIC_SCHEDULE"
+_STATE: dict[str, Any] = {
+    "steps": [], "cur": None, "mem": {}, "installed": False, "rates": None, "conf": None
+}  # fmt: skip
 
 
 def _cuda():
@@ -173,6 +209,114 @@ def _install_timers(runner) -> list[str]:
     return installed
 
 
+# --------------------------------------------------------------------------- adaptive verification
+def confidence_mode() -> str:
+    """What adaptive verification ranks with in this process (``DSPARK_BENCH_CONFIDENCES``)."""
+    mode = os.environ.get(CONFIDENCES_ENV, "draft") or "draft"
+    if mode not in ("draft", "synthetic"):
+        raise ValueError(f"{CONFIDENCES_ENV}={mode!r}: use 'synthetic' or 'draft'")
+    return mode
+
+
+def _patch_rejection_sampler(module) -> None:
+    """Remember the synthetic sampler's conditional rates tensor (the last stage's)."""
+    cls = module.RejectionSampler
+    if getattr(cls, "_dspark_bench_rates", False):
+        return
+    orig = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        rates = getattr(self, "synthetic_conditional_rates", None)
+        if rates is not None:
+            _STATE["rates"] = rates
+
+    cls.__init__ = __init__
+    cls._dspark_bench_rates = True
+
+
+def note_confidences(conf, num_reqs: int) -> None:
+    """Add the rows ``[:num_reqs]`` of the draft's confidences to the device-side running
+    per-position sum, minimum and maximum (no host synchronisation)."""
+    import torch
+
+    rows = conf[:num_reqs].float()
+    acc = _STATE["conf"]
+    if acc is None:
+        k = rows.shape[1]
+        acc = _STATE["conf"] = {
+            "sum": torch.zeros(k, dtype=torch.float64, device=rows.device),
+            "min": torch.full((), float("inf"), device=rows.device),
+            "max": torch.full((), float("-inf"), device=rows.device),
+            "rows": 0,
+            "steps": 0,
+        }
+    acc["sum"] += rows.sum(0, dtype=torch.float64)
+    torch.minimum(acc["min"], rows.min(), out=acc["min"])
+    torch.maximum(acc["max"], rows.max(), out=acc["max"])
+    acc["rows"] += num_reqs
+    acc["steps"] += 1
+
+
+def confidence_summary() -> dict | None:
+    """The recorded confidences since the last call (then reset): steps, rows, mean per
+    position, minimum, maximum."""
+    acc, _STATE["conf"] = _STATE["conf"], None
+    if acc is None or not acc["rows"]:
+        return None
+    return {
+        "steps": acc["steps"],
+        "rows": acc["rows"],
+        "mean_per_position": [round(float(x) / acc["rows"], 6) for x in acc["sum"].tolist()],
+        "min": round(float(acc["min"]), 6),
+        "max": round(float(acc["max"]), 6),
+    }
+
+
+def _patch_adaptive(module) -> None:
+    """Record the draft's confidences; with ``DSPARK_BENCH_CONFIDENCES=synthetic`` replace them
+    by the synthetic sampler's conditional rates before vLLM (and the plugin) read them."""
+    cls = module.AdaptiveVerificationManager
+    if getattr(cls, "_dspark_bench_conf", False):
+        return
+    orig = cls.record_confidences
+    synthetic = confidence_mode() == "synthetic"
+
+    def record_confidences(self, confidence_probs, input_batch):
+        n = int(input_batch.num_reqs)
+        if n:
+            note_confidences(confidence_probs, n)
+            rates = _STATE["rates"]
+            if synthetic:
+                if rates is None:
+                    raise RuntimeError(
+                        f"{CONFIDENCES_ENV}=synthetic needs rejection_sample_method 'synthetic' "
+                        "(no synthetic rates on the stage that records confidences)"
+                    )
+                k = confidence_probs.shape[1]
+                confidence_probs[:n].copy_(rates[:k].to(confidence_probs.dtype).expand(n, k))
+        return orig(self, confidence_probs, input_batch)
+
+    cls.record_confidences = record_confidences
+    cls._dspark_bench_conf = True
+
+
+def verify_totals(steps: list[dict]) -> dict:
+    """Draft tokens the steps verified (``InputBatch.num_draft_tokens``: after adaptive
+    verification's trimming, vllm/v1/worker/gpu/model_runner.py:1541-1548 and 1630): the steps
+    that verified any, their requests, and the drafts verified per such step and per request."""
+    verify = [s for s in steps if s.get("num_draft_tokens")]
+    drafts = sum(int(s["num_draft_tokens"]) for s in verify)
+    rows = sum(int(s.get("num_reqs") or 0) for s in verify)
+    return {
+        "verify_steps": len(verify),
+        "verify_rows": rows,
+        "verified_drafts": drafts,
+        "drafts_per_verify_step": round(drafts / len(verify), 4) if verify else None,
+        "drafts_per_request": round(drafts / rows, 4) if rows else None,
+    }
+
+
 def summarize_steps(steps: list[dict]) -> dict:
     """Aggregate resolved steps (``target_ms``, ``draft_ms``, ``step_ms``, ``num_reqs``) into
     medians per batch size; the most frequent batch size is reported as ``main``."""
@@ -200,6 +344,7 @@ def summarize_steps(steps: list[dict]) -> dict:
         "main_num_reqs": main,
         "main": per_n.get(main) if main is not None else None,
         "total_steps": len(steps),
+        "verify": verify_totals(steps),
     }
 
 
@@ -223,6 +368,32 @@ def _resolve() -> list[dict]:
     return out
 
 
+def acceptance_schedule() -> str:
+    """``DSPARK_BENCH_SYNTHETIC_SCHEDULE``: how ``set_acceptance_length`` spreads a mean
+    acceptance length over the positions: ``min-variance`` (vLLM's: positions before the mean
+    always accepted, one partial, none after) or ``geometric``."""
+    mode = os.environ.get(SCHEDULE_ENV, "min-variance") or "min-variance"
+    if mode not in ("min-variance", "geometric"):
+        raise ValueError(f"{SCHEDULE_ENV}={mode!r}: use 'min-variance' or 'geometric'")
+    return mode
+
+
+def geometric_rates(length: float, n: int) -> list[float]:
+    """Unconditional per-position rates ``p, p^2, ..., p^n`` (every position accepted with the
+    same conditional rate ``p``) whose mean acceptance length ``1 + sum`` is ``length``."""
+    if not 1.0 <= length <= n + 1:
+        raise ValueError(f"acceptance length {length} outside [1, {n + 1}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):  # the sum grows with p: bisection
+        p = (lo + hi) / 2
+        if 1.0 + sum(p**j for j in range(1, n + 1)) < length:
+            lo = p
+        else:
+            hi = p
+    p = (lo + hi) / 2
+    return [p**j for j in range(1, n + 1)]
+
+
 def _set_acceptance_length(runner, length: float) -> dict:
     """Switch the synthetic rejection sampler to another mean acceptance length in place (the
     same tensor, so anything captured keeps reading it)."""
@@ -236,7 +407,10 @@ def _set_acceptance_length(runner, length: float) -> dict:
     if rates_t is None:  # not the sampling PP stage, or not a synthetic engine
         return {"applied": False}
     n = int(rates_t.numel())
-    rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(n, None, float(length))
+    if acceptance_schedule() == "geometric":
+        rates = geometric_rates(float(length), n)
+    else:  # vLLM's own (minimum-variance) schedule
+        rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(n, None, float(length))
     cond = unconditional_to_conditional_rates(rates)
     import torch
 
@@ -244,6 +418,7 @@ def _set_acceptance_length(runner, length: float) -> dict:
     return {
         "applied": True,
         "acceptance_length": length,
+        "schedule": acceptance_schedule(),
         "unconditional_rates": rates,
         "conditional_rates": cond,
     }
@@ -257,6 +432,7 @@ def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
             _STATE["installed"] = _install_timers(runner)
         _STATE["steps"] = []
         _STATE["cur"] = None
+        _STATE["conf"] = None
         return _STATE["installed"]
     if cmd == "collect":
         steps = _resolve()
@@ -266,7 +442,11 @@ def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
             {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
             for s in steps[:FIRST_STEPS_KEPT]
         ]
-        return {"summary": summarize_steps(steps), "steps": len(steps), "first_steps": first}
+        summary = summarize_steps(steps)
+        # what the draft's confidences were over the same steps, and what was ranked with
+        summary["confidences"] = confidence_summary()
+        summary["confidence_mode"] = confidence_mode()
+        return {"summary": summary, "steps": len(steps), "first_steps": first}
     if cmd == "memory":
         torch = _cuda()
         out = dict(_STATE["mem"])
@@ -290,3 +470,7 @@ def register() -> None:
 
     when_imported("vllm.v1.worker.worker_base", _patch_worker)
     when_imported("vllm.v1.worker.gpu.spec_decode.speculator", _patch_speculator_base)
+    confidence_mode()  # a wrong value fails at start, naming the choices
+    acceptance_schedule()
+    when_imported("vllm.v1.worker.gpu.spec_decode.rejection_sampler", _patch_rejection_sampler)
+    when_imported("vllm.v1.worker.gpu.spec_decode.adaptive_verification", _patch_adaptive)

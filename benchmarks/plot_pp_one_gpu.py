@@ -17,6 +17,10 @@ What it writes:
   missed or not measured from the data; PP=2 / PP=1 at equal work; plugin on / off at PP=2;
 * the transport the PP=2 launchers' logs name (NCCL ranks and nodes, the socket transport,
   the exchange's backend);
+* adaptive verification with vs without (``ppN_dspark_adaptive`` against ``ppN_dspark``, PP=1
+  and PP=2, per AL and C; benchmarks/adaptive_bench.py): drafts verified per step and per
+  request, output tok/s and its quotient, TPOT p50/p99, measured acceptance length, and what the
+  draft's confidences were;
 * a PNG (matplotlib): output tok/s, TTFT p50/p99, TPOT p50/p99 against concurrency and the
   DSpark / no-spec ratio at PP=1 and PP=2;
 * PD vs aggregated (the ``pd`` group: ``pd_dspark``, the prefill-only producer + decoder behind
@@ -36,7 +40,11 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adaptive_bench import adaptive_markdown  # noqa: E402
 
 GOAL_B = 0.9
 PD, AGG, PD_PP2 = "pd_dspark", "agg_dspark_kv", "pd_pp2_dspark"
@@ -455,6 +463,7 @@ def markdown(runs: list[dict], files: list[str]) -> str:
     if pp_runs:
         lines += goal_b_section(rows, cs, als)
     lines += pd_markdown(rows, merged)
+    lines += adaptive_markdown(rows, merged)
     return "\n".join(lines + pp_tail(rows, merged, pp_runs)) + "\n"
 
 

@@ -43,6 +43,17 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   the producer's plus the decoder's (``--pd-kv-gib`` per side, the decoder
   ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
 
+* ``pp1_dspark_adaptive`` / ``pp2_dspark_adaptive``: ``pp1_dspark`` / ``pp2_dspark`` with
+  ``"enable_adaptive_verification": true`` (vLLM's default CUDA-graph mode, which has the full
+  graphs it needs; not with ``--cpu``), ``VLLM_DSPARK_PP_ADAPTIVE_PP=1`` on every launcher, and
+  ``DSPARK_BENCH_CONFIDENCES=synthetic``: the synthetic sampler's own per-position rates replace
+  the dummy draft's confidences, which are about 0.5 everywhere and unrelated to what the sampler
+  accepts (``--env DSPARK_BENCH_CONFIDENCES=draft`` keeps the draft's;
+  benchmarks/dspark_bench_hooks.py, benchmarks/adaptive_bench.py).
+  Their groups: ``adaptive_pp1`` = pp1_dspark + pp1_dspark_adaptive, ``adaptive_pp2`` =
+  pp2_dspark + pp2_dspark_adaptive (two: four DSpark deployments' CUDA-graph starts and sweeps
+  do not fit one GPU command).
+
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
 pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unless
 ``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
@@ -105,6 +116,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
+from adaptive_bench import adaptive_env, check_args, confidences_of  # noqa: E402
 from perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist  # noqa: E402
 from real_shapes import SHAPES, write_shape  # noqa: E402
 
@@ -121,6 +133,7 @@ class Config:
     plugin: bool = True
     pd: bool = False  # prefill-only producer + decoder + proxy (dspark_dev/pd_launch.py)
     pd_kv: bool = False  # KV budget --pd-kv-gib (the PD group's total) instead of --kv-gib
+    adaptive: bool = False  # enable_adaptive_verification (benchmarks/adaptive_bench.py)
 
 
 CONFIGS = {
@@ -132,6 +145,8 @@ CONFIGS = {
         Config("pp2_dspark", 2, True),
         Config("pp2_nospec_stock", 2, False, plugin=False),
         Config("pp2_dspark_stock", 2, True, plugin=False),
+        Config("pp1_dspark_adaptive", 1, True, adaptive=True),
+        Config("pp2_dspark_adaptive", 2, True, adaptive=True),
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
@@ -140,6 +155,9 @@ CONFIGS = {
 GROUPS = {
     "pp1": ("pp1_nospec", "pp1_dspark"),
     "pp2": ("pp2_nospec", "pp2_dspark"),
+    # with vs without adaptive verification; one GPU command each (CUDA-graph starts)
+    "adaptive_pp1": ("pp1_dspark", "pp1_dspark_adaptive"),
+    "adaptive_pp2": ("pp2_dspark", "pp2_dspark_adaptive"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
     # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
     # cut at the deadline and must not take the reference's measurements with it
@@ -307,14 +325,15 @@ def shape_base_args(
     ]  # fmt: skip
 
 
-def spec_config(draft: str, k: int, acceptance_length: float) -> dict:
-    return {
+def spec_config(draft: str, k: int, acceptance_length: float, adaptive: bool = False) -> dict:
+    spec = {
         "method": "dspark",
         "model": draft,
         "num_speculative_tokens": k,
         "rejection_sample_method": "synthetic",
         "synthetic_acceptance_length": acceptance_length,
     }
+    return {**spec, "enable_adaptive_verification": True} if adaptive else spec
 
 
 def server_env(cfg: Config, *, hook_root: str, cpu: bool, extra: dict | None = None) -> dict:
@@ -333,6 +352,7 @@ def server_env(cfg: Config, *, hook_root: str, cpu: bool, extra: dict | None = N
     )
     if cfg.pp > 1 and not cpu:
         env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
+    env.update(adaptive_env(cfg.adaptive, cfg.pp))
     env.update(extra or {})
     return env
 
@@ -475,7 +495,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
     from dspark_dev import pp_launch
     from dspark_dev.serve_demo import Server, free_port, serve_argv
 
-    spec = spec_config(paths.draft, a.k, initial_al) if cfg.spec else None
+    spec = spec_config(paths.draft, a.k, initial_al, cfg.adaptive) if cfg.spec else None
     kv = kv_plan(cfg, *kv_args(a))
     base = shape_base_args(
         cpu=a.cpu,
@@ -723,6 +743,7 @@ def parse_args(argv=None):
         raise SystemExit(f"--env {bad[0]!r}: use KEY=VALUE")
     a.extra_env = dict(e.split("=", 1) for e in a.env)
     a.tag = run_tag(a.configs)
+    check_args(any(c.adaptive for c in a.cfgs), a.cpu, a.extra_env)
     return a
 
 
@@ -812,6 +833,9 @@ def main(argv=None) -> int:
             "gpu_layout": a.gpu_layout,
             "platform": "cpu" if a.cpu else "gpu",
             "step_times": a.step_times,
+            "adaptive_confidences": confidences_of(a.extra_env)
+            if any(c.adaptive for c in a.cfgs)
+            else None,
             "versions": versions(a.cpu),
         },
         "servers": {},

@@ -3,6 +3,9 @@ projection's CPU tests (one record = one ``LLM.generate`` of C prompts)."""
 
 from __future__ import annotations
 
+import re
+import shlex
+
 
 def run_record(
     engine,
@@ -81,3 +84,20 @@ def serve_run(points, *, skipped=(), servers=None, concurrency=(1, 4), als=(3.99
         "points": list(points),
         "skipped": list(skipped),
     }
+
+
+def dry_run_launchers(out: str) -> dict[str, dict]:
+    """{launcher name: {"env": {...}, "argv": [...]}} from the lines of
+    benchmarks/serve_pp_one_gpu.py's ``--dry-run``."""
+    found: dict[str, dict] = {}
+    for line in out.splitlines():
+        m = re.match(r"  (.+?): env (.*)$", line)
+        if m:
+            found.setdefault(m.group(1), {})["env"] = dict(
+                kv.split("=", 1) for kv in m.group(2).split(" ")
+            )
+            continue
+        m = re.match(r"  (.+?): (/\S+ .*)$", line)
+        if m:
+            found.setdefault(m.group(1), {})["argv"] = shlex.split(m.group(2).replace('"', '\\"'))
+    return found

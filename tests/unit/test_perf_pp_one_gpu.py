@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 from pathlib import Path
 
 import pytest
+from support.perf_records import dry_run_launchers as _launchers
 from support.perf_records import serve_point, serve_run
 from support.scripts import load_script
 
@@ -56,22 +56,6 @@ def test_seeds_match_across_configurations_and_differ_within_a_server():
 def _dry(capsys, *args) -> str:
     assert serve.main(["--dry-run", "--out", "/nonexistent-not-written", *args]) == 0
     return capsys.readouterr().out
-
-
-def _launchers(out: str) -> dict[str, dict]:
-    """{launcher name: {"env": {...}, "argv": [...]}} from the dry run's lines."""
-    found: dict[str, dict] = {}
-    for line in out.splitlines():
-        m = re.match(r"  (.+?): env (.*)$", line)
-        if m:
-            found.setdefault(m.group(1), {})["env"] = dict(
-                kv.split("=", 1) for kv in m.group(2).split(" ")
-            )
-            continue
-        m = re.match(r"  (.+?): (/\S+ .*)$", line)
-        if m:
-            found.setdefault(m.group(1), {})["argv"] = shlex.split(m.group(2).replace('"', '\\"'))
-    return found
 
 
 def test_dry_run_composes_two_launchers_on_gpu0_with_distinct_nccl_hosts(capsys):

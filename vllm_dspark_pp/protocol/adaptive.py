@@ -269,20 +269,32 @@ def check_received_activations(runner: Any, received: Any, input_batch: Any) -> 
     if first is None:
         return
     runner._dspark_pp_steps = getattr(runner, "_dspark_pp_steps", 0) + 1
+    # Every received tensor's shape and this stage's own batch, for the error message: the first
+    # H200 run (2026-12-04) stopped here at its first step (a 27-token prefill padded to 32)
+    # with a 4096-row tensor received, and the message alone could not say which tensor it was.
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
+    own = ", ".join(
+        f"{name} {getattr(input_batch, name)}"
+        for name in ("num_reqs", "num_tokens", "num_tokens_after_padding")
+        if hasattr(input_batch, name)
+    )
     check_activation_tokens(
         runner._dspark_pp_steps,
         int(input_batch.num_tokens_after_padding),
         int(first.shape[0]),
         getattr(runner.adaptive_verification, "stage", -1),
+        detail=f" (received: {shapes}; this stage's batch: {own})",
     )
 
 
-def check_activation_tokens(step: int, expected: int, received: int, stage: int) -> None:
+def check_activation_tokens(
+    step: int, expected: int, received: int, stage: int, detail: str = ""
+) -> None:
     """Before a non-first stage's forward: the activations it received must cover the tokens
     its own batch shape says (a stage that decided another shape fails here, loudly)."""
     if received != expected:
         raise RuntimeError(
             f"vllm-dspark-pp: PP stage {stage} built a batch of {expected} tokens in step {step} "
             f"but received activations for {received} tokens from the previous stage: the "
-            "stages disagree on the (adaptive verification) batch shape"
+            f"stages disagree on the (adaptive verification) batch shape{detail}"
         )

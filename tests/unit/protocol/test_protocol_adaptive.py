@@ -203,8 +203,11 @@ def test_received_activations_of_another_token_count_fail_at_once():
     ok = SimpleNamespace(tensors={"hidden_states": torch.zeros(16, 2)})
     adaptive.check_received_activations(runner, ok, batch)
     bad = SimpleNamespace(tensors={"hidden_states": torch.zeros(12, 2)})
-    with pytest.raises(RuntimeError, match="stage 1 built a batch of 16 tokens in step 2"):
+    with pytest.raises(RuntimeError, match="stage 1 built a batch of 16 tokens in step 2") as e:
         adaptive.check_received_activations(runner, bad, batch)
+    # The message lists every received tensor and this stage's batch (what the GPU run lacked).
+    assert "received: hidden_states (12, 2);" in str(e.value)
+    assert "this stage's batch: num_tokens_after_padding 16)" in str(e.value)
 
 
 # ---------------------------------------------------------------- the refusal (config patch)
