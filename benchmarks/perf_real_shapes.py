@@ -179,11 +179,39 @@ def build_result(meta: dict, records: list[dict]) -> dict:
         "plugin_ratio": plugin_ratios(rows),
         "speedup": speedups(rows),
         "memory": mem,
-        "plan": next((r for r in records if r.get("type") == "plan"), None),
+        # the last one: a merge lists the later call's records after the earlier one's, as for
+        # "memory" (keyed by engine, the later record wins)
+        "plan": next((r for r in reversed(records) if r.get("type") == "plan"), None),
         "skipped": [r for r in records if r.get("type") == "skip"],
         "errors": [r for r in records if r.get("type") == "error"],
         "runs": [r for r in records if r.get("type") == "run"],
     }
+
+
+def phase_measured(result: dict, phase: str) -> bool:
+    """Whether a phase left its result: rows of its engine and plugin, or, for ``producer``
+    (no requests), the context-KV-only drafter's memory at load."""
+    engine, plugin = PHASE_ENGINE[phase], PHASE_PLUGIN[phase]
+    if phase == "producer":
+        mem = (result.get("memory") or {}).get(f"{engine}/{plugin}") or {}
+        return bool(mem.get("draft_load"))
+    return any(r["engine"] == engine and r["plugin"] == plugin for r in result.get("rows") or [])
+
+
+def exit_status(result: dict) -> int:
+    """The driver's exit status: 0 when some phase measured something and every phase that ran
+    (``child_status`` has its engine) left its result (``phase_measured``); a phase the budget
+    skipped whole is not a failure. A ``--phases producer`` call has no rows and succeeds on its
+    memory record."""
+    ran = result.get("child_status") or {}
+    phases = result.get("phase_order") or []
+    measured = [p for p in phases if phase_measured(result, p)]
+    failed = [
+        p
+        for p in phases
+        if f"{PHASE_ENGINE[p]}/{PHASE_PLUGIN[p]}" in ran and not phase_measured(result, p)
+    ]
+    return 0 if measured and not failed else 1
 
 
 def summary_table(result: dict) -> str:
@@ -947,7 +975,11 @@ def main(argv=None) -> int:
     res_path.write_text(json.dumps(result, indent=1, default=str))
     log(f"wrote {res_path} ({len(result['runs'])} runs) in {result['wall_s']} s")
     print(summary_table(result), flush=True)
-    return 0 if result["rows"] else 1
+    rc = exit_status(result)
+    if rc:
+        missing = [p for p in phase_names if not phase_measured(result, p)]
+        log(f"exit 1: phase(s) {missing} measured nothing (child status {statuses})")
+    return rc
 
 
 def _tiny_shape(paths: ShapePaths) -> dict:
