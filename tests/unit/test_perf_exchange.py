@@ -58,9 +58,10 @@ class _Handler:
     def broadcast_drafts(self):
         self.dist.broadcast(torch.zeros(self.n, self.k, dtype=torch.int64))
 
-    def receive(self):
-        self.broadcast()
-        self.broadcast_drafts()
+    def receive(self):  # the other stages post the same three, in the same order
+        self.dist.broadcast(torch.empty(self.n, self.k + 1, dtype=torch.int64))
+        self.dist.broadcast(torch.empty(2, self.n, dtype=torch.int32))
+        self.dist.broadcast(torch.empty(self.n, self.k, dtype=torch.int64))
 
     def get_prev_sampled_outputs(self):
         return {"sampled": True}
@@ -189,4 +190,37 @@ def test_goal_e_verdict_and_table_from_a_recorded_sample(tmp_path, share16, verd
     assert g["per_c"][16] == (verdict, share16) and g["verdict"] == verdict
     md = "\n".join(plot.exchange_section(merged))
     assert "## The exchange per step (goal e)" in md
-    assert f"**Goal (e)**" in md and f"**{verdict}**; C=8: met (1.0%)" in md
+    assert "**Goal (e)**" in md and f"**{verdict}**; C=8: met (1.0%)" in md
+
+
+# --------------------------------------------------------------------------- goal (e) estimated
+pp_projection = load_script("benchmarks/pp_projection.py")
+
+
+def test_message_prices_interpolate_the_measured_one_gpu_points():
+    price = pp_projection.nccl_p2p_ms
+    for b, t in pp_projection.NCCL_P2P_ONE_GPU:
+        assert price(b) == pytest.approx(t)
+    assert price(16) == pytest.approx(0.04)  # below the smallest point: its latency
+    assert price((512 + 4096) * 1024 / 2) == pytest.approx((0.26 + 1.5) / 2)
+    assert price(8 * 1024 * 1024) == pytest.approx(1.5 + (1.5 - 0.26) * 4 / 3.5)  # last line
+
+
+def test_exchange_bytes_per_request_step_are_exact_from_the_shape():
+    est = pp_projection.exchange_estimate(c=16, k=7, hidden=4096, taps0=3, micro=2)
+    assert est["act_bytes"] == 2 * 5 * (8 * 8 * 4096 * 2)  # 2 micro-batches x 5 keys x rows
+    assert est["tok_bytes"] == 2 * (8 * 8 * 8 + 2 * 8 * 4 + 8 * 7 * 8)
+    one = pp_projection.nccl_p2p_ms(8 * 8 * 4096 * 2)
+    assert est["est_ms"] == pytest.approx(2 * (5 * one + 3 * 0.04))
+
+
+def test_goal_e_from_what_exists_is_labelled_an_estimate_with_its_verdict():
+    def row(c, share):
+        return {"al": 3.99, "c": c, "x_act_bytes": 1e6, "x_tok_bytes": 1e3, "x_est_ms": share,
+                "pp2_request_step_ms": 1.0, "x_est_share": share, "x_upper_share": 0.5}  # fmt: skip
+
+    md = "\n".join(pp_projection.goal_e_markdown([row(4, 0.2), row(8, 0.01), row(16, 0.02)]))
+    assert "ESTIMATED, not measured" in md and "ESTIMATED: **met**;" in md
+    md = "\n".join(pp_projection.goal_e_markdown([row(8, 0.01), row(16, 0.04)]))
+    assert "ESTIMATED: **missed** at AL 3.99 C=16 (4.0%)" in md
+    assert "upper bound shows it at 0 of 2 points" in md
