@@ -416,7 +416,7 @@ def _goal_e_fields(p: dict, r: dict, c: int, micro, d2, tau, added_d) -> dict:
     shape), their estimated NCCL time (nccl_p2p_ms) and, as an upper bound, the measured time a
     PP=2 request step adds over PP=1; each as a share of the measured PP=2 request step (p50
     TPOT x tokens per request per step)."""
-    est = exchange_estimate(c, p["k"], p.get("hidden_size", 4096), p.get("stage0_taps", 0),
+    est = exchange_estimate(c, p.get("k", 7), p.get("hidden_size", 4096), p.get("stage0_taps", 0),
                             micro or 1)  # fmt: skip
     tpot = (d2 or {}).get("p50_tpot_ms")
     step = tpot * tau if tpot is not None else None
