@@ -512,11 +512,14 @@ def _tensor_bytes(t) -> int:
     return int(t.numel()) * int(t.element_size())
 
 
-def _xrecord(kind: str, **fields) -> None:
-    """One exchange record, for the current step (or, before it starts, the next one)."""
+def _xrecord(kind: str, pending: bool = False, **fields) -> None:
+    """One exchange record, for the current step, or (``pending``, or outside a step) for the
+    next one. The stage-to-stage receive is always ``pending``: vLLM's worker posts it before
+    the model runner's ``execute_model``, and the last open step may be an empty one (no
+    tokens scheduled: ``execute_model`` without ``sample_tokens``) that is never recorded."""
     cur = _STATE["cur"]
     rec = {"kind": kind, **fields}
-    if cur is not None:
+    if cur is not None and not pending:
         cur.setdefault("x", []).append(rec)
     else:
         _STATE["xpend"].append(rec)
@@ -618,15 +621,15 @@ def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
     def irecv_tensor_dict(*args, **kwargs):
         t0 = time.perf_counter()
         tensor_dict, handles, post = orig_recv(*args, **kwargs)
-        _xrecord("host", metric="pp_recv_host_ms", value=(time.perf_counter() - t0) * 1e3)
+        _xrecord("host", True, metric="pp_recv_host_ms", value=(time.perf_counter() - t0) * 1e3)
         _STATE["recv_post"] = _mark()
         shapes = {}
         for k, v in (tensor_dict or {}).items():
             if hasattr(v, "numel"):
-                _xrecord("bytes", metric=f"pp_recv_bytes:{k}", value=_tensor_bytes(v))
+                _xrecord("bytes", True, metric=f"pp_recv_bytes:{k}", value=_tensor_bytes(v))
                 shapes[k] = list(v.shape)
         if shapes:
-            _xrecord("host", metric="pp_recv_rows", value=max(s[0] for s in shapes.values()))
+            _xrecord("host", True, metric="pp_recv_rows", value=max(s[0] for s in shapes.values()))
             _STATE["recv_shapes"] = shapes
         return tensor_dict, handles, post
 
