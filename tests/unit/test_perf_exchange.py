@@ -228,3 +228,12 @@ def test_goal_e_from_what_exists_is_labelled_an_estimate_with_its_verdict():
     md = "\n".join(pp_projection.goal_e_markdown([row(8, 0.01), row(16, 0.04)]))
     assert "ESTIMATED: **missed** at AL 3.99 C=16 (4.0%)" in md
     assert "upper bound shows it at 0 of 2 points" in md
+
+
+def test_the_served_driver_keeps_the_hooks_shape_log_line():
+    serve = load_script("benchmarks/serve_pp_one_gpu.py")
+    line = (
+        "(Worker pid=7) INFO 12-04 15:00:00 dspark_bench: a step received intermediate tensors "
+        "{'hidden_states': [32, 4096]} for a batch of 4 requests, 32 tokens (32 after padding)"
+    )
+    assert serve.useful_lines("noise\n" + line + "\nmore noise") == [line]
