@@ -582,7 +582,7 @@ def _maybe_log_shapes(cur: dict) -> None:
     logged.add("odd" if odd and "first" in logged else "first")
     from vllm.logger import init_logger
 
-    init_logger(__name__).info(
+    init_logger("vllm.dspark_bench").info(
         "dspark_bench: %s step received intermediate tensors %s for a batch of %s requests, "
         "%s tokens (%s after padding)",
         "a" if not odd else "an odd-sized",
