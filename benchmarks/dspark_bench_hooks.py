@@ -86,8 +86,11 @@ Per step and rank:
 On the CPU platform host clocks replace events (gloo is synchronous: the spans are host time).
 The stalls (``pp_recv_wait_ms + x_wait_ms``) are an upper bound of what the exchange costs a
 stage: with both stages on one GPU they also hold the time the peer spends computing before it
-sends. The first step whose received rows differ from the batch's token count is logged once
-(``pp_recv_rows`` vs ``num_tokens`` / ``num_tokens_padded``).
+sends. ``pp_recv_rows`` is the received tensors' first dimension once usable (after vLLM's
+``wait_for_comm``: before it, vLLM 0.34.0's receive buffers are flat, ``rows x hidden``
+elements, even at TP=1). The first step, and the first whose rows differ from the batch's
+padded token count, are logged once (shapes usable and as posted, ``num_tokens``,
+``num_tokens_padded``).
 """
 
 from __future__ import annotations
@@ -570,10 +573,11 @@ def _resolve_exchange(recs: list[dict]) -> list[dict]:
 def _maybe_log_shapes(cur: dict) -> None:
     """Log once the received intermediate tensors' shapes against the batch's token count (the
     first step, and the first step where the rows are not the padded token count)."""
-    shapes = cur.get("recv_shapes")
-    if not shapes:
+    shapes = cur.get("recv_shapes") or {}
+    usable = shapes.get("usable")
+    if not usable:
         return
-    rows = {int(v[0]) for v in shapes.values() if v}
+    rows = {int(v[0]) for v in usable.values() if v}
     padded = cur.get("num_tokens_padded")
     odd = bool(rows) and padded is not None and rows != {int(padded)}
     logged = _STATE["shape_logged"]
@@ -583,10 +587,11 @@ def _maybe_log_shapes(cur: dict) -> None:
     from vllm.logger import init_logger
 
     init_logger("vllm.dspark_bench").info(
-        "dspark_bench: %s step received intermediate tensors %s for a batch of %s requests, "
-        "%s tokens (%s after padding)",
+        "dspark_bench: %s step received intermediate tensors %s (as posted, before vLLM's "
+        "wait: %s) for a batch of %s requests, %s tokens (%s after padding)",
         "a" if not odd else "an odd-sized",
-        shapes,
+        usable,
+        shapes.get("posted"),
         cur.get("num_reqs"),
         cur.get("num_tokens"),
         padded,
@@ -623,14 +628,14 @@ def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
         tensor_dict, handles, post = orig_recv(*args, **kwargs)
         _xrecord("host", True, metric="pp_recv_host_ms", value=(time.perf_counter() - t0) * 1e3)
         _STATE["recv_post"] = _mark()
-        shapes = {}
+        posted = {}
         for k, v in (tensor_dict or {}).items():
             if hasattr(v, "numel"):
                 _xrecord("bytes", True, metric=f"pp_recv_bytes:{k}", value=_tensor_bytes(v))
-                shapes[k] = list(v.shape)
-        if shapes:
-            _xrecord("host", True, metric="pp_recv_rows", value=max(s[0] for s in shapes.values()))
-            _STATE["recv_shapes"] = shapes
+                # before vLLM's wait these are the flat receive buffers of its all-gather path
+                # (taken even at TP=1), reshaped to the sent shape only by the post-processing
+                posted[k] = list(v.shape)
+        _STATE["recv_shapes"] = {"posted": posted} if posted else None
         return tensor_dict, handles, post
 
     pp.isend_tensor_dict, pp.irecv_tensor_dict = isend_tensor_dict, irecv_tensor_dict
@@ -651,6 +656,16 @@ def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
             orig_wait(self)
             b = _mark()
             _xrecord("span", metric="pp_recv_wait_ms", a=a, b=b)
+            ready = {
+                k: list(v.shape)
+                for k, v in object.__getattribute__(self, "tensors").items()
+                if hasattr(v, "shape")
+            }
+            if ready:
+                _xrecord("host", metric="pp_recv_rows", value=max(x[0] for x in ready.values()))
+                cur = _STATE["cur"]
+                if cur is not None:
+                    cur.setdefault("recv_shapes", {})["usable"] = ready
             post, _STATE["recv_post"] = _STATE["recv_post"], None
             if post is not None:
                 _xrecord("span", metric="pp_recv_ready_ms", a=post, b=b)

@@ -31,17 +31,22 @@ class _Group:
         return []
 
     def irecv_tensor_dict(self, **kw):
-        z = torch.zeros(self.rows, self.hidden, dtype=torch.bfloat16)
+        # vLLM 0.34.0 hands back flat receive buffers (its all-gather path, even at TP=1)
+        z = torch.zeros(self.rows * self.hidden, dtype=torch.bfloat16)
         return {"hidden_states": z, "residual": z.clone(), "aux_1": z.clone()}, [], []
 
 
 class _Async:
-    """Stand-in AsyncIntermediateTensors (the attribute vLLM's class checks)."""
+    """Stand-in AsyncIntermediateTensors (the attribute vLLM's class checks): flat buffers until
+    the wait, the sent shapes after it (as vLLM's all-gather post-processing leaves them)."""
 
-    def __init__(self):
+    def __init__(self, rows: int = 32, hidden: int = 16):
         self._comm_waited = False
+        self.tensors = {"hidden_states": torch.zeros(rows * hidden)}
+        self._shape = (rows, hidden)
 
     def wait_for_comm(self):
+        self.tensors = {"hidden_states": self.tensors["hidden_states"].view(self._shape)}
         self._comm_waited = True
 
 
@@ -126,7 +131,7 @@ def test_each_step_records_the_bytes_per_key_and_per_broadcast(stage):
     for key in ("hidden_states", "residual", "aux_1"):
         assert x[f"pp_recv_bytes:{key}"] == act  # received before the step began: still its own
         assert x[f"pp_send_bytes:{key}"] == act
-    assert x["pp_recv_rows"] == stage.n * (stage.k + 1)
+    assert x["pp_recv_rows"] == stage.n * (stage.k + 1)  # rows once usable, not the flat size
     assert x["x_bytes:sampled"] == stage.n * (stage.k + 1) * 8
     assert x["x_bytes:counts"] == 2 * stage.n * 4
     assert x["x_bytes:drafts"] == stage.n * stage.k * 8
