@@ -84,6 +84,8 @@ Per step and rank:
   ``get_prev_sampled_outputs``, which makes the main stream wait for the broadcast's event).
 
 On the CPU platform host clocks replace events (gloo is synchronous: the spans are host time).
+The host wait in ``irecv_tensor_dict`` falls before the step's ``t0`` (vLLM's worker posts the
+receive before the model runner's step), so it is reported beside the step, not in its share.
 The stalls (``pp_recv_wait_ms + x_wait_ms``) are an upper bound of what the exchange costs a
 stage: with both stages on one GPU they also hold the time the peer spends computing before it
 sends. ``pp_recv_rows`` is the received tensors' first dimension once usable (after vLLM's

@@ -354,7 +354,8 @@ def exchange_section(merged: dict) -> list[str]:
         "being usable, *host* = host time of posting it (blocks on the sender's metadata); "
         "*bcast* = broadcast side-stream time, *tok wait* = main-stream stall on the received "
         "tokens; *share* = (act wait + tok wait) / step: an upper bound of the exchange's share, "
-        "since with both stages on one GPU a stall also holds the peer's compute.",
+        "since with both stages on one GPU a stall also holds the peer's compute (the *host* "
+        "wait comes before the step's window and is not in the share).",
         "",
         "| configuration | C | rank | batch | sent B | recv B (rows) | tok B | act wait ms | "
         "ready ms | host ms | bcast ms | tok wait ms | step ms | share |",
