@@ -58,6 +58,41 @@ and the peak in between; the whole model load (target + draft) is vLLM's own
 ``model_memory_usage`` (also measured after ``gc.collect()``). The first GPU run (2026-12-03)
 read the allocator without ``gc.collect()`` and so counted the drafter's replaced embedding and
 LM head copies (docs/results/performance.md).
+
+Exchange accounting (issue 29 goal (e), same ``enable`` / ``collect`` RPCs). Installed with the
+step timers on the live objects; every record belongs to the engine step it happens in (the
+stage-to-stage receive, posted by vLLM's worker before the model runner's ``execute_model``, to
+the step that follows). Bytes are exact (``numel * element_size`` of what is sent or received).
+Per step and rank:
+
+* ``pp_send_bytes:<key>``: what this stage sends to the next (vLLM's ``isend_tensor_dict`` of the
+  intermediate tensors, per key: ``hidden_states``, ``residual``, relayed aux taps);
+  ``pp_send_host_ms``: host time of that call (posting; the NCCL send itself is asynchronous).
+* ``pp_recv_bytes:<key>``, ``pp_recv_rows``: what a non-first stage receives;
+  ``pp_recv_host_ms``: host time of ``irecv_tensor_dict`` (it blocks on the metadata object the
+  sender posts over the CPU group, so it includes waiting for the sender to reach its send);
+  ``pp_recv_ready_ms``: GPU-stream time on the receiving stage's stream from an event recorded
+  right after the receives are posted to one recorded right after vLLM's ``wait_for_comm`` (the
+  stream can run nothing of this step's forward before the data are there: post to usable);
+  ``pp_recv_wait_ms``: from an event recorded right before ``wait_for_comm`` to the one after it:
+  how long the forward's stream actually stalled on the activations.
+* ``x_bytes:<name>``: the last stage's token broadcasts (``sampled``, ``counts``, ``drafts``, in
+  the order both stock vLLM and this plugin post them), sent by the last stage, received by the
+  others; ``x_bcast_ms``: GPU time on the broadcast side stream from an event before each
+  broadcast to one after it, summed over the step (includes waiting for the peer to join);
+  ``x_wait_ms``: how long the main stream stalled on the received tokens (events around
+  ``get_prev_sampled_outputs``, which makes the main stream wait for the broadcast's event).
+
+On the CPU platform host clocks replace events (gloo is synchronous: the spans are host time).
+The host wait in ``irecv_tensor_dict`` falls before the step's ``t0`` (vLLM's worker posts the
+receive before the model runner's step), so it is reported beside the step, not in its share.
+The stalls (``pp_recv_wait_ms + x_wait_ms``) are an upper bound of what the exchange costs a
+stage: with both stages on one GPU they also hold the time the peer spends computing before it
+sends. ``pp_recv_rows`` is the received tensors' first dimension once usable (after vLLM's
+``wait_for_comm``: before it, vLLM 0.34.0's receive buffers are flat, ``rows x hidden``
+elements, even at TP=1). The first step, and the first whose rows differ from the batch's
+padded token count, are logged once (shapes usable and as posted, ``num_tokens``,
+``num_tokens_padded``).
 """
 
 from __future__ import annotations
@@ -72,7 +107,8 @@ FIRST_STEPS_KEPT = 6  # steps of each run reported one by one (``collect``)
 CONFIDENCES_ENV = "DSPARK_BENCH_CONFIDENCES"
 SCHEDULE_ENV = "DSPARK_BENCH_SYNTHETIC_SCHEDULE"
 _STATE: dict[str, Any] = {
-    "steps": [], "cur": None, "mem": {}, "installed": False, "rates": None, "conf": None
+    "steps": [], "cur": None, "mem": {}, "installed": False, "rates": None, "conf": None,
+    "xpend": [], "xctx": None, "recv_post": None, "recv_shapes": None, "shape_logged": set(),
 }  # fmt: skip
 
 
@@ -164,7 +200,11 @@ def _install_timers(runner) -> list[str]:
     orig_exec = runner.execute_model
 
     def execute_model(*args, **kwargs):
-        _STATE["cur"] = {"t0": _mark()}
+        cur = _STATE["cur"] = {"t0": _mark()}
+        if _STATE["xpend"]:  # the stage-to-stage receive vLLM's worker posted for this step
+            cur["x"], _STATE["xpend"] = _STATE["xpend"], []
+        if _STATE["recv_shapes"] is not None:
+            cur["recv_shapes"], _STATE["recv_shapes"] = _STATE["recv_shapes"], None
         return orig_exec(*args, **kwargs)
 
     runner.execute_model = execute_model
@@ -181,6 +221,9 @@ def _install_timers(runner) -> list[str]:
             cur["num_reqs"] = int(getattr(batch, "num_reqs", 0) or 0)
             cur["num_tokens"] = int(getattr(batch, "num_tokens", 0) or 0)
             cur["num_draft_tokens"] = int(getattr(batch, "num_draft_tokens", 0) or 0)
+            padded = getattr(batch, "num_tokens_after_padding", None)
+            cur["num_tokens_padded"] = int(padded) if padded is not None else None
+            _maybe_log_shapes(cur)
         out = orig_sample(*args, **kwargs)
         if cur is not None and "t1" in cur:
             cur["t4"] = _mark()
@@ -345,6 +388,7 @@ def summarize_steps(steps: list[dict]) -> dict:
         "main": per_n.get(main) if main is not None else None,
         "total_steps": len(steps),
         "verify": verify_totals(steps),
+        "exchange": summarize_exchange(steps, main),
     }
 
 
@@ -362,6 +406,7 @@ def _resolve() -> list[dict]:
                 "target_ms": _elapsed_ms(s.get("t0"), s.get("t1")),
                 "draft_ms": _elapsed_ms(s.get("t2"), s.get("t3")),
                 "step_ms": _elapsed_ms(s.get("t0"), s.get("t4")),
+                "x": step_exchange(_resolve_exchange(s.get("x", []))),
             }
         )
     _STATE["steps"] = []
@@ -429,9 +474,10 @@ def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
     runner = self.model_runner
     if cmd == "enable":
         if not _STATE["installed"]:
-            _STATE["installed"] = _install_timers(runner)
+            _STATE["installed"] = _install_timers(runner) + _install_exchange(runner)
         _STATE["steps"] = []
         _STATE["cur"] = None
+        _STATE["xpend"] = []
         _STATE["conf"] = None
         return _STATE["installed"]
     if cmd == "collect":
@@ -439,7 +485,8 @@ def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
         # the first steps of a run as they were (the prefill steps decide TTFT; the medians
         # of summarize_steps hide them)
         first = [
-            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
+            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k != "x"}
+            | ({"x": {k: round(v, 4) for k, v in s["x"].items()}} if s.get("x") else {})
             for s in steps[:FIRST_STEPS_KEPT]
         ]
         summary = summarize_steps(steps)
@@ -458,6 +505,228 @@ def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
     if cmd == "set_acceptance_length":
         return _set_acceptance_length(runner, float(arg))
     raise ValueError(f"unknown dspark_bench_ctl command {cmd!r}")
+
+
+# --------------------------------------------------------------------------- exchange accounting
+X_NAMES = ("sampled", "counts", "drafts")  # the order both stock vLLM and the plugin post them
+GOAL_E_SHARE = 0.03  # issue 29 goal (e): the exchange under 3% of a decode step at C >= 8
+GOAL_E_MIN_C = 8
+
+
+def _tensor_bytes(t) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+def _xrecord(kind: str, pending: bool = False, **fields) -> None:
+    """One exchange record, for the current step, or (``pending``, or outside a step) for the
+    next one. The stage-to-stage receive is always ``pending``: vLLM's worker posts it before
+    the model runner's ``execute_model``, and the last open step may be an empty one (no
+    tokens scheduled: ``execute_model`` without ``sample_tokens``) that is never recorded."""
+    cur = _STATE["cur"]
+    rec = {"kind": kind, **fields}
+    if cur is not None and not pending:
+        cur.setdefault("x", []).append(rec)
+    else:
+        _STATE["xpend"].append(rec)
+
+
+def step_exchange(records: list[dict]) -> dict:
+    """Resolved records of one step -> flat per-step metrics (bytes summed per key, ms summed
+    per span). Records carry ``ms`` (already resolved) or ``bytes``."""
+    out: dict[str, float] = {}
+    for r in records:
+        if "metric" in r and r.get("value") is not None:
+            out[r["metric"]] = out.get(r["metric"], 0) + r["value"]
+    return out
+
+
+def summarize_exchange(steps: list[dict], main_num_reqs: int | None) -> dict | None:
+    """Medians of every exchange metric over the steps of the main batch size, and the
+    stall / step share (``(pp_recv_wait_ms + x_wait_ms) / step_ms`` per step, median)."""
+    sel = [s for s in steps if s.get("x") and int(s.get("num_reqs") or 0) == main_num_reqs]
+    if not sel:
+        return None
+    keys = sorted({k for s in sel for k in s["x"]})
+    med = {k: round(statistics.median(float(s["x"].get(k, 0.0)) for s in sel), 4) for k in keys}
+    shares = [
+        (s["x"].get("pp_recv_wait_ms", 0.0) + s["x"].get("x_wait_ms", 0.0)) / s["step_ms"]
+        for s in sel
+        if s.get("step_ms")
+    ]
+    return {
+        "steps": len(sel),
+        "median": med,
+        "stall_share": round(statistics.median(shares), 5) if shares else None,
+    }
+
+
+def _resolve_exchange(recs: list[dict]) -> list[dict]:
+    out = []
+    for r in recs:
+        if r["kind"] == "bytes":
+            out.append({"metric": r["metric"], "value": r["value"]})
+        elif r["kind"] == "span":
+            out.append({"metric": r["metric"], "value": _elapsed_ms(r["a"], r["b"])})
+        elif r["kind"] == "host":
+            out.append({"metric": r["metric"], "value": r["value"]})
+    return out
+
+
+def _maybe_log_shapes(cur: dict) -> None:
+    """Log once the received intermediate tensors' shapes against the batch's token count (the
+    first step, and the first step where the rows are not the padded token count)."""
+    shapes = cur.get("recv_shapes") or {}
+    usable = shapes.get("usable")
+    if not usable:
+        return
+    rows = {int(v[0]) for v in usable.values() if v}
+    padded = cur.get("num_tokens_padded")
+    odd = bool(rows) and padded is not None and rows != {int(padded)}
+    logged = _STATE["shape_logged"]
+    if "first" in logged and (not odd or "odd" in logged):
+        return
+    logged.add("odd" if odd and "first" in logged else "first")
+    from vllm.logger import init_logger
+
+    init_logger("vllm.dspark_bench").info(
+        "dspark_bench: %s step received intermediate tensors %s (as posted, before vLLM's "
+        "wait: %s) for a batch of %s requests, %s tokens (%s after padding)",
+        "a" if not odd else "an odd-sized",
+        usable,
+        shapes.get("posted"),
+        cur.get("num_reqs"),
+        cur.get("num_tokens"),
+        padded,
+    )
+
+
+def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
+    """Exchange accounting on the live PP group, worker class and PP handler (PP only). ``pp``
+    (vLLM's PP group coordinator), ``async_cls`` (vLLM's ``AsyncIntermediateTensors``) and
+    ``dist`` (``torch.distributed``) default to vLLM's and torch's own (tests pass stand-ins)."""
+    installed: list[str] = []
+    if pp is None:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group
+
+            pp = get_pp_group()
+        except Exception:  # noqa: BLE001  (no PP group: nothing to account)
+            return installed
+    if pp.world_size <= 1:
+        return installed
+    orig_send, orig_recv = pp.isend_tensor_dict, pp.irecv_tensor_dict
+
+    def isend_tensor_dict(tensor_dict, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = orig_send(tensor_dict, *args, **kwargs)
+        _xrecord("host", metric="pp_send_host_ms", value=(time.perf_counter() - t0) * 1e3)
+        for k, v in tensor_dict.items():
+            if hasattr(v, "numel"):
+                _xrecord("bytes", metric=f"pp_send_bytes:{k}", value=_tensor_bytes(v))
+        return out
+
+    def irecv_tensor_dict(*args, **kwargs):
+        t0 = time.perf_counter()
+        tensor_dict, handles, post = orig_recv(*args, **kwargs)
+        _xrecord("host", True, metric="pp_recv_host_ms", value=(time.perf_counter() - t0) * 1e3)
+        _STATE["recv_post"] = _mark()
+        posted = {}
+        for k, v in (tensor_dict or {}).items():
+            if hasattr(v, "numel"):
+                _xrecord("bytes", True, metric=f"pp_recv_bytes:{k}", value=_tensor_bytes(v))
+                # before vLLM's wait these are the flat receive buffers of its all-gather path
+                # (taken even at TP=1), reshaped to the sent shape only by the post-processing
+                posted[k] = list(v.shape)
+        _STATE["recv_shapes"] = {"posted": posted} if posted else None
+        return tensor_dict, handles, post
+
+    pp.isend_tensor_dict, pp.irecv_tensor_dict = isend_tensor_dict, irecv_tensor_dict
+    installed.append("pp_send_recv")
+
+    if async_cls is None:
+        import vllm.v1.worker.gpu_worker as gw
+
+        async_cls = gw.AsyncIntermediateTensors
+    cls = async_cls
+    if not getattr(cls, "_dspark_bench_wait", False):
+        orig_wait = cls.wait_for_comm
+
+        def wait_for_comm(self):
+            if object.__getattribute__(self, "_comm_waited"):
+                return orig_wait(self)
+            a = _mark()
+            orig_wait(self)
+            b = _mark()
+            _xrecord("span", metric="pp_recv_wait_ms", a=a, b=b)
+            ready = {
+                k: list(v.shape)
+                for k, v in object.__getattribute__(self, "tensors").items()
+                if hasattr(v, "shape")
+            }
+            if ready:
+                _xrecord("host", metric="pp_recv_rows", value=max(x[0] for x in ready.values()))
+                cur = _STATE["cur"]
+                if cur is not None:
+                    cur.setdefault("recv_shapes", {})["usable"] = ready
+            post, _STATE["recv_post"] = _STATE["recv_post"], None
+            if post is not None:
+                _xrecord("span", metric="pp_recv_ready_ms", a=post, b=b)
+
+        cls.wait_for_comm = wait_for_comm
+        cls._dspark_bench_wait = True
+        installed.append("wait_for_comm")
+
+    handler = getattr(runner, "pp_handler", None)
+    if handler is None:
+        return installed
+    if dist is None:
+        import torch.distributed as dist
+
+    if not getattr(dist.broadcast, "_dspark_bench", False):
+        orig_bcast = dist.broadcast
+
+        def broadcast(tensor, *args, **kwargs):
+            ctx = _STATE["xctx"]
+            if ctx is None:
+                return orig_bcast(tensor, *args, **kwargs)
+            name = ctx["names"][min(ctx["i"], len(ctx["names"]) - 1)]
+            ctx["i"] += 1
+            a = _mark()
+            out = orig_bcast(tensor, *args, **kwargs)
+            _xrecord("span", metric="x_bcast_ms", a=a, b=_mark())
+            _xrecord("bytes", metric=f"x_bytes:{name}", value=_tensor_bytes(tensor))
+            return out
+
+        broadcast._dspark_bench = True
+        dist.broadcast = broadcast
+
+    def in_exchange(method: str, names: tuple[str, ...]):
+        orig = getattr(handler, method)
+
+        def wrapped(*args, **kwargs):
+            _STATE["xctx"] = {"names": names, "i": 0}
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                _STATE["xctx"] = None
+
+        setattr(handler, method, wrapped)
+
+    in_exchange("broadcast", X_NAMES[:2])
+    in_exchange("broadcast_drafts", X_NAMES[2:])
+    in_exchange("receive", X_NAMES)
+    orig_prev = handler.get_prev_sampled_outputs
+
+    def get_prev_sampled_outputs(*args, **kwargs):
+        a = _mark()
+        out = orig_prev(*args, **kwargs)
+        if out is not None:
+            _xrecord("span", metric="x_wait_ms", a=a, b=_mark())
+        return out
+
+    handler.get_prev_sampled_outputs = get_prev_sampled_outputs
+    installed.append("exchange_broadcasts")
+    return installed
 
 
 def _patch_worker(module) -> None:

@@ -44,6 +44,46 @@ BF16 = 2
 GOAL_B = 0.9  # issue 29 goal (b): PP=2's DSpark/no-spec ratio >= 0.9x PP=1's
 
 
+#: NCCL point-to-point on one GPU through two launchers (socket transport over loopback), measured
+#: 2026-12-03 (issue 25): (bytes, ms) per message.
+NCCL_P2P_ONE_GPU = ((4 * 1024, 0.04), (512 * 1024, 0.26), (4 * 1024 * 1024, 1.5))
+GOAL_E_SHARE = 0.03  # issue 29 goal (e): the exchange under 3% of a decode step at C >= 8
+GOAL_E_MIN_C = 8
+
+
+def nccl_p2p_ms(nbytes: float, points=NCCL_P2P_ONE_GPU) -> float:
+    """Estimated time of one message of ``nbytes``: linear in the bytes between the two
+    measured neighbours (latency + bytes / bandwidth of that segment), the smallest point's
+    time below it, the last segment's line above the largest (bandwidth-bound there)."""
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:], strict=False):
+        if nbytes <= b1:
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = points[-2], points[-1]
+    return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
+
+
+def exchange_estimate(c: int, k: int, hidden: int, taps0: int, micro: int = 1) -> dict:
+    """Bytes and estimated NCCL time of the exchange per request step at PP=2 (all C requests
+    advanced once): ``micro`` engine steps of C / micro requests each; per engine step the
+    stage-0 send of hidden + residual + the relayed taps (one message per key, C / micro
+    (1 + k) rows, bf16) and the three token broadcasts (this plugin's payloads)."""
+    per = max(1, round(c / micro))
+    act_msg = per * (1 + k) * hidden * BF16
+    tok = token_exchange_bytes(per, k)["ours"]
+    from vllm_dspark_pp.protocol.schedule import counts_row_len
+
+    tok_msgs = (per * (k + 1) * 8, 2 * counts_row_len(per) * 4, per * k * 8)
+    ms = micro * ((2 + taps0) * nccl_p2p_ms(act_msg) + sum(nccl_p2p_ms(b) for b in tok_msgs))
+    return {
+        "micro": micro,
+        "act_bytes": micro * (2 + taps0) * act_msg,
+        "tok_bytes": micro * tok,
+        "est_ms": ms,
+    }
+
+
 def pp2_stage0_taps(target_layer_ids: list[int], num_layers: int) -> int:
     """Aux taps stage 0 produces and relays (tap id L+1 is made after layer L; stage 0 holds
     layers [0, ceil(L/2)) in vLLM's even split)."""
@@ -361,6 +401,7 @@ def served_comparison(p: dict, served_paths: list) -> dict:
                 "draft_share_pp2_last": s2.get("draft_share"),
                 "pp2_batch_per_step": s2.get("batch"),
                 "proj_bubble_share": r["bubble_share_one_wave"],
+                **_goal_e_fields(p, r, c, micro, d2, tau, added_d),
             }
         )
     return {
@@ -368,6 +409,83 @@ def served_comparison(p: dict, served_paths: list) -> dict:
         "files": [run["_file"] for run in runs],
         "transport": plot.transport_lines(runs),
     }
+
+
+def _goal_e_fields(p: dict, r: dict, c: int, micro, d2, tau, added_d) -> dict:
+    """Goal (e) from what exists: the exchange's bytes per request step (exact, from the
+    shape), their estimated NCCL time (nccl_p2p_ms) and, as an upper bound, the measured time a
+    PP=2 request step adds over PP=1; each as a share of the measured PP=2 request step (p50
+    TPOT x tokens per request per step)."""
+    est = exchange_estimate(c, p.get("k", 7), p.get("hidden_size", 4096), p.get("stage0_taps", 0),
+                            micro or 1)  # fmt: skip
+    tpot = (d2 or {}).get("p50_tpot_ms")
+    step = tpot * tau if tpot is not None else None
+    return {
+        "x_act_bytes": est["act_bytes"],
+        "x_tok_bytes": est["tok_bytes"],
+        "x_est_ms": est["est_ms"],
+        "pp2_request_step_ms": step,
+        "x_est_share": est["est_ms"] / step if step else None,
+        "x_upper_share": added_d / step if step and added_d is not None else None,
+    }
+
+
+def goal_e_markdown(rows: list[dict]) -> list[str]:
+    """Goal (e) stated from the recorded JSON: estimated (bytes x the one-GPU NCCL costs) and
+    the measured upper bound; never a measurement of the exchange itself."""
+    rows = [r for r in rows if r.get("x_est_share") is not None]
+    if not rows:
+        return []
+
+    def f(v, fmt):
+        return "-" if v is None else fmt.format(v)
+
+    p2p = ", ".join(f"{b // 1024} KiB {t:g} ms" for b, t in NCCL_P2P_ONE_GPU)
+    lines = [
+        "",
+        "**Goal (e) from what exists (ESTIMATED, not measured).** The exchange per request step "
+        "at PP=2 (every request advanced once: micro-batches x (stage 0's send of hidden, "
+        "residual and the relayed taps, one NCCL message per key, bf16 rows of C / micro x "
+        "(1 + k) tokens, plus the three token broadcasts)): bytes exact from the shape; time "
+        f"*estimated* by pricing each message at the one-GPU NCCL point-to-point costs measured "
+        f"on 2026-12-03 ({p2p}; linear in the bytes between neighbouring points, the smallest "
+        "point's time below it, the last segment's line above it). *upper bound* = the "
+        "measured time a PP=2 request step adds over PP=1 (DSpark's *added* above: it also "
+        "holds the second draft and the shared GPU's scheduling). Shares are of the measured "
+        "PP=2 request step (p50 TPOT x tokens per request per step). The rows are padded to "
+        "the CUDA-graph size in vLLM; not counted here.",
+        "",
+        "| AL | C | act MB | tok KB | est. exchange ms | PP=2 request step ms | est. share | "
+        "upper-bound share |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['al']:g} | {r['c']} | {r['x_act_bytes'] / 1e6:.2f} | "
+            f"{r['x_tok_bytes'] / 1e3:.2f} | {r['x_est_ms']:.2f} | "
+            f"{f(r['pp2_request_step_ms'], '{:.1f}')} | {r['x_est_share']:.1%} | "
+            f"{f(r['x_upper_share'], '{:.0%}')} |"
+        )
+    big = [r for r in rows if r["c"] >= GOAL_E_MIN_C]
+    est_miss = [r for r in big if r["x_est_share"] >= GOAL_E_SHARE]
+    up_ok = [r for r in big if (r["x_upper_share"] or 1.0) < GOAL_E_SHARE]
+    verdict = "met" if big and not est_miss else ("missed" if big else "no point at C >= 8")
+    lines += [
+        "",
+        f"Goal (e) (exchange under {GOAL_E_SHARE:.0%} of a decode step at C >= {GOAL_E_MIN_C}) "
+        f"on this tier, ESTIMATED: **{verdict}**"
+        + (
+            " at "
+            + ", ".join(
+                f"AL {r['al']:g} C={r['c']} ({r['x_est_share']:.1%})" for r in est_miss
+            )  # fmt: skip
+            if est_miss
+            else ""
+        )
+        + f"; the measured upper bound shows it at {len(up_ok)} of {len(big)} points "
+        "(the exchange itself is measured by the `--step-times` exchange records, not run yet).",
+    ]
+    return lines
 
 
 def served_markdown(cmp: dict) -> str:
@@ -457,6 +575,7 @@ def served_markdown(cmp: dict) -> str:
             + ", ".join(f"AL {r['al']:g} C={r['c']} ({r['meas_quot']:.3f})" for r in below)
             + "."
         )
+    lines += goal_e_markdown(rows)
     return "\n".join(lines)
 
 

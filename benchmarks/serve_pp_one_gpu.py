@@ -398,7 +398,8 @@ def rpc_applied(response: dict) -> bool:
 
 # --------------------------------------------------------------------------- logs
 USEFUL = re.compile(
-    r"NCCL INFO (comm |Init COMPLETE|NET/|Using network)|DSpark|PP handshake|vllm_dspark_pp|"
+    r"NCCL INFO (comm |Init COMPLETE|NET/|Using network)|DSpark|dspark_bench:|PP handshake|"
+    r"vllm_dspark_pp|"
     r"Traceback|Error|ERROR|Exception|WARNING.*(KV|memory|graph)|Available KV cache|"
     r"GPU KV cache size|Maximum concurrency|Model loading took|Graph capturing finished|"
     r"torch.compile took|init engine|Starting vLLM|plugin"

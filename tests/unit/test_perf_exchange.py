@@ -1,0 +1,244 @@
+"""CPU tests of the exchange accounting (issue 29 goal (e)): benchmarks/dspark_bench_hooks.py's
+per-step records of the stage-to-stage tensors and the token broadcasts (driven through its
+wrappers with stand-in PP group, worker class, handler and ``torch.distributed``), their
+aggregation, and benchmarks/plot_pp_one_gpu.py's exchange table and goal (e) verdict from a small
+recorded sample. Host clocks (no GPU); nothing is timed against a threshold."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from support.perf_records import serve_point, serve_run
+from support.scripts import load_script
+
+hooks = load_script("benchmarks/dspark_bench_hooks.py")
+plot = load_script("benchmarks/plot_pp_one_gpu.py")
+
+
+class _Group:
+    """Stand-in PP group: what a non-first stage receives, what any stage sends."""
+
+    world_size = 2
+
+    def __init__(self, rows: int, hidden: int):
+        self.rows, self.hidden, self.sent = rows, hidden, []
+
+    def isend_tensor_dict(self, tensor_dict, **kw):
+        self.sent.append(tensor_dict)
+        return []
+
+    def irecv_tensor_dict(self, **kw):
+        # vLLM 0.34.0 hands back flat receive buffers (its all-gather path, even at TP=1)
+        z = torch.zeros(self.rows * self.hidden, dtype=torch.bfloat16)
+        return {"hidden_states": z, "residual": z.clone(), "aux_1": z.clone()}, [], []
+
+
+class _Async:
+    """Stand-in AsyncIntermediateTensors (the attribute vLLM's class checks): flat buffers until
+    the wait, the sent shapes after it (as vLLM's all-gather post-processing leaves them)."""
+
+    def __init__(self, rows: int = 32, hidden: int = 16):
+        self._comm_waited = False
+        self.tensors = {"hidden_states": torch.zeros(rows * hidden)}
+        self._shape = (rows, hidden)
+
+    def wait_for_comm(self):
+        self.tensors = {"hidden_states": self.tensors["hidden_states"].view(self._shape)}
+        self._comm_waited = True
+
+
+class _Handler:
+    """Posts through ``dist.broadcast`` in the order vLLM's handlers do."""
+
+    def __init__(self, dist, n: int, k: int):
+        self.dist, self.n, self.k = dist, n, k
+
+    def broadcast(self):
+        self.dist.broadcast(torch.zeros(self.n, self.k + 1, dtype=torch.int64))
+        self.dist.broadcast(torch.zeros(2, self.n, dtype=torch.int32))
+
+    def broadcast_drafts(self):
+        self.dist.broadcast(torch.zeros(self.n, self.k, dtype=torch.int64))
+
+    def receive(self):  # the other stages post the same three, in the same order
+        self.dist.broadcast(torch.empty(self.n, self.k + 1, dtype=torch.int64))
+        self.dist.broadcast(torch.empty(2, self.n, dtype=torch.int32))
+        self.dist.broadcast(torch.empty(self.n, self.k, dtype=torch.int64))
+
+    def get_prev_sampled_outputs(self):
+        return {"sampled": True}
+
+
+class _Runner:
+    def __init__(self, handler, n: int, tokens: int, padded: int):
+        self.pp_handler = handler
+        self.execute_model_state = SimpleNamespace(
+            input_batch=SimpleNamespace(
+                num_reqs=n, num_tokens=tokens, num_draft_tokens=0, num_tokens_after_padding=padded
+            )
+        )
+
+    def execute_model(self, intermediate):
+        if intermediate is None:  # an empty step: nothing scheduled, no sample_tokens follows
+            return
+        intermediate.wait_for_comm()  # the forward's first use of the received tensors
+        self.pp_handler.get_prev_sampled_outputs()
+
+    def sample_tokens(self):
+        self.pp_handler.receive()
+
+
+@pytest.fixture
+def stage(monkeypatch):
+    """A non-first stage (batch 4 requests, k = 7: 32 tokens padded to 32) with the accounting
+    installed as ``dspark_bench_ctl("enable")`` installs it."""
+    monkeypatch.setattr(hooks, "_cuda", lambda: None)  # host clocks on any machine
+    fresh = {"steps": [], "cur": None, "xpend": [], "xctx": None, "shape_logged": set()}
+    monkeypatch.setattr(hooks, "_STATE", {**hooks._STATE, **fresh})
+    dist = SimpleNamespace(broadcast=lambda t, *a, **kw: None)
+    n, k = 4, 7
+    group = _Group(rows=n * (k + 1), hidden=16)
+    runner = _Runner(_Handler(dist, n, k), n, n * (k + 1), n * (k + 1))
+    async_cls = type("AsyncIntermediateTensors", (_Async,), {})  # patched afresh each test
+    installed = hooks._install_timers(runner) + hooks._install_exchange(
+        runner, pp=group, async_cls=async_cls, dist=dist
+    )
+    assert {"pp_send_recv", "wait_for_comm", "exchange_broadcasts"} <= set(installed)
+
+    def step(send: bool = False, empty_before: bool = False):
+        # vLLM's worker: receive (before the model runner's step), forward, send, sample
+        if empty_before:  # PP's batch queue schedules empty steps while batches are in flight
+            runner.execute_model(None)
+        td, _, _ = group.irecv_tensor_dict()
+        runner.execute_model(async_cls())
+        if send:
+            group.isend_tensor_dict(td)
+        runner.sample_tokens()
+
+    return SimpleNamespace(step=step, n=n, k=k, hidden=16)
+
+
+def test_each_step_records_the_bytes_per_key_and_per_broadcast(stage):
+    for i in range(3):
+        stage.step(send=True, empty_before=i > 0)
+    steps = hooks._resolve()
+    assert len(steps) == 3
+    x = steps[-1]["x"]  # after an empty step, the receive still belongs to its own step
+    act = stage.n * (stage.k + 1) * stage.hidden * 2  # bf16 rows of the received batch
+    for key in ("hidden_states", "residual", "aux_1"):
+        assert x[f"pp_recv_bytes:{key}"] == act  # received before the step began: still its own
+        assert x[f"pp_send_bytes:{key}"] == act
+    assert x["pp_recv_rows"] == stage.n * (stage.k + 1)  # rows once usable, not the flat size
+    assert x["x_bytes:sampled"] == stage.n * (stage.k + 1) * 8
+    assert x["x_bytes:counts"] == 2 * stage.n * 4
+    assert x["x_bytes:drafts"] == stage.n * stage.k * 8
+    for span in ("pp_recv_wait_ms", "pp_recv_ready_ms", "pp_recv_host_ms", "x_bcast_ms"):
+        assert x[span] >= 0.0
+    assert "x_wait_ms" in x
+
+
+def test_the_summary_gives_medians_and_the_stall_share_per_main_batch(stage):
+    for _ in range(3):
+        stage.step()
+    summary = hooks.summarize_steps(hooks._resolve())
+    xs = summary["exchange"]
+    assert xs["steps"] == 3 and summary["main_num_reqs"] == stage.n
+    assert xs["median"]["x_bytes:drafts"] == stage.n * stage.k * 8
+    assert "pp_send_bytes:hidden_states" not in xs["median"]  # this stage sent nothing
+    assert 0.0 <= xs["stall_share"] <= 1.0
+
+
+def test_medians_and_share_from_recorded_steps():
+    steps = [
+        {"num_reqs": 8, "step_ms": 10.0, "x": {"pp_recv_wait_ms": w, "x_wait_ms": 0.1,
+                                                 "pp_recv_bytes:hidden_states": 1024}}
+        for w in (0.1, 0.2, 0.9)
+    ] + [{"num_reqs": 2, "step_ms": 1.0, "x": {"pp_recv_wait_ms": 0.5}}]  # fmt: skip
+    xs = hooks.summarize_exchange(steps, 8)
+    assert xs["steps"] == 3
+    assert xs["median"] == {
+        "pp_recv_bytes:hidden_states": 1024, "pp_recv_wait_ms": 0.2, "x_wait_ms": 0.1
+    }  # fmt: skip
+    assert xs["stall_share"] == pytest.approx(0.03)  # (0.2 + 0.1) / 10, median of the steps
+    assert hooks.summarize_exchange(steps, 64) is None
+
+
+def _xsumm(batch, share, step_ms=10.0):
+    return {
+        "main_num_reqs": batch,
+        "main": {"target_ms": 3.0, "draft_ms": None, "step_ms": step_ms},
+        "exchange": {
+            "steps": 5,
+            "median": {"pp_send_bytes:hidden_states": 4096, "pp_send_bytes:residual": 4096,
+                       "pp_recv_wait_ms": share * step_ms, "x_bytes:sampled": 64},
+            "stall_share": share,
+        },
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("share16", "verdict"), [(0.02, "met"), (0.05, "missed")], ids=["met", "missed"]
+)
+def test_goal_e_verdict_and_table_from_a_recorded_sample(tmp_path, share16, verdict):
+    pts = []
+    for c, share in ((4, 0.5), (8, 0.01), (16, share16)):
+        p = serve_point("pp2_dspark", 3.99, c, 100.0 * c, measured=3.9)
+        p["step_times"] = [_xsumm(c // 2, share), _xsumm(c // 2, share / 2)]
+        pts.append(p)
+    f = tmp_path / "serve_pp_one_gpu_pp2.json"
+    f.write_text(json.dumps(serve_run(pts, concurrency=(4, 8, 16))))
+    merged = plot.merge(plot.load([str(f)]))
+    rows = plot.exchange_rows(merged)
+    assert [(r["c"], r["rank"]) for r in rows] == [(4, 0), (4, 1), (8, 0), (8, 1), (16, 0), (16, 1)]
+    assert rows[0]["pp_send_bytes"] == 8192 and rows[0]["x_bytes"] == 64
+    g = plot.goal_e(rows)
+    assert set(g["per_c"]) == {8, 16}  # C=4 (share 50%) is below the goal's range
+    assert g["per_c"][16] == (verdict, share16) and g["verdict"] == verdict
+    md = "\n".join(plot.exchange_section(merged))
+    assert "## The exchange per step (goal e)" in md
+    assert "**Goal (e)**" in md and f"**{verdict}**; C=8: met (1.0%)" in md
+
+
+# --------------------------------------------------------------------------- goal (e) estimated
+pp_projection = load_script("benchmarks/pp_projection.py")
+
+
+def test_message_prices_interpolate_the_measured_one_gpu_points():
+    price = pp_projection.nccl_p2p_ms
+    for b, t in pp_projection.NCCL_P2P_ONE_GPU:
+        assert price(b) == pytest.approx(t)
+    assert price(16) == pytest.approx(0.04)  # below the smallest point: its latency
+    assert price((512 + 4096) * 1024 / 2) == pytest.approx((0.26 + 1.5) / 2)
+    assert price(8 * 1024 * 1024) == pytest.approx(1.5 + (1.5 - 0.26) * 4 / 3.5)  # last line
+
+
+def test_exchange_bytes_per_request_step_are_exact_from_the_shape():
+    est = pp_projection.exchange_estimate(c=16, k=7, hidden=4096, taps0=3, micro=2)
+    assert est["act_bytes"] == 2 * 5 * (8 * 8 * 4096 * 2)  # 2 micro-batches x 5 keys x rows
+    assert est["tok_bytes"] == 2 * (8 * 8 * 8 + 2 * 8 * 4 + 8 * 7 * 8)
+    one = pp_projection.nccl_p2p_ms(8 * 8 * 4096 * 2)
+    assert est["est_ms"] == pytest.approx(2 * (5 * one + 3 * 0.04))
+
+
+def test_goal_e_from_what_exists_is_labelled_an_estimate_with_its_verdict():
+    def row(c, share):
+        return {"al": 3.99, "c": c, "x_act_bytes": 1e6, "x_tok_bytes": 1e3, "x_est_ms": share,
+                "pp2_request_step_ms": 1.0, "x_est_share": share, "x_upper_share": 0.5}  # fmt: skip
+
+    md = "\n".join(pp_projection.goal_e_markdown([row(4, 0.2), row(8, 0.01), row(16, 0.02)]))
+    assert "ESTIMATED, not measured" in md and "ESTIMATED: **met**;" in md
+    md = "\n".join(pp_projection.goal_e_markdown([row(8, 0.01), row(16, 0.04)]))
+    assert "ESTIMATED: **missed** at AL 3.99 C=16 (4.0%)" in md
+    assert "upper bound shows it at 0 of 2 points" in md
+
+
+def test_the_served_driver_keeps_the_hooks_shape_log_line():
+    serve = load_script("benchmarks/serve_pp_one_gpu.py")
+    line = (
+        "(Worker pid=7) INFO 12-04 15:00:00 dspark_bench: a step received intermediate tensors "
+        "{'hidden_states': [32, 4096]} for a batch of 4 requests, 32 tokens (32 after padding)"
+    )
+    assert serve.useful_lines("noise\n" + line + "\nmore noise") == [line]
