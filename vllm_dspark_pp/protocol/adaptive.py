@@ -262,29 +262,46 @@ def profile_stage_curve(runner: Any, manager: Any) -> None:
 
 
 def check_received_activations(runner: Any, received: Any, input_batch: Any) -> None:
-    """Non-first stage, right after ``prepare_inputs``: compare the received activations' token
-    count (known from the metadata, without waiting for the data) with this stage's batch."""
+    """Non-first stage, right after ``prepare_inputs``: compare the token count of the received
+    activations (known from the metadata, without waiting for the data) with this stage's batch.
+
+    Until vLLM's ``wait_for_comm`` runs, a received tensor is the flat receive buffer
+    (``irecv_tensor_dict`` takes its all-gather path even at TP = 1 and reshapes afterwards:
+    vllm/distributed/parallel_state.py:1331-1362), so its row count is its element count over
+    the elements of one row of this stage's own buffer for the same key
+    (``runner.intermediate_tensors``, vLLM's persistent receive copy). The first H200 run
+    (2026-12-04) read ``shape[0]`` of the flat buffer (4,096 = 32 rows x 128) and stopped a
+    correct batch."""
+    import math
+
     tensors = object.__getattribute__(received, "tensors")
-    first = next(iter(tensors.values()), None)
-    if first is None:
-        return
+    own = getattr(getattr(runner, "intermediate_tensors", None), "tensors", None) or {}
     runner._dspark_pp_steps = getattr(runner, "_dspark_pp_steps", 0) + 1
-    # Every received tensor's shape and this stage's own batch, for the error message: the first
-    # H200 run (2026-12-04) stopped here at its first step (a 27-token prefill padded to 32)
-    # with a 4096-row tensor received, and the message alone could not say which tensor it was.
-    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
-    own = ", ".join(
-        f"{name} {getattr(input_batch, name)}"
-        for name in ("num_reqs", "num_tokens", "num_tokens_after_padding")
-        if hasattr(input_batch, name)
-    )
-    check_activation_tokens(
-        runner._dspark_pp_steps,
-        int(input_batch.num_tokens_after_padding),
-        int(first.shape[0]),
-        getattr(runner.adaptive_verification, "stage", -1),
-        detail=f" (received: {shapes}; this stage's batch: {own})",
-    )
+    expected = int(input_batch.num_tokens_after_padding)
+    for key, value in tensors.items():
+        ref = own.get(key)
+        if ref is None or not hasattr(value, "numel"):
+            continue  # a key this stage keeps no buffer for: nothing to read a row size from
+        per_row = math.prod(ref.shape[1:])
+        if per_row <= 0:
+            continue
+        rows, rest = divmod(int(value.numel()), per_row)
+        if rest == 0 and rows == expected:
+            continue
+        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
+        check_activation_tokens(
+            runner._dspark_pp_steps,
+            expected,
+            rows,
+            getattr(runner.adaptive_verification, "stage", -1),
+            detail=(
+                f" (received {key}: {int(value.numel())} elements for rows of {per_row}; "
+                f"all received: {shapes}; this stage's batch: "
+                f"num_reqs {getattr(input_batch, 'num_reqs', '?')}, "
+                f"num_tokens {getattr(input_batch, 'num_tokens', '?')}, "
+                f"num_tokens_after_padding {expected})"
+            ),
+        )
 
 
 def check_activation_tokens(

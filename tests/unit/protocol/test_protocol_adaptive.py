@@ -197,8 +197,17 @@ def test_a_stage_that_never_publishes_fails_the_last_stage_at_start(monkeypatch)
         _stage_manager(2, 3, {}).set_cost_curves([(1, 0.1)], [(8, 1.0)])
 
 
+def _runner_with_buffers(stage=1, hidden=2):
+    """A non-first stage: vLLM's persistent receive buffers (max 64 tokens) give the row size."""
+    buffers = {"hidden_states": torch.zeros(64, hidden), "residual": torch.zeros(64, hidden)}
+    return SimpleNamespace(
+        adaptive_verification=SimpleNamespace(stage=stage),
+        intermediate_tensors=SimpleNamespace(tensors=buffers),
+    )
+
+
 def test_received_activations_of_another_token_count_fail_at_once():
-    runner = SimpleNamespace(adaptive_verification=SimpleNamespace(stage=1))
+    runner = _runner_with_buffers()
     batch = SimpleNamespace(num_tokens_after_padding=16)
     ok = SimpleNamespace(tensors={"hidden_states": torch.zeros(16, 2)})
     adaptive.check_received_activations(runner, ok, batch)
@@ -206,8 +215,25 @@ def test_received_activations_of_another_token_count_fail_at_once():
     with pytest.raises(RuntimeError, match="stage 1 built a batch of 16 tokens in step 2") as e:
         adaptive.check_received_activations(runner, bad, batch)
     # The message lists every received tensor and this stage's batch (what the GPU run lacked).
-    assert "received: hidden_states (12, 2);" in str(e.value)
-    assert "this stage's batch: num_tokens_after_padding 16)" in str(e.value)
+    assert "all received: hidden_states (12, 2);" in str(e.value)
+    assert "num_tokens_after_padding 16)" in str(e.value)
+
+
+def test_received_activations_are_counted_in_rows_of_the_stages_own_buffer():
+    """What the first H200 run met: before vLLM's wait_for_comm the received tensors are the flat
+    receive buffers (rows x hidden elements). Reading their shape[0] as rows stopped a correct
+    32-token batch with "4096 tokens" (32 x 128); the row count is elements / row size."""
+    runner = _runner_with_buffers(hidden=128)
+    batch = SimpleNamespace(num_tokens_after_padding=32)
+    flat = SimpleNamespace(
+        tensors={"hidden_states": torch.zeros(32 * 128), "residual": torch.zeros(32 * 128)}
+    )
+    adaptive.check_received_activations(runner, flat, batch)  # a correct batch passes
+    short = SimpleNamespace(
+        tensors={"hidden_states": torch.zeros(31 * 128), "residual": torch.zeros(31 * 128)}
+    )
+    with pytest.raises(RuntimeError, match="built a batch of 32 tokens .* for 31 tokens"):
+        adaptive.check_received_activations(runner, short, batch)
 
 
 # ---------------------------------------------------------------- the refusal (config patch)
@@ -459,8 +485,9 @@ def test_the_runner_wires_the_handler_and_checks_received_activations(runner_mod
         enable_adaptive_verification=True, vllm_config=_config()
     )
     runner.pp_handler = handler = object()
+    runner.intermediate_tensors = SimpleNamespace(tensors={"hidden_states": torch.zeros(64, 2)})
     runner.num_tokens = 8
-    received = SimpleNamespace(tensors={"hidden_states": torch.zeros(8, 2)})
+    received = SimpleNamespace(tensors={"hidden_states": torch.zeros(8 * 2)})  # flat, as received
     runner.execute_model("step", received)
     assert runner.adaptive_verification.pp_handler is handler
     runner.num_tokens = 9
