@@ -15,9 +15,12 @@ every stage.
 non-last stages, which vLLM cannot time (``_dummy_run`` returns there, model_runner.py:978-980,
 before its timing marks at 991-1032): the stage times the same dummy runs with vLLM's collector
 and publishes its verify curve; the last stage sums every stage's curve (the pipeline's cost).
-(3) wraps ``execute_model`` / ``prepare_inputs`` so that a non-first stage checks, before its
-forward copies them (model_runner.py:2094-2103), that the activations it received cover exactly
-the tokens of its own batch: stages that disagree on a batch shape fail at once with a message,
+(3) wraps ``execute_model`` / ``prepare_inputs`` so that a non-last stage adds its batch layout
+(token count and a checksum of the per-request offsets, a plain tuple in the metadata message) to
+the activations it returns for sending (model_runner.py:2206-2211), and a non-first stage checks,
+before its forward copies them (model_runner.py:2094-2103), that layout and the received rows
+(elements over its own buffer's row size: the receive buffers are flat until ``wait_for_comm``)
+against its own batch: stages that disagree on a batch shape fail at once with a message,
 instead of truncating activations or waiting.
 
 WHY: vLLM 0.34.0 refuses adaptive verification with PP (config/vllm.py:3306-3314, "earlier ranks
@@ -91,7 +94,10 @@ def _patch(module) -> None:
             if manager is not None:
                 manager.pp_handler = self.pp_handler
                 self._dspark_pp_received = intermediate_tensors
-            return orig(self, scheduler_output, intermediate_tensors, *args, **kwargs)
+            out = orig(self, scheduler_output, intermediate_tensors, *args, **kwargs)
+            if manager is not None and not manager.is_last_stage:
+                adaptive.tag_sent_activations(self, out)
+            return out
 
         return execute_model
 

@@ -261,6 +261,39 @@ def profile_stage_curve(runner: Any, manager: Any) -> None:
     manager.set_initial_cost_curves(samples)
 
 
+#: Key of the sending stage's batch layout in the activations it sends: a plain tuple, which
+#: vLLM's ``isend_tensor_dict`` carries in the metadata message (``_split_tensor_dict`` keeps
+#: non-tensor values, parallel_state.py:124-139) and the receiver reads before any data arrives.
+#: Padded sizes alone cannot tell two layouts of one padded size apart.
+LAYOUT_KEY = "dspark_pp_batch_layout"
+
+
+def batch_layout(input_batch: Any) -> tuple[int, int]:
+    """``(tokens, checksum)`` of a stage's batch: its real token count and a CRC-32 of that
+    count and the per-request query offsets (what the stage's forward lays out from the shipped
+    counts). Every stage computes both from the same scheduler output and the same shipped
+    counts, so honest stages agree on them exactly."""
+    import zlib
+
+    num_reqs = int(input_batch.num_reqs)
+    parts = [np.asarray([int(input_batch.num_tokens), num_reqs], dtype=np.int64)]
+    offsets = getattr(input_batch, "query_start_loc_np", None)
+    if offsets is not None:
+        parts.append(np.asarray(offsets[: num_reqs + 1], dtype=np.int64))
+    return int(input_batch.num_tokens), zlib.crc32(b"".join(p.tobytes() for p in parts))
+
+
+def tag_sent_activations(runner: Any, output: Any) -> None:
+    """Non-last stage, after its forward: add this step's :func:`batch_layout` to the
+    activations the worker sends (a new dict: the model's or the graph's own is not touched)."""
+    state = getattr(runner, "execute_model_state", None)
+    batch = getattr(state, "input_batch", None)
+    tensors = getattr(output, "tensors", None)
+    if batch is None or not isinstance(tensors, dict):
+        return
+    output.tensors = {**tensors, LAYOUT_KEY: batch_layout(batch)}
+
+
 def check_received_activations(runner: Any, received: Any, input_batch: Any) -> None:
     """Non-first stage, right after ``prepare_inputs``: compare the token count of the received
     activations (known from the metadata, without waiting for the data) with this stage's batch.
@@ -278,6 +311,17 @@ def check_received_activations(runner: Any, received: Any, input_batch: Any) -> 
     own = getattr(getattr(runner, "intermediate_tensors", None), "tensors", None) or {}
     runner._dspark_pp_steps = getattr(runner, "_dspark_pp_steps", 0) + 1
     expected = int(input_batch.num_tokens_after_padding)
+    sent = tensors.get(LAYOUT_KEY)
+    if sent is not None:
+        mine = batch_layout(input_batch)
+        if tuple(sent) != mine:
+            raise RuntimeError(
+                f"vllm-dspark-pp: PP stage "
+                f"{getattr(runner.adaptive_verification, 'stage', -1)} built a batch of "
+                f"{mine[0]} tokens (layout {mine[1]:#010x}) in step {runner._dspark_pp_steps} "
+                f"but the previous stage sent one of {sent[0]} tokens (layout {sent[1]:#010x}): "
+                "the stages disagree on the (adaptive verification) batch shape"
+            )
     for key, value in tensors.items():
         ref = own.get(key)
         if ref is None or not hasattr(value, "numel"):
@@ -288,7 +332,9 @@ def check_received_activations(runner: Any, received: Any, input_batch: Any) -> 
         rows, rest = divmod(int(value.numel()), per_row)
         if rest == 0 and rows == expected:
             continue
-        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
+        shapes = ", ".join(
+            f"{k} {tuple(v.shape) if hasattr(v, 'shape') else v}" for k, v in tensors.items()
+        )
         check_activation_tokens(
             runner._dspark_pp_steps,
             expected,

@@ -236,6 +236,51 @@ def test_received_activations_are_counted_in_rows_of_the_stages_own_buffer():
         adaptive.check_received_activations(runner, short, batch)
 
 
+def test_a_sent_layout_that_differs_within_one_padded_size_fails_at_once():
+    """Two stages that disagree by one admitted draft can pad to the same graph size (5 and 6
+    real tokens, both 8 padded): the row count cannot tell them apart, the sent layout does."""
+    runner = _runner_with_buffers()
+    mine = _batch(8, real=5, offsets=[0, 5])
+    same = _batch(8, real=5, offsets=[0, 5])
+    rows = {"hidden_states": torch.zeros(8 * 2)}
+    ok = SimpleNamespace(tensors={**rows, adaptive.LAYOUT_KEY: adaptive.batch_layout(same)})
+    adaptive.check_received_activations(runner, ok, mine)
+    other = _batch(8, real=6, offsets=[0, 6])
+    bad = SimpleNamespace(tensors={**rows, adaptive.LAYOUT_KEY: adaptive.batch_layout(other)})
+    with pytest.raises(RuntimeError, match="built a batch of 5 tokens .* sent one of 6 tokens"):
+        adaptive.check_received_activations(runner, bad, mine)
+    # Same token count, requests split differently: the checksum still differs.
+    split = _batch(8, real=5, offsets=[0, 2, 5])
+    assert adaptive.batch_layout(split)[1] != adaptive.batch_layout(mine)[1]
+
+
+def test_a_non_last_stage_tags_what_it_sends_and_the_next_stage_reads_it(runner_module):
+    first = runner_module(0).GPUModelRunner()
+    first.adaptive_verification = runner_module(0).maybe_create_adaptive_verification_manager(
+        enable_adaptive_verification=False, vllm_config=_config()
+    )
+    first.pp_handler = object()
+    first.num_tokens = 8
+    model_out = {"hidden_states": torch.zeros(8, 2)}
+    first.output = SimpleNamespace(tensors=model_out)
+    sent = first.execute_model("step")
+    assert sent.tensors[adaptive.LAYOUT_KEY] == adaptive.batch_layout(_batch(8))
+    assert adaptive.LAYOUT_KEY not in model_out  # the model's own dict is not changed
+    last = runner_module(1).GPUModelRunner()
+    last.adaptive_verification = runner_module(1).maybe_create_adaptive_verification_manager(
+        enable_adaptive_verification=True, vllm_config=_config()
+    )
+    last.pp_handler = object()
+    last.output = None
+    last.intermediate_tensors = SimpleNamespace(tensors={"hidden_states": torch.zeros(64, 2)})
+    last.num_tokens = 8
+    last.execute_model("step", SimpleNamespace(tensors=dict(sent.tensors)))
+    assert last.output is None  # the last stage sends nothing and tags nothing
+    last.num_tokens = 9
+    with pytest.raises(RuntimeError, match="stages disagree"):
+        last.execute_model("step", SimpleNamespace(tensors=dict(sent.tensors)))
+
+
 # ---------------------------------------------------------------- the refusal (config patch)
 
 
@@ -399,6 +444,19 @@ def test_a_step_without_a_draft_broadcast_leaves_no_counts_for_the_next(patch_br
 # ---------------------------------------------------------------- the model runner patch
 
 
+def _batch(padded, real=None, offsets=None):
+    """The InputBatch fields the checks read."""
+    real = padded if real is None else real
+    offsets = [0, real] if offsets is None else offsets
+    return SimpleNamespace(
+        num_tokens_after_padding=padded,
+        num_tokens=real,
+        num_reqs=len(offsets) - 1,
+        num_draft_tokens=0,
+        query_start_loc_np=np.asarray(offsets, dtype=np.int32),
+    )
+
+
 class _FakeRunnerModule:
     """Stands for vllm.v1.worker.gpu.model_runner: the manager factory and the runner methods the
     patch wraps."""
@@ -421,10 +479,12 @@ class _FakeRunnerModule:
                 self.profiled = "vllm"
 
             def execute_model(self, scheduler_output, intermediate_tensors=None):
-                return self.prepare_inputs()
+                batch = self.prepare_inputs()
+                self.execute_model_state = SimpleNamespace(input_batch=batch)
+                return getattr(self, "output", None)  # a non-last stage's activations
 
             def prepare_inputs(self):
-                return SimpleNamespace(num_tokens_after_padding=self.num_tokens)
+                return _batch(self.num_tokens)
 
         self.maybe_create_adaptive_verification_manager = create
         self.GPUModelRunner = Runner
