@@ -507,14 +507,24 @@ def plot_pd(runs: list[dict], png: Path) -> str | None:
                     ax.plot([c for c, _ in pts], [y for _, y in pts], style, marker="o",
                             label=f"{who}, AL {al:g}")  # fmt: skip
         ax.set_title(title)
+    cs = sorted({r["c"] for r in table})
+    return _finish(
+        fig, axes, cs, png, "DSpark PD vs aggregated, vllm bench serve, all engines on one GPU"
+    )
+
+
+def _finish(fig, axes, cs: list[int], png: Path, title: str) -> str:
+    """Concurrency on a log-2 axis in every panel, the title, the PNG written and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes.flat:
         ax.set_xscale("log", base=2)
-        cs = sorted({r["c"] for r in table})
         ax.set_xticks(cs, [str(c) for c in cs])
         ax.set_xlabel("max concurrency")
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle("DSpark PD vs aggregated, vllm bench serve, all engines on one GPU")
+    fig.suptitle(title)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -718,19 +728,8 @@ def plot(runs: list[dict], png: Path) -> str:
                         marker="o", label=f"{r_pp.upper()} AL {al:g}")  # fmt: skip
     ax.set_title("DSpark / no-spec output tok/s")
     cs = sorted({c for pts in series.values() for c, _ in pts})
-    for ax in axes.flat:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("max concurrency")
-        ax.grid(True, alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-    fig.suptitle("vllm bench serve, one GPU (PP=2: both stages share it; read ratios only)")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return f"plot: {png}"
+    title = "vllm bench serve, one GPU (PP=2: both stages share it; read ratios only)"
+    return _finish(fig, axes, cs, png, title)
 
 
 def copy_results(paths: list[str], dest: Path) -> list[str]:
