@@ -157,7 +157,6 @@ def test_loads_only_kv_rows_and_they_match_the_full_drafter(producer_cfg, checkp
 
 def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
     """The K (normed, rotated) and V the context path computes, both drafters, same inputs."""
-    from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
@@ -170,19 +169,8 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
     aux_states = torch.randn(n_tok, aux, generator=g)
     positions = torch.arange(3, 3 + n_tok)
 
-    def context_kv_of(model, cfg):
-        m = model.model
-        with set_current_vllm_config(cfg):
-            states = model.combine_hidden_states(aux_states)
-            k, v = m._project_context_kv(
-                states, n_tok, m._num_attn_layers, m._num_kv_heads, m._head_dim
-            )
-            k = m._normalize_context_k(k)
-            m._apply_context_rope(k, positions)
-        return k, v
-
-    fk, fv = context_kv_of(full, fcfg)
-    ck, cv = context_kv_of(ctx, ccfg)
+    fk, fv = _context_kv(full, fcfg, aux_states, positions)
+    ck, cv = _context_kv(ctx, ccfg, aux_states, positions)
     assert fk.abs().sum() > 0 and fv.abs().sum() > 0
     torch.testing.assert_close(ck, fk, rtol=0, atol=0)
     torch.testing.assert_close(cv, fv, rtol=0, atol=0)
