@@ -1,0 +1,134 @@
+"""The CPU side of the DSV4 MoE layer test at 256 routed experts (issue 26, part 4;
+tests/gpu/test_dsv4_router_gpu.py runs the layer on CUDA).
+
+Why the fast path itself cannot run here: vLLM defines the Triton ``_dsv4_topk_kernel`` only when
+its platform is CUDA, ``can_use_dsv4_topk`` requires ``current_platform.is_cuda()``, and on the CPU
+platform vLLM's router factory gives every MoE layer its ``CPURouter`` (which never reads the
+runner's padding mask) and the CPU experts (whose kernel takes no -1 ids). The router's pure-torch
+reference and the ``dsv4_topk`` wrapper are checked on CPU in tests/unit/test_dsv4_router_ref.py.
+
+In CI (milliseconds, CPU tensors, no vLLM layer): the checks the GPU child applies
+(tests/support/dsv4_moe_layer.py) on hand-made results, each shown to flag what it must (one
+dsv4_topk call with the runner's mask; padding rows -1 / 0; ids exact, bitwise or tolerance rule
+on the real rows, the flagged rows exactly the changed ones) and to pass the unchanged case.
+
+Hand run (``DSPARK_DSV4_LAYER_CPU=1``, about 10 s on an idle machine, needs vLLM's CPU kernel
+library): the GPU test's child on vLLM's CPU platform: vLLM's DeepseekV4MoE built at 256 experts,
+padded batches of 1/3/7/33 real rows, the real rows bitwise equal to the unpadded batch, the
+perturbed-row control flagged alone, and the facts that this route is ``CPURouter`` with no
+``dsv4_topk`` call and that the wrong-mask control changes nothing on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from support import dsv4_moe_layer as L
+
+R, P = 7, 8
+
+
+def _run(rows: int, seed: int = 0, *, mask=None, routed_padding: bool = False) -> dict:
+    """A hand-made layer result: bf16 outputs and one dsv4_topk call over ``rows`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(rows, 16, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(256, generator=g)[:6] for _ in range(rows)]).int()
+    w = torch.rand(rows, 6, generator=g)
+    if mask is not None and not routed_padding:
+        ids[mask] = -1
+        w[mask] = 0.0
+    call = {"rows": rows, "experts": 256, "mask": mask, "ids": ids, "weights": w}
+    return {"out": out, "calls": [call]}
+
+
+def _padded_copy(ref: dict, rows: int, mask) -> dict:
+    """``ref``'s real rows followed by padding rows, routed as -1 / 0."""
+    got = _run(rows, seed=99, mask=mask)
+    n = ref["out"].shape[0]
+    got["out"][:n] = ref["out"]
+    got["calls"][0]["ids"][:n] = ref["calls"][0]["ids"]
+    got["calls"][0]["weights"][:n] = ref["calls"][0]["weights"]
+    return got
+
+
+def test_call_check_wants_one_fast_path_call_with_the_runner_mask():
+    mask = L.padding_mask(R, P, "cpu")
+    ok = _run(P, mask=mask)
+    assert L.call_problems("ok", ok, P, mask) == []
+    assert "0 dsv4_topk calls" in L.call_problems("x", {"calls": []}, P, mask)[0]
+    assert "2 dsv4_topk calls" in L.call_problems("x", {"calls": ok["calls"] * 2}, P, mask)[0]
+    assert L.call_problems("x", ok, R, mask), "a call over the wrong row count passed"
+    assert L.call_problems("x", ok, P, L.padding_mask(R - 1, P, "cpu")), "another mask passed"
+    assert L.call_problems("x", ok, P, None), "a call with a mask passed for an unmasked run"
+
+
+def test_padding_row_check_flags_routed_padding_rows():
+    mask = L.padding_mask(R, P, "cpu")
+    assert L.padding_row_problems("ok", _run(P, mask=mask), mask) == []
+    bad = L.padding_row_problems("x", _run(P, mask=mask, routed_padding=True), mask)
+    assert bad and "[7]" in bad[0], bad
+
+
+def test_compare_flags_exactly_the_changed_rows():
+    mask = L.padding_mask(R, P, "cpu")
+    ref = _run(R)
+    same = _padded_copy(ref, P, mask)
+    for bitwise in (True, False):
+        c = L.compare("same", ref, same, R, bitwise=bitwise)
+        assert (c.problems, c.flagged, c.not_bitwise) == ([], [], [])
+    # one ulp on row 1's output: a difference under the bitwise rule, within the tolerance
+    ulp = _padded_copy(ref, P, mask)
+    ulp["out"][1] = (ulp["out"][1].view(torch.int16) + 1).view(torch.bfloat16)
+    assert L.compare("ulp", ref, ulp, R, bitwise=True).flagged == [1]
+    c = L.compare("ulp", ref, ulp, R, bitwise=False)
+    assert (c.flagged, c.not_bitwise) == ([], [1])
+    # the wrong-mask control on CUDA: real row 6 routed as padding (ids -1, weights 0, output
+    # without its routed experts)
+    wrong = _padded_copy(ref, P, mask)
+    wrong["calls"][0]["ids"][6] = -1
+    wrong["calls"][0]["weights"][6] = 0.0
+    wrong["out"][6] = wrong["out"][6] * 0.3
+    c = L.compare("wrong mask", ref, wrong, R, bitwise=False)
+    assert c.flagged == [6] and c.problems, c
+    # a perturbed row's output alone (no routing recorded, as on the CPU route)
+    pert = {"out": same["out"].clone(), "calls": []}
+    pert["out"][2] += 0.5
+    assert L.compare("perturbed", ref, pert, R, bitwise=False).flagged == [2]
+    # a weight off by more than the float32 tolerance
+    w = _padded_copy(ref, P, mask)
+    w["calls"][0]["weights"][4, 0] *= 1.001
+    assert L.compare("weights", ref, w, R, bitwise=False).flagged == [4]
+
+
+def test_padded_inputs_keep_the_real_rows():
+    real = torch.randn(3, 8).bfloat16()
+    for kind in L.KINDS:
+        x = L.padded_hidden(real, 4, kind, seed=3)
+        assert x.shape == (4, 8) and x.dtype == torch.bfloat16
+        assert torch.equal(x[:3], real)
+    assert L.padding_mask(3, 4, "cpu").tolist() == [False, False, False, True]
+    with pytest.raises(ValueError):
+        L.padded_hidden(real, 4, "nan")
+
+
+@pytest.mark.skipif(
+    os.environ.get("DSPARK_DSV4_LAYER_CPU") != "1",
+    reason="hand run (about 10 s, vLLM's CPU kernel library): DSPARK_DSV4_LAYER_CPU=1; "
+    "the DSV4 MoE layer at 256 experts through vLLM's CPU MoE path",
+)
+def test_dsv4_moe_layer_on_the_cpu_platform(tmp_path):
+    rep = L.run_child("cpu", tmp_path, 240)
+    assert "error" not in rep and rep.get("done"), rep.get("error") or rep["log_tail"]
+    checks, controls, facts = rep["checks"], rep["controls"], rep["facts"]
+    # the CPU route: vLLM's CPURouter, never dsv4_topk (so the count check reports every call)
+    assert facts["router"] == "CPURouter", facts
+    assert all("0 dsv4_topk calls" in m for m in checks["fast_path"]), checks["fast_path"]
+    assert len(checks["fast_path"]) == 4 + 3 * 4  # 4 unpadded + 4 padded sizes x 3 contents
+    assert checks["eager_vs_unpadded"] == [] and checks["eager_padding_content"] == []
+    assert facts["eager_rows_not_bitwise_vs_unpadded"] == []  # bitwise on the CPU
+    assert checks["graph"] == [] and "graph_sizes" not in facts  # no CUDA graphs here
+    assert controls["perturbed_rows"] == [2], controls
+    # the CPU router ignores the runner's mask: the wrong mask changes nothing here
+    assert controls["wrong_mask_rows"] == [] and controls["no_mask_calls"] == 0, controls
