@@ -380,6 +380,14 @@ def run_checks(device: torch.device) -> dict[str, Any]:
     return report
 
 
+def _replayed(captured_call: dict, out_buf: torch.Tensor) -> dict:
+    """A replay's result: the captured call's outputs and the layer output are the graph's
+    static tensors, so they are copied before the next replay overwrites them."""
+    call = dict(captured_call, ids=captured_call["ids"].clone())
+    call["weights"] = captured_call["weights"].clone()
+    return {"out": out_buf.clone(), "calls": [call]}
+
+
 def _graph_checks(run, real_all, unpadded, eager_padded, facts) -> list[str]:
     """One torch.cuda.CUDAGraph of the layer per padded size P, captured over static hidden and
     mask buffers (the forward context holds the mask buffer, as the runner's does), replayed for
@@ -390,6 +398,7 @@ def _graph_checks(run, real_all, unpadded, eager_padded, facts) -> list[str]:
     sizes = sorted({p for _, p in BATCHES})
     facts["graph_sizes"] = sizes
     not_bitwise: list[str] = []
+    vs_eager: list[str] = []
     for p in sizes:
         hidden_buf = torch.zeros(p, hsz, dtype=torch.bfloat16, device=layer_dev)
         mask_buf = torch.zeros(p, dtype=torch.bool, device=layer_dev)
@@ -411,6 +420,7 @@ def _graph_checks(run, real_all, unpadded, eager_padded, facts) -> list[str]:
         for r, pp in BATCHES:
             if pp != p:
                 continue
+            first = None
             for kind in KINDS if p > r else ("none",):
                 tag = f"graph P={p} R={r} {kind}"
                 mask = padding_mask(r, p, layer_dev)
@@ -419,15 +429,37 @@ def _graph_checks(run, real_all, unpadded, eager_padded, facts) -> list[str]:
                 mask_buf.copy_(mask)
                 graph.replay()
                 torch.cuda.synchronize()
-                got = {"out": out_buf.clone(), "calls": captured}
+                got = _replayed(captured[0], out_buf)
                 problems += padding_row_problems(tag, got, mask)
                 c = compare(f"{tag} vs unpadded", unpadded[r], got, r, bitwise=False)
                 problems += c.problems
                 if c.not_bitwise:
                     not_bitwise.append(f"{tag}: rows {c.not_bitwise}")
+                if first is None:
+                    first = got
+                else:  # the same graph, other padding contents: bitwise
+                    problems += compare(
+                        f"{tag} vs {KINDS[0]}", first, got, r, bitwise=True
+                    ).problems
+                # against the eager run at the same size: recorded (cuBLAS may pick another
+                # algorithm inside a capture; the padding question is answered above)
                 same_p = unpadded[r] if p == r else eager_padded[(r, p, kind)]
-                problems += compare(f"{tag} vs eager at P", same_p, got, r, bitwise=True).problems
+                c = compare(f"{tag} vs eager at P", same_p, got, r, bitwise=True)
+                if c.not_bitwise:
+                    vs_eager.append(f"{tag}: rows {c.not_bitwise}")
+        if p == 8:  # control: the replay reads the live buffers; a changed real row is flagged
+            r = 7
+            pert = real_all[:r].clone()
+            pert[2] = real_all[-1]
+            hidden_buf.copy_(padded_hidden(pert, p, "stale", seed=r))
+            mask_buf.copy_(padding_mask(r, p, layer_dev))
+            graph.replay()
+            torch.cuda.synchronize()
+            got = _replayed(captured[0], out_buf)
+            c = compare("graph control perturbed", unpadded[r], got, r, bitwise=False)
+            facts["graph_control_perturbed_rows"] = c.flagged
     facts["graph_rows_not_bitwise_vs_unpadded"] = not_bitwise
+    facts["graph_rows_not_bitwise_vs_eager_same_size"] = vs_eager
     return problems
 
 

@@ -11,6 +11,8 @@
 #         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
 #         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
+#         dsv4_router (issue 26: vLLM's DSV4 MoE layer at 256 experts, padded decode batches, eager
+#         and CUDA graphs, through dsv4_topk; tests/gpu/test_dsv4_router_gpu.py),
 #         producer_memory (issue 29 item 4: the producer's drafter at the Qwen3-8B shape by the
 #         allocator, beside producer_kv: its context KV bitwise equal to the full drafter's, and
 #         producer_mla: the DeepSeek-V4 / Kimi-K3 context-only drafters on CUDA),
@@ -88,6 +90,9 @@ for g in "$@"; do
   router)
     run_group "$g" tests/gpu/test_dsv4_router_256.py --timeout=$((BUDGET - 20)) &
     ;;
+  dsv4_router)
+    run_group "$g" tests/gpu/test_dsv4_router_gpu.py --timeout=$((BUDGET - 20)) &
+    ;;
   producer_memory)
     # three runs side by side (each about 150 s on a fresh machine): the Qwen3-8B producer engine
     # (its benchmark JSON, JSONL and logs come back in artifacts.tgz: 8 files at most come back),
@@ -132,7 +137,7 @@ for g in "$@"; do
       DSPARK_PD_KILL_READY_S=${DSPARK_PD_KILL_READY_S:-$((BUDGET * 6 / 10))} \
       run_group "$g" tests/gpu/test_pd_kill_gpu.py --timeout=$((BUDGET - 5)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, load, pd_kill)" ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, dsv4_router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, load, pd_kill)" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
@@ -167,5 +172,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|sample under load|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80
