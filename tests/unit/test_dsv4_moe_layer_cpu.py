@@ -96,6 +96,11 @@ def test_compare_flags_exactly_the_changed_rows():
     pert = {"out": same["out"].clone(), "calls": []}
     pert["out"][2] += 0.5
     assert L.compare("perturbed", ref, pert, R, bitwise=False).flagged == [2]
+    # another expert id alone (weights and outputs equal): ids are compared exactly
+    ids = _padded_copy(ref, P, mask)
+    ids["calls"][0]["ids"][5, 3] = (ids["calls"][0]["ids"][5, 3] + 1) % 256
+    c = L.compare("ids", ref, ids, R, bitwise=False)
+    assert c.flagged == [5] and "ids differ" in c.problems[0], c
     # a weight off by more than the float32 tolerance
     w = _padded_copy(ref, P, mask)
     w["calls"][0]["weights"][4, 0] *= 1.001
