@@ -322,8 +322,7 @@ def padding_row_problems(tag: str, run: dict, mask) -> list[str]:
 
 
 def run_checks(device: torch.device) -> dict[str, Any]:
-    report: dict[str, Any] = {"device": device.type, "checks": {}, "controls": {}, "facts": {}}
-    checks, facts = report["checks"], report["facts"]
+    """Build the layer in this process and run every check on ``device``."""
     cfg = vllm_config()
     init_one_rank_world(cfg, device)
     if device.type == "cuda":
@@ -332,11 +331,19 @@ def run_checks(device: torch.device) -> dict[str, Any]:
         init_workspace_manager(device)
     layer = build_layer(cfg, device)
     run = _Runner(layer, cfg, device)
-    facts["router"] = type(layer.experts.router).__name__
-    facts["experts_backend"] = type(layer.experts.routed_experts.quant_method).__name__
-    cuda = device.type == "cuda"
-    max_rows = max(r for r, _ in BATCHES)
-    real_all = real_rows(layer, max_rows, seed=1, device=device)
+    real_all = real_rows(layer, max(r for r, _ in BATCHES), seed=1, device=device)
+    report = checks_on(run, real_all, graphs=device.type == "cuda")
+    report["facts"]["router"] = type(layer.experts.router).__name__
+    report["facts"]["experts_backend"] = type(layer.experts.routed_experts.quant_method).__name__
+    return report
+
+
+def checks_on(run, real_all: torch.Tensor, *, graphs: bool) -> dict[str, Any]:
+    """The eager checks, the CUDA-graph checks (``graphs``) and the controls, for a runner whose
+    ``eager(hidden, mask)`` calls the module's ``forward``."""
+    device = run.device
+    report: dict[str, Any] = {"device": device.type, "checks": {}, "controls": {}, "facts": {}}
+    checks, facts = report["checks"], report["facts"]
     for name in ("fast_path", "eager_vs_unpadded", "eager_padding_content", "graph"):
         checks[name] = []
     not_bitwise: list[str] = []
@@ -373,7 +380,7 @@ def run_checks(device: torch.device) -> dict[str, Any]:
                     ).problems
         facts["eager_rows_not_bitwise_vs_unpadded"] = not_bitwise
 
-        if cuda:
+        if graphs:
             checks["graph"] += _graph_checks(run, real_all, unpadded, eager_padded, facts)
         report["controls"] = _controls(run, real_all, unpadded, device)
     report["done"] = True

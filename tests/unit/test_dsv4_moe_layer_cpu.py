@@ -22,6 +22,8 @@ perturbed-row control flagged alone, and the facts that this route is ``CPURoute
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,6 +118,112 @@ def test_padded_inputs_keep_the_real_rows():
     assert L.padding_mask(3, 4, "cpu").tolist() == [False, False, False, True]
     with pytest.raises(ValueError):
         L.padded_hidden(real, 4, "nan")
+
+
+class _FakeLayer:
+    """A row-wise stand-in for the MoE layer with a dsv4_topk-like routing: top-6 of a second
+    projection; rows the mask marks get id -1 / weight 0 and no routed part. ``leak``: every
+    row's output also gets the batch mean of the inputs (padding rows leak into real rows);
+    ``ignore_mask``: padding rows are routed like real ones."""
+
+    def __init__(self, leak: bool = False, ignore_mask: bool = False, hsz: int = 32):
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.randn(hsz, 16, generator=g) / hsz**0.5
+        self.g = torch.randn(hsz, 256, generator=g) / hsz**0.5
+        self.leak, self.ignore_mask = leak, ignore_mask
+        self.spy = None
+
+    def compute(self, hidden, mask):
+        x = hidden.float()
+        w, ids = torch.topk(torch.softmax(x @ self.g, -1), 6)
+        ids = ids.int()
+        routed = (x @ self.w) * w.sum(-1, keepdim=True)
+        if mask is not None and not self.ignore_mask:
+            ids[mask], w[mask], routed[mask] = -1, 0.0, 0.0
+        out = routed + x[:, :16]
+        if self.leak:
+            out = out + x.mean(0)[:16]
+        return out.bfloat16(), ids, w
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: the forwards run while capturing are re-run by
+    replay() on the live buffers, writing into the tensors they first returned."""
+
+    capturing = None
+
+    def __init__(self):
+        self.steps = []
+
+    def replay(self):
+        for step in self.steps:
+            step()
+
+
+@contextmanager
+def _capture(graph):
+    _FakeGraph.capturing = graph
+    try:
+        yield
+    finally:
+        _FakeGraph.capturing = None
+
+
+def _fake_forward(layer, cfg, hidden, mask):
+    out, ids, w = layer.compute(hidden, mask)
+    call = {"rows": hidden.shape[0], "experts": 256, "ids": ids, "weights": w}
+    layer.spy.calls.append(dict(call, mask=None if mask is None else mask.clone()))
+    if _FakeGraph.capturing is not None:
+
+        def step():
+            o, i, ww = layer.compute(hidden, mask)
+            out.copy_(o), ids.copy_(i), w.copy_(ww)
+
+        _FakeGraph.capturing.steps.append(step)
+    return out
+
+
+def _dry_run(monkeypatch, layer) -> dict:
+    """The GPU child's checks (eager, CUDA graphs, controls) on the stand-in layer, with
+    torch.cuda's streams and graphs replaced by the fakes above."""
+    # vLLM's router module (the spy's and the gate control's target) is imported first: its
+    # imports read torch.cuda.Stream
+    from vllm.model_executor.layers.fused_moe.router import fused_topk_bias_router  # noqa: F401
+
+    monkeypatch.setattr(L, "forward", _fake_forward)
+    stream = SimpleNamespace(wait_stream=lambda s: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _capture)
+    run = L._Runner(layer, None, torch.device("cpu"))
+    layer.spy = run.spy
+    real_all = torch.randn(33, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    return L.checks_on(run, real_all, graphs=True)
+
+
+def test_dry_run_of_the_gpu_checks_passes_a_row_wise_layer(monkeypatch):
+    rep = _dry_run(monkeypatch, _FakeLayer())
+    assert rep["done"] and all(v == [] for v in rep["checks"].values()), rep["checks"]
+    facts, c = rep["facts"], rep["controls"]
+    assert facts["graph_sizes"] == [1, 2, 4, 8, 40]
+    assert facts["graph_control_perturbed_rows"] == [2]
+    assert c["wrong_mask_rows"] == [6] and c["wrong_mask_problems"], c
+    assert c["no_mask_calls"] == 1 and c["no_mask_padding_problems"], c
+    assert c["perturbed_rows"] == [2], c
+    # the stand-in does not consult vLLM's fast-path gate (on CUDA this control shows 0 calls)
+    assert c["gate_off_call_problems"] == [], c
+
+
+def test_dry_run_flags_a_layer_whose_padding_leaks_or_is_routed(monkeypatch):
+    leak = _dry_run(monkeypatch, _FakeLayer(leak=True))["checks"]
+    for name in ("eager_vs_unpadded", "eager_padding_content", "graph"):
+        assert leak[name], f"a layer leaking padding rows into real rows passed {name}"
+    routed = _dry_run(monkeypatch, _FakeLayer(ignore_mask=True))["checks"]
+    assert routed["eager_padding_content"] and routed["graph"], routed
+    assert "were routed" in routed["eager_padding_content"][0]
 
 
 @pytest.mark.skipif(
