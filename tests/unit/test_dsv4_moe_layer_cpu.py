@@ -10,7 +10,11 @@ reference and the ``dsv4_topk`` wrapper are checked on CPU in tests/unit/test_ds
 In CI (milliseconds, CPU tensors, no vLLM layer): the checks the GPU child applies
 (tests/support/dsv4_moe_layer.py) on hand-made results, each shown to flag what it must (one
 dsv4_topk call with the runner's mask; padding rows -1 / 0; ids exact, bitwise or tolerance rule
-on the real rows, the flagged rows exactly the changed ones) and to pass the unchanged case.
+on the real rows, the flagged rows exactly the changed ones) and to pass the unchanged case;
+and a dry run of the child's whole check sequence (``checks_on``: eager batches, one graph per
+padded size replayed per batch and padding content, the controls) on a row-wise stand-in layer
+with ``torch.cuda``'s streams and graphs faked: it passes the stand-in, and flags a stand-in whose
+padding rows leak into the real rows or are routed (about 2 s after vLLM's import).
 
 Hand run (``DSPARK_DSV4_LAYER_CPU=1``, about 10 s on an idle machine, needs vLLM's CPU kernel
 library): the GPU test's child on vLLM's CPU platform: vLLM's DeepseekV4MoE built at 256 experts,
