@@ -28,8 +28,9 @@ import torch
 
 NUM_EXPERTS = 256
 TOPK = 6
-# Real decode batch sizes R and the CUDA-graph capture sizes vLLM's default list pads them to
-# (1, 2, 4, 8, 16, 24, 32, 40, ...): R=33 is padded to 40.
+# (real decode batch size R, padded size P): P from vLLM's default CUDA-graph capture list
+# (1, 2, 4, 8, 16, 24, 32, 40, ...; vllm/config/vllm.py): the next size above R (33 -> 40), and
+# R=1 also unpadded at size 1.
 BATCHES = ((1, 1), (1, 2), (3, 4), (7, 8), (33, 40))
 LAYER_PREFIX = "model.layers.1.ffn"  # layer 1 of mlp_layer_types ["hash_moe", "moe"]: routed
 
@@ -211,7 +212,7 @@ def rows_differ(a: torch.Tensor, b: torch.Tensor) -> list[int]:
 KINDS = ("stale", "zeros", "huge")
 MIN_MARGIN = 1e-3  # real rows: the best 7 routing scores differ pairwise by at least this much
 OUT_RTOL = OUT_ATOL = 2e-2  # bf16 layer outputs across different batch sizes (GEMM tiling)
-W_RTOL = 1e-5  # float32 routing weights across different batch sizes
+W_RTOL = 1e-4  # float32 routing weights across batch sizes (gate GEMM tiling: about 1e-6)
 
 
 def real_rows(layer, num_rows: int, seed: int, device) -> torch.Tensor:
