@@ -14,7 +14,9 @@ on the real rows, the flagged rows exactly the changed ones) and to pass the unc
 and a dry run of the child's whole check sequence (``checks_on``: eager batches, one graph per
 padded size replayed per batch and padding content, the controls) on a row-wise stand-in layer
 with ``torch.cuda``'s streams and graphs faked: it passes the stand-in, and flags a stand-in whose
-padding rows leak into the real rows or are routed (about 2 s after vLLM's import).
+padding rows leak into the real rows or are routed (about 2 s after vLLM's import); the GPU
+test's own assertions are run on that report (through JSON, as the child writes it), and each of
+its controls, blanked, fails them.
 
 Hand run (``DSPARK_DSV4_LAYER_CPU=1``, about 10 s on an idle machine, needs vLLM's CPU kernel
 library): the GPU test's child on vLLM's CPU platform: vLLM's DeepseekV4MoE built at 256 experts,
@@ -228,6 +230,39 @@ def test_dry_run_flags_a_layer_whose_padding_leaks_or_is_routed(monkeypatch):
     routed = _dry_run(monkeypatch, _FakeLayer(ignore_mask=True))["checks"]
     assert routed["eager_padding_content"] and routed["graph"], routed
     assert "were routed" in routed["eager_padding_content"][0]
+
+
+def test_gpu_test_accepts_the_dry_run_report_and_its_controls_bite(monkeypatch):
+    """The GPU test's assertions on a report of the child's shape (the dry run's, through JSON as
+    the child writes it, with the CUDA-only facts filled in as a CUDA run gives them)."""
+    import json
+
+    from support.scripts import load_script
+
+    gpu_test = load_script("tests/gpu/test_dsv4_router_gpu.py")
+    rep = _dry_run(monkeypatch, _FakeLayer())
+    rep["facts"]["router"] = "FusedTopKBiasRouter"
+    rep["controls"]["gate_off_call_problems"] = ["control gate off: 0 dsv4_topk calls (...)"]
+    rep = json.loads(json.dumps(rep))
+    tests = [getattr(gpu_test, n) for n in dir(gpu_test) if n.startswith("test_")]
+    assert len(tests) == 4
+    for test in tests:
+        test(rep)
+    # each control, disabled, fails the control test
+    for key, blank in (
+        ("wrong_mask_rows", []),
+        ("no_mask_padding_problems", []),
+        ("perturbed_rows", []),
+        ("gate_off_call_problems", []),
+    ):
+        bad = json.loads(json.dumps(rep))
+        bad["controls"][key] = blank
+        with pytest.raises(AssertionError):
+            gpu_test.test_controls_the_comparisons_can_fail(bad)
+    bad = json.loads(json.dumps(rep))
+    bad["facts"]["graph_control_perturbed_rows"] = []
+    with pytest.raises(AssertionError):
+        gpu_test.test_padding_rows_leave_real_rows_unchanged_under_cuda_graphs(bad)
 
 
 @pytest.mark.skipif(
