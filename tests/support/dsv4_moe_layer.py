@@ -1,18 +1,21 @@
 """A DeepSeek-V4 MoE layer at a real expert count, built through vLLM's own model code (issue 26,
 part 4): ``vllm.models.deepseek_v4.nvidia.model.DeepseekV4MoE`` with 256 routed experts, top-6,
 ``sqrtsoftplus`` scoring, the ``noaux_tc`` correction bias and one shared expert, on the tiny
-DeepSeek-V4 GPU target's dimensions (hidden 256, ``dspark_dev.tiny_mla_targets.dsv4_fields``).
+DeepSeek-V4 GPU target's dimensions (hidden 256, expert width 64;
+``dspark_dev.tiny_mla_targets.dsv4_fields``).
 
 No engine: the layer is constructed under ``set_current_vllm_config`` in a one-rank world (the
 layer needs TP and EP groups) and run inside vLLM's forward context, which carries the model
-runner's padding mask (``is_padding``) exactly as the GPU model runner publishes it. Used by
-tests/gpu/_dsv4_moe_layer_child.py (CUDA: the router is vLLM's ``FusedTopKBiasRouter``, whose
-``fused_topk_bias`` takes the Triton ``dsv4_topk`` fast path) and by
-tests/unit/test_dsv4_moe_layer_cpu.py (vLLM's CPU platform: ``CPURouter`` and the CPU experts).
+runner's padding mask (``is_padding``) exactly as the GPU model runner publishes it. The checks
+run in a child process (``python -m support.dsv4_moe_layer DEVICE OUT.json``, started by
+``run_child``) for tests/gpu/test_dsv4_router_gpu.py (CUDA: the router is vLLM's
+``FusedTopKBiasRouter``, whose ``fused_topk_bias`` takes the Triton ``dsv4_topk`` fast path) and
+for the hand run of tests/unit/test_dsv4_moe_layer_cpu.py (vLLM's CPU platform: ``CPURouter``
+and the CPU experts), which also dry-runs ``checks_on`` on a stand-in layer.
 
 What is recorded per call: ``dsv4_topk`` is wrapped where ``fused_topk_bias`` looks it up, so a
-call counts only if vLLM's router really took the fast path, and its returned ids and weights are
-kept (copies) for the comparisons.
+call counts only if vLLM's router really took the fast path; the call's row and expert counts, a
+copy of its mask and the ids and weights it returned are kept for the comparisons.
 """
 
 from __future__ import annotations
