@@ -151,8 +151,8 @@ def padded_hidden(real: torch.Tensor, num_padded: int, kind: str, seed: int = 0)
 
 
 class TopkSpy:
-    """Wraps ``dsv4_topk`` where vLLM's ``fused_topk_bias`` looks it up: counts the calls and
-    keeps a copy of each call's mask, ids and weights."""
+    """Wraps ``dsv4_topk`` where vLLM's ``fused_topk_bias`` looks it up: records every call
+    (rows, experts, a copy of its mask, and the ids and weights tensors it returned)."""
 
     def __init__(self):
         self.calls: list[dict[str, Any]] = []
