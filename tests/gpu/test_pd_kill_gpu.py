@@ -53,8 +53,7 @@ import pytest
 from gpu_common import (
     CPU_DRYRUN_ENV,
     DRYRUN_CPU,
-    GRAPH_COMPILATION_CONFIG,
-    PAIR_DTYPE,
+    pd_fault_args,
     require_cuda,
 )
 from support import pd_fault, pd_pair, served_load, tiny_pair
@@ -72,14 +71,7 @@ LONG_TOKENS = 24 if DRYRUN_CPU else 300
 LOG_DIR = Path(
     os.environ.get("DSPARK_GPU_PD_KILL_LOGS") or tempfile.mkdtemp(prefix="dspark-pd-kill-")
 )
-COMMON = [
-    "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
-    "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(512 << 20),
-    "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG), "--async-scheduling",
-]  # fmt: skip
-if DRYRUN_CPU:
-    COMMON = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-              "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
+COMMON = pd_fault_args()
 BASE_ENV = {**GPU_CHILD_ENV, **CPU_DRYRUN_ENV} if DRYRUN_CPU else None
 
 

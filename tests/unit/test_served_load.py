@@ -198,3 +198,49 @@ def test_stream_completion_reports_each_event_to_its_caller():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_expired_requests_read_the_producers_free_lines():
+    log = "\n".join([
+        "(EngineCore pid=7) INFO 12-04 16:00:00 [core.py:1] step",
+        "(EngineCore pid=7) WARNING 12-04 16:00:45 [mooncake_connector.py:2565] Request "
+        "cmpl-b1-0 timed out after 45 seconds without being sent. Freeing its blocks on the "
+        "producer side.",
+        "(EngineCore pid=7) WARNING 12-04 16:00:46 [mooncake_connector.py:2571] KV lease of "
+        "request cmpl-b2-0 expired before the decoder pulled it.",
+        "(EngineCore pid=7) WARNING 12-04 16:00:46 [mooncake_connector.py:2565] Request "
+        "cmpl-b3-0 timed out after 480 seconds without being sent. Freeing its blocks ...",
+    ])  # fmt: skip
+    assert pd_fault.expired_requests(log) == [("cmpl-b1-0", 45), ("cmpl-b3-0", 480)]
+    assert pd_fault.expired_requests("no such line") == []
+
+
+def test_first_zero_is_the_free_after_a_hold_not_an_empty_start():
+    assert pd_fault.first_zero([(0.0, 0.003), (1.0, None), (2.0, 0.003), (3.1, 0.0)]) == 3.1
+    assert pd_fault.first_zero([(0.0, 0.0), (1.0, 0.0)]) is None  # nothing was ever held
+    assert pd_fault.first_zero([(0.0, 0.0), (1.0, 0.002), (2.0, 0.002)]) is None  # still held
+    assert pd_fault.first_zero([]) is None
+
+
+def test_the_mooncake_timeouts_the_pd_fault_groups_state_are_vllms(monkeypatch):
+    """docs/results/reliability.md (limit 4) and tests/gpu/test_pd_*_kill_gpu.py state vLLM
+    0.34.0's Mooncake waits: a producer frees unpulled KV after
+    VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (480 s by default), with the line expired_requests
+    reads; a decoder waits that + 60 s for a dead producer's answer."""
+    import importlib.util
+    from pathlib import Path
+
+    import vllm.envs as envs
+    from support import pd_pair
+
+    monkeypatch.delenv(pd_pair.ABORT_ENV, raising=False)
+    assert getattr(envs, pd_pair.ABORT_ENV) == 480
+    monkeypatch.setenv(pd_pair.ABORT_ENV, "30")
+    assert getattr(envs, pd_pair.ABORT_ENV) == 30
+    spec = importlib.util.find_spec("vllm.distributed.kv_transfer.kv_connector.v1.mooncake")
+    src = (Path(spec.submodule_search_locations[0]) / "mooncake_connector.py").read_text()
+    assert "(envs.VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60) * 1000" in src  # the pull's RCVTIMEO
+    # the producer's warning, its format string split over two literals in the source
+    assert '"Request %s timed out after %d seconds without "' in src
+    assert '"being sent. Freeing its blocks on the producer side."' in src
+    assert '"kv_lease_duration"' in src
