@@ -244,3 +244,43 @@ def test_the_mooncake_timeouts_the_pd_fault_groups_state_are_vllms(monkeypatch):
     assert '"Request %s timed out after %d seconds without "' in src
     assert '"being sent. Freeing its blocks on the producer side."' in src
     assert '"kv_lease_duration"' in src
+
+
+def test_reliability_figures_print_the_decoder_kill_and_the_stock_lost_stage(tmp_path):
+    """tools/reliability_gpu_figures.py prints the two groups built after the recorded GPU run
+    from their JSON when present (the figures of reliability.md rows 3b stock and 3e)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "reliability_gpu_figures", root / "tools" / "reliability_gpu_figures.py"
+    )
+    fig = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fig)
+    side = {
+        "A": [{"kind": "closed", "detail": "ended after 40 of 300 tokens (no [DONE])",
+               "seconds": 3.1}] * 4,
+        "tally": {"A": {"closed": 4}}, "a_streaming_before_kill": 4, "a_running_at_kill": 4,
+        "decoder0_rc": -9, "decoder0_group_left": [], "producer_alive": True,
+        "producer_health_failures": 0, "producer_kv_at_kill": 0.0031,
+        "b_prefilled_s_before_kill": 0.4, "kv_freed_s_after_kill": 45.2,
+        "kv_freed_s_after_b_prefill": 45.6, "producer_expired_lines": [["r1", 45]] * 4,
+        "producer_expired_counter_delta": 4.0, "producer_error_lines": [[]],
+        "restart": {"ready_s_after_kill": 70.0, "tokens_equal_before_kill": True,
+                    "seconds": 0.4, "external_hits": 54.0},
+    }  # fmt: skip
+    d = {"date": "d", "hold_s": 45, "bound_s": 40.0, "wall_s": 230.0, "ours": side,
+         "stock": {"skipped": "DSPARK_PD_DKILL_STOCK=0"}}  # fmt: skip
+    lines = fig.pd_decoder_lines(d)
+    text = "\n".join(lines)
+    assert "producer KV usage 0.31 % at the kill" in text
+    assert "back to 0 45.2 s after the kill = 45.6 s after B's prefills" in text
+    assert "expired lines 4 ([45] s), expired counter +4.0" in text
+    assert "external prefix-cache hits 54" in text and "stock: DSPARK_PD_DKILL_STOCK=0" in text
+    lost = {"control": False, "stock": True, "named": False, "exit_s": 62.0, "rc": 0,
+            "nodes_exit_s": 64.0, "head_group_left": [], "other_nodes_running": [],
+            "timeout_line": "TimeoutError: RPC call to sample_tokens timed out.",
+            "clients": [{"error": "x", "token_ids": [1] * 9}] * 8}  # fmt: skip
+    (line,) = fig.lost_lines("lost_stage_stock", lost)
+    assert "stock=True, node 0 exit 62.0 s" in line and "stage named False" in line
