@@ -17,7 +17,7 @@ stage (the stock column of case 3b on the GPU); asserted: node 0 exits within th
 process is left, every stream ended with an error, no line of the plugin in the log.
 
     source /tmp/site/env.sh && DSPARK_GPU_GROUPS_BUDGET_S=540 bash tools/gpu/run_groups.sh \\
-        $OUT lost_stage lost_stage_control
+        $OUT lost_stage lost_stage_control lost_stage_stock
 
 (``result.json`` and the launchers' logs come back in ``$OUT/artifacts.tgz``;
 ``DSPARK_GPU_LOST_STAGE_LOGS`` sets that folder when run by hand.)
