@@ -1,8 +1,10 @@
 """Print the GPU figures of docs/results/reliability.md from the recorded JSON results.
 
 The files are the groups' own outputs, copied unchanged: ``load.json`` (group ``load``),
-``pd_kill.json`` (group ``pd_kill``) and the two ``result.json`` of ``lost_stage`` and
-``lost_stage_control``, under docs/results/reliability_gpu_*.json. Usage:
+``pd_kill.json`` (group ``pd_kill``), ``pd_decoder_kill.json`` (group ``pd_decoder_kill``) and the
+``result.json`` of ``lost_stage``, ``lost_stage_control`` and ``lost_stage_stock``, under
+docs/results/reliability_gpu_*.json (``pd_decoder_kill`` and ``lost_stage_stock`` are printed
+when their file is there). Usage:
 
     python3 tools/reliability_gpu_figures.py [docs/results]
 """
@@ -73,12 +75,19 @@ def load_lines(d: dict) -> list[str]:
 def lost_lines(name: str, d: dict) -> list[str]:
     errs = sum(1 for c in d["clients"] if c.get("error"))
     toks = [len(c.get("token_ids", [])) for c in d["clients"]]
+    # the stock group's record also says whether the stage was named and which timeout ended it
+    extra = (
+        f"; stage named {d['named']}, timeout line {d.get('timeout_line')!r}"
+        if d.get("stock")
+        else ""
+    )
     return [
-        f"{name}: control={d['control']}, node 0 exit {d['exit_s']} s after the kill, "
+        f"{name}: control={d['control']}, stock={d.get('stock', False)}, node 0 exit "
+        f"{d['exit_s']} s after the kill, "
         f"rc {d['rc']}, all nodes gone {d['nodes_exit_s']} s, "
         f"head group left {d['head_group_left']}, "
         f"other nodes running {d['other_nodes_running']}; {errs} of {len(d['clients'])} streams "
-        f"ended with an error event after {min(toks)}-{max(toks)} tokens"
+        f"ended with an error event after {min(toks)}-{max(toks)} tokens{extra}"
     ]
 
 
@@ -111,12 +120,55 @@ def pd_lines(d: dict) -> list[str]:
     return out
 
 
+def pd_decoder_lines(d: dict) -> list[str]:
+    out = [
+        f"pd_decoder_kill: {d['date']}, producer timeout (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT) "
+        f"{d['hold_s']} s, client bound {d['bound_s']} s, wall {d['wall_s']} s"
+    ]
+    for key in ("ours", "stock"):
+        r = d[key]
+        if "skipped" in r or "error" in r:
+            out.append(f"  {key}: {r.get('skipped') or r.get('error')}")
+            continue
+        secs = sorted({x["seconds"] for x in r["A"]})
+        details = sorted({x.get("detail", "") for x in r["A"]} - {""})
+        rs = r["restart"]
+        out.append(
+            f"  {key}: A streaming before the kill {r['a_streaming_before_kill']}, running at it "
+            f"{r['a_running_at_kill']}; A {r['tally']['A']} in {secs} s"
+            + (f" ({'; '.join(details)})" if details else "")
+            + f"; killed decoder rc {r['decoder0_rc']}, its group left {r['decoder0_group_left']}"
+            f"; producer alive {r['producer_alive']}, /health failures "
+            f"{r['producer_health_failures']}"
+        )
+        usage = r["producer_kv_at_kill"]
+        out.append(
+            f"  {key}: producer KV usage {usage * 100:.2f} % at the kill (B prefilled "
+            f"{r['b_prefilled_s_before_kill']} s before it), back to 0 "
+            f"{r['kv_freed_s_after_kill']} s after the kill = {r['kv_freed_s_after_b_prefill']} s"
+            f" after B's prefills; expired lines {len(r['producer_expired_lines'])} "
+            f"({sorted({s for _, s in r['producer_expired_lines']})} s), expired counter "
+            f"+{r['producer_expired_counter_delta']}; producer error lines "
+            f"{sum(len(x) for x in r['producer_error_lines'])}"
+        )
+        out.append(
+            f"  {key}: restarted decoder ready {rs['ready_s_after_kill']} s after the kill, "
+            f"reference tokens equal to before the kill {rs['tokens_equal_before_kill']} in "
+            f"{rs['seconds']} s, external prefix-cache hits {rs['external_hits']:.0f}"
+        )
+    return out
+
+
 def main(argv: list[str]) -> int:
     folder = Path(argv[1] if len(argv) > 1 else "docs/results")
     lines = load_lines(_load(folder, "load"))
     lines += lost_lines("lost_stage", _load(folder, "lost_stage"))
     lines += lost_lines("lost_stage_control", _load(folder, "lost_stage_control"))
+    if (folder / "reliability_gpu_lost_stage_stock.json").exists():
+        lines += lost_lines("lost_stage_stock", _load(folder, "lost_stage_stock"))
     lines += pd_lines(_load(folder, "pd_kill"))
+    if (folder / "reliability_gpu_pd_decoder_kill.json").exists():
+        lines += pd_decoder_lines(_load(folder, "pd_decoder_kill"))
     print("\n".join(lines))
     return 0
 

@@ -4,6 +4,7 @@ tests)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import threading
 import time
@@ -150,3 +151,17 @@ def spec_config(models, **extra) -> dict:
     cfg = {"method": "dspark", "model": models.draft}
     cfg.update(extra)
     return cfg
+
+
+def pd_fault_args() -> list[str]:
+    """``vllm serve`` arguments of both sides of the PD fault groups (``pd_kill``,
+    ``pd_decoder_kill``): the trained pair, 512 tokens, CUDA graphs, async scheduling, a small
+    share of the GPU (eager float32 on the CPU dry run)."""
+    if DRYRUN_CPU:
+        return ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+                "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
+    return [
+        "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
+        "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(512 << 20),
+        "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG), "--async-scheduling",
+    ]  # fmt: skip

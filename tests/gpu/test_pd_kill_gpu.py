@@ -38,6 +38,7 @@ fails there by design.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -45,7 +46,6 @@ import signal
 import tempfile
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,24 +53,12 @@ import pytest
 from gpu_common import (
     CPU_DRYRUN_ENV,
     DRYRUN_CPU,
-    GRAPH_COMPILATION_CONFIG,
-    PAIR_DTYPE,
+    pd_fault_args,
     require_cuda,
 )
-from support import pd_fault, served_load, tiny_pair
-from support.pd_run import mooncake_kv_config
-from support.reliability import stream_completion
+from support import pd_fault, pd_pair, served_load, tiny_pair
 
-from dspark_dev.metrics import parse_prometheus
-from dspark_dev.pd_proxy import decode_request, prefill_request, query_engine_id
-from dspark_dev.serve import (
-    GPU_CHILD_ENV,
-    Server,
-    free_port,
-    free_port_block,
-    http_json,
-    http_text,
-)
+from dspark_dev.serve import GPU_CHILD_ENV, http_text
 
 pytestmark = pytest.mark.gpu
 
@@ -80,32 +68,24 @@ READY_S = float(os.environ.get("DSPARK_PD_KILL_READY_S", "600" if DRYRUN_CPU els
 STOCK = os.environ.get("DSPARK_PD_KILL_STOCK", "0" if DRYRUN_CPU else "1") == "1"
 # group A and B: random prompts of 64-96 tokens + 300 <= 512
 LONG_TOKENS = 24 if DRYRUN_CPU else 300
-REF_TOKENS = 8 if DRYRUN_CPU else 48
 LOG_DIR = Path(
     os.environ.get("DSPARK_GPU_PD_KILL_LOGS") or tempfile.mkdtemp(prefix="dspark-pd-kill-")
 )
-COMMON = [
-    "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
-    "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(512 << 20),
-    "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG), "--async-scheduling",
-]  # fmt: skip
-if DRYRUN_CPU:
-    COMMON = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-              "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
+COMMON = pd_fault_args()
 BASE_ENV = {**GPU_CHILD_ENV, **CPU_DRYRUN_ENV} if DRYRUN_CPU else None
 
 
-def _kv_args(role: str, engine_id: str | None = None) -> list[str]:
-    if DRYRUN_CPU:  # no Mooncake on the CPU machine
-        return []
-    return ["--kv-transfer-config", json.dumps(mooncake_kv_config(role, engine_id))]
-
-
-MOONCAKE_COUNTERS = (
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:mooncake_num_failed_transfers_total",
-    "vllm:mooncake_num_failed_recvs_total",
-)
+SETUP = pd_pair.PairSetup(common=COMMON, base_env=BASE_ENV, dryrun=DRYRUN_CPU, bound_s=BOUND_S)
+# Optional (issue 28 item 3): the decoder's wait for a dead producer's answer to a pull is vLLM's
+# VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s (480 + 60 = 540 s by default). Setting this knob sets
+# that env var on the decoders (not the producers) and lets group B's clients wait until that
+# wait has ended plus 20 s, so the record shows what vLLM does when it ends. Unset: the run
+# recorded on 2026-12-04 (vLLM's default, B cut by its clients after BOUND_S).
+DECODER_ABORT_S = os.environ.get("DSPARK_PD_KILL_DECODER_ABORT_S")
+if DECODER_ABORT_S is not None:
+    SETUP.decoder_env[pd_pair.ABORT_ENV] = str(int(DECODER_ABORT_S))
+B_BOUND_S = BOUND_S if DECODER_ABORT_S is None else max(BOUND_S, int(DECODER_ABORT_S) + 80.0)
+Pair = functools.partial(pd_pair.Pair, setup=SETUP)
 
 
 def _prompts() -> dict[str, list[list[int]]]:
@@ -117,126 +97,6 @@ def _prompts() -> dict[str, list[list[int]]]:
         "A": randoms[:4],
         "B": randoms[4:],
     }
-
-
-class Pair:
-    """One producer + decoder over Mooncake (``spec`` None: no speculation)."""
-
-    def __init__(self, name: str, spec: dict | None, env: dict):
-        self.name, self.spec, self.env = name, spec, env
-        self.bport = free_port()
-        self.bootstrap = f"http://127.0.0.1:{self.bport}"
-        self.producers: list[Server] = []
-        self.engine_ids: list[str] = []
-        spec_args = ["--speculative-config", json.dumps(spec)] if spec else []
-        self.decoder = Server(
-            f"{name}-decoder",
-            tiny_pair.TARGET,
-            [*COMMON, *spec_args, *_kv_args("kv_consumer")],
-            env={**env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
-                 "VLLM_PORT": str(free_port_block())},
-            base_env=BASE_ENV,
-        )  # fmt: skip
-
-    def new_producer(self) -> Server:
-        n = len(self.producers)
-        engine_id = f"{self.name}-producer{n}-{uuid.uuid4().hex[:6]}"
-        spec_args = ["--speculative-config", json.dumps(self.spec)] if self.spec else []
-        env = {**self.env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bport),
-               "VLLM_PORT": str(free_port_block())}  # fmt: skip
-        if self.producers:  # the restart reuses the first one's compile cache
-            env["VLLM_CACHE_ROOT"] = self.producers[0].env["VLLM_CACHE_ROOT"]
-        p = Server(
-            f"{self.name}-producer{n}",
-            tiny_pair.TARGET,
-            [*COMMON, *spec_args, *_kv_args("kv_producer", engine_id)],
-            env=env,
-            base_env=BASE_ENV,
-        )  # fmt: skip
-        self.engine_ids.append(engine_id)
-        self.producers.append(p)
-        return p
-
-    def engine_id(self, deadline: float) -> str:
-        if DRYRUN_CPU:
-            return self.engine_ids[-1]
-        while True:
-            try:
-                return query_engine_id(self.bootstrap)
-            except Exception:  # noqa: BLE001 - not registered yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
-
-    def body(self, prompt: list[int], max_tokens: int) -> dict:
-        return {"model": tiny_pair.TARGET, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-
-    def prefill(self, producer: Server, prompt: list[int], max_tokens: int) -> dict:
-        tid = uuid.uuid4().hex
-        out = http_json(
-            producer.url + "/v1/completions",
-            prefill_request(self.body(prompt, max_tokens), tid),
-            timeout=60,
-        )
-        return {"tid": tid, "params": out.get("kv_transfer_params")}
-
-    def decode_body(self, prompt, max_tokens: int, pre: dict, engine_id: str) -> dict:
-        return decode_request(
-            self.body(prompt, max_tokens), pre["tid"], engine_id, self.bootstrap, pre["params"]
-        )
-
-    def stream(self, body: dict, box: list, i: int, started: threading.Event | None = None):
-        t0 = time.monotonic()
-        try:
-            r = stream_completion(
-                self.decoder.port,
-                body,
-                timeout_s=BOUND_S,
-                on_event=None if started is None else (lambda n: started.set()),
-            )
-        except Exception as e:  # noqa: BLE001 - what the client saw is the measurement
-            r = {"exception": f"{type(e).__name__}: {e}"}
-        r["seconds"] = round(time.monotonic() - t0, 1)
-        box[i] = r
-
-    def pd_greedy(self, producer: Server, prompts, engine_id: str) -> list[list[int]]:
-        def one(p):
-            pre = self.prefill(producer, p, REF_TOKENS)
-            out = http_json(
-                self.decoder.url + "/v1/completions",
-                self.decode_body(p, REF_TOKENS, pre, engine_id),
-                timeout=BOUND_S,
-            )
-            return list(out["choices"][0]["token_ids"])
-
-        with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
-            return list(ex.map(one, prompts))
-
-    def plain(self, prompt) -> tuple[list[int], float]:
-        t0 = time.monotonic()
-        out = http_json(
-            self.decoder.url + "/v1/completions", self.body(prompt, REF_TOKENS), timeout=BOUND_S
-        )
-        return list(out["choices"][0]["token_ids"]), round(time.monotonic() - t0, 1)
-
-    def counters(self) -> dict:
-        m = parse_prometheus(http_text(self.decoder.url + "/metrics"))
-        return {k: m.get(k, 0.0) for k in MOONCAKE_COUNTERS}
-
-    def stop(self) -> None:
-        for s in (*self.producers, self.decoder):
-            s.stop()
-            (LOG_DIR / f"{s.name}.log").write_text(_trimmed(s.log_text()))
-
-
-def _trimmed(text: str, keep: int = 300) -> str:
-    lines = text.splitlines()
-    if len(lines) <= 3 * keep:
-        return text
-    errs = served_load.error_lines(text)[:200]
-    return "\n".join([*lines[:keep], "... [trimmed: error lines] ...", *errs,
-                      "... [trimmed: last lines] ...", *lines[-keep:]])  # fmt: skip
 
 
 def _restart(pair: Pair, prompts, ref_tokens, old_id: str, deadline: float) -> dict:
@@ -315,7 +175,7 @@ def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
         b_threads = [
             threading.Thread(
                 target=pair.stream,
-                args=(pair.decode_body(p, LONG_TOKENS, pre, eid), b_box, i),
+                args=(pair.decode_body(p, LONG_TOKENS, pre, eid), b_box, i, None, B_BOUND_S),
                 daemon=True,
             )
             for i, (p, pre) in enumerate(zip(pr["B"], b_pre, strict=True))
@@ -329,7 +189,7 @@ def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded and asserted
             rec["plain_after_error"] = f"{type(e).__name__}: {e}"
         for t in (*a_threads, *b_threads):
-            t.join(timeout=BOUND_S + 30)
+            t.join(timeout=B_BOUND_S + 30)
         rec["threads_left"] = sum(t.is_alive() for t in (*a_threads, *b_threads))
         rec["groups_ended_s"] = round(time.monotonic() - t_kill, 1)
         rec["A"] = [pd_fault.outcome(x or {"exception": "no result"}, LONG_TOKENS) for x in a_box]
@@ -354,7 +214,7 @@ def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
         if "error" in rec:
             rec["log_tails"] = {s.name: s.log_text()[-2500:] for s in (*pair.producers,
                                                                        pair.decoder)}  # fmt: skip
-        pair.stop()
+        pair.stop(LOG_DIR)
     return rec
 
 
@@ -379,6 +239,8 @@ def pd_kill():
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wall_s": round(time.monotonic() - t0, 1),
         "bound_s": BOUND_S,
+        "b_bound_s": B_BOUND_S,
+        "decoder_abort_s": DECODER_ABORT_S,
         "ours": ours,
         "stock": stock,
     }

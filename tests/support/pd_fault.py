@@ -65,3 +65,30 @@ def connector_lines(log_text: str, limit: int = 30) -> list[str]:
         if _LEVEL.search(ln) and _CONNECTOR.search(ln)
     ]
     return out[:limit]
+
+
+# What vLLM 0.34.0's Mooncake producer logs when it frees the KV of a request that no decoder
+# pulled within VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (mooncake_connector.py,
+# fetch_finished_sending_reqs; without a kv_lease_duration): the producer's request id and the
+# timeout in seconds.
+_EXPIRED = re.compile(r"Request (\S+) timed out after (\d+) seconds without being sent")
+
+
+def expired_requests(log_text: str) -> list[tuple[str, int]]:
+    """(producer request id, timeout s) of each request whose KV the producer freed because no
+    decoder pulled it, in log order."""
+    return [(m.group(1), int(m.group(2))) for m in _EXPIRED.finditer(log_text)]
+
+
+def first_zero(samples: list[tuple[float, float | None]]) -> float | None:
+    """The time of the first sample reading 0 after one read above 0 (KV usage polled as
+    ``(seconds, usage)``): when held KV was freed; None if it never was (or never held)."""
+    held = False
+    for t, value in samples:
+        if value is None:
+            continue
+        if value > 0:
+            held = True
+        elif held:
+            return t
+    return None

@@ -198,3 +198,89 @@ def test_stream_completion_reports_each_event_to_its_caller():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_expired_requests_read_the_producers_free_lines():
+    log = "\n".join([
+        "(EngineCore pid=7) INFO 12-04 16:00:00 [core.py:1] step",
+        "(EngineCore pid=7) WARNING 12-04 16:00:45 [mooncake_connector.py:2565] Request "
+        "cmpl-b1-0 timed out after 45 seconds without being sent. Freeing its blocks on the "
+        "producer side.",
+        "(EngineCore pid=7) WARNING 12-04 16:00:46 [mooncake_connector.py:2571] KV lease of "
+        "request cmpl-b2-0 expired before the decoder pulled it.",
+        "(EngineCore pid=7) WARNING 12-04 16:00:46 [mooncake_connector.py:2565] Request "
+        "cmpl-b3-0 timed out after 480 seconds without being sent. Freeing its blocks ...",
+    ])  # fmt: skip
+    assert pd_fault.expired_requests(log) == [("cmpl-b1-0", 45), ("cmpl-b3-0", 480)]
+    assert pd_fault.expired_requests("no such line") == []
+
+
+def test_first_zero_is_the_free_after_a_hold_not_an_empty_start():
+    assert pd_fault.first_zero([(0.0, 0.003), (1.0, None), (2.0, 0.003), (3.1, 0.0)]) == 3.1
+    assert pd_fault.first_zero([(0.0, 0.0), (1.0, 0.0)]) is None  # nothing was ever held
+    assert pd_fault.first_zero([(0.0, 0.0), (1.0, 0.002), (2.0, 0.002)]) is None  # still held
+    assert pd_fault.first_zero([]) is None
+
+
+def test_the_mooncake_timeouts_the_pd_fault_groups_state_are_vllms(monkeypatch):
+    """docs/results/reliability.md (limit 4) and tests/gpu/test_pd_*_kill_gpu.py state vLLM
+    0.34.0's Mooncake waits: a producer frees unpulled KV after
+    VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (480 s by default), with the line expired_requests
+    reads; a decoder waits that + 60 s for a dead producer's answer."""
+    import importlib.util
+    from pathlib import Path
+
+    import vllm.envs as envs
+    from support import pd_pair
+
+    monkeypatch.delenv(pd_pair.ABORT_ENV, raising=False)
+    assert getattr(envs, pd_pair.ABORT_ENV) == 480
+    monkeypatch.setenv(pd_pair.ABORT_ENV, "30")
+    assert getattr(envs, pd_pair.ABORT_ENV) == 30
+    spec = importlib.util.find_spec("vllm.distributed.kv_transfer.kv_connector.v1.mooncake")
+    src = (Path(spec.submodule_search_locations[0]) / "mooncake_connector.py").read_text()
+    assert "(envs.VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60) * 1000" in src  # the pull's RCVTIMEO
+    # the producer's warning, its format string split over two literals in the source
+    assert '"Request %s timed out after %d seconds without "' in src
+    assert '"being sent. Freeing its blocks on the producer side."' in src
+    assert '"kv_lease_duration"' in src
+
+
+def test_reliability_figures_print_the_decoder_kill_and_the_stock_lost_stage(tmp_path):
+    """tools/reliability_gpu_figures.py prints the two groups built after the recorded GPU run
+    from their JSON when present (the figures of reliability.md rows 3b stock and 3e)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "reliability_gpu_figures", root / "tools" / "reliability_gpu_figures.py"
+    )
+    fig = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fig)
+    side = {
+        "A": [{"kind": "closed", "detail": "ended after 40 of 300 tokens (no [DONE])",
+               "seconds": 3.1}] * 4,
+        "tally": {"A": {"closed": 4}}, "a_streaming_before_kill": 4, "a_running_at_kill": 4,
+        "decoder0_rc": -9, "decoder0_group_left": [], "producer_alive": True,
+        "producer_health_failures": 0, "producer_kv_at_kill": 0.0031,
+        "b_prefilled_s_before_kill": 0.4, "kv_freed_s_after_kill": 45.2,
+        "kv_freed_s_after_b_prefill": 45.6, "producer_expired_lines": [["r1", 45]] * 4,
+        "producer_expired_counter_delta": 4.0, "producer_error_lines": [[]],
+        "restart": {"ready_s_after_kill": 70.0, "tokens_equal_before_kill": True,
+                    "seconds": 0.4, "external_hits": 54.0},
+    }  # fmt: skip
+    d = {"date": "d", "hold_s": 45, "bound_s": 40.0, "wall_s": 230.0, "ours": side,
+         "stock": {"skipped": "DSPARK_PD_DKILL_STOCK=0"}}  # fmt: skip
+    lines = fig.pd_decoder_lines(d)
+    text = "\n".join(lines)
+    assert "producer KV usage 0.31 % at the kill" in text
+    assert "back to 0 45.2 s after the kill = 45.6 s after B's prefills" in text
+    assert "expired lines 4 ([45] s), expired counter +4.0" in text
+    assert "external prefix-cache hits 54" in text and "stock: DSPARK_PD_DKILL_STOCK=0" in text
+    lost = {"control": False, "stock": True, "named": False, "exit_s": 62.0, "rc": 0,
+            "nodes_exit_s": 64.0, "head_group_left": [], "other_nodes_running": [],
+            "timeout_line": "TimeoutError: RPC call to sample_tokens timed out.",
+            "clients": [{"error": "x", "token_ids": [1] * 9}] * 8}  # fmt: skip
+    (line,) = fig.lost_lines("lost_stage_stock", lost)
+    assert "stock=True, node 0 exit 62.0 s" in line and "stage named False" in line

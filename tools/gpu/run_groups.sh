@@ -17,11 +17,14 @@
 #         allocator, beside producer_kv: its context KV bitwise equal to the full drafter's, and
 #         producer_mla: the DeepSeek-V4 / Kimi-K3 context-only drafters on CUDA),
 #         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control),
-#         lost_stage / lost_stage_control (issue 28 case 3b: PP rank 1 killed across two launchers;
-#         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off),
+#         lost_stage / lost_stage_control / lost_stage_stock (issue 28 case 3b: PP rank 1 killed
+#         across two launchers; tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer
+#         watch off, stock vLLM without the plugin and without speculation),
 #         load (issue 28 case 1: vllm bench serve against PP=2 DSpark on two launchers, three runs;
 #         tests/gpu/test_load_gpu.py), pd_kill (issue 28 case 3, PD part: the DSpark prefiller
-#         SIGKILLed with transfers pending; tests/gpu/test_pd_kill_gpu.py).
+#         SIGKILLed with transfers pending; tests/gpu/test_pd_kill_gpu.py), pd_decoder_kill (issue
+#         28 case 3, PD part: the decoder SIGKILLed while the producer holds KV for it, then
+#         restarted; tests/gpu/test_pd_decoder_kill_gpu.py).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -116,12 +119,13 @@ for g in "$@"; do
     DSPARK_GPU_PP_LOGS="$ART/pp_adaptive" DSPARK_GPU_PP_READY_S=${DSPARK_GPU_ADAPTIVE_READY_S:-$((BUDGET - 200))} \
       run_group "$g" tests/gpu/test_pp_adaptive_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
-  lost_stage | lost_stage_control)
+  lost_stage | lost_stage_control | lost_stage_stock)
     # result.json and both launchers' logs come back in artifacts.tgz (at most 8 files come back
     # from the GPU machine: one folder per group would pass that); the summary is in $g.log.
     mkdir -p "$ART/$g"
     DSPARK_GPU_LOST_STAGE_LOGS="$ART/$g" DSPARK_GPU_PP_READY_S=${DSPARK_GPU_LOST_STAGE_READY_S:-$((BUDGET - 200))} \
       DSPARK_GPU_LOST_STAGE_CONTROL=$([ "$g" = lost_stage_control ] && echo 1 || echo 0) \
+      DSPARK_GPU_LOST_STAGE_STOCK=$([ "$g" = lost_stage_stock ] && echo 1 || echo 0) \
       run_group "$g" tests/gpu/test_pp_lost_stage_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   load)
@@ -137,7 +141,13 @@ for g in "$@"; do
       DSPARK_PD_KILL_READY_S=${DSPARK_PD_KILL_READY_S:-$((BUDGET * 6 / 10))} \
       run_group "$g" tests/gpu/test_pd_kill_gpu.py --timeout=$((BUDGET - 5)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, dsv4_router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, load, pd_kill)" ;;
+  pd_decoder_kill)
+    mkdir -p "$ART/pd_decoder_kill"
+    DSPARK_GPU_PD_DKILL_LOGS="$ART/pd_decoder_kill" DSPARK_PD_DKILL_BUDGET_S=$((BUDGET - 10)) \
+      DSPARK_PD_DKILL_READY_S=${DSPARK_PD_DKILL_READY_S:-$((BUDGET * 55 / 100))} \
+      run_group "$g" tests/gpu/test_pd_decoder_kill_gpu.py --timeout=$((BUDGET - 5)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, dsv4_router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, lost_stage_stock, load, pd_kill, pd_decoder_kill)" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
@@ -172,5 +182,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|producer KV: |restarted decoder: |memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80
