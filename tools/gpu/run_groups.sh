@@ -19,7 +19,9 @@
 #         tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer watch off),
 #         load (issue 28 case 1: vllm bench serve against PP=2 DSpark on two launchers, three runs;
 #         tests/gpu/test_load_gpu.py), pd_kill (issue 28 case 3, PD part: the DSpark prefiller
-#         SIGKILLed with transfers pending; tests/gpu/test_pd_kill_gpu.py).
+#         SIGKILLed with transfers pending; tests/gpu/test_pd_kill_gpu.py), sampling (issue 28 case 4:
+#         PP=2 DSpark's sampling against the target's distribution, with power against temperature
+#         0.8; tests/gpu/test_sampling_gpu.py; its JSON in OUTDIR/sampling).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -132,7 +134,12 @@ for g in "$@"; do
       DSPARK_PD_KILL_READY_S=${DSPARK_PD_KILL_READY_S:-$((BUDGET * 6 / 10))} \
       run_group "$g" tests/gpu/test_pd_kill_gpu.py --timeout=$((BUDGET - 5)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, load, pd_kill)" ;;
+  sampling)
+    mkdir -p "$OUTDIR/sampling" "$ART/sampling" # the JSON comes back as is, the logs in artifacts.tgz
+    DSPARK_GPU_SAMPLING_OUT="$OUTDIR/sampling" DSPARK_GPU_SAMPLING_LOGS="$ART/sampling" DSPARK_GPU_SAMPLING_BUDGET_S=$((BUDGET - 20)) \
+      run_group "$g" tests/gpu/test_sampling_gpu.py --timeout=$((BUDGET - 5)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, load, pd_kill, sampling)" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
@@ -167,5 +174,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|sample under load|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|PP acceptance:|STOCK vLLM|sample under load|^sampling |PP=2 vs PP=1 DSpark|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80
