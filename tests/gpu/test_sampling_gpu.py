@@ -14,15 +14,26 @@ Two engines start together on GPU 0:
   deltas when the client falls behind, so tokens right after an accepted draft could not be found.)
 * ``pp1``: PP=1 DSpark (``vllm.LLM``), the temperature-1 wave only: seeded requests must give
   the same tokens and the same verification steps at PP=2 (case 4').
+* ``ref``: PP=1 without speculation, 64 seeded temperature-1 requests (one per prefix) with every
+  token's raw logprob: vLLM's served distribution, against which the transformers reference's
+  distance is measured (below).
 
 Float32, eager, synchronous scheduling, 256 sequences a step. The reference distribution is the
-target run by ``transformers`` in float32 with a float64 softmax (vLLM not involved), as on CPU;
-the served target is float32 too, so the two differ by float32 rounding only (see the JSON's
-``reference`` note). The first tokens and the tokens sampled right after an accepted draft token
-of the same verification step are mapped through it by the randomized PIT; Pearson's chi-square
-over 5 equiprobable bins, alpha 1e-3. Asserted: temperature 1 not rejected, both controls
-rejected, the exact power against temperature 0.8 at the sampled contexts and the realized n is
-at least 0.9, the bookkeeping (verification steps = vLLM's ``num_drafts``), PP=2 = PP=1.
+target run by ``transformers`` in float32 with a float64 softmax (vLLM not involved), as on CPU.
+The served target is float32 too, with vLLM's float32 matmul precision "highest" (pinned: no
+TF32), so the two differ by float32 rounding, relative 1e-6 or so. Why that cannot make the
+test reject: draws from a served distribution p mapped through a reference p' land in each PIT
+bin with a probability within sum |p - p'| = 2d of 1/5 (d the total variation distance), so the
+statistic's expected excess is at most n x 5 bins x (2d)^2 / (1/5) = 100 n d^2: 0.002 at
+n = 2,048 and d = 1e-4 (a hundred times float32 rounding), against a gap of 14.5 between the
+statistic's mean (4) and the critical value (18.5). (bfloat16 would differ by about 1e-2, a
+possible excess of 20: not used here for that reason.) The ``ref`` job measures d on 1,088
+contexts and the test asserts 100 n d^2 < 0.5 at the larger n. The first tokens and the tokens
+sampled right after an accepted draft token of the same verification step are mapped through it
+by the randomized PIT; Pearson's chi-square over 5 equiprobable bins, alpha 1e-3. Asserted:
+temperature 1 not rejected, both controls rejected, the exact power against temperature 0.8 at
+the sampled contexts and the realized n at least 0.9, the bookkeeping (verification steps =
+vLLM's ``num_drafts``), the reference's measured distance, PP=2 = PP=1.
 
     source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT sampling
 
@@ -33,6 +44,7 @@ counters, start-up and wave times, and the PP=1 / PP=2 comparison.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -40,7 +52,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_common import CPU_DRYRUN_ENV, DRYRUN_CPU, PAIR_DTYPE, Jobs, require_cuda
+from gpu_common import CPU_DRYRUN_ENV, DRYRUN_CPU, Jobs, require_cuda
 from support import tiny_pair
 from support.reliability import (
     GPU_SAMPLING_MAX_TOKENS,
@@ -49,6 +61,7 @@ from support.reliability import (
     SAMPLING_ALPHA,
     SAMPLING_BINS,
     SAMPLING_POWER,
+    continuation_probs,
     critical_value,
     pit_noncentrality_per_sample,
     pit_of_wave,
@@ -77,8 +90,10 @@ OUT_DIR = Path(os.environ.get("DSPARK_GPU_SAMPLING_OUT") or tempfile.mkdtemp(pre
 # the engines' logs (run_groups.sh: its artifacts.tgz, so that few files come back from the GPU)
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_SAMPLING_LOGS") or OUT_DIR)
 KV_BYTES = 1 << 30
+VOCAB = 448  # the pair's vocabulary: the ref job asks for every token's logprob
+REF_REQUESTS = 8 if DRYRUN_CPU else 64
 ENGINE = {  # node 0's vllm.LLM and node 1's `vllm serve` must agree on these
-    "dtype": "float32" if DRYRUN_CPU else PAIR_DTYPE,
+    "dtype": "float32",  # the reference's numerics (module docstring); not PAIR_DTYPE
     "max_model_len": 512,
     "max_num_seqs": 256,
     "max_num_batched_tokens": 4096,
@@ -100,7 +115,11 @@ def _cli(engine: dict) -> list[str]:
 def _env(rank: int) -> dict:
     if DRYRUN_CPU:
         return dict(CPU_DRYRUN_ENV)
-    return {**GPU_CHILD_ENV, **pp_launch.stage_env(rank, device="gpu", tag="sampling")}
+    return {
+        **GPU_CHILD_ENV,
+        **pp_launch.stage_env(rank, device="gpu", tag="sampling"),
+        "VLLM_FLOAT32_MATMUL_PRECISION": "highest",  # vLLM's default, pinned: no TF32
+    }
 
 
 def _waves() -> list[dict]:
@@ -172,6 +191,40 @@ def _pp1(waves: list[dict]) -> dict:
     return _check(run, "PP=1 DSpark")
 
 
+def _ref(waves: list[dict]) -> dict:
+    """PP=1 without speculation, the full next-token distribution (raw logprobs, every token of
+    the vocabulary) along REF_REQUESTS seeded temperature-1 requests: vLLM's own numbers for the
+    served target, to measure how far the transformers reference is from them."""
+    w = waves[0]
+    idx = list(range(0, REQUESTS, PER_PROMPT))[:REF_REQUESTS]  # one request per prefix
+    one = {"prompts": [w["prompts"][i] for i in idx], "sampling": [
+        {**w["sampling"][i], "logprobs": VOCAB} for i in idx]}  # fmt: skip
+    llm = {"model": tiny_pair.TARGET, "max_logprobs": VOCAB}
+    run = run_engine(
+        _engine_spec("ref", llm, [one]), timeout_s=BUDGET_S - 40, name="sampling-ref",
+        env=child_env(_env(0)), own_cache=True,
+    )  # fmt: skip
+    Path(LOG_DIR, "ref.log").write_text(run.log_text[-200_000:])
+    res = _check(run, "PP=1 without speculation (reference logprobs)")
+    got = res["waves"][0]
+    return {"prompts": one["prompts"], "tokens": got["tokens"], "logprobs": got["logprobs"]}
+
+
+def _reference_distance(ref: dict) -> dict:
+    """Total variation distance between vLLM's served distribution (the ``ref`` job) and the
+    transformers reference at the same contexts, and the largest excess it could add to the
+    statistic (module docstring: 100 n d^2, computed by the caller at the larger n)."""
+    tv = []
+    for prompt, toks, lps in zip(ref["prompts"], ref["tokens"], ref["logprobs"], strict=True):
+        mine = continuation_probs(prompt, [toks])[0]  # [M, vocab]
+        for j, pos in enumerate(lps):
+            served = torch.zeros(mine.shape[-1], dtype=torch.float64)
+            for t, lp in pos.items():
+                served[int(t)] = math.exp(lp)
+            tv.append(0.5 * float((served - mine[j]).abs().sum()))
+    return {"contexts": len(tv), "max_tv": max(tv), "mean_tv": sum(tv) / len(tv)}
+
+
 def _group_report(u: torch.Tensor) -> dict:
     res = uniformity_chi_square(u, SAMPLING_BINS)
     out = {"n": res["n"], "stat": round(res["stat"], 2), "p": res["p_value"]}
@@ -197,7 +250,7 @@ def _report(waves: list[dict], pp2: dict) -> dict:
         "startup_s": pp2.get("startup_s"),
         "config": pp2.get("config"),
         "reference": "transformers float32 on CPU, float64 softmax; served target "
-        f"{ENGINE['dtype']} (vLLM, eager)",
+        f"{ENGINE['dtype']} (vLLM, eager); distance measured: reference_distance",
     }
     for name in ("first", "after_accepted"):
         g: dict = {}
@@ -234,17 +287,23 @@ def sampling():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     waves = _waves()
-    jobs = Jobs(max_workers=2)
+    jobs = Jobs(max_workers=3)
     t0 = time.monotonic()
     try:
         jobs.submit("pp2", _pp2, waves)
         jobs.submit("pp1", _pp1, waves)
+        jobs.submit("ref", _ref, waves)
         pp2 = jobs.result("pp2", timeout=BUDGET_S)
         pp1 = jobs.result("pp1", timeout=BUDGET_S)
+        ref = jobs.result("ref", timeout=BUDGET_S)
     finally:
         jobs.shutdown()
     engines_s = round(time.monotonic() - t0, 1)
     report = _report(waves, pp2)
+    dist = _reference_distance(ref)
+    n_max = max(report[g]["T=1.0"]["n"] for g in ("first", "after_accepted"))
+    dist["max_excess_at_n"] = 100 * n_max * dist["max_tv"] ** 2
+    report["reference_distance"] = dist
     report["engines_s"] = engines_s
     report["analysis_s"] = round(time.monotonic() - t0 - engines_s, 1)
     mine, ref = pp2["waves"][0], pp1["waves"][0]
@@ -280,6 +339,17 @@ def test_pp2_dspark_samples_the_targets_distribution_and_rejects_the_controls(sa
     assert exact["p"] > SAMPLING_ALPHA, f"{group} tokens are not the target's distribution: {r}"
     assert c08["p"] < SAMPLING_ALPHA, f"{group}: the temperature-0.8 control was not rejected: {r}"
     assert c05["p"] < SAMPLING_ALPHA, f"{group}: the temperature-0.5 control was not rejected: {r}"
+
+
+def test_the_reference_is_the_served_targets_distribution(sampling):
+    """vLLM's served distribution (PP=1, no speculation, every token's raw logprob) against the
+    transformers reference at the same contexts: the largest excess their distance could add
+    to the statistic at this n must be far below the gap between its mean and the critical
+    value (14.5)."""
+    d = sampling["reference_distance"]
+    print(f"sampling reference: {d}")
+    assert d["contexts"] >= REF_REQUESTS * MAX_TOKENS, d
+    assert d["max_excess_at_n"] < 0.5, f"the reference is not the served target's: {d}"
 
 
 def test_the_selection_reads_every_verification_step(sampling):
