@@ -13,7 +13,8 @@ can hang up, the lost-stage measurement, and the statistics of the sampling-exac
   target's distributions, and Pearson's test of their uniformity; :func:`chi_square_sf` its
   p-value (regularized upper incomplete gamma from ``torch.special``: no scipy in the
   environment); :func:`pit_bin_probs_under`: the exact bin probabilities under an alternative,
-  for the power statement;
+  for the power statement; :func:`noncentral_chi_square_sf`, :func:`pit_noncentrality_per_sample`,
+  :func:`pit_power` and :func:`samples_for_power`: how many samples a power needs;
 * :func:`seeded_sampling_wave`, :func:`tokens_after_accepted_drafts`, :func:`pit_of_wave`: the
   seeded sampled waves of tests/e2e/test_sampling.py and what is tested of them.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -270,6 +272,54 @@ def critical_value(df: int, alpha: float) -> float:
     return hi
 
 
+def noncentral_chi_square_sf(stat: float, df: int, noncentrality: float) -> float:
+    """P(X >= stat) for X ~ noncentral chi-square(df, noncentrality): a Poisson(lambda / 2)
+    mixture of central chi-squares with df + 2j degrees of freedom (terms until the Poisson
+    tail is below 1e-12). The power of Pearson's test when the alternative's expected statistic
+    exceeds df by ``noncentrality``."""
+    half = noncentrality / 2.0
+    if half <= 0:
+        return chi_square_sf(stat, df)
+    total, j, weight_sum = 0.0, 0, 0.0
+    while weight_sum < 1.0 - 1e-12 and j < 10_000:
+        w = math.exp(-half + j * math.log(half) - math.lgamma(j + 1))
+        total += w * chi_square_sf(stat, df + 2 * j)
+        weight_sum += w
+        j += 1
+    return total
+
+
+def pit_noncentrality_per_sample(probs: torch.Tensor, temperature: float, bins: int) -> float:
+    """The noncentrality one sample adds to the PIT chi-square (``bins`` bins) when the tokens are
+    drawn at ``temperature`` from the contexts' distributions ``probs`` ``[K, vocab]`` but the
+    test maps them through ``probs``: ``bins * sum_b (pi_b - 1/bins) ** 2`` with ``pi`` the
+    exact bin probabilities under the alternative (:func:`pit_bin_probs_under`); times ``n`` it is
+    the statistic's expected excess over its degrees of freedom."""
+    q = torch.stack([tempered(row, temperature) for row in probs])
+    pi = pit_bin_probs_under(probs, q, bins)
+    return float(((pi - 1.0 / bins) ** 2 * bins).sum())
+
+
+def pit_power(n: int, per_sample: float, bins: int, alpha: float) -> float:
+    """The probability that the PIT chi-square at ``n`` samples rejects at ``alpha`` against an
+    alternative of noncentrality ``per_sample`` per sample."""
+    return noncentral_chi_square_sf(critical_value(bins - 1, alpha), bins - 1, n * per_sample)
+
+
+def samples_for_power(per_sample: float, bins: int, alpha: float, power: float) -> int:
+    """The smallest ``n`` at which :func:`pit_power` reaches ``power`` (bisection on n)."""
+    lo, hi = 1, 1
+    while pit_power(hi, per_sample, bins, alpha) < power:
+        hi *= 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pit_power(mid, per_sample, bins, alpha) >= power:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
 # ------------------------------------------------------------------ sampled continuations
 def continuation_probs(prefix: list[int], samples: list[list[int]]) -> torch.Tensor:
     """Target next-token distributions along each sampled continuation of ``prefix``:
@@ -343,6 +393,23 @@ def pit_bin_probs_under(probs: torch.Tensor, q: torch.Tensor, bins: int = 20) ->
 # accepts mostly at draft position 0, so the tokens closing an accepted block are those of steps
 # that accepted one or two drafts.
 SAMPLING_PREFIX_TOKENS = 3
+
+
+# The GPU run of case 4 (tests/gpu/test_sampling_gpu.py, group ``sampling``). Its size comes from
+# the CPU hand run's power statement (docs/results/reliability.md, "Case 4"): against temperature
+# 0.8 the noncentrality was 7.9 at n = 256 first tokens and 3.8 at n = 152 tokens right after an
+# accepted draft token, 0.031 and 0.025 per sample; Pearson's test over 5 bins at alpha 1e-3
+# reaches power 0.9 at a noncentrality of 27.6, so 898 and 1,108 samples
+# (:func:`samples_for_power`), 1,301 and 1,606 for power 0.99. 2,048 requests of 17 tokens (the
+# first token and two whole verification blocks at k = 7) give 2,048 first tokens and, at the CPU
+# run's rate per verification block, over 2,000 tokens after an accepted draft token.
+CPU_RUN_NONCENTRALITY_T08 = {"first": (7.9, 256), "after_accepted": (3.8, 152)}
+GPU_SAMPLING_REQUESTS = 2048
+GPU_SAMPLING_PER_PROMPT = 32  # 64 held-out prefixes
+GPU_SAMPLING_MAX_TOKENS = 17
+SAMPLING_ALPHA = 1e-3
+SAMPLING_BINS = 5
+SAMPLING_POWER = 0.9
 
 
 def seeded_sampling_wave(

@@ -121,3 +121,71 @@ def test_tokens_after_accepted_drafts_are_the_targets_but_each_blocks_last_is_no
     assert len(chosen) > 1000 and len(last) > 1000
     assert uniformity_chi_square(pit(chosen), 5)["p_value"] > 1e-3
     assert uniformity_chi_square(pit(last), 5)["p_value"] < 1e-6
+
+
+def test_noncentral_chi_square_matches_simulation_and_the_central_case():
+    """The power function against sums of squared shifted normals (the noncentral chi-square's
+    definition), and against the central case at noncentrality 0."""
+    from support.reliability import noncentral_chi_square_sf
+
+    assert abs(noncentral_chi_square_sf(9.488, 4, 0.0) - 0.05) < 1e-4
+    g = torch.Generator().manual_seed(3)
+    for lam in (5.0, 27.6):
+        z = torch.randn(200_000, 4, generator=g, dtype=torch.float64)
+        z[:, 0] += lam**0.5
+        x = (z**2).sum(-1)
+        for cut in (9.488, 18.467):
+            simulated = float((x >= cut).double().mean())
+            assert abs(noncentral_chi_square_sf(cut, 4, lam) - simulated) < 4e-3, (lam, cut)
+
+
+def test_the_gpu_runs_size_has_the_power_it_claims():
+    """The sample sizes behind tests/gpu/test_sampling_gpu.py: from the CPU run's noncentralities
+    at temperature 0.8, power 0.9 needs 898 first tokens and 1,108 tokens after an accepted draft
+    token; the GPU run's 2,048 requests exceed both."""
+    from support.reliability import (
+        CPU_RUN_NONCENTRALITY_T08,
+        GPU_SAMPLING_REQUESTS,
+        SAMPLING_ALPHA,
+        SAMPLING_BINS,
+        SAMPLING_POWER,
+        pit_power,
+        samples_for_power,
+    )
+
+    need = {
+        name: samples_for_power(lam / n, SAMPLING_BINS, SAMPLING_ALPHA, SAMPLING_POWER)
+        for name, (lam, n) in CPU_RUN_NONCENTRALITY_T08.items()
+    }
+    assert need == {"first": 898, "after_accepted": 1108}
+    for name, (lam, n) in CPU_RUN_NONCENTRALITY_T08.items():
+        per = lam / n
+        assert pit_power(need[name], per, SAMPLING_BINS, SAMPLING_ALPHA) >= SAMPLING_POWER
+        assert pit_power(need[name] - 1, per, SAMPLING_BINS, SAMPLING_ALPHA) < SAMPLING_POWER
+        assert pit_power(GPU_SAMPLING_REQUESTS, per, SAMPLING_BINS, SAMPLING_ALPHA) > 0.99
+
+
+def test_at_the_gpu_runs_size_the_test_accepts_the_target_and_rejects_temperature_0_8():
+    """Synthetic contexts harder than the pair's (vocabulary 448, top token about 0.70 of the
+    mass, noncentrality per sample at temperature 0.8 below the CPU run's 0.025): at the GPU run's
+    n, draws from the contexts' own distributions are not rejected, draws at temperature 0.8 and
+    0.5 are (the control)."""
+    from support.reliability import (
+        GPU_SAMPLING_REQUESTS,
+        SAMPLING_ALPHA,
+        SAMPLING_BINS,
+        pit_noncentrality_per_sample,
+    )
+
+    n = GPU_SAMPLING_REQUESTS
+    g = torch.Generator().manual_seed(11)
+    p = torch.softmax(torch.randn(n, 448, generator=g, dtype=torch.float64) * 7.0, -1)
+    assert pit_noncentrality_per_sample(p[:512], 0.8, SAMPLING_BINS) < 0.025
+    right = torch.multinomial(p, 1, generator=g).squeeze(-1)
+    got = uniformity_chi_square(randomized_pit(p, right, 4), SAMPLING_BINS)
+    assert got["p_value"] > SAMPLING_ALPHA, got
+    for t in (0.8, 0.5):
+        q = torch.stack([tempered(row, t) for row in p])
+        wrong = torch.multinomial(q, 1, generator=g).squeeze(-1)
+        got = uniformity_chi_square(randomized_pit(p, wrong, 4), SAMPLING_BINS)
+        assert got["p_value"] < SAMPLING_ALPHA, (t, got)

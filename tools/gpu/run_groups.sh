@@ -24,7 +24,9 @@
 #         tests/gpu/test_load_gpu.py), pd_kill (issue 28 case 3, PD part: the DSpark prefiller
 #         SIGKILLed with transfers pending; tests/gpu/test_pd_kill_gpu.py), pd_decoder_kill (issue
 #         28 case 3, PD part: the decoder SIGKILLed while the producer holds KV for it, then
-#         restarted; tests/gpu/test_pd_decoder_kill_gpu.py).
+#         restarted; tests/gpu/test_pd_decoder_kill_gpu.py), sampling (issue 28 case 4:
+#         PP=2 DSpark's sampling against the target's distribution, with power against temperature
+#         0.8; tests/gpu/test_sampling_gpu.py; its JSON in OUTDIR/sampling).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -147,7 +149,12 @@ for g in "$@"; do
       DSPARK_PD_DKILL_READY_S=${DSPARK_PD_DKILL_READY_S:-$((BUDGET * 55 / 100))} \
       run_group "$g" tests/gpu/test_pd_decoder_kill_gpu.py --timeout=$((BUDGET - 5)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, dsv4_router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, lost_stage_stock, load, pd_kill, pd_decoder_kill)" ;;
+  sampling)
+    mkdir -p "$OUTDIR/sampling" "$ART/sampling" # the JSON comes back as is, the logs in artifacts.tgz
+    DSPARK_GPU_SAMPLING_OUT="$OUTDIR/sampling" DSPARK_GPU_SAMPLING_LOGS="$ART/sampling" DSPARK_GPU_SAMPLING_BUDGET_S=$((BUDGET - 20)) \
+      run_group "$g" tests/gpu/test_sampling_gpu.py --timeout=$((BUDGET - 5)) &
+    ;;
+  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, dsv4_router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, lost_stage_stock, load, pd_kill, pd_decoder_kill, sampling)" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
@@ -182,5 +189,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|producer KV: |restarted decoder: |memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|producer KV: |restarted decoder: |sampling (first|after_accepted): n=|PP=2 vs PP=1 DSpark|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80
