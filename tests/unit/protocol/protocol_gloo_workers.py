@@ -155,10 +155,20 @@ HANDSHAKE_SCENARIOS = {
 
 
 def handshake_worker(
-    rank: int, world: int, port: int, names: list[str], timeout_s: float, queue
+    rank: int,
+    world: int,
+    port: int,
+    names: list[str],
+    timeout_s: float,
+    silent_timeout_s: float,
+    queue,
 ) -> None:
     """Run one PP start-up handshake per scenario (each in its own namespace, after a barrier); a
-    silent rank joins the group but never handshakes, like a rank without the plugin."""
+    silent rank joins the group but never handshakes, like a rank without the plugin: it goes
+    straight on to the next scenario's barrier, where it waits (alive, still in the group) until
+    the others have given up on it. Scenarios with a silent rank use ``silent_timeout_s`` (the
+    others wait it, plus the verdict grace where the last rank is silent); the rest
+    ``timeout_s``."""
     import time
 
     result = {"rank": rank, "scenarios": {}}
@@ -182,8 +192,8 @@ def handshake_worker(
             dist.barrier()
             out = {}
             t0 = time.monotonic()
+            timeout = silent_timeout_s if silent else timeout_s
             if rank in silent:
-                time.sleep(timeout_s + handshake.verdict_grace_s(timeout_s) + 1)
                 out["outcome"] = "silent"
             else:
                 try:
@@ -192,7 +202,7 @@ def handshake_worker(
                         rank_in_group=rank,
                         ranks=list(range(world)),
                         store=handshake.default_store(),
-                        timeout=timeout_s,
+                        timeout=timeout,
                         epoch=i + 1,
                     )
                     out["outcome"] = "ok"
@@ -200,6 +210,7 @@ def handshake_worker(
                     out.update(outcome="error", type=type(e).__name__, message=str(e))
             out["elapsed"] = time.monotonic() - t0
             result["scenarios"][name] = out
+        dist.barrier()  # a silent rank of the last scenario stays in the group until the end
     except Exception:
         result["error"] = traceback.format_exc()
     _report(queue, result)
