@@ -3,8 +3,9 @@
 The files are the groups' own outputs, copied unchanged: ``load.json`` (group ``load``),
 ``pd_kill.json`` (group ``pd_kill``), ``pd_decoder_kill.json`` (group ``pd_decoder_kill``) and the
 ``result.json`` of ``lost_stage``, ``lost_stage_control`` and ``lost_stage_stock``, under
-docs/results/reliability_gpu_*.json (``pd_decoder_kill`` and ``lost_stage_stock`` are printed
-when their file is there). Usage:
+docs/results/reliability_gpu_*.json, and ``sampling.json`` (group ``sampling``, case 4) as
+reliability_gpu_sampling.json (``pd_decoder_kill``, ``lost_stage_stock`` and ``sampling`` are
+printed when their file is there). Usage:
 
     python3 tools/reliability_gpu_figures.py [docs/results]
 """
@@ -128,7 +129,9 @@ def pd_decoder_lines(d: dict) -> list[str]:
     for key in ("ours", "stock"):
         r = d[key]
         if "skipped" in r or "error" in r:
-            out.append(f"  {key}: {r.get('skipped') or r.get('error')}")
+            # the error carries the server's log tail after its first line: the line says why
+            why = (r.get("skipped") or r.get("error") or "").splitlines()[0]
+            out.append(f"  {key}: not run: {why}")
             continue
         secs = sorted({x["seconds"] for x in r["A"]})
         details = sorted({x.get("detail", "") for x in r["A"]} - {""})
@@ -159,6 +162,53 @@ def pd_decoder_lines(d: dict) -> list[str]:
     return out
 
 
+def sampling_lines(d: dict) -> list[str]:
+    """Case 4 on the GPU: the PIT chi-square of the first tokens and of the tokens right after
+    an accepted draft token, at T = 1 (must not reject) and T = 0.8 / 0.5 (the controls)."""
+    spec = d["metrics"][0]
+    out = [
+        f"sampling: {d['requests']} requests x {d['max_tokens']} tokens ({d['prefixes']} "
+        f"prefixes), {d['bins']} bins, alpha {d['alpha']}, critical {d['critical']}; "
+        f"PP={d['config']['pipeline_parallel_size']} {d['config']['spec_method']} "
+        f"k={d['config']['num_speculative_tokens']}, {d['config']['dtype']}, eager "
+        f"{d['config']['enforce_eager']}, async {d['config']['async_scheduling']}; start-up "
+        f"{d['startup_s']} s, waves {' / '.join(str(x) for x in d['wave_s'])} s (T = 1 / 0.8 / "
+        f"0.5), engines {d['engines_s']} s, analysis {d['analysis_s']} s",
+        f"  T=1 wave: verification steps {d['verification_steps']:,} (num_drafts "
+        f"{spec['num_drafts']:,}), accepted draft tokens {spec['num_accepted_tokens']:,} (per "
+        f"position {spec['accepted_per_pos']}), {d['accepted_in_output']:,} of them in the output",
+    ]
+    for group in ("first", "after_accepted"):
+        g = d[group]
+        parts = []
+        for t in ("1.0", "0.8", "0.5"):
+            x = g[f"T={t}"]
+            parts.append(
+                f"T={t}: n {x['n']}, stat {x['stat']}, p {x['p']:.3g}, bins "
+                + " ".join(str(b) for b in x["observed"])
+            )
+        nc, pw = g["noncentrality_per_sample"], g["power_at_n"]
+        n1 = g["T=1.0"]["n"]
+        out.append(f"  {group}: " + "; ".join(parts))
+        out.append(
+            f"  {group}: noncentrality at n={n1} vs 0.8 {nc['0.8'] * n1:.1f}, vs 0.5 "
+            f"{nc['0.5'] * n1:.1f}; power at n vs 0.8 {pw['0.8']:.4f}, vs 0.5 {pw['0.5']:.4f}"
+        )
+    rd = d["reference_distance"]
+    out.append(
+        f"  reference vs vLLM's served target: {rd['contexts']:,} contexts, max TV "
+        f"{rd['max_tv']:.2e}, mean TV {rd['mean_tv']:.2e}, bound on the added statistic "
+        f"(100 n d^2) {rd['max_excess_at_n']:.4f}"
+    )
+    pp = d["pp2_vs_pp1"]
+    out.append(
+        f"  seeded PP=2 vs PP=1 DSpark: {pp['differing']}/{pp['requests']} differ, same step "
+        f"lengths {pp['same_step_lengths']}, same counters "
+        f"{pp['pp1_metrics'] == pp['pp2_metrics']}; PP=1 start-up {pp['pp1_startup_s']} s"
+    )
+    return out
+
+
 def main(argv: list[str]) -> int:
     folder = Path(argv[1] if len(argv) > 1 else "docs/results")
     lines = load_lines(_load(folder, "load"))
@@ -169,6 +219,8 @@ def main(argv: list[str]) -> int:
     lines += pd_lines(_load(folder, "pd_kill"))
     if (folder / "reliability_gpu_pd_decoder_kill.json").exists():
         lines += pd_decoder_lines(_load(folder, "pd_decoder_kill"))
+    if (folder / "reliability_gpu_sampling.json").exists():
+        lines += sampling_lines(_load(folder, "sampling"))
     print("\n".join(lines))
     return 0
 
