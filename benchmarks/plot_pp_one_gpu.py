@@ -312,6 +312,7 @@ def exchange_rows(merged: dict) -> list[dict]:
                     "x_wait_ms": med.get("x_wait_ms"),
                     "stall_ms": stall,
                     "step_ms": step,
+                    "draft_ms": ((summ.get("main") or {}).get("draft_ms")),
                     "stall_share": x.get("stall_share"),
                 }
             )
@@ -340,6 +341,22 @@ def goal_e(xrows: list[dict]) -> dict:
     return {"per_c": per_c, "verdict": verdict}
 
 
+def goal_e_by_stage(xrows: list[dict]) -> dict[int, dict[int, dict]]:
+    """Per C >= 8 and PP rank, the largest stall share over the configurations and the largest
+    draft ms of that rank's main batch: the first stage's share is its stall on the last
+    stage's tokens (it holds the last stage's forward and draft, the bubble), the last stage's
+    is its stall on the activations (the wire, plus what the first stage had not finished)."""
+    out: dict[int, dict[int, dict]] = {}
+    for r in xrows:
+        if r["c"] < GOAL_E_MIN_C or r["stall_share"] is None:
+            continue
+        cur = out.setdefault(r["c"], {}).setdefault(r["rank"], {"share": 0.0, "draft_ms": None})
+        cur["share"] = max(cur["share"], r["stall_share"])
+        if r.get("draft_ms") is not None:
+            cur["draft_ms"] = max(cur["draft_ms"] or 0.0, r["draft_ms"])
+    return {c: dict(sorted(v.items())) for c, v in sorted(out.items())}
+
+
 def exchange_section(merged: dict) -> list[str]:
     xr = exchange_rows(merged)
     if not xr:
@@ -358,8 +375,8 @@ def exchange_section(merged: dict) -> list[str]:
         "wait comes before the step's window and is not in the share).",
         "",
         "| configuration | C | rank | batch | sent B | recv B (rows) | tok B | act wait ms | "
-        "ready ms | host ms | bcast ms | tok wait ms | step ms | share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "ready ms | host ms | bcast ms | tok wait ms | draft ms | step ms | share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in xr:
         rows = _f(r["pp_recv_rows"], " ({:.0f})")
@@ -368,7 +385,8 @@ def exchange_section(merged: dict) -> list[str]:
             f"{r['pp_recv_bytes']}{'' if rows == '-' else rows} | {r['x_bytes']} | "
             f"{_f(r['pp_recv_wait_ms'], '{:.3f}')} | {_f(r['pp_recv_ready_ms'], '{:.3f}')} | "
             f"{_f(r['pp_recv_host_ms'], '{:.3f}')} | {_f(r['x_bcast_ms'], '{:.3f}')} | "
-            f"{_f(r['x_wait_ms'], '{:.3f}')} | {_f(r['step_ms'], '{:.3f}')} | "
+            f"{_f(r['x_wait_ms'], '{:.3f}')} | {_f(r.get('draft_ms'), '{:.3f}')} | "
+            f"{_f(r['step_ms'], '{:.3f}')} | "
             f"{_f(r['stall_share'], '{:.1%}')} |"
         )
     g = goal_e(xr)
@@ -379,6 +397,29 @@ def exchange_section(merged: dict) -> list[str]:
         f"{GOAL_E_MIN_C}, judged on the upper bound, largest share over ranks and "
         f"configurations): **{g['verdict']}**" + (f"; {per}" if per else "") + ".",
     ]
+    by_stage = goal_e_by_stage(xr)
+    if by_stage:
+        parts = []
+        for c, ranks in by_stage.items():
+            last = max(ranks)
+            each = ", ".join(
+                f"rank {rk} {v['share']:.1%}"
+                + (f" (draft {v['draft_ms']:.2f} ms)" if v["draft_ms"] is not None else "")
+                for rk, v in ranks.items()
+            )
+            parts.append(
+                f"C={c}: {each}; last stage (rank {last}) "
+                f"{'met' if ranks[last]['share'] < GOAL_E_SHARE else 'missed'}"
+            )
+        lines += [
+            "",
+            "By stage (largest share over the configurations at each C >= "
+            f"{GOAL_E_MIN_C}; *draft* = the rank's draft ms per step, the last stage's is the "
+            "bubble the first stage waits on): " + "; ".join(parts) + ". The first stage's "
+            "share is its stall on the last stage's tokens, which holds the last stage's "
+            "forward and draft; the last stage's is its stall on the activations, which holds "
+            "the wire and whatever of the first stage's forward had not finished.",
+        ]
     return lines
 
 

@@ -202,6 +202,27 @@ def test_goal_e_verdict_and_table_from_a_recorded_sample(tmp_path, share16, verd
     assert "**Goal (e)**" in md and f"**{verdict}**; C=8: met (1.0%)" in md
 
 
+def test_goal_e_by_stage_splits_the_ranks_and_names_the_last_stage_draft(tmp_path):
+    pts = []
+    for c, share in ((4, 0.5), (16, 0.4)):
+        p = serve_point("pp2_dspark", 3.99, c, 100.0 * c, measured=3.9)
+        last = _xsumm(c // 2, 0.02)
+        last["main"]["draft_ms"] = 3.5
+        p["step_times"] = [_xsumm(c // 2, share), last]
+        pts.append(p)
+    f = tmp_path / "serve_pp_one_gpu_pp2.json"
+    f.write_text(json.dumps(serve_run(pts, concurrency=(4, 16))))
+    merged = plot.merge(plot.load([str(f)]))
+    rows = plot.exchange_rows(merged)
+    assert [r["draft_ms"] for r in rows] == [None, 3.5, None, 3.5]
+    by = plot.goal_e_by_stage(rows)
+    assert list(by) == [16]  # C=4 is below the goal's range
+    assert by[16] == {0: {"share": 0.4, "draft_ms": None}, 1: {"share": 0.02, "draft_ms": 3.5}}
+    md = "\n".join(plot.exchange_section(merged))
+    assert "**missed**; C=16: missed (40.0%)" in md  # the verdict still takes every rank
+    assert "C=16: rank 0 40.0%, rank 1 2.0% (draft 3.50 ms); last stage (rank 1) met" in md
+
+
 # --------------------------------------------------------------------------- goal (e) estimated
 pp_projection = load_script("benchmarks/pp_projection.py")
 
