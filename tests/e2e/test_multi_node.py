@@ -15,7 +15,7 @@ the start-up handshake runs across the two launchers over that store.
 * node 1 without the plugin (``VLLM_PLUGINS`` leaves it out): node 0 fails at start with the
   handshake's message naming PP rank 1, within the handshake timeout plus its grace period;
 * node 1 with another ``num_speculative_tokens``: both fail at start, the message names the ranks
-  and the field.
+  and the field (opt-in, ``DSPARK_E2E_FULL=1``: the skip reason names what covers it in CI).
 
 **Ray** (``--distributed-executor-backend ray``): cannot run on the CPU platform of vLLM 0.34.0;
 the test says why and is skipped (see its docstring).
@@ -129,6 +129,12 @@ def test_node_without_plugin_fails_at_start_naming_the_rank(tmp_path):
     assert "PP handshake" not in log1  # node 1 really ran without the plugin
 
 
+@pytest.mark.e2e_full(
+    covered_by="tests/unit/protocol/test_protocol_handshake.py::"
+    "test_mismatched_k_fails_every_rank (the handshake's k check and message, 3 gloo ranks); "
+    "the handshake across two launchers: test_two_launchers_pp2_dspark_parity and "
+    "test_node_without_plugin_fails_at_start_naming_the_rank"
+)
 def test_nodes_disagreeing_on_k_fail_at_start(tmp_path):
     spec1 = dict(tiny_pair.spec_config(), num_speculative_tokens=5)
     env = {handshake.TIMEOUT_ENV: str(HANDSHAKE_TIMEOUT_S)}

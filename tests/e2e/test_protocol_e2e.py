@@ -1,7 +1,8 @@
 """PP=2 generation on the CPU platform through the patched PP exchange (fixed-width aligned
 broadcasts, draft broadcast, handshake, fixed DSpark graph batch) stays lossless under async
 scheduling, with a request aborted mid-stream; and the same abort under synchronous scheduling
-(no fixed graph batch), the case the old ``test_pp2_dspark_abort_mid_stream`` covered.
+(no fixed graph batch), the case the old ``test_pp2_dspark_abort_mid_stream`` covered (opt-in,
+``DSPARK_E2E_FULL=1``; the skip reason names what covers it in CI).
 
 Random-weight pair (k=3, ``dspark_pp_fixed_graph_batch`` 4; 6 requests, one aborted), against the
 shared PP=1 no-spec reference
@@ -20,7 +21,22 @@ pytestmark = pytest.mark.e2e
 ABORTED = 2
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"], ids=["async-fixed-batch", "sync"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("async", id="async-fixed-batch"),
+        pytest.param(
+            "sync",
+            id="sync",
+            marks=pytest.mark.e2e_full(
+                covered_by="[async-fixed-batch] (the same abort, PP=2, chunked) and PP=2 "
+                "synchronous scheduling: tests/e2e/test_pp_parity.py::"
+                "test_pp_dspark_sync_scheduling_is_lossless[2] (trained pair, chunked prefill) "
+                "and test_pp2_dspark_sync_without_chunked_prefill_is_lossless"
+            ),
+        ),
+    ],
+)
 def test_pp2_dspark_with_an_abort_is_lossless(tiny_models, e2e_timeout_s, random_reference, mode):
     spec = {
         "method": "dspark",
