@@ -1,4 +1,5 @@
-"""Adaptive verification in the served-curve benchmark (issue 30, item 4).
+"""Adaptive verification in the served-curve benchmark (issue 30, item 4), and the record of
+the one-GPU test group ``pp_adaptive`` (issue 30, item 3: ``gpu-record`` below).
 
 benchmarks/serve_pp_one_gpu.py's configurations ``pp1_dspark_adaptive`` and
 ``pp2_dspark_adaptive`` are ``pp1_dspark`` / ``pp2_dspark`` with
@@ -16,7 +17,13 @@ Verified draft tokens per step come from the benchmark hooks' step timers (every
 
 from __future__ import annotations
 
+import argparse
+import ast
+import json
+import re
 import statistics
+import sys
+from pathlib import Path
 
 from dspark_bench_hooks import CONFIDENCES_ENV
 
@@ -203,3 +210,163 @@ def adaptive_markdown(rows: dict, merged: dict) -> list[str]:
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+# --------------------------------------------------------------------------- the GPU test's record
+# tests/gpu/test_pp_adaptive_one_gpu.py (group pp_adaptive): its pytest log and the launchers'
+# logs (one per deployment and node, the ADAPTIVE_PROBE lines of tests/support/adaptive_probe).
+PROBE = re.compile(r"ADAPTIVE_PROBE pid=(\d+) verify_steps=(\d+) verified_drafts=(\d+)")
+HANDSHAKE = re.compile(r"PP handshake: (\d+) ranks agree \(([^)]*)\)")
+DISAGREE = "stages disagree on the (adaptive verification) batch shape"
+DISAGREE_LINE = re.compile(r"(vllm-dspark-pp: PP stage .*?batch shape)")
+PARITY = re.compile(r"verify steps (\d+), drafts verified (\d+) of (\d+); (\{.*\})")
+CONTROL = re.compile(r"control: (.+?) after ([\d.]+) s")
+OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (\S+::\S+)", re.M)
+SUMMARY = re.compile(r"^=+ (.*?) in ([\d.]+)s", re.M)
+TEST_CONST = re.compile(r"^(NUM_PROMPTS|MAX_TOKENS|CONTROL_FAIL_S) = ([\d.]+)", re.M)
+
+
+def probe_totals(text: str, k: int | None) -> dict[str, dict]:
+    """Per process (pid): verify steps, drafts verified, and the steps where fewer than ``k``
+    drafts were verified (1-based step, drafts verified in it). The probe prints a running total
+    after every verify step; with one request in flight a step schedules ``k`` drafts."""
+    seqs: dict[str, list[tuple[int, int]]] = {}
+    for pid, steps, verified in PROBE.findall(text):
+        seqs.setdefault(pid, []).append((int(steps), int(verified)))
+    out = {}
+    for pid, seq in seqs.items():
+        trimmed, prev = [], 0
+        for step, total in seq:
+            if k is not None and total - prev < k:
+                trimmed.append([step, total - prev])
+            prev = total
+        out[pid] = {"verify_steps": seq[-1][0], "verified_drafts": seq[-1][1], "trimmed": trimmed}
+    return out
+
+
+def _handshake(text: str) -> dict | None:
+    m = HANDSHAKE.search(text)
+    if not m:
+        return None
+    fields = {}
+    for f in m.group(2).split(", "):  # "protocol 2", "k=7", "adaptive verification True"
+        key, _, val = f.partition("=") if "=" in f else f.rpartition(" ")
+        fields[key] = val
+    return {"ranks": int(m.group(1)), "line": m.group(2), **fields}
+
+
+def gpu_record(pytest_log: Path, log_dir: Path, test_file: Path | None = None) -> dict:
+    """The figures of one ``pp_adaptive`` run, read from its logs only."""
+    text = pytest_log.read_text(errors="replace")
+    nodes = {}
+    k = None
+    for log in sorted(log_dir.glob("*.log")):
+        body = log.read_text(errors="replace")
+        hs = _handshake(body)
+        if hs and hs.get("k"):
+            k = int(hs["k"])
+        dis = DISAGREE_LINE.search(body)
+        nodes[log.stem] = {"handshake": hs, "disagree": dis.group(1) if dis else None, "body": body}
+    for n in nodes.values():
+        n["probes"] = probe_totals(n.pop("body"), k)
+    parity = None
+    if m := PARITY.search(text):
+        parity = {
+            "verify_steps": int(m.group(1)),
+            "verified_drafts": int(m.group(2)),
+            "scheduled_drafts": int(m.group(3)),
+            "metrics": ast.literal_eval(m.group(4)),
+        }
+    control = None
+    if m := CONTROL.search(text):
+        control = {"outcome": m.group(1), "seconds": float(m.group(2))}
+    summary = SUMMARY.findall(text)
+    last = {"result": summary[-1][0], "seconds": float(summary[-1][1])} if summary else None
+    consts = dict(TEST_CONST.findall(test_file.read_text())) if test_file else {}
+    return {
+        "pytest_log": pytest_log.name,
+        "summary": last,
+        "tests": {name.split("::")[-1]: res for res, name in OUTCOME.findall(text)},
+        "test_constants": {key: float(v) if "." in v else int(v) for key, v in consts.items()},
+        "k": k,
+        "parity": parity,
+        "control": control,
+        "nodes": nodes,
+    }
+
+
+def _one_probe(rec: dict, node: str) -> dict | None:
+    probes = (rec["nodes"].get(node) or {}).get("probes") or {}
+    return next(iter(probes.values())) if len(probes) == 1 else None
+
+
+def gpu_record_markdown(rec: dict) -> list[str]:
+    """The figures as markdown lines (every number from ``rec``)."""
+    c = rec["test_constants"]
+    tests = rec["tests"]
+    lines = [
+        f"* pytest: {rec['summary']['result']} in {rec['summary']['seconds']:.2f} s "
+        f"({rec['pytest_log']}); " + ", ".join(f"`{t}` {r}" for t, r in tests.items()),
+        "* Lossless: `test_pp2_adaptive_is_lossless` "
+        f"{tests.get('test_pp2_adaptive_is_lossless')}: {c.get('NUM_PROMPTS')} held-out "
+        f"prompts, greedy, at most {c.get('MAX_TOKENS')} tokens each, one request in flight: "
+        "PP=2 adaptive token ids == PP=1 without "
+        "speculation (eager) == PP=1 adaptive.",
+    ]
+    pp1 = _one_probe(rec, "pp1_adaptive")
+    stages = [_one_probe(rec, f"pp2_adaptive_node{i}") for i in (0, 1)]
+    if pp1 and all(stages):
+        k = rec["k"]
+        for name, p in [("PP=1 adaptive", pp1)] + [
+            (f"PP=2 adaptive stage {i}", s) for i, s in enumerate(stages)
+        ]:
+            trims = ", ".join(f"step {st}: {n} of {k}" for st, n in p["trimmed"]) or "none"
+            lines.append(
+                f"* {name}: {p['verify_steps']} verify steps, {p['verified_drafts']} drafts "
+                f"verified of {k * p['verify_steps']} scheduled (k = {k}); steps trimmed: {trims}"
+            )
+    if par := rec["parity"]:
+        m = par["metrics"]
+        lines.append(
+            f"* Counters (`/metrics`, PP=2 == PP=1 asserted key by key): num_drafts "
+            f"{m['num_drafts']}, num_draft_tokens {m['num_draft_tokens']}, num_accepted_tokens "
+            f"{m['num_accepted_tokens']}, accepted per position {m['accepted_per_pos']}"
+        )
+    hs = (rec["nodes"].get("pp2_adaptive_node1") or {}).get("handshake")
+    if hs:
+        lines.append(f"* Handshake (stage 1's log): {hs['ranks']} ranks agree ({hs['line']})")
+    if ctl := rec["control"]:
+        msg = next((n["disagree"] for n in rec["nodes"].values() if n["disagree"]), None)
+        probes = [
+            f"{node}: {p['verify_steps']} verify step(s)"
+            for node, n in rec["nodes"].items()
+            if node.startswith("pp2_corrupt")
+            for p in n["probes"].values()
+        ]
+        lines.append(
+            f"* Control (stage 0 reads every admitted count off by one): {ctl['outcome']} after "
+            f"{ctl['seconds']} s (limit {c.get('CONTROL_FAIL_S')} s); "
+            + "; ".join(probes)
+            + (f"; the message: `{msg}`" if msg else "; no batch-shape message found")
+        )
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="the pp_adaptive GPU group's figures from its logs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gpu-record")
+    g.add_argument("pytest_log", type=Path)
+    g.add_argument("log_dir", type=Path, help="the launchers' logs (artifacts' pp_adaptive/)")
+    g.add_argument("--test-file", type=Path, default=Path("tests/gpu/test_pp_adaptive_one_gpu.py"))
+    g.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    rec = gpu_record(a.pytest_log, a.log_dir, a.test_file if a.test_file.exists() else None)
+    if a.json:
+        a.json.write_text(json.dumps(rec, indent=1) + "\n")
+    print("\n".join(gpu_record_markdown(rec)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

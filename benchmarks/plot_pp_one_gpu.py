@@ -32,6 +32,9 @@ What it writes:
   PNG itself when the files hold PD runs only).
 
 ``--copy-to DIR`` copies the JSON files into DIR (the markdown names the copies).
+``--only FILE=CONFIG[@AL],...`` keeps, of the file named FILE (its base name), only the points
+of those configurations (and acceptance lengths): e.g. a baseline measured in another call,
+``--only serve_pp_one_gpu_pp2.json=pp2_dspark@3.99``. Files not named keep every point.
 """
 
 from __future__ import annotations
@@ -79,6 +82,46 @@ def load(paths: list[str | Path]) -> list[dict]:
         data["_file"] = Path(p).name
         runs.append(data)
     return runs
+
+
+def parse_only(specs: list[str]) -> dict[str, list[tuple[str, float | None]]]:
+    """``FILE=CONFIG[@AL],...`` (repeatable) -> file name -> [(configuration, AL or None)]."""
+    out: dict[str, list[tuple[str, float | None]]] = {}
+    for spec in specs:
+        name, sep, sel = spec.partition("=")
+        if not sep or not sel:
+            raise SystemExit(f"--only {spec}: use FILE=CONFIG[@AL],...")
+        for item in sel.split(","):
+            config, at, al = item.partition("@")
+            out.setdefault(Path(name).name, []).append((config, float(al) if at else None))
+    return out
+
+
+def keep_only(runs: list[dict], only: dict[str, list[tuple[str, float | None]]]) -> list[dict]:
+    """Each run named in ``only`` with only its selected points (``skipped`` kept as is); a name
+    that matches no run, or a selection that keeps nothing, is an error."""
+    missing = set(only) - {r["_file"] for r in runs}
+    if missing:
+        raise SystemExit(f"--only names {', '.join(sorted(missing))}: not among the results")
+    out = []
+    for run in runs:
+        sel = only.get(run["_file"])
+        if sel is None:
+            out.append(run)
+            continue
+        pts = [
+            p
+            for p in run.get("points", [])
+            if any(
+                p["config"] == c and (al is None or p.get("acceptance_length") == al)
+                for c, al in sel
+            )
+        ]
+        if not pts:
+            raise SystemExit(f"--only {run['_file']}: no point of {sel}")
+        kept = ", ".join(c + (f"@{al:g}" if al is not None else "") for c, al in sel)
+        out.append({**run, "points": pts, "_only": kept})
+    return out
 
 
 def point_key(p: dict) -> tuple[str, float | None, int]:
@@ -623,6 +666,7 @@ def markdown(runs: list[dict], files: list[str]) -> str:
             f"vLLM {v.get('vllm', '?')}, torch {v.get('torch', '?')}; `{m.get('command', '?')}`; "
             f"shape {m.get('shape', '?')}, {m.get('input_len')} in / {m.get('output_len')} out, "
             f"servers started {m.get('start', '?')}, layout {m.get('gpu_layout', '?')}"
+            + (f"; only its points of {run['_only']} are used here" if run.get("_only") else "")
         )
     skipped = [s for run in runs for s in run.get("skipped", [])]
     if skipped:
@@ -791,8 +835,9 @@ def main(argv=None) -> int:
     ap.add_argument("--md", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--copy-to", type=Path, default=None)
+    ap.add_argument("--only", action="append", default=[], metavar="FILE=CONFIG[@AL],...")
     a = ap.parse_args(argv)
-    runs = load(a.results)
+    runs = keep_only(load(a.results), parse_only(a.only))
     if not any(r.get("points") for r in runs):
         print("no measured points in", ", ".join(a.results))
         return 1

@@ -235,3 +235,89 @@ def test_no_adaptive_table_without_an_adaptive_configuration(tmp_path):
     fixed_only = [p for p in _adaptive_sample() if not p["config"].endswith("_adaptive")]
     path.write_text(json.dumps(serve_run(fixed_only)))
     assert "Adaptive verification" not in plot.markdown(plot.load([path]), [path.name])
+
+
+# --------------------------------------------------------------------------- --only (a baseline)
+def test_only_keeps_the_named_files_selected_points_and_refuses_what_matches_nothing(tmp_path):
+    a, b = tmp_path / "adaptive.json", tmp_path / "baseline.json"
+    a.write_text(json.dumps(serve_run([p for p in _adaptive_sample() if p["pp"] == 1])))
+    baseline = [serve_point("pp2_dspark", al, 64, 2000.0) for al in (3.99, 6.1)]
+    b.write_text(json.dumps(serve_run([*baseline, serve_point("pp2_nospec", None, 64, 900.0)])))
+    only = plot.parse_only(["baseline.json=pp2_dspark@3.99"])
+    assert only == {"baseline.json": [("pp2_dspark", 3.99)]}
+    runs = plot.keep_only(plot.load([a, b]), only)
+    assert len(runs[0]["points"]) == 4  # not named: every point
+    assert [(p["config"], p["acceptance_length"]) for p in runs[1]["points"]] == [
+        ("pp2_dspark", 3.99)
+    ]
+    md = plot.markdown(runs, ["adaptive.json", "baseline.json"])
+    assert "only its points of pp2_dspark@3.99 are used here" in md
+    assert "pp2_nospec" not in md.split("## Served results")[1]
+    with pytest.raises(SystemExit, match="not among the results"):
+        plot.keep_only(plot.load([a]), only)
+    with pytest.raises(SystemExit, match="no point of"):
+        plot.keep_only(plot.load([b]), plot.parse_only(["baseline.json=pp1_dspark"]))
+    with pytest.raises(SystemExit, match="FILE=CONFIG"):
+        plot.parse_only(["baseline.json"])
+
+
+# --------------------------------------------------------------------------- the GPU group's record
+def _probe_lines(pid: int, per_step: list[int]) -> str:
+    total, out = 0, []
+    for i, n in enumerate(per_step, 1):
+        total += n
+        out.append(f"ADAPTIVE_PROBE pid={pid} verify_steps={i} verified_drafts={total}")
+    return "\n".join(out) + "\n"
+
+
+def test_gpu_record_reads_the_figures_from_the_pytest_log_and_the_launchers_logs(tmp_path):
+    logs = tmp_path / "pp_adaptive"
+    logs.mkdir()
+    steps = [7, 7, 6, 7]
+    (logs / "pp1_adaptive.log").write_text("noise\n" + _probe_lines(11, steps))
+    (logs / "pp2_adaptive_node0.log").write_text(_probe_lines(12, steps))
+    (logs / "pp2_adaptive_node1.log").write_text(
+        "(Worker pid=13) INFO [handshake.py:240] PP handshake: 2 ranks agree (protocol 2, vLLM "
+        "0.34.0, method dspark, k=7, fixed graph batch None, adaptive verification True)\n"
+        + _probe_lines(13, steps)
+    )
+    msg = (
+        "vllm-dspark-pp: PP stage 1 built a batch of 8 tokens (layout 0x1) in step 2 but the "
+        "previous stage sent one of 7 tokens (layout 0x2): the stages disagree on the "
+        "(adaptive verification) batch shape"
+    )
+    (logs / "pp2_corrupt_node1.log").write_text(_probe_lines(14, [7]) + f"RuntimeError: {msg}\n")
+    (logs / "ref.log").write_text("no probe here\n")
+    pytest_log = tmp_path / "pp_adaptive.log"
+    pytest_log.write_text(
+        "tests/gpu/x.py::test_pp2_verifies_what_pp1_verifies verify steps 4, drafts verified 27 "
+        "of 28; {'num_drafts': 3, 'num_draft_tokens': 21, 'num_accepted_tokens': 9, "
+        "'accepted_per_pos': [3, 2, 1, 1, 1, 1, 0]}\nPASSED\n"
+        "tests/gpu/x.py::test_control control: request failed: HTTPError after 1.2 s\nPASSED\n"
+        "PASSED tests/gpu/x.py::test_pp2_adaptive_is_lossless\n"
+        "FAILED tests/gpu/x.py::test_control - boom\n"
+        "==== 1 failed, 1 passed in 230.60s (0:03:50) ====\n"
+    )
+    test_file = tmp_path / "test_x.py"
+    test_file.write_text("NUM_PROMPTS = 7\nMAX_TOKENS = 64\nCONTROL_FAIL_S = 60.0\n")
+    rec = adaptive.gpu_record(pytest_log, logs, test_file)
+    assert rec["summary"] == {"result": "1 failed, 1 passed", "seconds": 230.6}
+    assert rec["tests"] == {"test_pp2_adaptive_is_lossless": "PASSED", "test_control": "FAILED"}
+    assert rec["test_constants"] == {"NUM_PROMPTS": 7, "MAX_TOKENS": 64, "CONTROL_FAIL_S": 60.0}
+    assert rec["k"] == 7
+    assert rec["nodes"]["pp2_adaptive_node1"]["handshake"]["adaptive verification"] == "True"
+    assert rec["nodes"]["pp1_adaptive"]["probes"] == {
+        "11": {"verify_steps": 4, "verified_drafts": 27, "trimmed": [[3, 6]]}
+    }
+    assert rec["nodes"]["ref"]["probes"] == {}
+    assert rec["nodes"]["pp2_corrupt_node1"]["disagree"] == msg
+    assert rec["parity"]["scheduled_drafts"] == 28
+    assert rec["parity"]["metrics"]["accepted_per_pos"] == [3, 2, 1, 1, 1, 1, 0]
+    assert rec["control"] == {"outcome": "request failed: HTTPError", "seconds": 1.2}
+    md = "\n".join(adaptive.gpu_record_markdown(rec))
+    assert "* PP=2 adaptive stage 1: 4 verify steps, 27 drafts verified of 28 scheduled" in md
+    assert "steps trimmed: step 3: 6 of 7" in md
+    assert "after 1.2 s (limit 60.0 s); pp2_corrupt_node1: 1 verify step(s)" in md
+    assert adaptive.main(["gpu-record", str(pytest_log), str(logs), "--test-file",
+                          str(test_file), "--json", str(tmp_path / "r.json")]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "r.json").read_text())["k"] == 7
