@@ -50,10 +50,12 @@ def decide_admitted_counts(manager: Any, input_batch: Any, rows: np.ndarray) -> 
     n = input_batch.num_reqs
     idx_mapping = input_batch.idx_mapping[:n]
     device = idx_mapping.device
-    capacities = torch.zeros(n, dtype=torch.int32, device=device)
     if not rows.any():
-        return capacities
-    capacities[torch.from_numpy(rows).to(device)] = k
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    # Built on the host and copied without blocking: this runs right after propose() in every
+    # drafting step, and a blocking copy of the mask or a boolean-mask assignment (nonzero) would
+    # make the host wait for the draft to finish on the GPU (issue 30).
+    capacities = _to_device(np.where(rows, k, 0).astype(np.int32), device)
     if manager.cost_tables is None:  # not profiled (yet): verify every draft
         return capacities
     req_ids = [r for r, keep in zip(input_batch.req_ids, rows, strict=True) if keep]
@@ -73,6 +75,17 @@ def decide_admitted_counts(manager: Any, input_batch: Any, rows: np.ndarray) -> 
             manager._confidence_probs, idx_mapping, capacities, budget, manager._draft_survival
         )
     return capacities
+
+
+def _to_device(host: np.ndarray, device: Any) -> Any:
+    """``host`` on ``device`` without making the host wait (pinned staging on CUDA; the caching
+    host allocator keeps the pinned block until the copy has run)."""
+    import torch
+
+    t = torch.from_numpy(host)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 class _SamplingNext:

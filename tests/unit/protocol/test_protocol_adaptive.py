@@ -159,6 +159,57 @@ def test_decide_counts_use_vllms_budget_and_ranking(monkeypatch):
     assert seen["computed"] == [5, 5, 5] and m.req_states.num_computed_tokens_np[0] == 0
 
 
+@pytest.mark.parametrize("profiled", [False, True])
+def test_the_last_stage_decides_without_making_its_host_wait_for_the_gpu(monkeypatch, profiled):
+    """The decision runs on the last stage right after ``propose``, every drafting step: a host
+    sync there (a blocking copy of the row mask to the device, a boolean-mask assignment, which
+    counts the mask with ``nonzero``) stalls the host until the stream has run the draft, so the
+    host stops running ahead of the GPU (issue 30: PP=2 adaptive slower than fixed drafts). On
+    the ``meta`` device nothing executes; the recorder lists what would block on a GPU."""
+    from support.host_syncs import host_syncs
+    from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
+
+    seen = {}
+
+    def budget(self, tokens, drafts):
+        return len(tokens) + 2  # binds: 2 of the 6 drafts
+
+    def ranking(conf, idx, capacities, draft_budget, survival):
+        seen["ranking"] = (capacities.device.type, capacities.dtype, draft_budget)
+
+    monkeypatch.setattr(av.AdaptiveVerificationManager, "get_num_tokens", budget)
+    monkeypatch.setattr(av, "assign_draft_token_budget", ranking)
+    m = _shipped_manager({}, k=3)
+    m.cost_tables = ("draft", "verify") if profiled else None
+    m._confidence_probs = m._draft_survival = None
+    batch = SimpleNamespace(
+        num_reqs=3, req_ids=["r0", "r1", "r2"], idx_mapping=torch.zeros(3, device="meta")
+    )
+    with host_syncs() as syncs:
+        counts = adaptive.decide_admitted_counts(m, batch, np.array([True, False, True]))
+    assert syncs == []
+    assert counts.device.type == "meta" and counts.dtype == torch.int32
+    assert tuple(counts.shape) == (3,)
+    assert seen.get("ranking") == (("meta", torch.int32, 2) if profiled else None)
+
+
+def test_the_sync_recorder_sees_what_blocks_the_host():
+    """Control for the test above: the recorder flags each kind of host sync it looks for."""
+    from support.host_syncs import host_syncs
+
+    mask = np.array([True, False])
+    with host_syncs() as syncs:
+        dev = torch.zeros(2, dtype=torch.int32, device="meta")
+        dev[torch.from_numpy(mask).to("meta")] = 1  # blocking copy + boolean-mask assignment
+        torch.from_numpy(mask).to("meta", non_blocking=True)  # not a sync
+        dev.nonzero()
+    assert [s.split(":")[0] for s in syncs] == [
+        "aten._to_copy.default",
+        "aten.index_put_.default",
+        "aten.nonzero.default",
+    ]
+
+
 def test_the_pipeline_curve_is_the_sum_of_the_stages():
     last = [(8, 1.0), (16, 2.0), (32, 4.0)]
     first = [(8, 0.5), (16, 1.5), (32, 3.0)]
