@@ -69,6 +69,27 @@ def kv_counters_at(url: str, timeout: float = 10.0) -> dict[str, float]:
         return kv_counters(parse_prometheus(r.read().decode()))
 
 
+#: The producer's MooncakeConnector transfer histograms (vLLM's mooncake/stats.py: one
+#: observation per batch a sender worker writes to the decoder, timed around Mooncake's
+#: ``batch_transfer_sync_write``).
+XFER_HISTOGRAMS = (
+    "vllm:mooncake_xfer_time_seconds",
+    "vllm:mooncake_bytes_transferred",
+    "vllm:mooncake_num_descriptors",
+)
+
+
+def xfer_counters(m: dict[str, float]) -> dict[str, float]:
+    """The ``_sum`` and ``_count`` of each :data:`XFER_HISTOGRAMS` in a parsed ``/metrics``
+    (summed over label sets; 0 when absent)."""
+    return {f"{h}{e}": m.get(f"{h}{e}", 0.0) for h in XFER_HISTOGRAMS for e in ("_sum", "_count")}
+
+
+def xfer_counters_at(url: str, timeout: float = 10.0) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        return xfer_counters(parse_prometheus(r.read().decode()))
+
+
 def split_kv_bytes(total_bytes: int, decoder_share: float, block: int = 1 << 20) -> tuple[int, int]:
     """(producer, decoder) KV-cache bytes of a PD deployment whose two engines together hold
     ``total_bytes`` (what one aggregated engine gets, for a same-memory comparison): the decoder

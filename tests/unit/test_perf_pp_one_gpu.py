@@ -517,6 +517,127 @@ def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
     assert "Goal (b)" not in md and plot.CAVEAT not in md  # nothing about PP in a PD-only page
 
 
+def _hop(t0, prefill, decode_first, stream, *, ok=True):
+    """A proxy hop record (dspark_dev/pd_proxy.HOP_KEYS) with the given spans in ms."""
+    pa = 1.0 + prefill
+    return {"t0": t0, "stream": True, "ok": ok, "prefill_sent": 1.0, "prefill_answered": pa,
+            "decode_sent": pa, "first_token": pa + decode_first,
+            "last_token": pa + decode_first + stream}  # fmt: skip
+
+
+def test_hop_summary_says_where_requests_queue():
+    """Four requests 0.1 s apart, each 10 ms of prefill, 500 ms to the first token, 100 ms of
+    stream, ending 0.911 s after the first arrival: about 2.2 requests wait for their first
+    token on average, 0.04 are in prefill. A failed request is counted, not summarized."""
+    recs = [_hop(0.1 * i, 10.0, 500.0 + i, 100.0) for i in range(4)]
+    recs.append({**_hop(0.05, 10.0, 1.0, 1.0), "ok": False})
+    s = serve.hop_summary(recs)
+    assert s["requests"] == 5 and s["completed"] == 4
+    assert s["window_s"] == pytest.approx(0.3 + 0.611 + 0.003)
+    window_ms = s["window_s"] * 1e3
+    assert s["decode_first"]["p50_ms"] == 501.0 and s["decode_first"]["p99_ms"] == 503.0
+    assert s["decode_first"]["in_flight"] == pytest.approx(2006.0 / window_ms, abs=1e-3)
+    assert s["prefill"]["in_flight"] == pytest.approx(40.0 / window_ms, abs=1e-3)
+    assert s["handoff"]["mean_ms"] == 0.0 and s["stream"]["p50_ms"] == 100.0
+    assert s["total"]["p99_ms"] == pytest.approx(1.0 + 10.0 + 503.0 + 100.0)
+    assert serve.hop_summary([recs[-1]]) == {"requests": 1, "completed": 0}
+
+
+def test_pd_hops_reads_the_proxys_records_from_the_points_start():
+    """Against a real dspark_dev/pd_proxy.py with loopback fakes: the records after the
+    snapshot's count, arrival times relative to the point's first."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dspark_dev import pd_proxy
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = b'{"choices": [{}]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    fake.daemon_threads = True
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    up = f"http://127.0.0.1:{fake.server_address[1]}"
+    try:
+        with pd_proxy.PDProxy(up, up, "http://127.0.0.1:1", engine_id="e") as proxy:
+            for _ in range(3):
+                urllib_post(proxy.url + "/v1/completions", {"prompt": [1]})
+            start = serve.http_get_json(proxy.url + "/stats")["hops_recorded"] - 2
+            got = serve.pd_hops(type("Dep", (), {"url": proxy.url})(), start)
+        gone = serve.pd_hops(type("Dep", (), {"url": "http://127.0.0.1:1"})(), 0)
+    finally:
+        fake.shutdown()
+        fake.server_close()
+    assert len(got["records"]) == 2 and got["records"][0]["t0"] == 0.0
+    assert got["records"][1]["t0"] >= 0.0 and got["summary"]["completed"] == 2
+    assert "error" in gone
+
+
+def urllib_post(url, body):
+    import urllib.request
+
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
+
+
+def test_producer_transfer_counters_from_a_metrics_page():
+    from dspark_dev.metrics import parse_prometheus
+    from dspark_dev.pd_launch import xfer_counters
+
+    page = "\n".join(
+        [
+            "# TYPE vllm:mooncake_xfer_time_seconds histogram",
+            'vllm:mooncake_xfer_time_seconds_bucket{engine="0",le="+Inf"} 4.0',
+            'vllm:mooncake_xfer_time_seconds_count{engine="0"} 4.0',
+            'vllm:mooncake_xfer_time_seconds_sum{engine="0"} 0.8',
+            "# TYPE vllm:mooncake_bytes_transferred histogram",
+            'vllm:mooncake_bytes_transferred_bucket{engine="0",le="+Inf"} 4.0',
+            'vllm:mooncake_bytes_transferred_count{engine="0"} 4.0',
+            'vllm:mooncake_bytes_transferred_sum{engine="0"} 671088640.0',
+            "",
+        ]
+    )
+    got = xfer_counters(parse_prometheus(page))
+    assert got["vllm:mooncake_xfer_time_seconds_sum"] == pytest.approx(0.8)
+    assert got["vllm:mooncake_bytes_transferred_sum"] == 671088640.0
+    assert got["vllm:mooncake_num_descriptors_count"] == 0.0  # absent: 0
+
+
+def test_pd_hop_table_from_a_recorded_point(tmp_path):
+    """The per-hop section of the PD page from a point's hop summary and the producer's
+    transfer counters; a run without them (the 14:53 one) has no such section."""
+    p = _pd_point("pd_dspark", 4, 900.0, (400.0, 700.0), (2.5, 3.0))
+    p["pd"]["hops"] = {"summary": serve.hop_summary(
+        [_hop(0.1 * i, 30.0, 250.0, 500.0) for i in range(16)])}  # fmt: skip
+    p["pd"]["producer_xfer"] = {
+        "vllm:mooncake_xfer_time_seconds_sum": 4.0,
+        "vllm:mooncake_xfer_time_seconds_count": 16.0,
+        "vllm:mooncake_bytes_transferred_sum": 16 * 164 * 2.0**20,
+    }
+    agg = _pd_point("agg_dspark_kv", 4, 1800.0, (100.0, 120.0), (1.7, 1.9))
+    md = plot.markdown([{**serve_run([p, agg]), "_file": "x.json"}], ["x.json"])
+    assert "## Where a PD request's time goes" in md
+    assert (
+        "| pd_dspark AL 3.99 | 4 | 30.0 / 30.0 (0.2) | 0.0 / 0.0 (0.0) | 250.0 / 250.0 (1.8) | "
+        "500.0 / 500.0 (3.5) | 250.0 | 164.0 | 164.0 | 0.64 | 1 |"
+    ) in md, md
+    bare = plot.markdown([{**serve_run([_pd_point("pd_dspark", 4, 900.0, (1, 2), (1, 2))]),
+                           "_file": "y.json"}], ["y.json"])  # fmt: skip
+    assert "Where a PD request's time goes" not in bare
+
+
 # --------------------------------------------------------------------------- projection vs served
 pp_projection = load_script("benchmarks/pp_projection.py")
 
@@ -662,5 +783,9 @@ def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
             hits = pd["decoder_kv"]["vllm:external_prefix_cache_hits_total"]
             assert hits == pd["decoder_kv"]["vllm:prompt_tokens_total"] > 0
             assert pd["producer_spec"]["num_draft_tokens"] == 0
+            assert "error" not in pd["producer_xfer"], pd["producer_xfer"]
+            hops = pd["hops"]
+            assert len(hops["records"]) == hops["summary"]["completed"] == p["num_prompts"]
+            assert all(r["stream"] and r["ok"] for r in hops["records"])
     md = plot.markdown(plot.load([out / "serve_pp_one_gpu_pd.json"]), ["pd.json"])
     assert "| 3.99 | 8 |" in md and "| 100.0% | 0 | 0 | 1 / 1 |" in md
