@@ -35,10 +35,13 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   producer (one token) and streams the decoder's answer back. The acceptance switch, the step
   timers and the spec-decode counters go to the decoder; each point also records the decoder's
   KV-connector counters (prompt tokens pulled over the connector), the producer's draft tokens,
-  the producer's Mooncake transfer histograms (time, bytes, descriptors per transfer batch:
-  ``pd.producer_xfer``), the proxy's request/error counts and its per-request hop times (prefill
+  the connector's transfer histograms (time, bytes, descriptors per transfer batch:
+  ``pd.kv_xfer``), the proxy's request/error counts and its per-request hop times (prefill
   sent / answered, decode sent, first / last token: ``pd.hops``, records and
   :func:`hop_summary`, which says in which span requests queue) (``pd``);
+* ``pd_nixl_dspark`` (group ``pd_nixl``): ``pd_dspark`` over NixlConnector instead (UCX
+  ``cuda_ipc,cuda_copy,tcp`` on ``lo``: the KV copied GPU to GPU over CUDA IPC; no bootstrap
+  server, each engine its own NIXL side-channel port; pd_launch.ucx_env);
 * ``pd_pp2_dspark`` (by name only): the same with a PP=2 producer (two launchers, one stage
   each, both ``kv_producer`` with one engine id; the producer's KV bytes split over them; the
   decoder pulls from both stages), the decoder PP=1;
@@ -137,6 +140,7 @@ class Config:
     pd: bool = False  # prefill-only producer + decoder + proxy (dspark_dev/pd_launch.py)
     pd_kv: bool = False  # KV budget --pd-kv-gib (the PD group's total) instead of --kv-gib
     adaptive: bool = False  # enable_adaptive_verification (benchmarks/adaptive_bench.py)
+    connector: str = "mooncake"  # a PD deployment's KV connector (pd_launch.CONNECTORS)
 
 
 CONFIGS = {
@@ -153,6 +157,7 @@ CONFIGS = {
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
+        Config("pd_nixl_dspark", 1, True, pd=True, pd_kv=True, connector="nixl"),
     )
 }
 GROUPS = {
@@ -165,6 +170,9 @@ GROUPS = {
     # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
     # cut at the deadline and must not take the reference's measurements with it
     "pd": ("agg_dspark_kv", "pd_dspark"),
+    # the same over NixlConnector (UCX cuda_ipc on one GPU: device-to-device copies), issue 29's
+    # test of the Mooncake TCP transport as PD's ceiling; needs the kit's nixl group
+    "pd_nixl": ("agg_dspark_kv", "pd_nixl_dspark"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).
@@ -520,7 +528,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
             cfg.name, paths.target, spec=spec, base_args=base,
             producer_kv_bytes=kv["producer"], decoder_kv_bytes=kv["decoder"],
             log_dir=log_dir, env=env, cpu=a.cpu, proxy_timeout_s=a.proxy_timeout_s,
-            producer_pp=cfg.pp, gpu_layout=a.gpu_layout,
+            producer_pp=cfg.pp, gpu_layout=a.gpu_layout, connector=cfg.connector,
         )  # fmt: skip
     if cfg.pp == 1:
         port = free_port()
@@ -556,16 +564,18 @@ def control_url(dep) -> str:
 
 def pd_snapshot(dep) -> dict:
     """What a PD point records besides the decoder's spec-decode counters: the decoder's
-    KV-connector counters, the producer's Mooncake transfer histograms (sum and count of the
-    time, bytes and descriptors per transfer batch), the producer's spec-decode counters (no
-    drafts expected), the proxy's request counters."""
+    KV-connector counters, the connector's transfer histograms summed over both engines (sum
+    and count of the time, bytes and descriptors per transfer batch: Mooncake's producer or
+    NIXL's decoder records them), the producer's spec-decode counters (no drafts expected), the
+    proxy's request counters."""
     from dspark_dev.pd_launch import kv_counters_at, xfer_counters_at
     from dspark_dev.serve_demo import spec_metrics
 
+    urls = [dep.producer_url, dep.control_url]
     out: dict = {}
     for key, fn in (
         ("decoder_kv", lambda: kv_counters_at(dep.control_url)),
-        ("producer_xfer", lambda: xfer_counters_at(dep.producer_url)),
+        ("kv_xfer", lambda: xfer_counters_at(urls, getattr(dep, "connector", "mooncake"))),
         ("producer_spec", lambda: spec_metrics(dep.producer_url, settle_s=0.0)),
         ("proxy", lambda: http_get_json(dep.url + "/stats")),
     ):

@@ -413,6 +413,56 @@ def test_dry_run_composes_producer_decoder_and_proxy(capsys):
     assert seeds[:2] == seeds[2:]
 
 
+def test_dry_run_pd_over_nixl_has_no_bootstrap_and_ucx_on_both_engines(capsys):
+    out = _dry(capsys, "--configs", "pd_nixl", "--concurrency", "4")
+    nodes = _launchers(out)
+    assert set(nodes) == {
+        "pd_nixl_dspark producer",
+        "pd_nixl_dspark decoder",
+        "pd_nixl_dspark proxy",
+        "agg_dspark_kv",
+    }
+    pre, dec, proxy = (nodes[f"pd_nixl_dspark {r}"] for r in ("producer", "decoder", "proxy"))
+
+    def kv_cfg(who):
+        line = next(x for x in out.splitlines() if x.startswith(f"  {who}: /"))
+        flag = "--kv-transfer-config "
+        return json.JSONDecoder().raw_decode(line, line.index(flag) + len(flag))[0]
+
+    pre_kv, dec_kv = kv_cfg("pd_nixl_dspark producer"), kv_cfg("pd_nixl_dspark decoder")
+    assert pre_kv["kv_connector"] == dec_kv["kv_connector"] == "NixlConnector"
+    assert (pre_kv["kv_role"], dec_kv["kv_role"]) == ("kv_producer", "kv_consumer")
+    for node in (pre, dec):
+        assert node["env"]["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
+        assert node["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in node["env"]
+    assert pre["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] != dec["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    argv = proxy["argv"]
+    assert argv[argv.index("--bootstrap") + 1] == "nixl:no-bootstrap"
+    assert argv[argv.index("--engine-id") + 1] == pre_kv["engine_id"]
+    with pytest.raises(ValueError, match="PP=1 producer"):
+        from dspark_dev.pd_launch import pd_deployment
+
+        pd_deployment("x", "/m", spec={}, base_args=[], producer_kv_bytes=1, decoder_kv_bytes=1,
+                      log_dir=Path("/tmp"), env={}, producer_pp=2, connector="nixl")  # fmt: skip
+
+
+def test_a_nixl_deployment_starts_its_proxy_without_asking_a_bootstrap_server(monkeypatch):
+    from dspark_dev import pd_launch
+
+    def never(url, deadline):
+        raise AssertionError("NIXL has no bootstrap server to ask")
+
+    monkeypatch.setattr(pd_launch, "wait_engine_id", never)
+    proxy = _Node("proxy")
+    dep = pd_launch.PDDeployment(
+        "pd", [_Node("producer")], _Node("decoder", port=2), proxy, "nixl:no-bootstrap", "e",
+        connector="nixl",
+    )  # fmt: skip
+    dep.start().wait_ready(5.0)
+    assert proxy.started == 1 and dep.engine_id == "e"
+
+
 class _Node:
     def __init__(self, name, exit_code=None, port=1):
         self.name, self.code, self.port, self.started, self.argv = name, exit_code, port, 0, []
@@ -610,9 +660,13 @@ def test_producer_transfer_counters_from_a_metrics_page():
         ]
     )
     got = xfer_counters(parse_prometheus(page))
-    assert got["vllm:mooncake_xfer_time_seconds_sum"] == pytest.approx(0.8)
-    assert got["vllm:mooncake_bytes_transferred_sum"] == 671088640.0
-    assert got["vllm:mooncake_num_descriptors_count"] == 0.0  # absent: 0
+    assert got["xfer_time_seconds_sum"] == pytest.approx(0.8)
+    assert got["bytes_transferred_sum"] == 671088640.0
+    assert got["num_descriptors_count"] == 0.0  # absent: 0
+    nixl = xfer_counters(parse_prometheus(page.replace("mooncake", "nixl")), "nixl")
+    assert (
+        nixl == got and xfer_counters(parse_prometheus(page), "nixl")["bytes_transferred_sum"] == 0
+    )
 
 
 def test_pd_hop_table_from_a_recorded_point(tmp_path):
@@ -621,10 +675,10 @@ def test_pd_hop_table_from_a_recorded_point(tmp_path):
     p = _pd_point("pd_dspark", 4, 900.0, (400.0, 700.0), (2.5, 3.0))
     p["pd"]["hops"] = {"summary": serve.hop_summary(
         [_hop(0.1 * i, 30.0, 250.0, 500.0) for i in range(16)])}  # fmt: skip
-    p["pd"]["producer_xfer"] = {
-        "vllm:mooncake_xfer_time_seconds_sum": 4.0,
-        "vllm:mooncake_xfer_time_seconds_count": 16.0,
-        "vllm:mooncake_bytes_transferred_sum": 16 * 164 * 2.0**20,
+    p["pd"]["kv_xfer"] = {
+        "xfer_time_seconds_sum": 4.0,
+        "xfer_time_seconds_count": 16.0,
+        "bytes_transferred_sum": 16 * 164 * 2.0**20,
     }
     agg = _pd_point("agg_dspark_kv", 4, 1800.0, (100.0, 120.0), (1.7, 1.9))
     md = plot.markdown([{**serve_run([p, agg]), "_file": "x.json"}], ["x.json"])
@@ -783,7 +837,7 @@ def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
             hits = pd["decoder_kv"]["vllm:external_prefix_cache_hits_total"]
             assert hits == pd["decoder_kv"]["vllm:prompt_tokens_total"] > 0
             assert pd["producer_spec"]["num_draft_tokens"] == 0
-            assert "error" not in pd["producer_xfer"], pd["producer_xfer"]
+            assert "error" not in pd["kv_xfer"], pd["kv_xfer"]
             hops = pd["hops"]
             assert len(hops["records"]) == hops["summary"]["completed"] == p["num_prompts"]
             assert all(r["stream"] and r["ok"] for r in hops["records"])
