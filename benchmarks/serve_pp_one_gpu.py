@@ -647,7 +647,8 @@ def hop_summary(records: list[dict]) -> dict:
 
 def pd_hops(dep, start: int) -> dict:
     """The proxy's hop records of the requests it finished from the ``start``-th on (t0 made
-    relative to the first one's, seconds) and their :func:`hop_summary`."""
+    relative to the first one's, seconds) and their :func:`hop_summary`; a point's include
+    ``vllm bench serve``'s one test request before its run."""
     try:
         records = http_get_json(f"{dep.url}/hops?start={int(start)}")["hops"]
     except (OSError, ValueError, KeyError) as e:

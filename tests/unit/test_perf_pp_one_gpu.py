@@ -839,7 +839,8 @@ def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
             assert pd["producer_spec"]["num_draft_tokens"] == 0
             assert "error" not in pd["kv_xfer"], pd["kv_xfer"]
             hops = pd["hops"]
-            assert len(hops["records"]) == hops["summary"]["completed"] == p["num_prompts"]
+            # vllm bench serve's own test request before the run passes the proxy too
+            assert len(hops["records"]) == hops["summary"]["completed"] >= p["num_prompts"]
             assert all(r["stream"] and r["ok"] for r in hops["records"])
     md = plot.markdown(plot.load([out / "serve_pp_one_gpu_pd.json"]), ["pd.json"])
     assert "| 3.99 | 8 |" in md and "| 100.0% | 0 | 0 | 1 / 1 |" in md
