@@ -53,7 +53,14 @@ GOAL_B = 0.9
 GOAL_E_SHARE = 0.03  # issue 29 goal (e): the exchange under 3% of a decode step at C >= 8
 GOAL_E_MIN_C = 8
 PD, AGG, PD_PP2 = "pd_dspark", "agg_dspark_kv", "pd_pp2_dspark"
-PD_CONFIGS = (PD, AGG, PD_PP2)
+PD_NIXL = "pd_nixl_dspark"
+PD_CONFIGS = (PD, AGG, PD_PP2, PD_NIXL)
+NIXL_NOTE = (
+    "Producer, decoder and the aggregated engine all run on the one GPU, measured in turn; the "
+    "KV goes over NixlConnector with UCX `cuda_ipc` (device to device within the GPU, no host "
+    "copy), so this PD pays the transfer without the TCP transport's host round trip, and still "
+    "shares the GPU's compute between the producer's prefills and the decoder's steps."
+)
 PD_NOTE = (
     "Producer, decoder and the aggregated engine all run on the one GPU; when the PD side is "
     "measured the aggregated engine sits idle and the other way round, but the producer's "
@@ -522,8 +529,85 @@ def pd_rows(rows: dict, merged: dict, pd_name: str = PD) -> list[dict]:
 
 def pd_markdown(rows: dict, merged: dict) -> list[str]:
     lines = _pd_table(rows, merged, PD)
-    if any(k[0] == PD_PP2 for k in rows):
-        lines += _pd_table(rows, merged, PD_PP2)
+    for other in (PD_PP2, PD_NIXL):
+        if any(k[0] == other for k in rows):
+            lines += _pd_table(rows, merged, other)
+    return lines + pd_hops_markdown(merged)
+
+
+def pd_hop_row(points: list[dict]) -> dict | None:
+    """Where a PD point's requests spent their time, medians over the repeats that recorded it:
+    each span's p50 ms and mean requests inside it (the proxy's hop timer,
+    serve_pp_one_gpu.hop_summary), and the connector's transfers (time and bytes per
+    batch, bytes per request, the rate while a transfer ran)."""
+    summaries = [
+        s for p in points if (s := ((p.get("pd") or {}).get("hops") or {}).get("summary"))
+        if s.get("completed")
+    ]  # fmt: skip
+    if not summaries:
+        return None
+
+    def med(vals: list) -> float | None:
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    out: dict = {"n": len(summaries)}
+    for span in ("prefill", "handoff", "decode_first", "stream", "total"):
+        for key in ("p50_ms", "p99_ms", "in_flight"):
+            out[f"{span}_{key}"] = med([s.get(span, {}).get(key) for s in summaries])
+    per_rep: list[tuple[float, float, float, float]] = []
+    for p in points:
+        x = (p.get("pd") or {}).get("kv_xfer") or {}
+        done = (((p.get("pd") or {}).get("hops") or {}).get("summary") or {}).get("completed")
+        t, n = x.get("xfer_time_seconds_sum"), x.get("xfer_time_seconds_count")
+        b = x.get("bytes_transferred_sum")
+        if t and n and b and done:
+            per_rep.append((t / n * 1e3, b / n / 2**20, b / done / 2**20, b / t / 2**30))
+    for i, key in enumerate(("xfer_ms", "xfer_mib", "mib_per_request", "gib_per_s")):
+        out[key] = med([r[i] for r in per_rep])
+    return out
+
+
+def pd_hops_markdown(merged: dict) -> list[str]:
+    """The per-hop table of every PD configuration whose points carry the proxy's hop timer."""
+    rows = [
+        (k, r) for k in sorted(merged, key=lambda k: (k[0], k[1] or 0, k[2]))
+        if k[0] in (PD, PD_PP2, PD_NIXL) and (r := pd_hop_row(merged[k]))
+    ]  # fmt: skip
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Where a PD request's time goes (proxy hop timer, the connector's counters)",
+        "",
+        "Per request at dspark_dev/pd_proxy.py: `prefill` = the producer's queue and prefill "
+        "(prefill sent to answered), `handoff` = answered to decode sent, `decode_first` = "
+        "decode sent to the decoder's first event (its KV pull, its queue, its first step), "
+        "`stream` = first to last event; p50 / p99 ms, and in brackets the mean number of "
+        "requests inside that span over the point (Little's law: where they queue). Transfers: "
+        "the connector's `vllm:<connector>_xfer_time_seconds` / `_bytes_transferred` histograms "
+        "(Mooncake's producer, NIXL's decoder), per "
+        "transfer batch, per completed request, and bytes over the summed transfer time. "
+        "Medians over repeats.",
+        "",
+        "| configuration | C | prefill ms | handoff ms | decode_first ms | stream ms | "
+        "xfer ms / batch | MiB / batch | MiB / request | GiB/s in transfer | repeats |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def span(r: dict, name: str) -> str:
+        return (
+            f"{_f(r[f'{name}_p50_ms'], '{:.1f}')} / {_f(r[f'{name}_p99_ms'], '{:.1f}')} "
+            f"({_f(r[f'{name}_in_flight'], '{:.1f}')})"
+        )
+
+    for (config, al, c), r in rows:
+        lines.append(
+            f"| {label(config, al)} | {c} | {span(r, 'prefill')} | {span(r, 'handoff')} | "
+            f"{span(r, 'decode_first')} | {span(r, 'stream')} | {_f(r['xfer_ms'], '{:.1f}')} | "
+            f"{_f(r['xfer_mib'], '{:.1f}')} | {_f(r['mib_per_request'], '{:.1f}')} | "
+            f"{_f(r['gib_per_s'], '{:.2f}')} | {r['n']} |"
+        )
     return lines
 
 
@@ -535,12 +619,20 @@ def _pd_table(rows: dict, merged: dict, pd_name: str) -> list[str]:
     def g(side, name, fmt):
         return _f((side or {}).get(name), fmt)
 
-    title = "PD vs aggregated" if pd_name == PD else "PD with a PP=2 producer vs aggregated"
-    lines = ["", f"## {title}, served (issue 29 item 3)", "", PD_NOTE, ""]
+    title = {
+        PD: "PD vs aggregated",
+        PD_PP2: "PD with a PP=2 producer vs aggregated",
+        PD_NIXL: "PD over NixlConnector vs aggregated",
+    }[pd_name]
+    nixl = pd_name == PD_NIXL
+    note = NIXL_NOTE if nixl else PD_NOTE
+    lines = ["", f"## {title}, served (issue 29 item 3)", "", note, ""]
     lines += [
         f"`{pd_name}`: the DSpark prefill-only producer (`kv_producer`, context-KV-only drafter"
         + ("; two launchers, one PP stage each" if pd_name == PD_PP2 else "")
-        + ") and the DSpark decoder (`kv_consumer`) over MooncakeConnector (TCP), behind "
+        + ") and the DSpark decoder (`kv_consumer`) over "
+        + ("NixlConnector (UCX `cuda_ipc`)" if nixl else "MooncakeConnector (TCP)")
+        + ", behind "
         "dspark_dev/pd_proxy.py (its own process; it streams the decoder's answer, so TTFT "
         "includes the prefill, the KV pull and the decoder's first step). `agg_dspark_kv`: one "
         "aggregated DSpark engine with the producer's plus the decoder's KV-cache bytes. "

@@ -34,8 +34,14 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   server lists the producer's engine) is what ``vllm bench serve`` targets: it prefills on the
   producer (one token) and streams the decoder's answer back. The acceptance switch, the step
   timers and the spec-decode counters go to the decoder; each point also records the decoder's
-  KV-connector counters (prompt tokens pulled over the connector), the producer's draft tokens
-  and the proxy's request/error counts (``pd``);
+  KV-connector counters (prompt tokens pulled over the connector), the producer's draft tokens,
+  the connector's transfer histograms (time, bytes, descriptors per transfer batch:
+  ``pd.kv_xfer``), the proxy's request/error counts and its per-request hop times (prefill
+  sent / answered, decode sent, first / last token: ``pd.hops``, records and
+  :func:`hop_summary`, which says in which span requests queue) (``pd``);
+* ``pd_nixl_dspark`` (group ``pd_nixl``): ``pd_dspark`` over NixlConnector instead (UCX
+  ``cuda_ipc,cuda_copy,tcp`` on ``lo``: the KV copied GPU to GPU over CUDA IPC; no bootstrap
+  server, each engine its own NIXL side-channel port; pd_launch.ucx_env);
 * ``pd_pp2_dspark`` (by name only): the same with a PP=2 producer (two launchers, one stage
   each, both ``kv_producer`` with one engine id; the producer's KV bytes split over them; the
   decoder pulls from both stages), the decoder PP=1;
@@ -134,6 +140,7 @@ class Config:
     pd: bool = False  # prefill-only producer + decoder + proxy (dspark_dev/pd_launch.py)
     pd_kv: bool = False  # KV budget --pd-kv-gib (the PD group's total) instead of --kv-gib
     adaptive: bool = False  # enable_adaptive_verification (benchmarks/adaptive_bench.py)
+    connector: str = "mooncake"  # a PD deployment's KV connector (pd_launch.CONNECTORS)
 
 
 CONFIGS = {
@@ -150,6 +157,7 @@ CONFIGS = {
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
+        Config("pd_nixl_dspark", 1, True, pd=True, pd_kv=True, connector="nixl"),
     )
 }
 GROUPS = {
@@ -162,6 +170,9 @@ GROUPS = {
     # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
     # cut at the deadline and must not take the reference's measurements with it
     "pd": ("agg_dspark_kv", "pd_dspark"),
+    # the same over NixlConnector (UCX cuda_ipc on one GPU: device-to-device copies), issue 29's
+    # test of the Mooncake TCP transport as PD's ceiling; needs the kit's nixl group
+    "pd_nixl": ("agg_dspark_kv", "pd_nixl_dspark"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).
@@ -517,7 +528,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
             cfg.name, paths.target, spec=spec, base_args=base,
             producer_kv_bytes=kv["producer"], decoder_kv_bytes=kv["decoder"],
             log_dir=log_dir, env=env, cpu=a.cpu, proxy_timeout_s=a.proxy_timeout_s,
-            producer_pp=cfg.pp, gpu_layout=a.gpu_layout,
+            producer_pp=cfg.pp, gpu_layout=a.gpu_layout, connector=cfg.connector,
         )  # fmt: skip
     if cfg.pp == 1:
         port = free_port()
@@ -553,14 +564,18 @@ def control_url(dep) -> str:
 
 def pd_snapshot(dep) -> dict:
     """What a PD point records besides the decoder's spec-decode counters: the decoder's
-    KV-connector counters, the producer's spec-decode counters (no drafts expected), the
+    KV-connector counters, the connector's transfer histograms summed over both engines (sum
+    and count of the time, bytes and descriptors per transfer batch: Mooncake's producer or
+    NIXL's decoder records them), the producer's spec-decode counters (no drafts expected), the
     proxy's request counters."""
-    from dspark_dev.pd_launch import kv_counters_at
+    from dspark_dev.pd_launch import kv_counters_at, xfer_counters_at
     from dspark_dev.serve_demo import spec_metrics
 
+    urls = [dep.producer_url, dep.control_url]
     out: dict = {}
     for key, fn in (
         ("decoder_kv", lambda: kv_counters_at(dep.control_url)),
+        ("kv_xfer", lambda: xfer_counters_at(urls, getattr(dep, "connector", "mooncake"))),
         ("producer_spec", lambda: spec_metrics(dep.producer_url, settle_s=0.0)),
         ("proxy", lambda: http_get_json(dep.url + "/stats")),
     ):
@@ -590,6 +605,58 @@ def pd_delta(before: dict, after: dict) -> dict:
                 d[k] = [x - y for x, y in zip(v, old, strict=False)]
         out[key] = d
     return out
+
+
+#: A PD request's spans at the proxy, from its hop times (dspark_dev/pd_proxy.HOP_KEYS): name,
+#: from, to. ``decode_first``: the decoder's KV pull, its queue and its first step (with the
+#: decoder's HTTP front end); ``prefill``: the producer's queue and prefill.
+HOP_SPANS = (
+    ("prefill", "prefill_sent", "prefill_answered"),
+    ("handoff", "prefill_answered", "decode_sent"),
+    ("decode_first", "decode_sent", "first_token"),
+    ("stream", "first_token", "last_token"),
+    ("total", None, "last_token"),
+)
+
+
+def hop_summary(records: list[dict]) -> dict:
+    """Per span of :data:`HOP_SPANS` over a point's completed requests: how many, mean, p50,
+    p90, p99 (ms), and ``in_flight``, the mean number of requests inside that span over the
+    point (sum of the span over the first arrival to the last answer: Little's law), which says
+    where requests queue."""
+    done = [r for r in records if r.get("ok") and r.get("last_token") is not None]
+    if not done:
+        return {"requests": len(records), "completed": 0}
+    t_first = min(r["t0"] for r in done)
+    t_last = max(r["t0"] + r["last_token"] / 1e3 for r in done)
+    window_ms = max(1e-9, (t_last - t_first) * 1e3)
+    out: dict = {"requests": len(records), "completed": len(done), "window_s": window_ms / 1e3}
+    for name, start, end in HOP_SPANS:
+        vals = sorted(r[end] - (r[start] if start else 0.0) for r in done)
+
+        def pct(q: float, vals=vals) -> float:
+            return vals[min(len(vals) - 1, max(0, math.ceil(q / 100 * len(vals)) - 1))]
+
+        out[name] = {
+            "mean_ms": round(sum(vals) / len(vals), 3),
+            "p50_ms": round(pct(50), 3), "p90_ms": round(pct(90), 3),
+            "p99_ms": round(pct(99), 3), "in_flight": round(sum(vals) / window_ms, 3),
+        }  # fmt: skip
+    return out
+
+
+def pd_hops(dep, start: int) -> dict:
+    """The proxy's hop records of the requests it finished from the ``start``-th on (t0 made
+    relative to the first one's, seconds) and their :func:`hop_summary`; a point's include
+    ``vllm bench serve``'s one test request before its run."""
+    try:
+        records = http_get_json(f"{dep.url}/hops?start={int(start)}")["hops"]
+    except (OSError, ValueError, KeyError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    t_first = min((r["t0"] for r in records), default=0.0)
+    for r in records:
+        r["t0"] = round(r["t0"] - t_first, 6)
+    return {"summary": hop_summary(records), "records": records}
 
 
 def http_get_json(url: str, timeout: float = 10.0) -> dict:
@@ -1031,6 +1098,9 @@ def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
             }  # fmt: skip
             if cfg.pd:
                 point["pd"] = pd_delta(pd_before, pd_snapshot(dep))
+                point["pd"]["hops"] = pd_hops(
+                    dep, (pd_before.get("proxy") or {}).get("hops_recorded", 0)
+                )
             if a.step_times:
                 point["step_times"] = step_rpc(ctl, "collect")
             res.add("points", point)

@@ -16,6 +16,7 @@ engines on one host never collide; the decoder gets its own, unused, bootstrap p
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -56,6 +57,44 @@ def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
     return cfg
 
 
+def nixl_kv_config(role: str, engine_id: str | None = None, enforce_compat: bool = True) -> dict:
+    """``--kv-transfer-config`` of a NixlConnector engine (``kv_producer`` / ``kv_consumer``);
+    ``enforce_compat=False`` lets a decoder accept any peer's compatibility hash."""
+    cfg: dict = {"kv_connector": "NixlConnector", "kv_role": role}
+    if engine_id:
+        cfg["engine_id"] = engine_id
+    if not enforce_compat:
+        cfg["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
+    return cfg
+
+
+def ucx_env() -> dict[str, str]:
+    """UCX for NIXL on one host: ``DSPARK_NIXL_UCX_TLS`` (default ``cuda_ipc,cuda_copy,tcp``:
+    same-GPU peers copy device to device over CUDA IPC, control over TCP) and
+    ``DSPARK_NIXL_UCX_NET_DEVICES`` (default ``lo``; empty: left unset)."""
+    env = {"UCX_TLS": os.environ.get("DSPARK_NIXL_UCX_TLS", "cuda_ipc,cuda_copy,tcp")}
+    dev = os.environ.get("DSPARK_NIXL_UCX_NET_DEVICES", "lo")
+    if dev:
+        env["UCX_NET_DEVICES"] = dev
+    return env
+
+
+def nixl_env() -> dict[str, str]:
+    """A NIXL engine's own side-channel port and ``VLLM_PORT`` block, and :func:`ucx_env`."""
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "VLLM_PORT": str(free_port_block()),
+        **ucx_env(),
+    }
+
+
+#: The proxy's bootstrap address for NIXL, which needs none (the prefiller's answer names its
+#: side channel).
+NIXL_NO_BOOTSTRAP = "nixl:no-bootstrap"
+CONNECTORS = ("mooncake", "nixl")
+
+
 def kv_counters(m: dict[str, float]) -> dict[str, float]:
     """The :data:`KV_METRICS` (0 when absent) and the prompt tokens by source of a parsed
     ``/metrics``."""
@@ -67,6 +106,33 @@ def kv_counters(m: dict[str, float]) -> dict[str, float]:
 def kv_counters_at(url: str, timeout: float = 10.0) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
         return kv_counters(parse_prometheus(r.read().decode()))
+
+
+#: A KV connector's transfer histograms, ``vllm:<connector>_`` + each: one observation per
+#: transfer batch (MooncakeConnector: timed on the producer around Mooncake's
+#: ``batch_transfer_sync_write``, vLLM's mooncake/stats.py; NixlConnector: on the decoder, which
+#: reads, nixl/stats.py).
+XFER_HISTOGRAMS = ("xfer_time_seconds", "bytes_transferred", "num_descriptors")
+
+
+def xfer_counters(m: dict[str, float], connector: str = "mooncake") -> dict[str, float]:
+    """The ``_sum`` and ``_count`` of each :data:`XFER_HISTOGRAMS` of ``connector`` in a parsed
+    ``/metrics`` (summed over label sets; 0 when absent), keyed without the connector's name."""
+    return {
+        f"{h}{e}": m.get(f"vllm:{connector}_{h}{e}", 0.0)
+        for h in XFER_HISTOGRAMS
+        for e in ("_sum", "_count")
+    }
+
+
+def xfer_counters_at(urls: list[str], connector: str, timeout: float = 10.0) -> dict[str, float]:
+    """:func:`xfer_counters` summed over the engines at ``urls`` (whichever side records)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+            for k, v in xfer_counters(parse_prometheus(r.read().decode()), connector).items():
+                out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def split_kv_bytes(total_bytes: int, decoder_share: float, block: int = 1 << 20) -> tuple[int, int]:
@@ -146,6 +212,7 @@ class PDDeployment:
     bootstrap_url: str
     engine_id: str
     started_at: float = field(default_factory=time.monotonic)
+    connector: str = "mooncake"  # or "nixl" (:data:`CONNECTORS`)
 
     @property
     def nodes(self) -> list:
@@ -193,10 +260,11 @@ class PDDeployment:
         check_alive()
         self.decoder.wait_ready(max(1.0, deadline - time.monotonic()))
         check_alive()
-        seen = wait_engine_id(self.bootstrap_url, deadline)
-        if seen != self.engine_id:  # the proxy names the one the bootstrap server lists
-            self.proxy.argv = [seen if a == self.engine_id else a for a in self.proxy.argv]
-            self.engine_id = seen
+        if self.connector == "mooncake":  # NIXL has no bootstrap server
+            seen = wait_engine_id(self.bootstrap_url, deadline)
+            if seen != self.engine_id:  # the proxy names the one the bootstrap server lists
+                self.proxy.argv = [seen if a == self.engine_id else a for a in self.proxy.argv]
+                self.engine_id = seen
         self.proxy.start()
         self.proxy.wait_ready(max(5.0, min(30.0, deadline - time.monotonic())))
         check_alive()
@@ -241,17 +309,23 @@ def pd_deployment(
     proxy_timeout_s: float = 300.0,
     producer_pp: int = 1,
     gpu_layout: str | None = None,
+    connector: str = "mooncake",
 ) -> PDDeployment:
     """A producer (PP=1, or ``producer_pp`` launchers composed by dspark_dev/pp_launch.py, one
     stage each, ``producer_kv_bytes`` split evenly over them) and a PP=1 decoder, all with the
     DSpark speculative config ``spec`` and ``base_args`` (no ``--kv-cache-memory-bytes`` in it:
-    each gets its own share), on the devices ``env`` names, plus the proxy. Nothing starts
-    here."""
+    each gets its own share), on the devices ``env`` names, plus the proxy. ``connector``:
+    MooncakeConnector over TCP, or NixlConnector (UCX, :func:`ucx_env`; PP=1 producer only).
+    Nothing starts here."""
     from dspark_dev import pp_launch
     from dspark_dev.serve_demo import Server, serve_argv
 
     if any(a == "--kv-cache-memory-bytes" for a in base_args):
         raise ValueError("base_args must not set --kv-cache-memory-bytes (each role gets its own)")
+    if connector not in CONNECTORS:
+        raise ValueError(f"connector {connector!r}: one of {', '.join(CONNECTORS)}")
+    if connector == "nixl" and producer_pp != 1:
+        raise ValueError("a NIXL PD deployment takes a PP=1 producer (pd_launch composes none)")
     engine_id = new_engine_id()
     bport = free_port()
     log_dir = Path(log_dir)
@@ -265,6 +339,20 @@ def pd_deployment(
         return Server(argv, log_dir / f"{name}_{role}.log", env={**env, **cache, **role_env},
                       port=port, name=f"{name} {role}", cpu=cpu)  # fmt: skip
 
+    if connector == "nixl":
+        producer = engine("producer", nixl_kv_config("kv_producer", engine_id),
+                          producer_kv_bytes, nixl_env())  # fmt: skip
+        dec = engine("decoder", nixl_kv_config("kv_consumer"), decoder_kv_bytes, nixl_env())
+        pport = free_port()
+        proxy = Server(
+            proxy_argv(producer.url, dec.url, NIXL_NO_BOOTSTRAP, engine_id, pport,
+                       proxy_timeout_s),
+            log_dir / f"{name}_proxy.log", env=dict(env), port=pport, name=f"{name} proxy",
+            cpu=cpu,
+        )  # fmt: skip
+        return PDDeployment(
+            name, [producer], dec, proxy, NIXL_NO_BOOTSTRAP, engine_id, connector="nixl"
+        )
     pre_kv = mooncake_kv_config("kv_producer", engine_id)
     if producer_pp == 1:
         producers = [engine("producer", pre_kv, producer_kv_bytes, producer_env(bport))]

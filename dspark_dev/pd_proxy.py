@@ -23,7 +23,11 @@ the decoder's first step. ``GET /metrics`` and ``GET /v1/models``, ``POST /token
 ``POST /detokenize`` are passed to the decoder (the engine that drafts and samples), so a
 benchmark client that reads them sees the decoder's.
 
-``GET /health`` answers 200; ``GET /stats`` gives the proxy's counters. Upstream errors come back
+``GET /health`` answers 200; ``GET /stats`` gives the proxy's counters; ``GET /hops?start=N``
+gives the per-hop times of every completion request from the N-th on (:data:`HOP_KEYS`, ms
+after the request reached the proxy, ``None`` where a hop never happened), so a benchmark can
+tell where a request's time went: the producer's queue and prefill, the hand-off, the decoder's
+KV pull, queue and first step, the stream. Upstream errors come back
 with the upstream status and body, and a timeout as 504, so a stuck server becomes a failed
 request, never a hung client. The listen backlog is 256, so a burst of concurrent clients is
 queued, not dropped into TCP retries.
@@ -37,7 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,6 +51,32 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 DECODER_GETS = ("/metrics", "/v1/models")
 DECODER_POSTS = ("/tokenize", "/detokenize")
+#: What a hop record holds besides ``t0`` (the arrival, seconds since the epoch), ``stream`` and
+#: ``ok``: ms after the arrival when the proxy sent the prefill, had the prefiller's answer,
+#: sent the decode, read the decoder's first bytes of answer (a streamed answer: its first event,
+#: the first token; otherwise the whole answer) and its last.
+HOP_KEYS = ("prefill_sent", "prefill_answered", "decode_sent", "first_token", "last_token")
+#: Records kept at most (one benchmark run is far below; beyond it new ones are counted only).
+MAX_HOPS = 200_000
+
+
+class Hop:
+    """The hop times of one request (:data:`HOP_KEYS`), marked as they happen."""
+
+    def __init__(self, stream: bool):
+        self.t0 = time.time()
+        self._start = time.perf_counter()
+        self.stream = stream
+        self.ok = False
+        self.times: dict[str, float | None] = dict.fromkeys(HOP_KEYS)
+
+    def mark(self, key: str, *, again: bool = False) -> None:
+        """Now, as ``key``'s time: the first call counts, or with ``again`` the latest."""
+        if again or self.times[key] is None:
+            self.times[key] = round((time.perf_counter() - self._start) * 1e3, 3)
+
+    def record(self) -> dict:
+        return {"t0": round(self.t0, 6), "stream": self.stream, "ok": self.ok, **self.times}
 
 
 class _Server(ThreadingHTTPServer):
@@ -137,7 +169,11 @@ class PDProxy:
         self.bootstrap_addr = bootstrap_addr.rstrip("/")
         self._engine_id = engine_id
         self.timeout_s = timeout_s
-        self.stats = {"requests": 0, "prefill_ok": 0, "decode_ok": 0, "streamed": 0, "errors": []}
+        self.stats = {
+            "requests": 0, "prefill_ok": 0, "decode_ok": 0, "streamed": 0, "errors": [],
+            "hops_recorded": 0, "hops_dropped": 0,
+        }  # fmt: skip
+        self._hops: list[dict] = []
         self._lock = threading.Lock()
         self._server = _Server((host, port), self._handler_class())
         self._thread: threading.Thread | None = None
@@ -153,34 +189,58 @@ class PDProxy:
             self._engine_id = query_engine_id(self.bootstrap_addr)
         return self._engine_id
 
-    def prefill(self, path: str, body: dict) -> dict:
+    def add_hop(self, hop: Hop) -> None:
+        """Keep a finished request's hop record (:meth:`hops`)."""
+        with self._lock:
+            if len(self._hops) < MAX_HOPS:
+                self._hops.append(hop.record())
+                self.stats["hops_recorded"] += 1
+            else:
+                self.stats["hops_dropped"] += 1
+
+    def hops(self, start: int = 0) -> list[dict]:
+        """The hop records from the ``start``-th on, in the order the requests finished."""
+        with self._lock:
+            return list(self._hops[max(0, start) :])
+
+    def prefill(self, path: str, body: dict, hop: Hop | None = None) -> dict:
         """Step 1 of a request: the prefiller computes the prompt's KV; returns the decoder's
         copy of the request (raises UpstreamError on an upstream failure)."""
+        hop = hop or Hop(stream=bool(body.get("stream")))
         with self._lock:
             self.stats["requests"] += 1
         tid = f"dspark-pd-{uuid.uuid4().hex}"
+        hop.mark("prefill_sent")
         p = _post(self.prefill_url + path, prefill_request(body, tid), self.timeout_s)
+        hop.mark("prefill_answered")
         with self._lock:
             self.stats["prefill_ok"] += 1
         return decode_request(
             body, tid, self.engine_id, self.bootstrap_addr, p.get("kv_transfer_params")
         )
 
-    def handle(self, path: str, body: dict) -> dict:
+    def handle(self, path: str, body: dict, hop: Hop | None = None) -> dict:
         """Prefill then decode one request; raises UpstreamError on an upstream failure."""
-        d = _post(self.decode_url + path, self.prefill(path, body), self.timeout_s)
+        hop = hop or Hop(stream=False)
+        dbody = self.prefill(path, body, hop)
+        hop.mark("decode_sent")
+        d = _post(self.decode_url + path, dbody, self.timeout_s)
+        hop.mark("first_token")  # a whole answer: its first token came with its last
+        hop.times["last_token"] = hop.times["first_token"]
         with self._lock:
             self.stats["decode_ok"] += 1
         return d
 
-    def open_decode_stream(self, path: str, body: dict):
+    def open_decode_stream(self, path: str, body: dict, hop: Hop | None = None):
         """Prefill, then open the decoder's streaming answer (an open HTTP response whose
         ``read1`` gives the event stream as it comes)."""
+        hop = hop or Hop(stream=True)
         req = urllib.request.Request(
             self.decode_url + path,
-            data=json.dumps(self.prefill(path, body)).encode(),
+            data=json.dumps(self.prefill(path, body, hop)).encode(),
             headers={"Content-Type": "application/json"},
         )
+        hop.mark("decode_sent")
         try:
             return urllib.request.urlopen(req, timeout=self.timeout_s)
         except urllib.error.HTTPError as e:
@@ -229,13 +289,21 @@ class PDProxy:
                 if self.path == "/stats":
                     with proxy._lock:
                         return self._send(200, json.dumps(proxy.stats).encode())
+                url = urllib.parse.urlsplit(self.path)
+                if url.path == "/hops":
+                    query = urllib.parse.parse_qs(url.query)
+                    try:
+                        start = int(query.get("start", ["0"])[0])
+                    except ValueError:
+                        return self._send(400, b'{"error": "start: not an integer"}')
+                    return self._send(200, json.dumps({"hops": proxy.hops(start)}).encode())
                 if self.path in DECODER_GETS:
                     return self._send(*proxy.forward("GET", self.path, None))
                 return self._send(404, b'{"error": "not found"}')
 
-            def _relay(self, upstream) -> None:
+            def _relay(self, upstream, hop: Hop) -> bool:
                 """The decoder's event stream, chunk by chunk as it arrives (HTTP/1.0: the
-                end of the answer is the end of the connection)."""
+                end of the answer is the end of the connection); False if it was cut."""
                 with upstream:
                     self.send_response(upstream.status)
                     ctype = upstream.headers.get("Content-Type", "text/event-stream")
@@ -247,16 +315,19 @@ class PDProxy:
                             chunk = upstream.read1(65536)
                             if not chunk:
                                 break
+                            hop.mark("first_token")
+                            hop.mark("last_token", again=True)
                             self.wfile.write(chunk)
                             self.wfile.flush()
                     except Exception as e:  # noqa: BLE001 - headers are out: end the answer
                         with proxy._lock:
                             proxy.stats["errors"].append(f"stream cut: {type(e).__name__}: {e}")
                         self.close_connection = True
-                        return
+                        return False
                 with proxy._lock:
                     proxy.stats["decode_ok"] += 1
                     proxy.stats["streamed"] += 1
+                return True
 
             def do_POST(self):
                 n = int(self.headers.get("Content-Length", "0") or 0)
@@ -269,21 +340,33 @@ class PDProxy:
                     body = json.loads(raw.decode() or "{}")
                 except ValueError as e:
                     return self._send(400, json.dumps({"error": f"bad JSON: {e}"}).encode())
+                hop = Hop(stream=bool(body.get("stream")))
+                reply = None
+                try:
+                    reply = self._answer(body, hop)
+                finally:  # kept before the answer goes out: a client that then asks sees it
+                    proxy.add_hop(hop)
+                if reply is not None:
+                    self._send(*reply)
+
+            def _answer(self, body: dict, hop: Hop) -> tuple[int, bytes] | None:
+                """Prefill and decode; a streamed answer is relayed here (None), any other
+                comes back as (status, body) for the caller to send."""
                 try:
                     if body.get("stream"):
-                        return self._relay(proxy.open_decode_stream(self.path, body))
-                    out = proxy.handle(self.path, body)
+                        hop.ok = self._relay(proxy.open_decode_stream(self.path, body, hop), hop)
+                        return None
+                    out = proxy.handle(self.path, body, hop)
                 except UpstreamError as e:
                     with proxy._lock:
                         proxy.stats["errors"].append(str(e)[:300])
-                    return self._send(e.status, e.body or b"{}")
+                    return e.status, e.body or b"{}"
                 except Exception as e:  # noqa: BLE001 - the client must get an answer
                     with proxy._lock:
                         proxy.stats["errors"].append(f"{type(e).__name__}: {e}"[:300])
-                    return self._send(
-                        502, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
-                    )
-                return self._send(200, json.dumps(out).encode())
+                    return 502, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+                hop.ok = True
+                return 200, json.dumps(out).encode()
 
         return Handler
 

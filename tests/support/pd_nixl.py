@@ -31,7 +31,6 @@ run.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
@@ -42,12 +41,15 @@ from pathlib import Path
 
 from dspark_dev.metrics import counter_delta, parse_prometheus
 from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
-from dspark_dev.pd_launch import PREFILL_MARKERS  # what a prefill-only producer logs
+from dspark_dev.pd_launch import (  # noqa: F401 - re-exported
+    PREFILL_MARKERS,  # what a prefill-only producer logs
+    nixl_env,
+    nixl_kv_config,
+    ucx_env,
+)
 from dspark_dev.pd_proxy import PDProxy
 from dspark_dev.serve import (
     Server,
-    free_port,
-    free_port_block,
     greedy_completion_body,
     http_json,
     http_text,
@@ -64,23 +66,6 @@ FAILURE_LINES = re.compile(
 CORRUPT_KEYS = ("fc.", "hidden_norm.", "k_proj.", "v_proj.", "k_norm.")
 
 
-def ucx_env() -> dict[str, str]:
-    env = {"UCX_TLS": os.environ.get("DSPARK_NIXL_UCX_TLS", "cuda_ipc,cuda_copy,tcp")}
-    dev = os.environ.get("DSPARK_NIXL_UCX_NET_DEVICES", "lo")
-    if dev:
-        env["UCX_NET_DEVICES"] = dev
-    return env
-
-
-def nixl_kv_config(role: str, engine_id: str | None = None, enforce_compat: bool = True) -> dict:
-    cfg: dict = {"kv_connector": "NixlConnector", "kv_role": role}
-    if engine_id:
-        cfg["engine_id"] = engine_id
-    if not enforce_compat:
-        cfg["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
-    return cfg
-
-
 def nixl_server(
     name: str,
     model: str,
@@ -94,13 +79,7 @@ def nixl_server(
     if spec:
         args += ["--speculative-config", json.dumps(spec)]
     args += ["--kv-transfer-config", json.dumps(kv), *extra_args]
-    env = {
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-        "VLLM_PORT": str(free_port_block()),
-        **ucx_env(),
-    }
-    return Server(name, model, args, env=env)
+    return Server(name, model, args, env=nixl_env())
 
 
 def corrupt_draft(draft_dir: str, out_dir: str, seed: int = 7) -> str:

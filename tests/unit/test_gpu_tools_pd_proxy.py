@@ -119,7 +119,10 @@ def test_prefill_then_decode_with_the_mooncake_keys(fakes):
         "remote_engine_id": "eng-P",  # from the bootstrap's /query
         "remote_bootstrap_addr": boot.url,
     }
-    assert stats == {"requests": 1, "prefill_ok": 1, "decode_ok": 1, "streamed": 0, "errors": []}
+    assert stats == {
+        "requests": 1, "prefill_ok": 1, "decode_ok": 1, "streamed": 0, "errors": [],
+        "hops_recorded": 1, "hops_dropped": 0,
+    }  # fmt: skip
 
 
 def test_each_request_gets_its_own_transfer_id_and_prefill_params_are_kept(fakes):
@@ -261,3 +264,122 @@ def test_bootstrap_listing_two_engines_is_an_error(fakes):
     boot = fakes(lambda p, b: (200, {"0": {"engine_id": "a"}, "1": {"engine_id": "b"}}))
     with pytest.raises(RuntimeError, match="exactly one"):
         pd_proxy.query_engine_id(boot.url)
+
+
+class SlowStream:
+    """A decoder that streams two events, the first ``first_s`` after the request and the
+    second ``gap_s`` after the first."""
+
+    def __init__(self, first_s: float, gap_s: float):
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                time.sleep(first_s)
+                self.wfile.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+                self.wfile.flush()
+                time.sleep(gap_s)
+                self.wfile.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+                self.wfile.flush()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def get_json(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_each_hop_of_a_request_is_timed_at_the_proxy(fakes):
+    """Prefill 0.3 s, the decoder's first event 0.2 s after the decode is sent, the last 0.2 s
+    after that: each shows up in its own hop (sleeps give lower bounds only, so no flakiness
+    from a slow machine)."""
+
+    def slow_prefill(p, b):
+        time.sleep(0.3)
+        return 200, {"choices": [{}]}
+
+    pre = fakes(slow_prefill)
+    dec = SlowStream(first_s=0.2, gap_s=0.2)
+    plain = fakes(lambda p, b: (time.sleep(0.1), (200, {"choices": [{"text": "c"}]}))[1])
+    failing = fakes(lambda p, b: (500, {"error": "boom"}))
+    try:
+        with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="e") as proxy:
+            req = urllib.request.Request(
+                proxy.url + "/v1/completions",
+                data=json.dumps({"prompt": [1], "max_tokens": 2, "stream": True}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert r.read().endswith(b"data: [DONE]\n\n")
+            proxy.decode_url = plain.url  # a non-streamed answer
+            assert post(proxy.url + "/v1/completions", {"prompt": [1]})[0] == 200
+            proxy.prefill_url = failing.url  # a prefill that fails
+            assert post(proxy.url + "/v1/completions", {"prompt": [1]})[0] == 500
+            every = get_json(proxy.url + "/hops")["hops"]
+            later = get_json(proxy.url + "/hops?start=1")["hops"]
+            bad_start = urllib.request.urlopen(proxy.url + "/hops?start=x", timeout=5)
+    except urllib.error.HTTPError as e:
+        bad_start = e
+    finally:
+        dec.server.shutdown()
+        dec.server.server_close()
+    assert bad_start.code == 400
+    assert len(every) == 3 and later == every[1:]
+    streamed, whole, failed = every
+    assert set(streamed) == {"t0", "stream", "ok", *pd_proxy.HOP_KEYS}
+    assert streamed["stream"] and streamed["ok"] and whole["ok"] and not whole["stream"]
+    for h in (streamed, whole):
+        times = [h[k] for k in pd_proxy.HOP_KEYS]
+        assert times == sorted(times) and times[0] >= 0.0, h
+        assert h["prefill_answered"] - h["prefill_sent"] >= 300.0, h
+    assert streamed["first_token"] - streamed["decode_sent"] >= 200.0, streamed
+    assert streamed["last_token"] - streamed["first_token"] >= 200.0, streamed
+    assert whole["first_token"] == whole["last_token"] >= whole["decode_sent"] + 100.0, whole
+    assert streamed["t0"] <= whole["t0"] <= failed["t0"]
+    # the failed request: its prefill was sent and never answered, nothing else happened
+    assert not failed["ok"] and failed["prefill_sent"] is not None
+    assert [failed[k] for k in pd_proxy.HOP_KEYS[1:]] == [None] * 4
+
+
+def test_concurrent_requests_reach_the_prefiller_together(fakes):
+    """Issue 29's first hypothesis, answered for the proxy: six clients at once must have six
+    prefills in flight at once (the fake prefiller answers none until all six arrived; a proxy
+    that serialized requests would break the barrier)."""
+    n = 6
+    barrier = threading.Barrier(n, timeout=5.0)
+
+    def together(p, b):
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            return 500, {"error": "the prefills did not overlap"}
+        return 200, {"choices": [{}]}
+
+    pre = fakes(together)
+    dec = fakes(lambda p, b: (200, {"choices": [{"text": "x"}]}))
+    with pd_proxy.PDProxy(pre.url, dec.url, "http://127.0.0.1:1", engine_id="e") as proxy:
+        answers: list[int] = []
+        clients = [
+            threading.Thread(
+                target=lambda: answers.append(post(proxy.url + "/v1/completions", {"p": 1})[0])
+            )
+            for _ in range(n)
+        ]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(20)
+        hops = proxy.hops()
+    assert answers == [200] * n, answers
+    sent = max(h["t0"] + h["prefill_sent"] / 1e3 for h in hops)
+    answered = min(h["t0"] + h["prefill_answered"] / 1e3 for h in hops)
+    assert sent <= answered, "a prefill was answered before the last one was sent"

@@ -413,6 +413,56 @@ def test_dry_run_composes_producer_decoder_and_proxy(capsys):
     assert seeds[:2] == seeds[2:]
 
 
+def test_dry_run_pd_over_nixl_has_no_bootstrap_and_ucx_on_both_engines(capsys):
+    out = _dry(capsys, "--configs", "pd_nixl", "--concurrency", "4")
+    nodes = _launchers(out)
+    assert set(nodes) == {
+        "pd_nixl_dspark producer",
+        "pd_nixl_dspark decoder",
+        "pd_nixl_dspark proxy",
+        "agg_dspark_kv",
+    }
+    pre, dec, proxy = (nodes[f"pd_nixl_dspark {r}"] for r in ("producer", "decoder", "proxy"))
+
+    def kv_cfg(who):
+        line = next(x for x in out.splitlines() if x.startswith(f"  {who}: /"))
+        flag = "--kv-transfer-config "
+        return json.JSONDecoder().raw_decode(line, line.index(flag) + len(flag))[0]
+
+    pre_kv, dec_kv = kv_cfg("pd_nixl_dspark producer"), kv_cfg("pd_nixl_dspark decoder")
+    assert pre_kv["kv_connector"] == dec_kv["kv_connector"] == "NixlConnector"
+    assert (pre_kv["kv_role"], dec_kv["kv_role"]) == ("kv_producer", "kv_consumer")
+    for node in (pre, dec):
+        assert node["env"]["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
+        assert node["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in node["env"]
+    assert pre["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] != dec["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    argv = proxy["argv"]
+    assert argv[argv.index("--bootstrap") + 1] == "nixl:no-bootstrap"
+    assert argv[argv.index("--engine-id") + 1] == pre_kv["engine_id"]
+    with pytest.raises(ValueError, match="PP=1 producer"):
+        from dspark_dev.pd_launch import pd_deployment
+
+        pd_deployment("x", "/m", spec={}, base_args=[], producer_kv_bytes=1, decoder_kv_bytes=1,
+                      log_dir=Path("/tmp"), env={}, producer_pp=2, connector="nixl")  # fmt: skip
+
+
+def test_a_nixl_deployment_starts_its_proxy_without_asking_a_bootstrap_server(monkeypatch):
+    from dspark_dev import pd_launch
+
+    def never(url, deadline):
+        raise AssertionError("NIXL has no bootstrap server to ask")
+
+    monkeypatch.setattr(pd_launch, "wait_engine_id", never)
+    proxy = _Node("proxy")
+    dep = pd_launch.PDDeployment(
+        "pd", [_Node("producer")], _Node("decoder", port=2), proxy, "nixl:no-bootstrap", "e",
+        connector="nixl",
+    )  # fmt: skip
+    dep.start().wait_ready(5.0)
+    assert proxy.started == 1 and dep.engine_id == "e"
+
+
 class _Node:
     def __init__(self, name, exit_code=None, port=1):
         self.name, self.code, self.port, self.started, self.argv = name, exit_code, port, 0, []
@@ -515,6 +565,131 @@ def test_pd_vs_aggregated_table_and_png_from_a_recorded_run(tmp_path):
     assert "![served curves]" not in md and not (tmp_path / "perf_pd.png").exists()
     assert md.startswith("<!--") and "# PD vs aggregated, served, on one GPU" in md
     assert "Goal (b)" not in md and plot.CAVEAT not in md  # nothing about PP in a PD-only page
+
+
+def _hop(t0, prefill, decode_first, stream, *, ok=True):
+    """A proxy hop record (dspark_dev/pd_proxy.HOP_KEYS) with the given spans in ms."""
+    pa = 1.0 + prefill
+    return {"t0": t0, "stream": True, "ok": ok, "prefill_sent": 1.0, "prefill_answered": pa,
+            "decode_sent": pa, "first_token": pa + decode_first,
+            "last_token": pa + decode_first + stream}  # fmt: skip
+
+
+def test_hop_summary_says_where_requests_queue():
+    """Four requests 0.1 s apart, each 10 ms of prefill, 500 ms to the first token, 100 ms of
+    stream, ending 0.911 s after the first arrival: about 2.2 requests wait for their first
+    token on average, 0.04 are in prefill. A failed request is counted, not summarized."""
+    recs = [_hop(0.1 * i, 10.0, 500.0 + i, 100.0) for i in range(4)]
+    recs.append({**_hop(0.05, 10.0, 1.0, 1.0), "ok": False})
+    s = serve.hop_summary(recs)
+    assert s["requests"] == 5 and s["completed"] == 4
+    assert s["window_s"] == pytest.approx(0.3 + 0.611 + 0.003)
+    window_ms = s["window_s"] * 1e3
+    assert s["decode_first"]["p50_ms"] == 501.0 and s["decode_first"]["p99_ms"] == 503.0
+    assert s["decode_first"]["in_flight"] == pytest.approx(2006.0 / window_ms, abs=1e-3)
+    assert s["prefill"]["in_flight"] == pytest.approx(40.0 / window_ms, abs=1e-3)
+    assert s["handoff"]["mean_ms"] == 0.0 and s["stream"]["p50_ms"] == 100.0
+    assert s["total"]["p99_ms"] == pytest.approx(1.0 + 10.0 + 503.0 + 100.0)
+    assert serve.hop_summary([recs[-1]]) == {"requests": 1, "completed": 0}
+
+
+def test_pd_hops_reads_the_proxys_records_from_the_points_start():
+    """Against a real dspark_dev/pd_proxy.py with loopback fakes: the records after the
+    snapshot's count, arrival times relative to the point's first."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dspark_dev import pd_proxy
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = b'{"choices": [{}]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    fake.daemon_threads = True
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    up = f"http://127.0.0.1:{fake.server_address[1]}"
+    try:
+        with pd_proxy.PDProxy(up, up, "http://127.0.0.1:1", engine_id="e") as proxy:
+            for _ in range(3):
+                urllib_post(proxy.url + "/v1/completions", {"prompt": [1]})
+            start = serve.http_get_json(proxy.url + "/stats")["hops_recorded"] - 2
+            got = serve.pd_hops(type("Dep", (), {"url": proxy.url})(), start)
+        gone = serve.pd_hops(type("Dep", (), {"url": "http://127.0.0.1:1"})(), 0)
+    finally:
+        fake.shutdown()
+        fake.server_close()
+    assert len(got["records"]) == 2 and got["records"][0]["t0"] == 0.0
+    assert got["records"][1]["t0"] >= 0.0 and got["summary"]["completed"] == 2
+    assert "error" in gone
+
+
+def urllib_post(url, body):
+    import urllib.request
+
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
+
+
+def test_producer_transfer_counters_from_a_metrics_page():
+    from dspark_dev.metrics import parse_prometheus
+    from dspark_dev.pd_launch import xfer_counters
+
+    page = "\n".join(
+        [
+            "# TYPE vllm:mooncake_xfer_time_seconds histogram",
+            'vllm:mooncake_xfer_time_seconds_bucket{engine="0",le="+Inf"} 4.0',
+            'vllm:mooncake_xfer_time_seconds_count{engine="0"} 4.0',
+            'vllm:mooncake_xfer_time_seconds_sum{engine="0"} 0.8',
+            "# TYPE vllm:mooncake_bytes_transferred histogram",
+            'vllm:mooncake_bytes_transferred_bucket{engine="0",le="+Inf"} 4.0',
+            'vllm:mooncake_bytes_transferred_count{engine="0"} 4.0',
+            'vllm:mooncake_bytes_transferred_sum{engine="0"} 671088640.0',
+            "",
+        ]
+    )
+    got = xfer_counters(parse_prometheus(page))
+    assert got["xfer_time_seconds_sum"] == pytest.approx(0.8)
+    assert got["bytes_transferred_sum"] == 671088640.0
+    assert got["num_descriptors_count"] == 0.0  # absent: 0
+    nixl = xfer_counters(parse_prometheus(page.replace("mooncake", "nixl")), "nixl")
+    assert (
+        nixl == got and xfer_counters(parse_prometheus(page), "nixl")["bytes_transferred_sum"] == 0
+    )
+
+
+def test_pd_hop_table_from_a_recorded_point(tmp_path):
+    """The per-hop section of the PD page from a point's hop summary and the producer's
+    transfer counters; a run without them (the 14:53 one) has no such section."""
+    p = _pd_point("pd_dspark", 4, 900.0, (400.0, 700.0), (2.5, 3.0))
+    p["pd"]["hops"] = {"summary": serve.hop_summary(
+        [_hop(0.1 * i, 30.0, 250.0, 500.0) for i in range(16)])}  # fmt: skip
+    p["pd"]["kv_xfer"] = {
+        "xfer_time_seconds_sum": 4.0,
+        "xfer_time_seconds_count": 16.0,
+        "bytes_transferred_sum": 16 * 164 * 2.0**20,
+    }
+    agg = _pd_point("agg_dspark_kv", 4, 1800.0, (100.0, 120.0), (1.7, 1.9))
+    md = plot.markdown([{**serve_run([p, agg]), "_file": "x.json"}], ["x.json"])
+    assert "## Where a PD request's time goes" in md
+    assert (
+        "| pd_dspark AL 3.99 | 4 | 30.0 / 30.0 (0.2) | 0.0 / 0.0 (0.0) | 250.0 / 250.0 (1.8) | "
+        "500.0 / 500.0 (3.5) | 250.0 | 164.0 | 164.0 | 0.64 | 1 |"
+    ) in md, md
+    bare = plot.markdown([{**serve_run([_pd_point("pd_dspark", 4, 900.0, (1, 2), (1, 2))]),
+                           "_file": "y.json"}], ["y.json"])  # fmt: skip
+    assert "Where a PD request's time goes" not in bare
 
 
 # --------------------------------------------------------------------------- projection vs served
@@ -662,5 +837,10 @@ def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
             hits = pd["decoder_kv"]["vllm:external_prefix_cache_hits_total"]
             assert hits == pd["decoder_kv"]["vllm:prompt_tokens_total"] > 0
             assert pd["producer_spec"]["num_draft_tokens"] == 0
+            assert "error" not in pd["kv_xfer"], pd["kv_xfer"]
+            hops = pd["hops"]
+            # vllm bench serve's own test request before the run passes the proxy too
+            assert len(hops["records"]) == hops["summary"]["completed"] >= p["num_prompts"]
+            assert all(r["stream"] and r["ok"] for r in hops["records"])
     md = plot.markdown(plot.load([out / "serve_pp_one_gpu_pd.json"]), ["pd.json"])
     assert "| 3.99 | 8 |" in md and "| 100.0% | 0 | 0 | 1 / 1 |" in md
