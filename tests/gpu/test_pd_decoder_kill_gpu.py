@@ -52,7 +52,6 @@ import signal
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -222,14 +221,9 @@ def pd_decoder_kill():
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     deadline = t0 + BUDGET_S - 10
-    with ThreadPoolExecutor(max_workers=2) as ex:
-        f_stock = (
-            ex.submit(_scenario, "stock", None, {"VLLM_PLUGINS": "no-such-plugin"}, deadline)
-            if STOCK
-            else None
-        )
-        ours = _scenario("dspark", tiny_pair.spec_config(), {}, deadline)
-        stock = f_stock.result() if f_stock else {"skipped": "DSPARK_PD_DKILL_STOCK=0"}
+    ours, stock = pd_pair.ours_beside_stock(
+        _scenario, tiny_pair.spec_config(), deadline, STOCK, "DSPARK_PD_DKILL_STOCK=0"
+    )
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wall_s": round(time.monotonic() - t0, 1),
@@ -239,10 +233,7 @@ def pd_decoder_kill():
         "ours": ours,
         "stock": stock,
     }
-    (LOG_DIR / "pd_decoder_kill.json").write_text(json.dumps(summary, indent=1, default=str))
-    shown = {k: ({kk: vv for kk, vv in v.items() if kk != "log_tails"} if isinstance(v, dict)
-                 else v) for k, v in summary.items()}  # fmt: skip
-    print("PD DECODER KILL RESULT " + json.dumps(shown, indent=1, default=str))
+    pd_pair.save_summary(LOG_DIR / "pd_decoder_kill.json", "PD DECODER KILL RESULT", summary)
     return summary
 
 

@@ -15,8 +15,10 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dspark_dev.metrics import parse_prometheus
 from dspark_dev.pd_launch import mooncake_kv_config
@@ -209,3 +211,32 @@ def trimmed(text: str, keep: int = 300) -> str:
     errs = served_load.error_lines(text)[:200]
     return "\n".join([*lines[:keep], "... [trimmed: error lines] ...", *errs,
                       "... [trimmed: last lines] ...", *lines[-keep:]])  # fmt: skip
+
+
+def ours_beside_stock(
+    scenario: Callable[[str, dict | None, dict[str, str], float], dict],
+    spec: dict,
+    deadline: float,
+    stock: bool,
+    stock_off_reason: str,
+) -> tuple[dict, dict]:
+    """Run a fault scenario for DSpark with the plugin and, in a second thread at the same time,
+    for stock vLLM (the plugin left out, no speculation): the two records, ours first."""
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        f_stock = (
+            ex.submit(scenario, "stock", None, {"VLLM_PLUGINS": "no-such-plugin"}, deadline)
+            if stock
+            else None
+        )
+        ours = scenario("dspark", spec, {}, deadline)
+        return ours, (f_stock.result() if f_stock else {"skipped": stock_off_reason})
+
+
+def save_summary(path: Path, title: str, summary: dict) -> None:
+    """Write a group's summary JSON and print it (without the log tails) under ``title``."""
+    path.write_text(json.dumps(summary, indent=1, default=str))
+    shown = {
+        k: ({kk: vv for kk, vv in v.items() if kk != "log_tails"} if isinstance(v, dict) else v)
+        for k, v in summary.items()
+    }
+    print(f"{title} " + json.dumps(shown, indent=1, default=str))

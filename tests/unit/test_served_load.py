@@ -330,3 +330,30 @@ def test_dsv4_router_layer_figures_name_each_controls_rows():
     assert f"graph sizes {d['facts']['graph_sizes']}" in text
     d["facts"]["eager_rows_not_bitwise_vs_unpadded"] = ["R=3 P=4 stale: rows [1]"]
     assert "eager R=3 P=4 stale: rows [1];" in "\n".join(fig.layer_lines(d))
+
+
+def test_the_pd_fault_groups_run_ours_and_stock_at_once_and_save_one_summary(tmp_path, capsys):
+    from support import pd_pair
+
+    started: dict[str, float] = {}
+
+    def scenario(name, spec, env, deadline):
+        started[name] = time.monotonic()
+        time.sleep(0.3)
+        return {"name": name, "spec": spec, "env": env, "deadline": deadline}
+
+    t0 = time.monotonic()
+    ours, stock = pd_pair.ours_beside_stock(scenario, {"k": 7}, 9.0, True, "off")
+    # Both sides ran, ours with the plugin and the spec, stock without either, at the same time.
+    assert ours == {"name": "dspark", "spec": {"k": 7}, "env": {}, "deadline": 9.0}
+    assert stock["name"] == "stock" and stock["spec"] is None
+    assert stock["env"] == {"VLLM_PLUGINS": "no-such-plugin"}
+    assert abs(started["dspark"] - started["stock"]) < 0.2 and time.monotonic() - t0 < 0.55
+    ours, stock = pd_pair.ours_beside_stock(scenario, {"k": 7}, 9.0, False, "stock off by env")
+    assert stock == {"skipped": "stock off by env"}
+
+    summary = {"ours": {"a": 1, "log_tails": {"x": "long"}}, "wall_s": 2.0}
+    pd_pair.save_summary(tmp_path / "g.json", "GROUP RESULT", summary)
+    assert json.loads((tmp_path / "g.json").read_text()) == summary  # the file keeps the tails
+    printed = capsys.readouterr().out
+    assert printed.startswith("GROUP RESULT ") and "log_tails" not in printed
