@@ -223,29 +223,20 @@ def pd_kill():
     ok, why = tiny_pair.available()
     if not ok:
         pytest.skip(why)
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    deadline = t0 + BUDGET_S - 10
-    ours, stock = pd_pair.ours_beside_stock(
-        _scenario, tiny_pair.spec_config(), deadline, STOCK, "DSPARK_PD_KILL_STOCK=0"
+    return pd_pair.run_beside_stock(
+        _scenario,
+        tiny_pair.spec_config(),
+        BUDGET_S,
+        STOCK,
+        "DSPARK_PD_KILL_STOCK=0",
+        LOG_DIR / "pd_kill.json",
+        "PD KILL RESULT",
+        {"bound_s": BOUND_S, "b_bound_s": B_BOUND_S, "decoder_abort_s": DECODER_ABORT_S},
     )
-    summary = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "wall_s": round(time.monotonic() - t0, 1),
-        "bound_s": BOUND_S,
-        "b_bound_s": B_BOUND_S,
-        "decoder_abort_s": DECODER_ABORT_S,
-        "ours": ours,
-        "stock": stock,
-    }
-    pd_pair.save_summary(LOG_DIR / "pd_kill.json", "PD KILL RESULT", summary)
-    return summary
 
 
 def _ours(pd_kill) -> dict:
-    rec = pd_kill["ours"]
-    assert "error" not in rec, f"{rec['error']}\n{json.dumps(rec.get('log_tails'), indent=1)}"
-    return rec
+    return pd_pair.ours_record(pd_kill)
 
 
 def test_no_hang_every_request_ends_and_the_decoder_stays_up(pd_kill):

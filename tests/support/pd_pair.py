@@ -213,15 +213,22 @@ def trimmed(text: str, keep: int = 300) -> str:
                       "... [trimmed: last lines] ...", *lines[-keep:]])  # fmt: skip
 
 
-def ours_beside_stock(
+def run_beside_stock(
     scenario: Callable[[str, dict | None, dict[str, str], float], dict],
     spec: dict,
-    deadline: float,
+    budget_s: float,
     stock: bool,
     stock_off_reason: str,
-) -> tuple[dict, dict]:
-    """Run a fault scenario for DSpark with the plugin and, in a second thread at the same time,
-    for stock vLLM (the plugin left out, no speculation): the two records, ours first."""
+    out: Path,
+    title: str,
+    facts: dict,
+) -> dict:
+    """A PD fault group's fixture: the scenario for DSpark with the plugin and, in a second thread
+    at the same time, for stock vLLM (the plugin left out, no speculation), both ending by
+    ``budget_s`` - 10 s; the summary (``facts`` and both records) written to ``out`` and printed
+    without the log tails under ``title``."""
+    t0 = time.monotonic()
+    deadline = t0 + budget_s - 10
     with ThreadPoolExecutor(max_workers=2) as ex:
         f_stock = (
             ex.submit(scenario, "stock", None, {"VLLM_PLUGINS": "no-such-plugin"}, deadline)
@@ -229,14 +236,26 @@ def ours_beside_stock(
             else None
         )
         ours = scenario("dspark", spec, {}, deadline)
-        return ours, (f_stock.result() if f_stock else {"skipped": stock_off_reason})
-
-
-def save_summary(path: Path, title: str, summary: dict) -> None:
-    """Write a group's summary JSON and print it (without the log tails) under ``title``."""
-    path.write_text(json.dumps(summary, indent=1, default=str))
+        other = f_stock.result() if f_stock else {"skipped": stock_off_reason}
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_s": round(time.monotonic() - t0, 1),
+        **facts,
+        "ours": ours,
+        "stock": other,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1, default=str))
     shown = {
         k: ({kk: vv for kk, vv in v.items() if kk != "log_tails"} if isinstance(v, dict) else v)
         for k, v in summary.items()
     }
     print(f"{title} " + json.dumps(shown, indent=1, default=str))
+    return summary
+
+
+def ours_record(summary: dict) -> dict:
+    """The plugin's record of a fault group; fails the test with the logs' tails if it broke."""
+    rec = summary["ours"]
+    assert "error" not in rec, f"{rec['error']}\n{json.dumps(rec.get('log_tails'), indent=1)}"
+    return rec

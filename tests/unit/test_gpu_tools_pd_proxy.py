@@ -17,6 +17,14 @@ from dspark_dev import pd_proxy
 pytestmark = pytest.mark.timeout(60)
 
 
+def serve(handler) -> tuple[ThreadingHTTPServer, str]:
+    """``handler`` served on a free loopback port by a daemon thread: the server and its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
 class Fake:
     """A loopback HTTP server that records POST bodies and answers with ``reply(path, body)``."""
 
@@ -44,10 +52,7 @@ class Fake:
                 fake.bodies.append((self.path, body))
                 self._answer(*reply(self.path, body))
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve(H)
 
     def close(self):
         self.server.shutdown()
@@ -206,10 +211,7 @@ class StreamingDecoder:
                 self.wfile.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
                 self.wfile.flush()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve(H)
 
 
 def test_a_streaming_request_is_prefilled_then_relayed_as_it_arrives(fakes):
@@ -287,10 +289,7 @@ class SlowStream:
                 self.wfile.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
                 self.wfile.flush()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve(H)
 
 
 def get_json(url):

@@ -340,20 +340,28 @@ def test_the_pd_fault_groups_run_ours_and_stock_at_once_and_save_one_summary(tmp
     def scenario(name, spec, env, deadline):
         started[name] = time.monotonic()
         time.sleep(0.3)
-        return {"name": name, "spec": spec, "env": env, "deadline": deadline}
+        tails = {"log_tails": {"x": "long"}} if name == "dspark" else {}
+        return {"name": name, "spec": spec, "env": env, "deadline": deadline, **tails}
 
     t0 = time.monotonic()
-    ours, stock = pd_pair.ours_beside_stock(scenario, {"k": 7}, 9.0, True, "off")
-    # Both sides ran, ours with the plugin and the spec, stock without either, at the same time.
-    assert ours == {"name": "dspark", "spec": {"k": 7}, "env": {}, "deadline": 9.0}
+    out = tmp_path / "g" / "g.json"
+    summary = pd_pair.run_beside_stock(
+        scenario, {"k": 7}, 20.0, True, "off", out, "GROUP RESULT", {"bound_s": 5}
+    )
+    ours, stock = summary["ours"], summary["stock"]
+    # Both sides ran, ours with the plugin and the spec, stock without either, at the same time,
+    # both ending by the budget less 10 s.
+    assert ours["name"] == "dspark" and ours["spec"] == {"k": 7} and ours["env"] == {}
     assert stock["name"] == "stock" and stock["spec"] is None
     assert stock["env"] == {"VLLM_PLUGINS": "no-such-plugin"}
+    assert ours["deadline"] == stock["deadline"] and abs(ours["deadline"] - t0 - 10.0) < 0.2
     assert abs(started["dspark"] - started["stock"]) < 0.2 and time.monotonic() - t0 < 0.55
-    ours, stock = pd_pair.ours_beside_stock(scenario, {"k": 7}, 9.0, False, "stock off by env")
-    assert stock == {"skipped": "stock off by env"}
-
-    summary = {"ours": {"a": 1, "log_tails": {"x": "long"}}, "wall_s": 2.0}
-    pd_pair.save_summary(tmp_path / "g.json", "GROUP RESULT", summary)
-    assert json.loads((tmp_path / "g.json").read_text()) == summary  # the file keeps the tails
+    assert summary["bound_s"] == 5 and summary["wall_s"] < 0.55
+    assert json.loads(out.read_text()) == json.loads(json.dumps(summary))  # the file keeps tails
     printed = capsys.readouterr().out
     assert printed.startswith("GROUP RESULT ") and "log_tails" not in printed
+    assert pd_pair.ours_record(summary) is ours
+    off = pd_pair.run_beside_stock(scenario, {}, 20.0, False, "stock off by env", out, "T", {})
+    assert off["stock"] == {"skipped": "stock off by env"}
+    with pytest.raises(AssertionError, match="boom"):
+        pd_pair.ours_record({"ours": {"error": "boom"}})
