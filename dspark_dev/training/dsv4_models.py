@@ -147,11 +147,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
 
 def fp8_ds_mla_round(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """What a key row looks like after a round trip through vLLM's fp8_ds_mla cache: the no-RoPE
-    channels in float8 e4m3 with one power-of-two scale per 64 channels (scale = 2^ceil(log2(
-    amax / 448))), the RoPE channels in bf16. Straight-through for gradients."""
+    channels rounded to bf16, then float8 e4m3 with one power-of-two scale per 64 channels
+    (scale = 2^ceil(log2(max(amax, 1e-4) / 448))), the RoPE channels in bf16. Straight-through for
+    gradients."""
     nope, rope = kv[..., :-rope_dim], kv[..., -rope_dim:]
-    blocks = nope.float().unflatten(-1, (-1, FP8_BLOCK))
-    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-10)
+    blocks = nope.to(torch.bfloat16).float().unflatten(-1, (-1, FP8_BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-4)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     q = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
     rounded = torch.cat((q.flatten(-2), rope.to(torch.bfloat16).float()), dim=-1).to(kv.dtype)

@@ -1,5 +1,5 @@
 """The pure-torch tiny DeepSeek-V4 against vLLM 0.34.0's own model classes built on the CPU
-(opt-in: ``DSPARK_DSV4_VLLM_CPU=1``, about 40 s on an idle machine; each needs a VllmConfig):
+(opt-in: ``DSPARK_DSV4_CPU_CHECKS=1``, about 30 s; each needs a VllmConfig):
 
 * the checkpoint ``vllm_checkpoint(target, draft)`` writes loads into vLLM's CUDA
   ``DeepseekV4ForCausalLM`` and ``DSparkDeepseekV4ForCausalLM`` (constructed on the CPU with the
@@ -23,8 +23,8 @@ from dspark_dev.training import dsv4_check as C
 from dspark_dev.training import dsv4_models as M
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("DSPARK_DSV4_VLLM_CPU") != "1",
-    reason="opt-in (about 40 s): DSPARK_DSV4_VLLM_CPU=1; vLLM's DeepSeek-V4 classes on the CPU",
+    os.environ.get("DSPARK_DSV4_CPU_CHECKS") != "1",
+    reason="opt-in (about 30 s): DSPARK_DSV4_CPU_CHECKS=1; vLLM's DeepSeek-V4 classes on the CPU",
 )
 
 
