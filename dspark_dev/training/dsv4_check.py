@@ -1,7 +1,7 @@
 """Does vLLM serve the pure-torch tiny DeepSeek-V4 (dspark_dev/training/dsv4_models.py) as the
 pure-torch forward computes it? One GPU call:
 
-    python3 -m dspark_dev.training.dsv4_check --out /tmp/dsv4-check
+    python3 -m dspark_dev.training.dsv4_check --spec --out /tmp/dsv4-check --report $OUT/r.json
 
 1. exports random-init weights of the tiny GPU config (``tiny_mla_targets.dsv4_fields(gpu=True)``)
    as one DeepSeek-V4 checkpoint (target + DSpark ``mtp.*`` stages) with its tokenizer;
@@ -13,13 +13,15 @@ pure-torch forward computes it? One GPU call:
    argmax where the reference's top-1 lead is at least ``--margin`` nats, and every logprob vLLM
    returned must be within ``--lp-tol`` nats of the reference's (docs/dsv4-pure-torch.md says why
    no exact match is possible and where the tolerance comes from);
-4. with ``--spec``: a second engine with the DSpark draft (k = 4) must emit the same tokens as the
-   first (lossless; the random draft itself is not expected to be accepted).
+4. with ``--spec``: a second engine (started together with the first) with the DSpark draft
+   (k = 4) must emit the same tokens as the first (lossless; the random draft itself is not
+   expected to be accepted).
 
 ``--dry-run`` (CPU): exports, loads the checkpoint into vLLM's CUDA model classes built on the CPU
 (every parameter of the target and of the drafter must be filled, with the values the export
-meant: ``load_problems``), runs the reference on two short prompts and checks that the comparison
-passes the reference's own greedy output and flags a flipped token and shifted logprobs.
+meant: ``load_problems``), runs the reference on short prompts and checks that the comparison
+passes the reference's own greedy output and flags a flipped token and shifted logprobs, and that
+the verdict (``judge``) flags DSpark tokens that differ from the no-spec ones.
 The report is printed and written to ``<out>/dsv4_check.json``; exit status 0 = passed.
 """
 
@@ -354,9 +356,84 @@ def run_vllm(model_dir: Path, waves, *, timeout_s: float, spec: bool, name: str)
     return run.result
 
 
+def judge(target, prompts_, wave: dict, spec_wave: dict | None, *, margin, lp_tol) -> dict:
+    """The verdict on one engine wave (``tokens``, ``logprobs``) and, optionally, the DSpark
+    engine's wave: comparisons against the reference with and without the fp8 key rounding; the
+    problems count only the rounded one (the cache vLLM really uses) and DSpark tokens that differ
+    from the no-spec ones."""
+    per = {}
+    for kv_quant in ("fp8_ds_mla", None):
+        rows = []
+        for pr, toks, lps in zip(prompts_, wave["tokens"], wave["logprobs"], strict=True):
+            ref = reference_logprobs(target, pr + toks, kv_quant)
+            rows.append(compare(pr, toks, lps, ref, margin=margin, lp_tol=lp_tol))
+        per[str(kv_quant)] = rows
+    problems = [f"prompt {i}: {p}" for i, r in enumerate(per["fp8_ds_mla"]) for p in r["problems"]]
+    if spec_wave is not None:
+        for i, (a, b) in enumerate(zip(wave["tokens"], spec_wave["tokens"], strict=True)):
+            if a != b:
+                problems.append(f"prompt {i}: DSpark tokens differ from no-spec: {a} vs {b}")
+    return {"compare": per, "problems": problems}
+
+
+def self_test_judge(target, margin: float, lp_tol: float) -> list[str]:
+    """The GPU verdict (:func:`judge`) on CPU: an engine wave made of the reference's own greedy
+    output passes; a DSpark wave with one token changed is flagged."""
+    prs = prompts(lengths=(9, 14))
+    toks, lps = zip(*(reference_greedy(target, p, 3, "fp8_ds_mla") for p in prs), strict=True)
+    wave = {"tokens": [list(t) for t in toks], "logprobs": list(lps)}
+    problems = []
+    ok = judge(target, prs, wave, wave, margin=margin, lp_tol=lp_tol)
+    if ok["problems"]:
+        problems.append(f"judge flagged the reference's own output: {ok['problems']}")
+    bad = {"tokens": [list(t) for t in toks]}
+    bad["tokens"][1][2] = (bad["tokens"][1][2] + 1) % 512
+    if not judge(target, prs, wave, bad, margin=margin, lp_tol=lp_tol)["problems"]:
+        problems.append("judge passed DSpark tokens that differ from no-spec")
+    return problems
+
+
+def gpu_check(args, target, model_dir: Path) -> dict:
+    """Both engines at once (each its own process group and deadline), then the verdict."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prs = prompts(args.seed)
+    jobs = {"nospec": False, **({"spec": True} if args.spec else {})}
+    out: dict = {"problems": []}
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        futs = {
+            k: ex.submit(run_vllm, model_dir, [prs], timeout_s=args.timeout, spec=v, name=k)
+            for k, v in jobs.items()
+        }
+        results = {}
+        for k, f in futs.items():
+            try:
+                results[k] = f.result()
+            except Exception as e:  # noqa: BLE001 - the report says what broke
+                out["problems"].append(f"engine {k}: {e}")
+    if "nospec" not in results:
+        return out
+    out["startup_s"] = {k: r.get("startup_s") for k, r in results.items()}
+    spec_wave = results["spec"]["waves"][0] if "spec" in results else None
+    if spec_wave is not None:
+        out["spec_metrics"] = spec_wave.get("metrics")
+    verdict = judge(
+        target,
+        prs,
+        results["nospec"]["waves"][0],
+        spec_wave,
+        margin=args.margin,
+        lp_tol=args.lp_tol,
+    )
+    out["compare"] = verdict["compare"]
+    out["problems"] += verdict["problems"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="/tmp/dsv4-check")
+    ap.add_argument("--out", default="/tmp/dsv4-check", help="where the model is exported")
+    ap.add_argument("--report", default=None, help="report path (default <out>/dsv4_check.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU: export, load check, self test")
     ap.add_argument("--spec", action="store_true", help="also run the DSpark engine (k=4)")
@@ -376,35 +453,17 @@ def main(argv: list[str] | None = None) -> int:
         report["load_problems"] = loads
         report["problems"] += [f"{k}: {p}" for k, v in loads.items() for p in v]
         report["self_test"] = self_test(target, args.margin, args.lp_tol)
+        report["self_test"] += self_test_judge(target, args.margin, args.lp_tol)
         report["problems"] += report["self_test"]
     else:
-        waves = [prompts(args.seed)]
-        res = run_vllm(model_dir, waves, timeout_s=args.timeout, spec=False, name="dsv4-nospec")
-        wave = res["waves"][0]
-        report["startup_s"] = res.get("startup_s")
-        per = {}
-        for kv_quant in ("fp8_ds_mla", None):
-            rows = []
-            for pr, toks, lps in zip(waves[0], wave["tokens"], wave["logprobs"], strict=True):
-                ref = reference_logprobs(target, pr + toks, kv_quant)
-                rows.append(compare(pr, toks, lps, ref, margin=args.margin, lp_tol=args.lp_tol))
-            per[str(kv_quant)] = rows
-        report["compare"] = per
-        # the verdict: against the reference that rounds keys as the fp8_ds_mla cache does
-        report["problems"] += [
-            f"prompt {i}: {p}" for i, r in enumerate(per["fp8_ds_mla"]) for p in r["problems"]
-        ]
-        if args.spec:
-            sres = run_vllm(model_dir, waves, timeout_s=args.timeout, spec=True, name="dsv4-spec")
-            stoks = sres["waves"][0]["tokens"]
-            report["spec_metrics"] = sres["waves"][0].get("metrics")
-            for i, (a, b) in enumerate(zip(wave["tokens"], stoks, strict=True)):
-                if a != b:
-                    report["problems"].append(f"prompt {i}: DSpark tokens differ from no-spec")
+        gpu = gpu_check(args, target, model_dir)
+        report["problems"] += gpu.pop("problems")
+        report.update(gpu)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     report["passed"] = not report["problems"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dsv4_check.json").write_text(json.dumps(report, indent=1, default=str))
+    path = Path(args.report) if args.report else out / "dsv4_check.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, indent=1, default=str))
     return 0 if report["passed"] else 1
 
