@@ -178,11 +178,14 @@ def compare_params(model, expected: dict[str, torch.Tensor], skip=frozenset()) -
     return problems
 
 
-def load_problems(model_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+def load_problems(
+    model_dir: Path, sd: dict[str, torch.Tensor], keep: dict | None = None
+) -> dict[str, list[str]]:
     """Build vLLM's CUDA DeepSeek-V4 target and DSpark drafter on the CPU for ``model_dir`` (the
     fp8_ds_mla cache of the H200), run their ``load_weights`` on ``sd`` and compare every
     parameter with :func:`expected_vllm_params`; also names any parameter ``load_weights`` did not
-    report loaded."""
+    report loaded. ``keep``: receives the loaded models (``target``, ``drafter``) and the
+    VllmConfig (``config``)."""
     import pytest
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -227,6 +230,13 @@ def load_problems(model_dir: Path, sd: dict[str, torch.Tensor]) -> dict[str, lis
             unloaded = {n for n, _ in model.named_parameters()} - loaded - skip
             probs += [f"load_weights did not load {n}" for n in sorted(unloaded)]
             report[name] = probs
+            if keep is not None:  # ready to run: the quant methods' post-load step
+                from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+                with set_current_vllm_config(cfg):
+                    process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
+                keep[name] = model
+                keep["config"] = cfg
     finally:
         mp.undo()
     return report

@@ -583,12 +583,17 @@ class TinyDSV4Draft(nn.Module):
             streams = layer(streams, blk, attn_fn)
         hidden = self.hc_head(streams, cfg).view(B, M, N, -1)
         prev = ids.gather(1, qpos.clamp(max=T - 1)).view(B, M, N)
+        bias, conf = self.heads(hidden, prev)
+        return target.head(self.norm(hidden)) + bias, conf, hidden
+
+    def heads(self, hidden: torch.Tensor, prev: torch.Tensor):
+        """(Markov bias [..., V] from the previous token ``prev``, confidence logit [...] or None)
+        for the pre-norm head hidden ``hidden``."""
         memb = self.markov_w1(prev)
-        logits = target.head(self.norm(hidden)) + self.markov_w2(memb)
         conf = None
         if self.confidence is not None:
             conf = self.confidence(torch.cat((hidden, memb), -1).float()).squeeze(-1)
-        return logits, conf, hidden
+        return self.markov_w2(memb), conf
 
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         """The draft's tensors in the checkpoint names (``mtp.<stage>.*``): the context combiner

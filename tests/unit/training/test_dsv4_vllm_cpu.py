@@ -6,6 +6,8 @@
   H200's fp8_ds_mla cache): every parameter but the drafter's aliased embedding / head is loaded
   and holds the value the export meant (``dsv4_check.load_problems``); a missing tensor, a
   misshapen one and a wrong fused order are each flagged;
+* the drafter's pieces that run on the CPU (context combiner, context keys before RoPE, Markov
+  head, confidence) against ``TinyDSV4Draft`` on the same loaded weights;
 * the MoE: vLLM's ``DeepseekV4MoE`` on its CPU route (``CPURouter`` + CPU experts) at 256 routed
   experts / top-6 (the CPU hash top-k kernel takes no smaller expert count), hash-routed layer 0 and
   biased layer 1, against ``dsv4_models.MoE`` with the same weights, float32; a reference without
@@ -32,16 +34,55 @@ pytestmark = pytest.mark.skipif(
 def exported(tmp_path_factory):
     _, target, draft = C.build(seed=0)
     d = C.export(tmp_path_factory.mktemp("dsv4"), target, draft)
-    return d, M.vllm_checkpoint(target, draft)
+    return d, M.vllm_checkpoint(target, draft), draft
 
 
-def test_checkpoint_fills_every_vllm_parameter(exported):
-    d, sd = exported
-    assert C.load_problems(d, sd) == {"target": [], "drafter": []}
+@pytest.fixture(scope="module")
+def loaded(exported):
+    d, sd, _ = exported
+    keep: dict = {}
+    return C.load_problems(d, sd, keep), keep
+
+
+def test_checkpoint_fills_every_vllm_parameter(loaded):
+    report, _ = loaded
+    assert report == {"target": [], "drafter": []}
+
+
+def test_draft_heads_match_vllm_drafter(exported, loaded):
+    """What of vLLM's drafter runs on the CPU, loaded from our checkpoint: the context combiner
+    (``combine_hidden_states``), every stage's context key before RoPE (``context_wkv_proj`` then
+    that stage's ``kv_norm``, as ``precompute_and_store_context_kv`` computes it), the Markov head
+    (``markov_embed`` / ``markov_bias``) and the confidence (``compute_confidence``)."""
+    from vllm.config import set_current_vllm_config
+
+    _, _, draft = exported
+    vd, cfg = loaded[1]["drafter"], loaded[1]["config"]
+    g = torch.Generator().manual_seed(7)
+    h = draft.cfg.hidden_size
+    aux = [torch.randn(6, h, generator=g) for _ in draft.aux_layers]
+    ids = torch.randint(4, draft.cfg.vocab_size, (6,), generator=g)
+    hidden = torch.randn(6, h, generator=g)
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    with set_current_vllm_config(cfg), torch.no_grad():
+        main_x = vd.combine_hidden_states(torch.cat(aux, -1))
+        torch.testing.assert_close(draft.context(aux), main_x, **tol)
+        n = len(draft.layers)
+        stacked = vd.model.context_wkv_proj(main_x).view(6, n, -1)
+        for i, (ours, theirs) in enumerate(zip(draft.layers, vd.model.layers, strict=True)):
+            mine = ours.attn.kv_norm(ours.attn.wkv(main_x))
+            torch.testing.assert_close(mine, theirs.attn.kv_norm(stacked[:, i]), **tol)
+        memb = vd.markov_embed(ids)
+        bias, conf = draft.heads(hidden, ids)
+        their_bias = vd.markov_bias(memb)  # computed in the model dtype (bf16) by vLLM
+        assert their_bias.dtype == torch.bfloat16
+        torch.testing.assert_close(bias, their_bias.float(), rtol=2e-2, atol=2e-2)
+        assert conf is not None
+        torch.testing.assert_close(torch.sigmoid(conf), vd.compute_confidence(hidden, memb), **tol)
 
 
 def test_load_check_flags_missing_misshapen_and_misordered_tensors(exported, monkeypatch):
-    d, sd = exported
+    d, sd, _ = exported
     missing = {k: v for k, v in sd.items() if k != "layers.0.attn.indexer.weights_proj.weight"}
     rep = C.load_problems(d, missing)
     assert any("weights_proj" in p for p in rep["target"]), rep
