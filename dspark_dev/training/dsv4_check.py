@@ -14,14 +14,17 @@ pure-torch forward computes it? One GPU call:
    returned must be within ``--lp-tol`` nats of the reference's (docs/dsv4-pure-torch.md says why
    no exact match is possible and where the tolerance comes from);
 4. with ``--spec``: a second engine (started together with the first) with the DSpark draft
-   (k = 4) must emit the same tokens as the first (lossless; the random draft itself is not
-   expected to be accepted).
+   (k = 4, ``dsv4_draft_probe``) must emit the same tokens as the first (lossless), and every draft
+   step it took must match ``TinyDSV4Draft.draft_greedy`` on the same verified tokens
+   (``judge_drafts``; the random draft itself is not expected to be accepted).
 
 ``--dry-run`` (CPU): exports, loads the checkpoint into vLLM's CUDA model classes built on the CPU
 (every parameter of the target and of the drafter must be filled, with the values the export
 meant: ``load_problems``), runs the reference on short prompts and checks that the comparison
 passes the reference's own greedy output and flags a flipped token and shifted logprobs, and that
-the verdict (``judge``) flags DSpark tokens that differ from the no-spec ones.
+the verdict (``judge``) flags DSpark tokens that differ from the no-spec ones, and that the draft
+verdict (``judge_drafts``) passes our own drafts and flags a changed confident draft, shifted base
+logprobs and a wrong anchor.
 The report is printed and written to ``<out>/dsv4_check.json``; exit status 0 = passed.
 """
 
@@ -332,7 +335,9 @@ def self_test(target, margin: float, lp_tol: float) -> list[str]:
 
 
 # -------------------------------------------------------------------------------- the engine
-def run_vllm(model_dir: Path, waves, *, timeout_s: float, spec: bool, name: str) -> dict:
+def run_vllm(
+    model_dir: Path, waves, *, timeout_s: float, spec: bool = False, name: str = "dsv4-nospec"
+) -> dict:
     from dspark_dev import tiny_mla_targets as t
     from dspark_dev.engine import child_env, run_engine
     from dspark_dev.serve import GPU_CHILD_ENV
@@ -364,6 +369,132 @@ def run_vllm(model_dir: Path, waves, *, timeout_s: float, spec: bool, name: str)
             f"{run.result.get('error', '')}\n{run.log_text[-4000:]}"
         )
     return run.result
+
+
+K_SPEC = 4
+CONF_TOL = 0.05  # confidence probabilities (first guess, reported)
+
+
+def run_probe(model_dir: Path, prompts_: list[list[int]], *, timeout_s: float) -> dict:
+    """The DSpark engine with the draft probe (``dsv4_draft_probe``) in a child with a deadline."""
+    import subprocess
+    import tempfile
+
+    from dspark_dev.engine import child_env
+    from dspark_dev.proc import run_with_timeout
+    from dspark_dev.serve import GPU_CHILD_ENV
+
+    tmp = Path(tempfile.mkdtemp(prefix="dsv4-probe-"))
+    (tmp / "prompts.json").write_text(json.dumps(prompts_))
+    out, log = tmp / "probe.json", tmp / "probe.log"
+    cmd = [sys.executable, "-m", "dspark_dev.training.dsv4_draft_probe", str(model_dir)]
+    cmd += [str(tmp / "prompts.json"), str(out), str(GEN_TOKENS), str(K_SPEC)]
+    timed_out = False
+    with open(log, "wb") as f:
+        try:
+            run_with_timeout(cmd, timeout=timeout_s, env=child_env(GPU_CHILD_ENV), stdout=f)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    tail = log.read_text(errors="replace")[-4000:]
+    res = json.loads(out.read_text()) if out.exists() else {}
+    if timed_out or not res.get("ok"):
+        why = "timed out" if timed_out else res.get("error", "no result written")
+        raise RuntimeError(f"[dspark probe] {why}\n{res.get('traceback', '')}\n{tail}")
+    return res
+
+
+def judge_drafts(target, draft, prompts_, probe: dict, *, margin, lp_tol, k=K_SPEC) -> dict:
+    """Every draft step vLLM took against ``TinyDSV4Draft.draft_greedy`` on the same verified
+    tokens (fp8 key rounding on): the anchor vLLM used is the token the request holds there; the
+    base draft log-softmax at vLLM's top-5 within ``lp_tol``; the drafts equal up to the first
+    difference, which must be a near-tie (our lead after the Markov bias below ``margin``);
+    confidences within ``CONF_TOL``."""
+    problems: list[str] = []
+    steps, agree, lp_diffs, conf_diffs = 0, 0, [], []
+    for r, (pr, req) in enumerate(zip(prompts_, probe["requests"], strict=True)):
+        seq = pr + req["tokens"]
+        for s_i, rec in enumerate(req["records"]):
+            a, anchor = rec["pos"][0], rec["ids"][0]
+            tag = f"prompt {r} draft step {s_i} (anchor position {a})"
+            if a >= len(seq) or seq[a] != anchor:
+                problems.append(f"{tag}: vLLM's anchor {anchor} is not the request's token there")
+                continue
+            mine, base_lp, conf, leads = draft.draft_greedy(target, seq, a, k, "fp8_ds_mla")
+            steps += 1
+            for i in range(k):
+                if mine[i] != rec["draft"][i]:
+                    if leads[i] >= margin:
+                        problems.append(
+                            f"{tag}: draft {i} is {rec['draft'][i]}, ours {mine[i]} leads by "
+                            f"{leads[i]:.3f} nats"
+                        )
+                    break
+                agree += 1
+            for i, (tids, tlps) in enumerate(
+                zip(rec["base_top_ids"], rec["base_top_lp"], strict=True)
+            ):
+                for t, v in zip(tids, tlps, strict=True):
+                    d = abs(float(base_lp[i, t]) - v)
+                    lp_diffs.append(d)
+                    if d > lp_tol:
+                        problems.append(f"{tag}: base logprob {i}/{t} differs by {d:.3f}")
+            if conf is not None:
+                for i, c in enumerate(rec["conf"]):
+                    d = abs(float(conf[i]) - c)
+                    conf_diffs.append(d)
+                    if d > CONF_TOL:
+                        problems.append(f"{tag}: confidence {i} differs by {d:.3f}")
+    if steps == 0:
+        problems.append("the DSpark engine took no draft step")
+    stats = {
+        "draft_steps": steps,
+        "drafts_agreeing_before_first_difference": agree,
+        "drafts_compared": steps * k,
+        "max_abs_base_lp_diff": max(lp_diffs, default=0.0),
+        "max_abs_conf_diff": max(conf_diffs, default=0.0),
+    }
+    return {"stats": stats, "problems": problems}
+
+
+def self_test_drafts(target, draft, margin: float, lp_tol: float) -> list[str]:
+    """:func:`judge_drafts` on CPU: a probe made of our own drafts passes; a confident draft
+    changed, a shifted base logprob and a wrong anchor are each flagged."""
+    pr = prompts(lengths=(9,))[0]
+    toks, _ = reference_greedy(target, pr, 3, "fp8_ds_mla")
+    seq = pr + toks
+    a = len(pr)
+    mine, base_lp, conf, leads = draft.draft_greedy(target, seq, a, K_SPEC, "fp8_ds_mla")
+    top = torch.topk(base_lp, LOGPROBS, dim=-1)
+    rec = {
+        "pos": list(range(a, a + K_SPEC)),
+        "ids": [seq[a]] + [3] * (K_SPEC - 1),
+        "draft": list(mine),
+        "base_top_ids": top.indices.tolist(),
+        "base_top_lp": top.values.tolist(),
+        "conf": [] if conf is None else conf.tolist(),
+    }
+    probe = {"requests": [{"tokens": toks, "records": [rec]}]}
+    problems = []
+    ok = judge_drafts(target, draft, [pr], probe, margin=margin, lp_tol=lp_tol)
+    if ok["problems"]:
+        problems.append(f"judge_drafts flagged our own drafts: {ok['problems']}")
+    bad_rec = dict(rec, draft=list(mine))
+    bad_rec["draft"][0] = (mine[0] + 1) % 512
+    bad = {"requests": [{"tokens": toks, "records": [bad_rec]}]}
+    if (
+        leads[0] >= margin
+        and not judge_drafts(target, draft, [pr], bad, margin=margin, lp_tol=lp_tol)["problems"]
+    ):
+        problems.append("judge_drafts passed a changed confident draft")
+    shifted = dict(rec, base_top_lp=[[v + 2 * lp_tol for v in row] for row in rec["base_top_lp"]])
+    bad = {"requests": [{"tokens": toks, "records": [shifted]}]}
+    if not judge_drafts(target, draft, [pr], bad, margin=margin, lp_tol=lp_tol)["problems"]:
+        problems.append("judge_drafts passed shifted base logprobs")
+    wrong = dict(rec, ids=[(seq[a] + 1) % 512] + rec["ids"][1:])
+    bad = {"requests": [{"tokens": toks, "records": [wrong]}]}
+    if not judge_drafts(target, draft, [pr], bad, margin=margin, lp_tol=lp_tol)["problems"]:
+        problems.append("judge_drafts passed a wrong anchor")
+    return problems
 
 
 def judge(target, prompts_, wave: dict, spec_wave: dict | None, *, margin, lp_tol) -> dict:
@@ -403,40 +534,43 @@ def self_test_judge(target, margin: float, lp_tol: float) -> list[str]:
     return problems
 
 
-def gpu_check(args, target, model_dir: Path) -> dict:
-    """Both engines at once (each its own process group and deadline), then the verdict."""
+def gpu_check(args, target, draft, model_dir: Path) -> dict:
+    """Both engines at once (each its own process group and deadline), then the verdicts."""
     from concurrent.futures import ThreadPoolExecutor
 
     prs = prompts(args.seed)
-    jobs = {"nospec": False, **({"spec": True} if args.spec else {})}
     out: dict = {"problems": []}
-    with ThreadPoolExecutor(len(jobs)) as ex:
-        futs = {
-            k: ex.submit(run_vllm, model_dir, [prs], timeout_s=args.timeout, spec=v, name=k)
-            for k, v in jobs.items()
-        }
+    with ThreadPoolExecutor(2) as ex:
+        futs = {"nospec": ex.submit(run_vllm, model_dir, [prs], timeout_s=args.timeout)}
+        if args.spec:
+            futs["spec"] = ex.submit(run_probe, model_dir, prs, timeout_s=args.timeout)
         results = {}
         for k, f in futs.items():
             try:
                 results[k] = f.result()
             except Exception as e:  # noqa: BLE001 - the report says what broke
                 out["problems"].append(f"engine {k}: {e}")
-    if "nospec" not in results:
-        return out
-    out["startup_s"] = {k: r.get("startup_s") for k, r in results.items()}
-    spec_wave = results["spec"]["waves"][0] if "spec" in results else None
-    if spec_wave is not None:
-        out["spec_metrics"] = spec_wave.get("metrics")
-    verdict = judge(
-        target,
-        prs,
-        results["nospec"]["waves"][0],
-        spec_wave,
-        margin=args.margin,
-        lp_tol=args.lp_tol,
-    )
-    out["compare"] = verdict["compare"]
-    out["problems"] += verdict["problems"]
+    if "nospec" in results:
+        out["startup_s"] = results["nospec"].get("startup_s")
+        spec_wave = None
+        if "spec" in results:
+            spec_wave = {"tokens": [r["tokens"] for r in results["spec"]["requests"]]}
+        verdict = judge(
+            target,
+            prs,
+            results["nospec"]["waves"][0],
+            spec_wave,
+            margin=args.margin,
+            lp_tol=args.lp_tol,
+        )
+        out["compare"] = verdict["compare"]
+        out["problems"] += verdict["problems"]
+    if "spec" in results:
+        drafts = judge_drafts(
+            target, draft, prs, results["spec"], margin=args.margin, lp_tol=args.lp_tol
+        )
+        out["drafts"] = drafts["stats"]
+        out["problems"] += drafts["problems"]
     return out
 
 
@@ -464,9 +598,10 @@ def main(argv: list[str] | None = None) -> int:
         report["problems"] += [f"{k}: {p}" for k, v in loads.items() for p in v]
         report["self_test"] = self_test(target, args.margin, args.lp_tol)
         report["self_test"] += self_test_judge(target, args.margin, args.lp_tol)
+        report["self_test"] += self_test_drafts(target, draft, args.margin, args.lp_tol)
         report["problems"] += report["self_test"]
     else:
-        gpu = gpu_check(args, target, model_dir)
+        gpu = gpu_check(args, target, draft, model_dir)
         report["problems"] += gpu.pop("problems")
         report.update(gpu)
     report["wall_s"] = round(time.monotonic() - t0, 1)

@@ -549,12 +549,21 @@ class TinyDSV4Draft(nn.Module):
     def context(self, aux: list[torch.Tensor]) -> torch.Tensor:
         return self.main_norm(self.main_proj(torch.cat(aux, -1)))
 
-    def forward(self, target: TinyDSV4, ids, ctx, anchors, kv_quant: str | None = None):
+    def forward(
+        self,
+        target: TinyDSV4,
+        ids,
+        ctx,
+        anchors,
+        kv_quant: str | None = None,
+        block_size: int | None = None,
+    ):
         """ids [B,T], ctx [B,T,H] (``context(aux)``), anchors [B,M] -> (logits [B,M,N,V] with the
-        teacher-forced Markov bias, confidence logits [B,M,N] or None, pre-norm hidden)."""
+        teacher-forced Markov bias, confidence logits [B,M,N] or None, pre-norm hidden). N is
+        ``block_size`` or the config's ``dspark_block_size`` (vLLM: ``num_speculative_tokens``)."""
         cfg = self.cfg
         B, T = ids.shape
-        M, N = anchors.shape[1], cfg.dspark_block_size
+        M, N = anchors.shape[1], block_size or cfg.dspark_block_size
         dev = ids.device
         qpos = (anchors.unsqueeze(-1) + torch.arange(N, device=dev)).flatten(1)  # [B, M*N]
         blk = torch.full((B, M, N), cfg.dspark_noise_token_id, dtype=ids.dtype, device=dev)
@@ -585,6 +594,39 @@ class TinyDSV4Draft(nn.Module):
         prev = ids.gather(1, qpos.clamp(max=T - 1)).view(B, M, N)
         bias, conf = self.heads(hidden, prev)
         return target.head(self.norm(hidden)) + bias, conf, hidden
+
+    @torch.no_grad()
+    def draft_greedy(
+        self, target: TinyDSV4, seq: list[int], anchor: int, k: int, kv_quant: str | None = None
+    ):
+        """What vLLM's DSpark speculator drafts greedily when the verified tokens are
+        ``seq[:anchor]`` and the bonus (anchor) token is ``seq[anchor]``: the stages run once over
+        the block, then the Markov bias is applied left to right from the previously drafted
+        token. Returns (drafts [k], base log-softmax [k, V], confidence probabilities [k] or
+        None, the lead in nats of each draft over the runner-up after the Markov bias)."""
+        dev = next(self.parameters()).device
+        ids = torch.tensor([seq[: anchor + 1]], device=dev)
+        _, aux = target(ids, self.aux_layers, kv_quant)
+        ctx = self.context(aux)
+        ids = torch.cat([ids, ids.new_zeros(1, k)], 1)
+        ctx = torch.cat([ctx, ctx.new_zeros(1, k, ctx.shape[-1])], 1)
+        anchors = torch.tensor([[anchor]], device=dev)
+        _, _, hidden = self(target, ids, ctx, anchors, kv_quant, block_size=k)
+        hidden = hidden[0, 0]
+        base = target.head(self.norm(hidden)).float()
+        prev = torch.tensor([seq[anchor]], device=dev)
+        drafts, prevs, leads = [], [], []
+        for i in range(k):
+            prevs.append(prev)
+            bias, _ = self.heads(hidden[i : i + 1], prev)
+            biased = torch.log_softmax(base[i : i + 1] + bias.float(), -1)
+            top2 = torch.topk(biased[0], 2).values
+            leads.append(float(top2[0] - top2[1]))
+            prev = biased.argmax(-1)
+            drafts.append(int(prev))
+        _, conf = self.heads(hidden, torch.cat(prevs))
+        probs = None if conf is None else torch.sigmoid(conf).cpu()
+        return drafts, torch.log_softmax(base, -1).cpu(), probs, leads
 
     def heads(self, hidden: torch.Tensor, prev: torch.Tensor):
         """(Markov bias [..., V] from the previous token ``prev``, confidence logit [...] or None)
