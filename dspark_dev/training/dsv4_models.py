@@ -519,8 +519,8 @@ class TinyDSV4Draft(nn.Module):
     """The DSpark draft of vLLM's ``DSparkDeepseekV4ForCausalLM`` (``mtp.<i>.*``): context
     ``main_x = main_norm(main_proj(concat(aux)))``; every stage projects it with its own
     ``wkv`` + ``kv_norm`` + RoPE into context keys; the block ``[anchor, noise * (N-1)]`` at
-    positions a .. a+N-1 runs through the stages (sliding-window attention over the context
-    before a and the whole block, non-causally), then ``hc_head``; block position i predicts the
+    positions a .. a+N-1 runs through the stages (attention over the ``sliding_window`` context
+    positions before a and the whole block, non-causally), then ``hc_head``; block position i predicts the
     token at a+i+1 with ``head(norm(h_i)) + markov_w2(markov_w1(prev_i))``. Embedding and head are
     the target's (vLLM aliases them): pass the target to ``forward``."""
 
@@ -572,11 +572,11 @@ class TinyDSV4Draft(nn.Module):
         x = target.embed(blk)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], cfg.hc_mult, x.shape[-1])
         cpos = torch.arange(T, device=dev)
-        # block query (m, i) sees context s < a_m within the window of position a_m + i, and its
-        # own block
-        qp = qpos.view(B, M * N, 1)
+        # every query of block m sees the same block-anchored window of context, a_m - window <= s
+        # < a_m, and its whole block (vLLM's non-causal DSpark SWA indices)
         a = anchors.repeat_interleave(N, dim=1).view(B, M * N, 1)
-        ctx_ok = (cpos.view(1, 1, T) < a) & (qp - cpos.view(1, 1, T) < cfg.sliding_window)
+        c = cpos.view(1, 1, T)
+        ctx_ok = (c < a) & (c >= a - cfg.sliding_window)
         bid = torch.arange(M, device=dev).repeat_interleave(N)
         blk_ok = (bid.view(-1, 1) == bid.view(1, -1)).expand(B, -1, -1)
         visible = torch.cat((ctx_ok, blk_ok), -1)

@@ -158,3 +158,30 @@ def test_rms_norm_matches_vllm(vllm_default_config):
         ref.weight.copy_(w)
         mine.weight.copy_(w)
     torch.testing.assert_close(mine(x), ref.forward_native(x), rtol=1e-5, atol=1e-5)
+
+
+def test_draft_sees_the_block_anchored_context_window():
+    """vLLM's non-causal DSpark indices (v1/attention/backends/mla/sparse_swa.py:1303-1305):
+    every query of a block anchored at a sees context a - window .. a - 1 and its whole block,
+    nothing else of the context (pure torch, the CPU tiny config, window 16)."""
+    from dspark_dev import tiny_mla_drafts
+
+    cfg = M.DSV4Config.from_dict(tiny_mla_drafts.tiny_dsv4_config(gpu=False).to_dict())
+    target, draft = M.TinyDSV4(cfg), M.TinyDSV4Draft(cfg)
+    M.init_pair(target, draft, seed=1)
+    g = torch.Generator().manual_seed(0)
+    T, a, w = 40, 30, cfg.sliding_window
+    ids = torch.randint(4, cfg.vocab_size, (1, T), generator=g)
+    ctx = torch.randn(1, T, cfg.hidden_size, generator=g)
+    anchors = torch.tensor([[a]])
+
+    def hidden(c):
+        with torch.no_grad():
+            return draft(target, ids, c, anchors)[2]
+
+    base = hidden(ctx)
+    for pos, seen in ((a - w - 1, False), (a - w, True), (a - 1, True), (a, False)):
+        c = ctx.clone()
+        c[:, pos] += 1.0
+        changed = not torch.equal(hidden(c), base)
+        assert changed == seen, f"context position {pos} (anchor {a}): changed={changed}"
