@@ -520,9 +520,9 @@ class TinyDSV4Draft(nn.Module):
     ``main_x = main_norm(main_proj(concat(aux)))``; every stage projects it with its own
     ``wkv`` + ``kv_norm`` + RoPE into context keys; the block ``[anchor, noise * (N-1)]`` at
     positions a .. a+N-1 runs through the stages (attention over the ``sliding_window`` context
-    positions before a and the whole block, non-causally), then ``hc_head``; block position i predicts the
-    token at a+i+1 with ``head(norm(h_i)) + markov_w2(markov_w1(prev_i))``. Embedding and head are
-    the target's (vLLM aliases them): pass the target to ``forward``."""
+    positions before a and the whole block, non-causally), then ``hc_head``; block position i
+    predicts the token at a+i+1 with ``head(norm(h_i)) + markov_w2(markov_w1(prev_i))``. Embedding
+    and head are the target's (vLLM aliases them): pass the target to ``forward``."""
 
     def __init__(self, cfg: DSV4Config):
         super().__init__()
