@@ -168,6 +168,66 @@ class MLA(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
+def kda_recurrent(q, k, v, g, beta):
+    """The KDA recurrence token by token, as ``fused_recurrent_kda`` runs it (fp32).
+
+    q, k, v, g [B,T,H,d] (q, k normalised, q scaled; g the log decay, <= 0), beta [B,T,H];
+    per head the state ``S [v, k]``: ``S *= exp(g_t)`` over k, ``u = beta (v - S k)``,
+    ``S += u k^T``, ``o = S q``. Returns o [B,T,H,d]."""
+    B, T, H, d = q.shape
+    decay = torch.exp(g)
+    S = q.new_zeros(B, H, d, d)
+    outs = []
+    for t in range(T):
+        S = S * decay[:, t].unsqueeze(-2)
+        u = (v[:, t] - (S * k[:, t].unsqueeze(-2)).sum(-1)) * beta[:, t].unsqueeze(-1)
+        S = S + u.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        outs.append((S * q[:, t].unsqueeze(-2)).sum(-1))
+    return torch.stack(outs, 1)
+
+
+def kda_chunked(q, k, v, g, beta, chunk: int = 16):
+    """:func:`kda_recurrent` in chunks of ``chunk`` tokens (same result up to rounding).
+
+    Within a chunk with entry state ``S0`` and cumulative log decay ``G_i``, the delta-rule updates
+    ``u`` solve ``(I + diag(beta) A) U = diag(beta) (V - K_hat S0^T)`` with
+    ``A_ij = sum_d k_jd k_id exp(G_id - G_jd)`` (j < i) and ``K_hat = K * exp(G)``; the outputs are
+    ``O = Q_hat S0^T + B U`` with ``B_ij = sum_d q_id k_jd exp(G_id - G_jd)`` (j <= i) and the exit
+    state ``S0 * exp(G_C) + U^T (K * exp(G_C - G))``. Only the chunk-to-chunk state is sequential.
+    """
+    B, T, H, d = q.shape
+    pad = (-T) % chunk
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    n = (T + pad) // chunk
+    # [B,H,n,C,d]
+    q, k, v, g = (x.view(B, n, chunk, H, d).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
+    beta = beta.view(B, n, chunk, H).permute(0, 3, 1, 2)  # [B,H,n,C]
+    G = g.cumsum(-2)
+    idx = torch.arange(chunk, device=q.device)
+    strict = idx.view(-1, 1) > idx.view(1, -1)  # [i, j]: j < i
+    lower = idx.view(-1, 1) >= idx.view(1, -1)
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B,H,n,C(i),C(j),d] = G_i - G_j
+    decay_ij = torch.exp(diff.masked_fill(~lower.view(chunk, chunk, 1), float("-inf")))
+    A = torch.einsum("...id,...jd,...ijd->...ij", k, k, decay_ij) * strict
+    Bm = torch.einsum("...id,...jd,...ijd->...ij", q, k, decay_ij)
+    M = torch.eye(chunk, device=q.device) + beta.unsqueeze(-1) * A
+    eG = torch.exp(G)
+    k_hat, q_hat = k * eG, q * eG
+    WV = torch.linalg.solve_triangular(M, beta.unsqueeze(-1) * v, upper=False)
+    WK = torch.linalg.solve_triangular(M, beta.unsqueeze(-1) * k_hat, upper=False)
+    k_end = k * torch.exp(G[..., -1:, :] - G)  # decayed to the chunk's end
+    S = q.new_zeros(B, H, d, d)  # [v, k]
+    outs = []
+    for c in range(n):
+        U = WV[:, :, c] - WK[:, :, c] @ S.transpose(-1, -2)  # [B,H,C,dv]
+        outs.append(q_hat[:, :, c] @ S.transpose(-1, -2) + Bm[:, :, c] @ U)
+        S = S * eG[:, :, c, -1].unsqueeze(-2) + U.transpose(-1, -2) @ k_end[:, :, c]
+    o = torch.stack(outs, 2)  # [B,H,n,C,d]
+    return o.permute(0, 2, 3, 1, 4).reshape(B, n * chunk, H, d)[:, :T]
+
+
 class KDA(nn.Module):
     """Kimi Delta Attention with the full-rank output gate (``KimiK3DeltaAttention``)."""
 
@@ -191,6 +251,8 @@ class KDA(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(P))
         self.o_norm = nn.Parameter(torch.ones(d))
         self.o_proj = nn.Linear(P, H, bias=False)
+
+    chunked = True  # kda_chunked (fast); kda_recurrent is the step-by-step reference
 
     def reset_kda_parameters(self) -> None:
         with torch.no_grad():
@@ -222,15 +284,8 @@ class KDA(nn.Module):
         beta = torch.sigmoid(self.b_proj(h).float())  # [B,T,nh]
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d**-0.5
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        decay = torch.exp(g)
-        S = h.new_zeros(B, nh, d, d, dtype=torch.float32)  # [v, k]
-        outs = []
-        for t in range(T):
-            S = S * decay[:, t].unsqueeze(-2)
-            u = (v[:, t] - (S * k[:, t].unsqueeze(-2)).sum(-1)) * beta[:, t].unsqueeze(-1)
-            S = S + u.unsqueeze(-1) * k[:, t].unsqueeze(-2)
-            outs.append((S * q[:, t].unsqueeze(-2)).sum(-1))
-        o = torch.stack(outs, 1)  # [B,T,nh,d]
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            o = (kda_chunked if self.chunked else kda_recurrent)(q, k, v, g, beta)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * self.o_norm.float()
         o = o * torch.sigmoid(self.g_proj(h).float().unflatten(-1, (nh, d)))
         return self.o_proj(o.flatten(-2).to(h.dtype))
