@@ -92,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-inter", type=int, default=None, help="qwen3: 384; k3: 256 (dense)")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-inter", type=int, default=None, help="qwen3: 384; k3: 256")
+    p.add_argument(
+        "--mla-heads",
+        type=int,
+        default=None,
+        help="k3: MLA heads of the target and the drafter (default 2: kv_b_proj is 512 x heads "
+        "x 256, the bulk of the checkpoint)",
+    )
     p.add_argument("--markov-rank", type=int, default=32)
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument(
@@ -284,6 +291,8 @@ def build_configs(args, vocab: int):
         )
 
         kt = K3TargetConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=L)
+        if args.mla_heads:
+            kt.num_attention_heads = args.mla_heads
         if args.target_inter:
             kt.intermediate_size = args.target_inter
         kd = K3DraftConfig(
