@@ -310,7 +310,56 @@ def write_k3_pair(
         tokenizer_json,
         extra,
     )
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(k3_model_card(target, draft, extra))
     return t, d
+
+
+def k3_model_card(target, draft, extra: dict | None) -> str:
+    """``<out>/README.md``: what the two directories hold and how they were made."""
+    t, d = target.cfg, draft.dcfg
+    e = extra or {}
+    n_t = sum(v.numel() for v in target.hf_state_dict().values())
+    n_d = sum(v.numel() for v in draft.vllm_state_dict().values())
+    lines = [
+        "# Tiny Kimi-K3 pair (trained): KimiLinearForCausalLM target + K3DSparkModel drafter",
+        "",
+        "Made by `python3 -m dspark_dev.training.train_tiny_pair --family k3` (vllm-dspark-pp) on",
+        "the seeded synthetic GSM8K-style corpus and BPE tokenizer of models/tiny-pair; model card",
+        "in docs/tiny-pair.md. Weights are bfloat16 safetensors.",
+        "",
+        f"* `{K3_TARGET_DIR}/`: {n_t} parameters. {t.num_hidden_layers} layers, hidden "
+        f"{t.hidden_size}: KDA (layers {t.kda_layers()}, 1-based; {t.kda_num_heads} heads x "
+        f"{t.kda_head_dim}, short conv {t.short_conv_kernel_size}, full-rank gate) and NoPE MLA "
+        f"({t.num_attention_heads} heads, kv_lora_rank {t.kv_lora_rank} + rope "
+        f"{t.qk_rope_head_dim}, q_lora_rank {t.q_lora_rank}); MoE from layer "
+        f"{t.first_k_dense_replace} ({t.num_experts} experts, top {t.num_experts_per_token}, "
+        f"{t.num_shared_experts} shared, sigmoid router); vocab {t.vocab_size}, untied lm_head.",
+        f"* `{K3_DRAFT_DIR}/`: {n_d} parameters. {d.num_hidden_layers} RoPE MLA layers (theta "
+        f"{d.rope_theta:g}) fed by target layers {list(d.target_layer_ids)}; block "
+        f"{d.block_size}, Markov rank {d.markov_rank}, confidence head; noise token id "
+        f"{d.mask_token_id} (`<|mask|>`, its embedding row trained and stored in the target's "
+        "`embed_tokens`; the target never reads it).",
+        "",
+        'Serve: `--speculative-config \'{"method": "dspark", "model": "<dir>/'
+        f'{K3_DRAFT_DIR}", "num_speculative_tokens": {d.block_size}}}\'` with model '
+        f"`<dir>/{K3_TARGET_DIR}`.",
+    ]
+    keys = (
+        "device",
+        "target_steps_run",
+        "draft_steps_run",
+        "target_heldout_loss",
+        "target_heldout_answer_loss",
+        "draft_heldout_loss",
+        "simulated_mean_acceptance_length",
+        "simulated_per_position_acceptance",
+        "target_heldout_accuracy",
+    )
+    rows = [f"| {k} | {e[k]} |" for k in keys if k in e]
+    if rows:
+        lines += ["", "| training.json | value |", "|---|---|", *rows]
+    return "\n".join(lines) + "\n"
 
 
 def load_k3_pair(out: str):

@@ -4,9 +4,9 @@ Kimi-K3 modules compute on the same weights (CPU, float32).
 Not through an engine: vLLM 0.34.0's CPU engine cannot serve Kimi-K3 on CPUs without AMX tiles
 (this one): the reference CPU MLA backend takes block size 16 only
 (``v1/attention/backends/mla/cpu_mla.py:67-72``, ``platforms/cpu.py:290-297``) while a hybrid MLA
-model's KV block is aligned to at least 128 (``platforms/interface.py:1093-1097``), which
-``platforms/interface.py:811-834`` refuses; past that (forced in a probe), the KDA prefill path
-asserts a CUDA tensor (``model_executor/layers/mamba/ops/gather_initial_states.py:50``) and its
+model's KV block is aligned to at least 128 (``platforms/interface.py:1096-1100``), which
+``platforms/interface.py:807-834`` refuses; past that (forced in a probe), the KDA prefill path
+asserts a CUDA tensor (``model_executor/layers/mamba/ops/gather_initial_states.py:52``) and its
 chunked Triton kernels do not run in Triton's interpreter. (Also on the way: the CuTe GEMM-AR
 import needs ``VLLM_KIMI_K3_GEMM_AR=0``, and the CPU linear repack empties ``kv_b_proj.weight``
 before ``kimi_k3/nvidia/mla.py:455`` splits it.) So ``k3_vllm_probe.py`` builds vLLM's
