@@ -149,21 +149,25 @@ def main(pair: str, out_json: str, mutation: str = "") -> int:
     from vllm.forward_context import set_forward_context
 
     from dspark_dev.training import k3_models
-    from dspark_dev.training.export import K3_DRAFT_DIR, K3_TARGET_DIR
+    from dspark_dev.training.export import K3_DRAFT_DIR, K3_TARGET_DIR, load_k3_pair
 
     _interpretable_kda_kernels()
     torch.manual_seed(0)
     tdir, ddir = os.path.join(pair, K3_TARGET_DIR), os.path.join(pair, K3_DRAFT_DIR)
     # the training modules as they were exported (their own parameter layout, not re-read
     # through export.load_k3_pair, which would mirror a layout slip of the exporter)
-    with open(os.path.join(ddir, "training.json")) as f:
-        extra = json.load(f)
-    tcfg = k3_models.K3TargetConfig(**extra["target_config"])
-    dcfg = k3_models.K3DraftConfig(**extra["draft_config"])
-    target, draft = k3_models.TinyK3(tcfg), k3_models.TinyK3DSpark(tcfg, dcfg)
-    state = torch.load(os.path.join(pair, "training_state.pt"), weights_only=True)
-    target.load_state_dict(state["target"])
-    draft.load_state_dict(state["draft"])
+    state_path = os.path.join(pair, "training_state.pt")
+    if os.path.exists(state_path):
+        with open(os.path.join(ddir, "training.json")) as f:
+            extra = json.load(f)
+        tcfg = k3_models.K3TargetConfig(**extra["target_config"])
+        dcfg = k3_models.K3DraftConfig(**extra["draft_config"])
+        target, draft = k3_models.TinyK3(tcfg), k3_models.TinyK3DSpark(tcfg, dcfg)
+        state = torch.load(state_path, weights_only=True)
+        target.load_state_dict(state["target"])
+        draft.load_state_dict(state["draft"])
+    else:  # a pair written by train_tiny_pair (by hand: python k3_vllm_probe.py PAIR OUT)
+        target, draft = load_k3_pair(pair)
     if mutation == "no-conv":  # the control: a training KDA without the short convolution
         k3_models.KDA.short_conv = staticmethod(lambda x, w: F.silu(x))
     elif mutation == "neox-rope":  # the control: the drafter's RoPE in the NeoX layout
