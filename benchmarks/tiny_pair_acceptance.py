@@ -12,6 +12,13 @@ times. CPU:
     PYTHONPATH=. python benchmarks/tiny_pair_acceptance.py --out-json /tmp/acc.json
 
 GPU: the same without the CPU variables (``--dtype`` defaults to float32 either way).
+
+``--family k3`` measures the Kimi-K3 pair (``<pair>/k3-target`` + ``<pair>/k3-dspark``, written by
+``train_tiny_pair --family k3``; GPU only: vLLM 0.34.0's CPU engine cannot serve Kimi-K3, see
+tests/unit/training/test_k3_equivalence.py), in bfloat16 unless ``--dtype`` says otherwise.
+``--compare-training`` also runs the pure-torch training modules (float32) on the same prompts:
+their greedy tokens against vLLM's no-speculation tokens, and their simulated greedy DSpark
+acceptance (``train_tiny_pair.simulate_acceptance``) beside vLLM's.
 """
 
 from __future__ import annotations
@@ -42,13 +49,50 @@ def answer_value(text: str):
         return None
 
 
+def _dirs(args) -> tuple[str, str]:
+    if args.family == "k3":
+        from dspark_dev.training.export import K3_DRAFT_DIR, K3_TARGET_DIR
+
+        return os.path.join(args.pair, K3_TARGET_DIR), os.path.join(args.pair, K3_DRAFT_DIR)
+    return os.path.join(args.pair, "target"), os.path.join(args.pair, "dspark-draft")
+
+
+def compare_training(args, prompts: list[str], base_tokens: list[list[int]]) -> dict:
+    """The training modules (float32, on CUDA when present) on the same prompts."""
+    import torch
+
+    from dspark_dev.training.export import load_k3_pair, load_pair
+    from dspark_dev.training.tokenizer import EOS_ID, PurePythonBPE
+    from dspark_dev.training.train_tiny_pair import greedy_generate, simulate_acceptance
+
+    target_dir, _ = _dirs(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, draft = (load_k3_pair if args.family == "k3" else load_pair)(args.pair)
+    target.to(device).eval()
+    draft.to(device).eval()
+    bpe = PurePythonBPE(os.path.join(target_dir, "tokenizer.json"))
+    ids = [bpe.encode(p) for p in prompts]
+    same = sum(
+        greedy_generate(target, p, args.max_tokens, device) == [t for t in b if t != EOS_ID]
+        for p, b in zip(ids, base_tokens, strict=True)
+    )
+    mean_len, per_pos, steps, _ = simulate_acceptance(draft, target, ids, args.max_tokens, device)
+    return {
+        "training_greedy_equal_to_vllm_no_spec": f"{same}/{len(ids)}",
+        "training_simulated_mean_acceptance_length": mean_len,
+        "training_simulated_per_position_acceptance": per_pos,
+        "training_simulated_steps": steps,
+    }
+
+
 def run_one(args, spec: bool) -> dict:
     """One engine in a child with a hard deadline (dspark_dev.engine, the shared runner)."""
     from dspark_dev.engine import child_env, run_engine
 
     prompts, _ = _prompts(args.num_prompts)
+    target_dir, draft_dir = _dirs(args)
     llm = {
-        "model": os.path.join(args.pair, "target"),
+        "model": target_dir,
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -60,7 +104,7 @@ def run_one(args, spec: bool) -> dict:
         llm["speculative_config"] = {
             "method": "dspark",
             "num_speculative_tokens": args.k,
-            "model": os.path.join(args.pair, "dspark-draft"),
+            "model": draft_dir,
         }
     job = {
         "name": "tiny-pair-acceptance",
@@ -94,16 +138,19 @@ def run_one(args, spec: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", default=DEFAULT_PAIR)
+    p.add_argument("--family", choices=["qwen3", "k3"], default="qwen3")
+    p.add_argument("--compare-training", action="store_true")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--k", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="", help="default: float32 (qwen3), bfloat16 (k3)")
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1500)
     p.add_argument("--out-json", default="")
     args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.family == "k3" else "float32")
 
     _, values = _prompts(args.num_prompts)
     base = run_one(args, spec=False)
@@ -121,6 +168,7 @@ def main() -> int:
     )
     result = {
         "pair": os.path.relpath(args.pair, REPO) if args.pair.startswith(REPO) else args.pair,
+        "family": args.family,
         "num_prompts": args.num_prompts,
         "k": args.k,
         "pp": args.pp,
@@ -137,6 +185,8 @@ def main() -> int:
         "generate_s_dspark": round(spec["generate_s"], 2),
         "output_tokens": sum(len(t) for t in spec["tokens"]),
     }
+    if args.compare_training:
+        result.update(compare_training(args, _prompts(args.num_prompts)[0], base["tokens"]))
     print(json.dumps(result, indent=2))
     if args.out_json:
         with open(args.out_json, "w") as f:

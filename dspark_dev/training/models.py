@@ -169,6 +169,11 @@ class TinyQwen3(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.apply(_init_weights)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection (tied: the embeddings)."""
+        return self.embed_tokens.weight
+
     def forward(self, ids: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()):
         """ids [B,T] -> (logits [B,T,V], final normed hidden, aux list of [B,T,H])."""
         cfg = self.cfg

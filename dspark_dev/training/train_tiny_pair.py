@@ -79,12 +79,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="bf16 autocast (auto: on for cuda)",
     )
-    # sizes
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument(
+        "--family",
+        choices=["qwen3", "k3"],
+        default="qwen3",
+        help="qwen3: the Qwen3 pair (models.py); k3: the Kimi-K3 pair (k3_models.py: "
+        "KimiLinearForCausalLM target + K3DSparkModel drafter, bfloat16 checkpoints)",
+    )
+    # sizes (k3: --hidden and the intermediate sizes default to k3_models' configs)
+    p.add_argument("--hidden", type=int, default=None, help="default 128")
     p.add_argument("--target-layers", type=int, default=4)
-    p.add_argument("--target-inter", type=int, default=384)
+    p.add_argument("--target-inter", type=int, default=None, help="qwen3: 384; k3: 256 (dense)")
     p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--draft-inter", type=int, default=384)
+    p.add_argument("--draft-inter", type=int, default=None, help="qwen3: 384; k3: 256")
+    p.add_argument(
+        "--mla-heads",
+        type=int,
+        default=None,
+        help="k3: MLA heads of the target and the drafter (default 2: kv_b_proj is 512 x heads "
+        "x 256, the bulk of the checkpoint)",
+    )
     p.add_argument("--markov-rank", type=int, default=32)
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument(
@@ -137,7 +151,7 @@ def draft_batch(draft, target, ids, doc_len, anchors, gamma, weights, amp_ctx):
         tlogits, _, aux = target(ids, draft.aux_layer_ids)
     with amp_ctx():
         ctx = draft.context([a.detach() for a in aux])
-        logits, conf, _ = draft(ids, ctx, anchors, target.embed_tokens.weight.detach())
+        logits, conf, _ = draft(ids, ctx, anchors, target.lm_head_weight.detach())
     T = ids.shape[1]
     offs = torch.arange(N, device=ids.device)
     lab_pos = anchors.unsqueeze(-1) + offs + 1  # [B,M,N]
@@ -195,9 +209,9 @@ def simulate_acceptance(draft, target, prompts: list[list[int]], max_new: int, d
         anchors = torch.arange(P, L - 1, device=device).view(1, -1)  # anchors before the final EOS
         if anchors.numel() == 0:
             continue
-        _, _, hidden = draft(ids, ctx, anchors, target.embed_tokens.weight)
+        _, _, hidden = draft(ids, ctx, anchors, target.lm_head_weight)
         hidden = hidden[0].float()  # [A,N,H]
-        base = hidden @ target.embed_tokens.weight.float().t()
+        base = hidden @ target.lm_head_weight.float().t()
         prev = ids[0, anchors[0]]
         drafts = []
         for i in range(N):
@@ -259,13 +273,67 @@ def _fit_steps(what: str, step: int, total: int, t0: float, end: float) -> int:
     return total
 
 
+def build_configs(args, vocab: int):
+    """(target config, draft config, target class, draft class) of ``--family``."""
+    L = args.target_layers
+    layer_ids = (
+        [int(x) for x in args.target_layer_ids.split(",")]
+        if args.target_layer_ids
+        else sorted({0, max(0, L - 2), L - 1})
+    )
+    hidden = args.hidden or 128
+    if args.family == "k3":
+        from dspark_dev.training.k3_models import (
+            K3DraftConfig,
+            K3TargetConfig,
+            TinyK3,
+            TinyK3DSpark,
+        )
+
+        kt = K3TargetConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=L)
+        if args.mla_heads:
+            kt.num_attention_heads = args.mla_heads
+        if args.target_inter:
+            kt.intermediate_size = args.target_inter
+        kd = K3DraftConfig(
+            num_hidden_layers=args.draft_layers,
+            block_size=args.block_size,
+            markov_rank=args.markov_rank,
+            target_layer_ids=layer_ids,
+        )
+        if args.draft_inter:
+            kd.intermediate_size = args.draft_inter
+        return kt, kd, TinyK3, TinyK3DSpark
+    tcfg = TargetConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=args.target_inter or 384,
+        num_hidden_layers=L,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=max(1, hidden // 64),
+        head_dim=32,
+    )
+    dcfg = DraftConfig(
+        num_hidden_layers=args.draft_layers,
+        intermediate_size=args.draft_inter or 384,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=max(1, hidden // 64),
+        head_dim=32,
+        block_size=args.block_size,
+        markov_rank=args.markov_rank,
+        target_layer_ids=layer_ids,
+    )
+    return tcfg, dcfg, TinyQwen3, TinyDSparkDraft
+
+
 def _write(args, target, draft, extra, device, t_start) -> None:
-    from dspark_dev.training.export import write_pair
+    from dspark_dev.training.export import write_k3_pair, write_pair
 
     target.cpu().float()
     draft.cpu().float()
     os.makedirs(args.out, exist_ok=True)
-    paths = write_pair(args.out, target, draft, args.tokenizer, extra)
+    write = write_k3_pair if args.family == "k3" else write_pair
+    paths = write(args.out, target, draft, args.tokenizer, extra)
     with open(os.path.join(args.out, "training_summary.json"), "w") as f:
         json.dump({k: v for k, v in extra.items() if not k.endswith("history")}, f, indent=2)
     size = sum(os.path.getsize(p_) for p_ in paths)
@@ -306,33 +374,9 @@ def main(args) -> int:
         f"encode took {time.time() - t_start:.1f}s"
     )
 
-    tcfg = TargetConfig(
-        vocab_size=vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.target_inter,
-        num_hidden_layers=args.target_layers,
-        num_attention_heads=args.hidden // 32,
-        num_key_value_heads=max(1, args.hidden // 64),
-        head_dim=32,
-    )
-    L = args.target_layers
-    layer_ids = (
-        [int(x) for x in args.target_layer_ids.split(",")]
-        if args.target_layer_ids
-        else sorted({0, max(0, L - 2), L - 1})
-    )
-    dcfg = DraftConfig(
-        num_hidden_layers=args.draft_layers,
-        intermediate_size=args.draft_inter,
-        num_attention_heads=args.hidden // 32,
-        num_key_value_heads=max(1, args.hidden // 64),
-        head_dim=32,
-        block_size=args.block_size,
-        markov_rank=args.markov_rank,
-        target_layer_ids=layer_ids,
-    )
+    tcfg, dcfg, target_cls, draft_cls = build_configs(args, vocab)
     gen = torch.Generator().manual_seed(args.seed)
-    target = TinyQwen3(tcfg).to(device)
+    target = target_cls(tcfg).to(device)
     n_target = num_params(target.hf_state_dict())
     log(f"target: {n_target} params {tcfg.to_dict()}")
 
@@ -396,7 +440,7 @@ def main(args) -> int:
     target.eval()
     for p_ in target.parameters():
         p_.requires_grad_(False)
-    draft = TinyDSparkDraft(tcfg, dcfg).to(device)
+    draft = draft_cls(tcfg, dcfg).to(device)
     draft.init_from_target(target)
     trainable = [p_ for p_ in draft.parameters() if p_.requires_grad]
     n_draft = num_params(draft.vllm_state_dict())
@@ -461,6 +505,11 @@ def main(args) -> int:
     d_loss, d_parts = eval_draft()
 
     # ---- write (before the acceptance simulation, so a failure there loses no weights) ----
+    if args.family == "k3":
+        # the checkpoint is bfloat16: the simulation below must use the shipped values
+        from dspark_dev.training.export import round_to_bf16_
+
+        round_to_bf16_(target, draft)
     extra = {
         "target_config": tcfg.to_dict(),
         "draft_config": dcfg.to_dict(),
