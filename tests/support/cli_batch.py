@@ -10,7 +10,7 @@ the tests assert on it exactly as on a process of their own. What needs a pristi
 subprocess of its own, and each batched command keeps at least one test through the real
 ``python -m vllm_dspark_pp.cli.main`` entry point.
 
-Run as a script: ``python -P cli_batch.py CALLS.json RESULTS.json``; CALLS is a list of argv
+Run as a script: ``python cli_batch.py CALLS.json RESULTS.json``; CALLS is a list of argv
 lists for ``vllm_dspark_pp.cli.main.main``; RESULTS gets one object per call (argv, returncode,
 stdout, stderr) plus the file of the ``vllm_dspark_pp`` package that ran them.
 """
@@ -80,9 +80,7 @@ def run_cli_batch(calls: list[list[str]], *, timeout: float, tmp_dir: Path):
     calls_file = tmp_dir / "cli_calls.json"
     results_file = tmp_dir / "cli_results.json"
     calls_file.write_text(json.dumps(calls))
-    # -P: tests/support is not put first on sys.path (its module names would shadow packages);
-    # the driver puts this checkout first instead, as pytest's `pythonpath` does here.
-    cmd = [sys.executable, "-P", str(DRIVER), str(calls_file), str(results_file)]
+    cmd = [sys.executable, str(DRIVER), str(calls_file), str(results_file)]
     code, out, err = run_with_timeout(cmd, timeout=timeout, capture=True)
     if code != 0 or not results_file.exists():
         raise RuntimeError(f"cli_batch driver exited {code}:\n{(out + err)[-3000:]}")
@@ -96,7 +94,6 @@ def run_cli_batch(calls: list[list[str]], *, timeout: float, tmp_dir: Path):
 
 
 def _main(calls_path: str, results_path: str) -> int:
-    sys.path.insert(0, str(REPO))
     import vllm_dspark_pp
     from vllm_dspark_pp.cli.main import main
 
@@ -109,4 +106,9 @@ def _main(calls_path: str, results_path: str) -> int:
 
 
 if __name__ == "__main__":
+    # Python puts a script's folder first on sys.path: tests/support's module names (env, gpu,
+    # wheel, ...) must not shadow packages. This checkout comes first, as pytest's `pythonpath`.
+    if sys.path and Path(sys.path[0]).resolve() == DRIVER.parent:
+        del sys.path[0]
+    sys.path.insert(0, str(REPO))
     sys.exit(_main(*sys.argv[1:]))
