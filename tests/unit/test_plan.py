@@ -1,4 +1,10 @@
-"""`vllm-dspark-pp plan` builds vLLM's configs from config.json files and judges the deployment."""
+"""`vllm-dspark-pp plan` builds vLLM's configs from config.json files and judges the deployment.
+
+The plans are independent (each call builds fresh configs; the plugin's register() is idempotent),
+so the module runs them all in one process (``support.cli_batch``, vLLM imported once); the
+TP=3 rejection goes through the real ``python -m vllm_dspark_pp.cli.main`` entry point, exit
+status included.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from support.cli_batch import run_cli_batch
 
 from vllm_dspark_pp.deployment_plan import build_plan_stages, tap_stage
 
@@ -24,10 +31,56 @@ def _spec(draft: str, k: int = 4) -> str:
     return json.dumps({"method": "dspark", "model": draft, "num_speculative_tokens": k})
 
 
-def test_plan_accepts_pp2_dspark_and_places_taps_and_drafter(tiny_models):
-    proc = _plan(
-        tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-pp", "2", "--json"
+def _kv(connector: str, role: str) -> str:
+    return json.dumps({"kv_connector": connector, "kv_role": role})
+
+
+def _batched_plans(target: str, draft: str) -> dict[str, list[str]]:
+    """The `plan` arguments of every test below but the entry-point one, by test."""
+    spec = ["--speculative-config", _spec(draft)]
+    return {
+        "pp2_json": [target, *spec, "-pp", "2", "--json"],
+        "pp3_text": [target, *spec, "-pp", "3"],
+        "pp7": [target, *spec, "-pp", "7"],
+        "mooncake_producer_pp2": [
+            target,
+            *spec,
+            "-pp",
+            "2",
+            "--kv-transfer-config",
+            _kv("MooncakeConnector", "kv_producer"),
+        ],
+        "nixl_producer_pp2": [
+            target,
+            *spec,
+            "-pp",
+            "2",
+            "--kv-transfer-config",
+            _kv("NixlConnector", "kv_producer"),
+        ],
+        "nixl_producer_pp1": [
+            target,
+            *spec,
+            "--kv-transfer-config",
+            _kv("NixlConnector", "kv_producer"),
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def plans(tiny_models, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each batched `plan` call's result (exit status, stdout, stderr), by the key above."""
+    calls = _batched_plans(tiny_models.target, tiny_models.draft)
+    done = run_cli_batch(
+        [["plan", *argv] for argv in calls.values()],
+        timeout=480,
+        tmp_dir=tmp_path_factory.mktemp("plan_batch"),
     )
+    return dict(zip(calls, done, strict=True))
+
+
+def test_plan_accepts_pp2_dspark_and_places_taps_and_drafter(plans):
+    proc = plans["pp2_json"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     plan = json.loads(proc.stdout[proc.stdout.index("{\n") :])
     assert plan["accepted"] is True
@@ -45,22 +98,23 @@ def test_plan_accepts_pp2_dspark_and_places_taps_and_drafter(tiny_models):
     assert any("CUDA graph" in n for n in plan["not_checked"])
 
 
-def test_plan_text_output_names_the_verdict(tiny_models):
-    proc = _plan(tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-pp", "3")
+def test_plan_text_output_names_the_verdict(plans):
+    proc = plans["pp3_text"]
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "verdict     ACCEPTED" in proc.stdout
     assert "not checked on this machine (GPU-only)" in proc.stdout
 
 
 def test_plan_rejects_tp_that_does_not_divide_heads_with_vllms_message(tiny_models):
+    # the real entry point (`python -m vllm_dspark_pp.cli.main`), in a process of its own
     proc = _plan(tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-tp", "3")
     assert proc.returncode == 1
     assert "REJECTED" in proc.stdout
     assert "divisible by tensor parallel size (3)" in proc.stdout
 
 
-def test_plan_rejects_more_stages_than_layers(tiny_models):
-    proc = _plan(tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-pp", "7")
+def test_plan_rejects_more_stages_than_layers(plans):
+    proc = plans["pp7"]
     assert proc.returncode == 1
     assert "REJECTED" in proc.stdout and "without target layers" in proc.stdout
 
@@ -80,47 +134,21 @@ def test_relay_carries_earlier_taps_through_every_later_boundary():
     assert [s.relay_bytes_per_token for s in stages] == [16, 32, 0]
 
 
-def _kv(connector: str, role: str) -> str:
-    return json.dumps({"kv_connector": connector, "kv_role": role})
-
-
-def test_plan_shows_context_only_draft_bytes_for_a_mooncake_producer(tiny_models):
-    proc = _plan(
-        tiny_models.target,
-        "--speculative-config",
-        _spec(tiny_models.draft),
-        "-pp",
-        "2",
-        "--kv-transfer-config",
-        _kv("MooncakeConnector", "kv_producer"),
-    )
+def test_plan_shows_context_only_draft_bytes_for_a_mooncake_producer(plans):
+    proc = plans["mooncake_producer_pp2"]
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "this role builds: context-KV-only drafter (prefill-only producer)" in proc.stdout
     assert "draft bytes: full drafter" in proc.stdout
 
 
-def test_plan_flags_nixl_with_a_pp2_dspark_producer(tiny_models):
-    proc = _plan(
-        tiny_models.target,
-        "--speculative-config",
-        _spec(tiny_models.draft),
-        "-pp",
-        "2",
-        "--kv-transfer-config",
-        _kv("NixlConnector", "kv_producer"),
-    )
+def test_plan_flags_nixl_with_a_pp2_dspark_producer(plans):
+    proc = plans["nixl_producer_pp2"]
     assert proc.returncode == 1
     assert "NotImplementedError" in proc.stdout and "MooncakeConnector" in proc.stdout
 
 
-def test_plan_accepts_nixl_with_a_pp1_dspark_producer(tiny_models):
-    proc = _plan(
-        tiny_models.target,
-        "--speculative-config",
-        _spec(tiny_models.draft),
-        "--kv-transfer-config",
-        _kv("NixlConnector", "kv_producer"),
-    )
+def test_plan_accepts_nixl_with_a_pp1_dspark_producer(plans):
+    proc = plans["nixl_producer_pp1"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verdict     ACCEPTED" in proc.stdout
     assert "this role builds: context-KV-only drafter (prefill-only producer)" in proc.stdout

@@ -27,6 +27,20 @@ def waiting_for_a_peer_that_never_answers():
 waiting_for_a_peer_that_never_answers()
 """
 
+# The server helpers' tests below check their own part (the environment they give the child asks
+# for the dump; a late server is signalled and its log keeps the stacks). Their child installs the
+# dump with the function register() calls first, without importing vLLM (5-8 s per child on the
+# CI machine); that register() installs it in a plugin process is the first test's check.
+SERVER_CHILD = """
+import time
+from vllm_dspark_pp.stack_dumps import install_if_requested
+install_if_requested()
+def waiting_for_a_peer_that_never_answers():
+    print("ready", flush=True)
+    time.sleep(60)
+waiting_for_a_peer_that_never_answers()
+"""
+
 
 def _start(tmp_path, env_value: str | None):
     env = {k: v for k, v in os.environ.items() if k != ENV}
@@ -77,9 +91,9 @@ def test_without_the_variable_sigusr1_keeps_its_default_meaning(tmp_path):
 def test_a_server_not_ready_by_its_deadline_leaves_its_stacks_in_its_log():
     from dspark_dev.serve import CaseFailure, Server
 
-    class NeverReady(Server):  # the plugin loaded, /health never answered
+    class NeverReady(Server):  # the dump installed, /health never answered
         def command(self) -> list[str]:
-            return [sys.executable, "-c", CHILD]
+            return [sys.executable, "-c", SERVER_CHILD]
 
     with NeverReady("never-ready", "unused", [], base_env={}) as srv:
         deadline = time.monotonic() + 20
@@ -96,7 +110,9 @@ def test_the_demo_server_shares_the_wait_and_its_stack_dump(tmp_path):
     from dspark_dev.serve_demo import Server
 
     log = tmp_path / "demo.log"
-    srv = Server([sys.executable, "-c", CHILD], log, port=free_port(), name="demo", cpu=False)
+    srv = Server(
+        [sys.executable, "-c", SERVER_CHILD], log, port=free_port(), name="demo", cpu=False
+    )
     srv.start()
     try:
         deadline = time.monotonic() + 20
