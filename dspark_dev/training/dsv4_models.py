@@ -372,6 +372,12 @@ class MoE(nn.Module):
             self.gate_bias = None
         else:
             self.gate_bias = nn.Parameter(torch.zeros(e))
+        # diagnostics of the biased routing (dsv4_check): ``margin`` is set by every routed call
+        # to the biased score of the last chosen expert minus the runner-up's ([...] tokens);
+        # ``swap``, a bool mask over the tokens of the next call, replaces the last chosen expert
+        # by the runner-up there (what a near-tie resolved the other way in bf16 would choose)
+        self.margin: torch.Tensor | None = None
+        self.swap: torch.Tensor | None = None
         self.experts = nn.ModuleList(
             Expert(h, cfg.moe_intermediate_size, cfg.swiglu_limit) for _ in range(e)
         )
@@ -388,9 +394,16 @@ class MoE(nn.Module):
             sel = self.tid2eid[ids]
         else:
             assert self.gate_bias is not None
-            sel = torch.topk(
-                (scores + self.gate_bias.float()).detach(), cfg.num_experts_per_tok, dim=-1
-            ).indices
+            k = cfg.num_experts_per_tok
+            top = torch.topk(
+                (scores + self.gate_bias.float()).detach(), min(k + 1, cfg.n_routed_experts), -1
+            )
+            sel = top.indices[..., :k]
+            if top.values.shape[-1] > k:
+                self.margin = top.values[..., k - 1] - top.values[..., k]
+                if self.swap is not None:
+                    last = torch.where(self.swap, top.indices[..., k], sel[..., k - 1])
+                    sel = torch.cat((sel[..., : k - 1], last.unsqueeze(-1)), -1)
         w = scores.gather(-1, sel)
         if cfg.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
@@ -515,6 +528,21 @@ class TinyDSV4(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- the draft
+@dataclass
+class DraftStep:
+    """One greedy draft step (``TinyDSV4Draft.draft_greedy``): the drafts [k], the base
+    log-softmax [k, V] (before the Markov bias), the confidence probabilities [k] or None, each
+    draft's lead in nats over the runner-up after the Markov bias, and per draft stage the routing
+    margin of each block position (biased score of the last chosen expert minus the runner-up's;
+    small = a near-tie that bf16 may resolve the other way)."""
+
+    drafts: list[int]
+    base_lp: torch.Tensor
+    conf: torch.Tensor | None
+    leads: list[float]
+    route_margins: list[list[float]]
+
+
 class TinyDSV4Draft(nn.Module):
     """The DSpark draft of vLLM's ``DSparkDeepseekV4ForCausalLM`` (``mtp.<i>.*``): context
     ``main_x = main_norm(main_proj(concat(aux)))``; every stage projects it with its own
@@ -597,13 +625,23 @@ class TinyDSV4Draft(nn.Module):
 
     @torch.no_grad()
     def draft_greedy(
-        self, target: TinyDSV4, seq: list[int], anchor: int, k: int, kv_quant: str | None = None
-    ):
+        self,
+        target: TinyDSV4,
+        seq: list[int],
+        anchor: int,
+        k: int,
+        kv_quant: str | None = None,
+        *,
+        prevs: list[int] | None = None,
+        swap: tuple[int, int] | None = None,
+    ) -> DraftStep:
         """What vLLM's DSpark speculator drafts greedily when the verified tokens are
         ``seq[:anchor]`` and the bonus (anchor) token is ``seq[anchor]``: the stages run once over
-        the block, then the Markov bias is applied left to right from the previously drafted
-        token. Returns (drafts [k], base log-softmax [k, V], confidence probabilities [k] or
-        None, the lead in nats of each draft over the runner-up after the Markov bias)."""
+        the block, then the Markov bias is applied left to right from the previous token, which is
+        the anchor and then our own previous draft, or ``prevs[i]`` for draft i when given (to
+        follow another drafter's chain). ``swap`` = (stage, block position): that token's last
+        routed expert in that stage is replaced by the runner-up (a routing near-tie resolved the
+        other way)."""
         dev = next(self.parameters()).device
         ids = torch.tensor([seq[: anchor + 1]], device=dev)
         _, aux = target(ids, self.aux_layers, kv_quant)
@@ -611,22 +649,36 @@ class TinyDSV4Draft(nn.Module):
         ids = torch.cat([ids, ids.new_zeros(1, k)], 1)
         ctx = torch.cat([ctx, ctx.new_zeros(1, k, ctx.shape[-1])], 1)
         anchors = torch.tensor([[anchor]], device=dev)
-        _, _, hidden = self(target, ids, ctx, anchors, kv_quant, block_size=k)
+        moes = [layer.ffn for layer in self.layers]
+        if swap is not None:
+            mask = torch.zeros(1, k, dtype=torch.bool, device=dev)
+            mask[0, swap[1]] = True
+            moes[swap[0]].swap = mask
+        try:
+            _, _, hidden = self(target, ids, ctx, anchors, kv_quant, block_size=k)
+        finally:
+            for m in moes:
+                m.swap = None
+        margins = [
+            [math.inf] * k if m.margin is None else m.margin.reshape(-1)[-k:].tolist() for m in moes
+        ]
         hidden = hidden[0, 0]
         base = target.head(self.norm(hidden)).float()
         prev = torch.tensor([seq[anchor]], device=dev)
-        drafts, prevs, leads = [], [], []
+        drafts, used, leads = [], [], []
         for i in range(k):
-            prevs.append(prev)
+            if prevs is not None:
+                prev = torch.tensor([prevs[i]], device=dev)
+            used.append(prev)
             bias, _ = self.heads(hidden[i : i + 1], prev)
             biased = torch.log_softmax(base[i : i + 1] + bias.float(), -1)
             top2 = torch.topk(biased[0], 2).values
             leads.append(float(top2[0] - top2[1]))
             prev = biased.argmax(-1)
             drafts.append(int(prev))
-        _, conf = self.heads(hidden, torch.cat(prevs))
+        _, conf = self.heads(hidden, torch.cat(used))
         probs = None if conf is None else torch.sigmoid(conf).cpu()
-        return drafts, torch.log_softmax(base, -1).cpu(), probs, leads
+        return DraftStep(drafts, torch.log_softmax(base, -1).cpu(), probs, leads, margins)
 
     def heads(self, hidden: torch.Tensor, prev: torch.Tensor):
         """(Markov bias [..., V] from the previous token ``prev``, confidence logit [...] or None)
