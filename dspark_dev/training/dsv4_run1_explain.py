@@ -1,6 +1,6 @@
 """Reproduce, on CPU, the explanation of the first ``dsv4_check --spec`` GPU run's problems
 (docs/dsv4-pure-torch.md, "First GPU run"): the same seeded weights and prompts as the run, and
-vLLM's numbers read from its report (``/work/.device/20/dsv4_check.json`` there).
+vLLM's numbers read from its report (copied unchanged to docs/results/dsv4_check_gpu_run1.json).
 
 1. no-spec vs DSpark, prompt 0: the reference's top-3 at the tokens where vLLM's no-spec run is
    not the reference's argmax and where DSpark leaves no-spec;
