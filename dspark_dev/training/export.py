@@ -188,6 +188,9 @@ K3_DRAFT_DIR = "k3-dspark"
 def k3_target_hf_config(t) -> dict:
     """``KimiLinearConfig`` fields of :class:`k3_models.TinyK3` (the routing knobs are written out
     even where they equal KimiLinearConfig's defaults, so the semantics are pinned)."""
+    from dspark_dev.training.k3_models import check_kda_geometry
+
+    check_kda_geometry(t.kda_num_heads, t.kda_head_dim)
     kda = t.kda_layers()
     return {
         "architectures": ["KimiLinearForCausalLM"],

@@ -52,6 +52,40 @@ import torch.nn.functional as F
 
 from dspark_dev.training.models import MLP, RMSNorm, _init_weights, rope_cos_sin
 
+# vLLM 0.34.0 fuses q, k, v, g (H*d rows each), f_a (d rows) and b (H rows) of a KDA layer into
+# one ``in_proj_qkvgfab`` and, when the TP-local row count is not a multiple of the alignment (16
+# unless the layer is FP8_PB_WO-quantized), appends a zero padding shard (models/kimi_k3/nvidia/
+# kda.py:641-659). No checkpoint name maps to that shard (model.py:1342-1356), and the default
+# loader's completeness check asks for every shard with rows on the rank
+# (model_executor/layers/linear.py:727-741, model_loader/default_loader.py:568-573, 608-612):
+# such a checkpoint fails at engine start ("weights were not initialized ... weight.6").
+KDA_IN_PROJ_ALIGNMENT = 16
+
+
+def kda_in_proj_shard_rows(num_heads: int, head_dim: int, tp_size: int = 1) -> list[int]:
+    """TP-local rows of each shard of vLLM's ``in_proj_qkvgfab`` (q, k, v, g, f_a, b[, padding]),
+    by the rule of kda.py:641-659 (f_a is replicated on every rank, the others are split)."""
+    local_heads = num_heads // tp_size
+    rows = [local_heads * head_dim] * 4 + [head_dim, local_heads]
+    padding = -sum(rows) % KDA_IN_PROJ_ALIGNMENT
+    return rows + [padding] if padding else rows
+
+
+def check_kda_geometry(num_heads: int, head_dim: int, tp_size: int = 1) -> None:
+    """Refuse a KDA geometry whose fused projection vLLM pads: its checkpoint cannot load."""
+    rows = kda_in_proj_shard_rows(num_heads, head_dim, tp_size)
+    if len(rows) == 7:
+        raise ValueError(
+            f"KDA geometry {num_heads} heads x {head_dim} (TP {tp_size}) cannot be loaded by vLLM "
+            f"0.34.0: 4*H*d + d + H = {sum(rows[:6])} rows per rank is not a multiple of "
+            f"{KDA_IN_PROJ_ALIGNMENT}, so vLLM appends a {rows[6]}-row padding shard to "
+            "in_proj_qkvgfab (models/kimi_k3/nvidia/kda.py:641-659) that no checkpoint tensor "
+            "fills, and the default loader refuses it (model_loader/default_loader.py:568-573, "
+            "608-612: 'in_proj_qkvgfab.weight.6' not initialized). Fix: pick (H, d) with "
+            "(4*H*d + d + H) % 16 == 0, e.g. H a multiple of 16 when d is a multiple of 16 "
+            "(--kda-heads 16 --kda-head-dim 16)."
+        )
+
 
 @dataclass
 class K3TargetConfig:
@@ -64,8 +98,10 @@ class K3TargetConfig:
     num_experts_per_token: int = 2
     num_shared_experts: int = 1
     first_k_dense_replace: int = 1
-    kda_num_heads: int = 2
-    kda_head_dim: int = 64
+    # KDA geometry: vLLM's loader needs 4*H*d + d + H to be a multiple of 16 (see
+    # ``check_kda_geometry``); 16 x 16 is the smallest aligned one with a power-of-two d >= 16.
+    kda_num_heads: int = 16
+    kda_head_dim: int = 16
     short_conv_kernel_size: int = 4
     # MLA (shared geometry with the drafter: one KV-cache row width on both sides). The latent
     # widths are those the CUDA MLA backends are built for (kv_lora_rank 512 + RoPE 64 = a 576-wide

@@ -99,6 +99,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="k3: MLA heads of the target and the drafter (default 2: kv_b_proj is 512 x heads "
         "x 256, the bulk of the checkpoint)",
     )
+    p.add_argument(
+        "--kda-heads",
+        type=int,
+        default=None,
+        help="k3: KDA heads (default 16); vLLM loads the checkpoint only if "
+        "4*heads*head_dim + head_dim + heads is a multiple of 16",
+    )
+    p.add_argument("--kda-head-dim", type=int, default=None, help="k3: KDA head size (default 16)")
     p.add_argument("--markov-rank", type=int, default=32)
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument(
@@ -288,11 +296,17 @@ def build_configs(args, vocab: int):
             K3TargetConfig,
             TinyK3,
             TinyK3DSpark,
+            check_kda_geometry,
         )
 
         kt = K3TargetConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=L)
         if args.mla_heads:
             kt.num_attention_heads = args.mla_heads
+        if args.kda_heads:
+            kt.kda_num_heads = args.kda_heads
+        if args.kda_head_dim:
+            kt.kda_head_dim = args.kda_head_dim
+        check_kda_geometry(kt.kda_num_heads, kt.kda_head_dim)  # before any training time is spent
         if args.target_inter:
             kt.intermediate_size = args.target_inter
         kd = K3DraftConfig(
