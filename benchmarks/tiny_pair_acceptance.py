@@ -50,6 +50,10 @@ def answer_value(text: str):
 
 
 def _dirs(args) -> tuple[str, str]:
+    if args.family == "dsv4":  # one checkpoint: target + mtp.<i>.* drafter
+        from dspark_dev.training.dsv4_train import DSV4_DIR
+
+        return os.path.join(args.pair, DSV4_DIR), os.path.join(args.pair, DSV4_DIR)
     if args.family == "k3":
         from dspark_dev.training.export import K3_DRAFT_DIR, K3_TARGET_DIR
 
@@ -138,19 +142,21 @@ def run_one(args, spec: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", default=DEFAULT_PAIR)
-    p.add_argument("--family", choices=["qwen3", "k3"], default="qwen3")
+    p.add_argument("--family", choices=["qwen3", "k3", "dsv4"], default="qwen3")
     p.add_argument("--compare-training", action="store_true")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--k", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--dtype", default="", help="default: float32 (qwen3), bfloat16 (k3)")
+    p.add_argument("--dtype", default="", help="default: float32 (qwen3), bfloat16 (k3, dsv4)")
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1500)
     p.add_argument("--out-json", default="")
     args = p.parse_args()
-    args.dtype = args.dtype or ("bfloat16" if args.family == "k3" else "float32")
+    args.dtype = args.dtype or ("float32" if args.family == "qwen3" else "bfloat16")
+    if args.compare_training and args.family == "dsv4":
+        p.error("--compare-training has no DeepSeek-V4 loader yet (train_tiny_pair simulates it)")
 
     _, values = _prompts(args.num_prompts)
     base = run_one(args, spec=False)

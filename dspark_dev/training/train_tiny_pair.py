@@ -81,10 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--family",
-        choices=["qwen3", "k3"],
+        choices=["qwen3", "k3", "dsv4"],
         default="qwen3",
         help="qwen3: the Qwen3 pair (models.py); k3: the Kimi-K3 pair (k3_models.py: "
-        "KimiLinearForCausalLM target + K3DSparkModel drafter, bfloat16 checkpoints)",
+        "KimiLinearForCausalLM target + K3DSparkModel drafter, bfloat16 checkpoints); dsv4: the "
+        "DeepSeek-V4 pair (dsv4_train.py: tiny_mla_targets.dsv4_fields(gpu=True) sizes, the "
+        "draft as mtp.<i>.* in the target's bfloat16 checkpoint; of the size flags only "
+        "--block-size, --markov-rank and --draft-layers apply)",
     )
     # sizes (k3: --hidden and the intermediate sizes default to k3_models' configs)
     p.add_argument("--hidden", type=int, default=None, help="default 128")
@@ -290,6 +293,22 @@ def build_configs(args, vocab: int):
         else sorted({0, max(0, L - 2), L - 1})
     )
     hidden = args.hidden or 128
+    if args.family == "dsv4":
+        import functools
+
+        from dspark_dev.training.dsv4_train import (
+            DSV4TrainDraft,
+            DSV4TrainTarget,
+            build_dsv4_configs,
+        )
+
+        tc, dc = build_dsv4_configs(vocab, args.block_size, args.markov_rank, args.draft_layers)
+        return (
+            tc,
+            dc,
+            functools.partial(DSV4TrainTarget, seed=args.seed),
+            functools.partial(DSV4TrainDraft, seed=args.seed + 1),
+        )
     if args.family == "k3":
         from dspark_dev.training.k3_models import (
             K3DraftConfig,
@@ -347,6 +366,8 @@ def _write(args, target, draft, extra, device, t_start) -> None:
     draft.cpu().float()
     os.makedirs(args.out, exist_ok=True)
     write = write_k3_pair if args.family == "k3" else write_pair
+    if args.family == "dsv4":
+        from dspark_dev.training.dsv4_train import write_dsv4_pair as write
     paths = write(args.out, target, draft, args.tokenizer, extra)
     with open(os.path.join(args.out, "training_summary.json"), "w") as f:
         json.dump({k: v for k, v in extra.items() if not k.endswith("history")}, f, indent=2)
@@ -519,7 +540,7 @@ def main(args) -> int:
     d_loss, d_parts = eval_draft()
 
     # ---- write (before the acceptance simulation, so a failure there loses no weights) ----
-    if args.family == "k3":
+    if args.family in ("k3", "dsv4"):
         # the checkpoint is bfloat16: the simulation below must use the shipped values
         from dspark_dev.training.export import round_to_bf16_
 

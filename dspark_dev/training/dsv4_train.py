@@ -1,0 +1,272 @@
+"""The DeepSeek-V4 family of ``train_tiny_pair --family dsv4``: thin training views of
+``dsv4_models.TinyDSV4`` / ``TinyDSV4Draft`` with the interface the shared loops call, and the
+export of the single checkpoint directory vLLM serves (target + ``mtp.<i>.*`` draft).
+
+Interface the loops use (the same as models.py's Qwen3 pair and k3_models' pair):
+``target(ids, aux_layer_ids) -> (logits, None, aux)``, ``target.lm_head_weight``,
+``target.hf_state_dict()``; ``draft_cls(tcfg, dcfg)``, ``draft.init_from_target(target)``,
+``draft.aux_layer_ids``, ``draft.context(aux)``, ``draft(ids, ctx, anchors, head_weight) ->
+(logits [B,M,N,V] with the teacher-forced Markov bias, confidence logits [B,M,N], the normed
+hidden that the head multiplies)`` and ``draft.markov_w1`` / ``markov_w2``.
+
+The draft predicts a block of N tokens from ``[anchor, noise x (N-1)]``: block position i gives
+the token at a+i+1, exactly what ``dspark_loss`` scores. The confidence head reads the pre-norm
+hidden and the Markov embedding of the previous token; it is trained with the loss's BCE against
+1 - TV (teacher-forced previous token; vLLM feeds its previous greedy draft, which equals it
+whenever the drafts so far are accepted). The noise token (``<|mask|>``) is never read by the
+target, so its embedding row is the draft's own trained parameter, written into ``embed.weight``
+of the checkpoint (as the K3 family does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dspark_dev.training import dsv4_models as M
+from dspark_dev.training.tokenizer import EOS_ID, MASK_ID, PAD_ID
+
+DSV4_DIR = "dsv4"
+
+
+@dataclass
+class DSV4TrainConfig(M.DSV4Config):
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DSV4DraftView:
+    """The draft's knobs (they live in the one DeepSeek-V4 config; logged in training.json)."""
+
+    block_size: int
+    n_mtp_layers: int
+    markov_rank: int
+    noise_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_dsv4_configs(vocab: int, block_size: int, markov_rank: int, draft_layers: int):
+    """The tiny GPU config of ``tiny_mla_targets.dsv4_fields(gpu=True)`` with the corpus
+    tokenizer's vocab, the corpus' noise token and the requested block / Markov rank / stages."""
+    from dspark_dev import tiny_mla_targets as t
+
+    d = t.dsv4_fields(gpu=True)
+    d.update(
+        vocab_size=vocab,
+        dspark_block_size=block_size,
+        dspark_markov_rank=markov_rank,
+        dspark_noise_token_id=MASK_ID,
+        n_mtp_layers=draft_layers,
+    )
+    cfg = DSV4TrainConfig.from_dict(d)
+    view = DSV4DraftView(
+        block_size, draft_layers, markov_rank, MASK_ID, list(cfg.dspark_target_layer_ids)
+    )
+    return cfg, view
+
+
+def _seeded_init(target: M.TinyDSV4 | None, draft: M.TinyDSV4Draft | None, seed: int) -> None:
+    """``init_pair``'s seeded ranges (it needs both models; a throwaway one fills the gap)."""
+    cfg = (target or draft).cfg  # type: ignore[union-attr]
+    M.init_pair(target or M.TinyDSV4(cfg), draft or M.TinyDSV4Draft(cfg), seed=seed)
+
+
+class DSV4TrainTarget(M.TinyDSV4):
+    def __init__(self, cfg: DSV4TrainConfig, seed: int = 0):
+        super().__init__(cfg)
+        _seeded_init(self, None, seed)
+
+    def forward(self, ids, aux_layers=(), kv_quant=None):  # type: ignore[override]
+        logits, aux = super().forward(ids, aux_layers, kv_quant)
+        return logits, None, aux
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.vllm_state_dict()
+
+
+class _TargetView:
+    """What ``TinyDSV4Draft.forward`` reads of the target: ``embed`` (with the draft's noise
+    row) and ``head``."""
+
+    def __init__(self, embed_w, mask_row, noise_id, head_w):
+        self._e, self._m, self._id, self._h = embed_w, mask_row, noise_id, head_w
+
+    def embed(self, ids):
+        e = F.embedding(ids, self._e)
+        return torch.where((ids == self._id).unsqueeze(-1), self._m.to(e.dtype), e)
+
+    def head(self, x):
+        return F.linear(x, self._h.to(x.dtype))
+
+
+class DSV4TrainDraft(nn.Module):
+    def __init__(self, tcfg: DSV4TrainConfig, dcfg: DSV4DraftView, seed: int = 1):
+        super().__init__()
+        self.tcfg, self.dcfg = tcfg, dcfg
+        self.core = M.TinyDSV4Draft(tcfg)
+        _seeded_init(None, self.core, seed)
+        self.mask_embedding = nn.Parameter(torch.zeros(tcfg.hidden_size))
+        self._target: list[DSV4TrainTarget] = []  # not a submodule: frozen, not exported here
+
+    def init_from_target(self, target: DSV4TrainTarget) -> None:
+        self._target[:] = [target]
+        with torch.no_grad():
+            self.mask_embedding.copy_(target.embed.weight[self.dcfg.noise_token_id])
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.core.aux_layers
+
+    @property
+    def markov_w1(self) -> nn.Module:
+        return self.core.markov_w1
+
+    @property
+    def markov_w2(self) -> nn.Module:
+        return self.core.markov_w2
+
+    def context(self, aux):
+        return self.core.context(aux)
+
+    def forward(self, ids, ctx, anchors, head_weight):
+        view = _TargetView(
+            self._target[0].embed.weight, self.mask_embedding, self.dcfg.noise_token_id, head_weight
+        )
+        logits, conf, hidden = self.core(
+            view,  # type: ignore[arg-type]
+            ids,
+            ctx,
+            anchors,
+            block_size=self.dcfg.block_size,
+        )
+        return logits, conf, self.core.norm(hidden)
+
+    def target_embed_with_mask(self, target: DSV4TrainTarget) -> torch.Tensor:
+        emb = target.embed.weight.detach().clone()
+        emb[self.dcfg.noise_token_id] = self.mask_embedding.detach().to(emb.dtype)
+        return emb
+
+    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.core.vllm_state_dict()
+
+
+def dsv4_hf_config(cfg: DSV4TrainConfig) -> dict:
+    from dspark_dev import tiny_mla_targets as t
+
+    d = t.dsv4_fields(gpu=True)
+    d.update(
+        vocab_size=cfg.vocab_size,
+        dspark_block_size=cfg.dspark_block_size,
+        dspark_markov_rank=cfg.dspark_markov_rank,
+        dspark_noise_token_id=cfg.dspark_noise_token_id,
+        n_mtp_layers=cfg.n_mtp_layers,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        bos_token_id=EOS_ID,
+    )
+    return d
+
+
+def dsv4_checkpoint(target: DSV4TrainTarget, draft: DSV4TrainDraft) -> dict[str, torch.Tensor]:
+    """The one checkpoint (target names + ``mtp.<i>.*``), floats in bfloat16, with the draft's
+    noise-token row in ``embed.weight``."""
+    sd = M.vllm_checkpoint(target, draft.core)
+    sd["embed.weight"] = draft.target_embed_with_mask(target)
+    return {
+        k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+        for k, v in sd.items()
+    }
+
+
+def write_dsv4_pair(
+    out: str, target, draft, tokenizer_json: str, extra: dict | None = None
+) -> tuple[str]:
+    from dspark_dev.training.export import write_model_dir
+
+    path = write_model_dir(
+        os.path.join(out, DSV4_DIR),
+        dsv4_hf_config(target.cfg),
+        dsv4_checkpoint(target, draft),
+        tokenizer_json,
+        extra,
+    )
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(dsv4_model_card(target, draft, extra))
+    return (path,)
+
+
+def dsv4_model_card(target, draft, extra: dict | None) -> str:
+    c, d = target.cfg, draft.dcfg
+    e = extra or {}
+    n_t = sum(v.numel() for v in target.vllm_state_dict().values())
+    n_d = sum(v.numel() for v in draft.vllm_state_dict().values())
+    lines = [
+        "# Tiny DeepSeek-V4 pair (trained): DeepseekV4ForCausalLM target + DSpark draft",
+        "",
+        "Made by `python3 -m dspark_dev.training.train_tiny_pair --family dsv4` (vllm-dspark-pp)",
+        "on the seeded synthetic GSM8K-style corpus and BPE tokenizer of models/tiny-pair. One",
+        f"directory, `{DSV4_DIR}/`, holds both (the draft as `mtp.<i>.*`); bfloat16 safetensors.",
+        "",
+        f"* target: {n_t} parameters. {c.num_hidden_layers} layers {c.layer_types}, hidden "
+        f"{c.hidden_size}, {c.num_attention_heads} query heads x {c.head_dim}, sliding window "
+        f"{c.sliding_window}, {c.n_routed_experts} experts top {c.num_experts_per_tok} + "
+        f"{c.n_shared_experts} shared (layer 0 hash-routed), hc_mult {c.hc_mult}; vocab "
+        f"{c.vocab_size}.",
+        f"* draft: {n_d} parameters. {d.n_mtp_layers} MTP stages fed by target layers "
+        f"{d.target_layer_ids}; block {d.block_size}, Markov rank {d.markov_rank}, confidence "
+        f"head; noise token id {d.noise_token_id} (`<|mask|>`, its embedding row trained by the "
+        "draft and stored in `embed.weight`; the target never reads it).",
+        "",
+        'Serve: model `<dir>/dsv4` with `--speculative-config \'{"method": "dspark", "model": '
+        f'"<dir>/dsv4", "num_speculative_tokens": {d.block_size}}}\'`.',
+    ]
+    keys = (
+        "device",
+        "target_steps_run",
+        "draft_steps_run",
+        "target_heldout_loss",
+        "target_heldout_answer_loss",
+        "draft_heldout_loss",
+        "simulated_mean_acceptance_length",
+        "simulated_per_position_acceptance",
+        "target_heldout_accuracy",
+    )
+    rows = [f"| {k} | {e[k]} |" for k in keys if k in e]
+    if rows:
+        lines += ["", "| training.json | value |", "|---|---|", *rows]
+    return "\n".join(lines) + "\n"
+
+
+def check_written(model_dir: str) -> dict[str, list[str]]:
+    """Load ``<out>/dsv4/model.safetensors`` into vLLM's DeepSeek-V4 target and DSpark drafter
+    built on the CPU (``dsv4_check.load_problems``, as ``dsv4_check --dry-run`` does) and list,
+    per model, every parameter whose name, shape or value does not match the checkpoint."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dspark_dev.training.dsv4_check import load_problems
+
+    sd = load_file(os.path.join(model_dir, "model.safetensors"))
+    return load_problems(Path(model_dir), sd)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    problems = check_written(sys.argv[1])
+    print(json.dumps(problems, indent=1))
+    raise SystemExit(1 if any(problems.values()) else 0)
