@@ -27,6 +27,7 @@ import os
 import sys
 
 import pytest
+import support
 import torch
 from support.env import CPU_ENV
 
@@ -35,6 +36,8 @@ from dspark_dev.training.export import round_to_bf16_, write_k3_pair
 from dspark_dev.training.k3_models import K3DraftConfig, K3TargetConfig, TinyK3, TinyK3DSpark
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The probe is a script run in its own process (tests/support: the one home of test helpers).
+PROBE = os.path.join(os.path.dirname(os.path.abspath(support.__file__)), "k3_vllm_probe.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "target", "tokenizer.json")
 TOL = 2e-3
@@ -90,7 +93,7 @@ def _probe(pair: str, tmp, mutation: str = "") -> dict:
         "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     rc, so, se = run_with_timeout(
-        [sys.executable, os.path.join(HERE, "k3_vllm_probe.py"), pair, out, mutation],
+        [sys.executable, PROBE, pair, out, mutation],
         timeout=900,
         env=env,
         capture=True,
