@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dspark_dev.training import dsv4_models as M
+from dspark_dev.training.export import training_table
 from dspark_dev.training.tokenizer import EOS_ID, MASK_ID, PAD_ID
 
 DSV4_DIR = "dsv4"
@@ -232,21 +233,7 @@ def dsv4_model_card(target, draft, extra: dict | None) -> str:
         'Serve: model `<dir>/dsv4` with `--speculative-config \'{"method": "dspark", "model": '
         f'"<dir>/dsv4", "num_speculative_tokens": {d.block_size}}}\'`.',
     ]
-    keys = (
-        "device",
-        "target_steps_run",
-        "draft_steps_run",
-        "target_heldout_loss",
-        "target_heldout_answer_loss",
-        "draft_heldout_loss",
-        "simulated_mean_acceptance_length",
-        "simulated_per_position_acceptance",
-        "target_heldout_accuracy",
-    )
-    rows = [f"| {k} | {e[k]} |" for k in keys if k in e]
-    if rows:
-        lines += ["", "| training.json | value |", "|---|---|", *rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + training_table(e)) + "\n"
 
 
 def check_written(model_dir: str) -> dict[str, list[str]]:

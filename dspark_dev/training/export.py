@@ -185,6 +185,39 @@ K3_TARGET_DIR = "k3-target"
 K3_DRAFT_DIR = "k3-dspark"
 
 
+# The training.json entries a pair's model card tabulates (every family's card).
+CARD_KEYS = (
+    "device",
+    "target_steps_run",
+    "draft_steps_run",
+    "target_heldout_loss",
+    "target_heldout_answer_loss",
+    "draft_heldout_loss",
+    "simulated_mean_acceptance_length",
+    "simulated_per_position_acceptance",
+    "target_heldout_accuracy",
+)
+
+
+def training_table(e: dict) -> list[str]:
+    """A model card's markdown table of the training record ``e`` (empty if it has none)."""
+    rows = [f"| {k} | {e[k]} |" for k in CARD_KEYS if k in e]
+    return ["", "| training.json | value |", "|---|---|", *rows] if rows else []
+
+
+def _mla_fields(t) -> dict:
+    """The MLA geometry the K3 target and its drafter share (both read the target's config)."""
+    return {
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_attention_heads,
+        "qk_nope_head_dim": t.qk_nope_head_dim,
+        "qk_rope_head_dim": t.qk_rope_head_dim,
+        "v_head_dim": t.v_head_dim,
+        "q_lora_rank": t.q_lora_rank,
+        "kv_lora_rank": t.kv_lora_rank,
+    }
+
+
 def k3_target_hf_config(t) -> dict:
     """``KimiLinearConfig`` fields of :class:`k3_models.TinyK3` (the routing knobs are written out
     even where they equal KimiLinearConfig's defaults, so the semantics are pinned)."""
@@ -214,13 +247,7 @@ def k3_target_hf_config(t) -> dict:
         "hidden_act": "silu",
         "mla_use_nope": True,
         "mla_use_output_gate": False,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_attention_heads,
-        "qk_nope_head_dim": t.qk_nope_head_dim,
-        "qk_rope_head_dim": t.qk_rope_head_dim,
-        "v_head_dim": t.v_head_dim,
-        "q_lora_rank": t.q_lora_rank,
-        "kv_lora_rank": t.kv_lora_rank,
+        **_mla_fields(t),
         "linear_attn_config": {
             "kda_layers": kda,
             "full_attn_layers": [i + 1 for i in range(t.num_hidden_layers) if i + 1 not in kda],
@@ -250,13 +277,7 @@ def k3_draft_hf_config(t, d) -> dict:
         "target_hidden_size": t.hidden_size,
         "intermediate_size": d.intermediate_size,
         "num_hidden_layers": d.num_hidden_layers,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_attention_heads,
-        "qk_nope_head_dim": t.qk_nope_head_dim,
-        "qk_rope_head_dim": t.qk_rope_head_dim,
-        "v_head_dim": t.v_head_dim,
-        "q_lora_rank": t.q_lora_rank,
-        "kv_lora_rank": t.kv_lora_rank,
+        **_mla_fields(t),
         "n_routed_experts": 0,
         "n_shared_experts": 0,
         "num_experts_per_tok": 0,
@@ -348,21 +369,7 @@ def k3_model_card(target, draft, extra: dict | None) -> str:
         f'{K3_DRAFT_DIR}", "num_speculative_tokens": {d.block_size}}}\'` with model '
         f"`<dir>/{K3_TARGET_DIR}`.",
     ]
-    keys = (
-        "device",
-        "target_steps_run",
-        "draft_steps_run",
-        "target_heldout_loss",
-        "target_heldout_answer_loss",
-        "draft_heldout_loss",
-        "simulated_mean_acceptance_length",
-        "simulated_per_position_acceptance",
-        "target_heldout_accuracy",
-    )
-    rows = [f"| {k} | {e[k]} |" for k in keys if k in e]
-    if rows:
-        lines += ["", "| training.json | value |", "|---|---|", *rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + training_table(e)) + "\n"
 
 
 def load_k3_pair(out: str):
