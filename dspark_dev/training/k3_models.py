@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dspark_dev.training.models import MLP, RMSNorm, _init_weights, rope_cos_sin
+from dspark_dev.training.models import MLP, DraftHeads, RMSNorm, _init_weights, rope_cos_sin
 
 # vLLM 0.34.0 fuses q, k, v, g (H*d rows each), f_a (d rows) and b (H rows) of a KDA layer into
 # one ``in_proj_qkvgfab`` and, when the TP-local row count is not a multiple of the alignment (16
@@ -539,7 +539,7 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(c.hidden_size, d.intermediate_size)
 
 
-class TinyK3DSpark(nn.Module):
+class TinyK3DSpark(DraftHeads):
     """K3 DSpark drafter. Embeddings and lm_head are the target's (vLLM shares them); only the
     noise-token row of the embeddings is trained here (``mask_embedding``) and written into the
     target's ``embed_tokens`` on export (the target never reads that row: the token is not in the
@@ -553,30 +553,7 @@ class TinyK3DSpark(nn.Module):
         self.context_norm = RMSNorm(H, tcfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(tcfg, dcfg) for _ in range(dcfg.num_hidden_layers))
         self.final_norm = RMSNorm(H, tcfg.rms_norm_eps)
-        self.markov_w1 = nn.Embedding(tcfg.vocab_size, dcfg.markov_rank)
-        self.markov_w2 = nn.Linear(dcfg.markov_rank, tcfg.vocab_size, bias=False)
-        conf_in = H + (dcfg.markov_rank if dcfg.confidence_head_with_markov else 0)
-        self.confidence_proj = nn.Linear(conf_in, 1, bias=True)
-        self.apply(_init_weights)
-        nn.init.zeros_(self.markov_w2.weight)
-        self.embed_tokens = nn.Embedding(tcfg.vocab_size, H)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.mask_embedding = nn.Parameter(torch.zeros(H))
-
-    def init_from_target(self, target: TinyK3) -> None:
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.embed_tokens.weight)
-            self.mask_embedding.copy_(target.embed_tokens.weight[self.dcfg.mask_token_id])
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i + 1 for i in self.dcfg.target_layer_ids)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        e = self.embed_tokens(ids)
-        return torch.where(
-            (ids == self.dcfg.mask_token_id).unsqueeze(-1), self.mask_embedding.to(e.dtype), e
-        )
+        self._finish_init(H, tcfg.vocab_size, dcfg)
 
     def context(self, aux: list[torch.Tensor]) -> torch.Tensor:
         return self.context_norm(self.context_proj(torch.cat(aux, dim=-1)))

@@ -202,7 +202,41 @@ class TinyQwen3(nn.Module):
         }
 
 
-class TinyDSparkDraft(nn.Module):
+class DraftHeads(nn.Module):
+    """What every DSpark drafter here shares (Qwen3 and Kimi-K3): the Markov head, the confidence
+    head, the frozen copy of the target's embeddings with its trainable noise-token row, and the
+    aux-layer numbering. A subclass builds its context projection, layers and final norm, then
+    calls ``_finish_init``, which creates these heads and initialises every weight in one fixed
+    order (so a seed gives the same draft as before this class existed)."""
+
+    def _finish_init(self, H: int, vocab_size: int, dcfg) -> None:
+        self.markov_w1 = nn.Embedding(vocab_size, dcfg.markov_rank)
+        self.markov_w2 = nn.Linear(dcfg.markov_rank, vocab_size, bias=False)
+        conf_in = H + (dcfg.markov_rank if dcfg.confidence_head_with_markov else 0)
+        self.confidence_proj = nn.Linear(conf_in, 1, bias=True)
+        self.apply(_init_weights)
+        nn.init.zeros_(self.markov_w2.weight)
+        self.embed_tokens = nn.Embedding(vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.mask_embedding = nn.Parameter(torch.zeros(H))
+
+    def init_from_target(self, target: nn.Module) -> None:
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.embed_tokens.weight)
+            self.mask_embedding.copy_(target.embed_tokens.weight[self.dcfg.mask_token_id])
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i + 1 for i in self.dcfg.target_layer_ids)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens(ids)
+        return torch.where(
+            (ids == self.dcfg.mask_token_id).unsqueeze(-1), self.mask_embedding.to(e.dtype), e
+        )
+
+
+class TinyDSparkDraft(DraftHeads):
     """Qwen3 DSpark draft. ``embed_tokens`` is a frozen copy of the target's except the trainable
     mask row; ``lm_head`` is the target's (shared, frozen) and is passed to ``forward``."""
 
@@ -224,30 +258,7 @@ class TinyDSparkDraft(nn.Module):
             for _ in range(dcfg.num_hidden_layers)
         )
         self.norm = RMSNorm(H, tcfg.rms_norm_eps)
-        self.markov_w1 = nn.Embedding(tcfg.vocab_size, dcfg.markov_rank)
-        self.markov_w2 = nn.Linear(dcfg.markov_rank, tcfg.vocab_size, bias=False)
-        conf_in = H + (dcfg.markov_rank if dcfg.confidence_head_with_markov else 0)
-        self.confidence_proj = nn.Linear(conf_in, 1, bias=True)
-        self.apply(_init_weights)
-        nn.init.zeros_(self.markov_w2.weight)
-        self.embed_tokens = nn.Embedding(tcfg.vocab_size, H)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.mask_embedding = nn.Parameter(torch.zeros(H))
-
-    def init_from_target(self, target: TinyQwen3) -> None:
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.embed_tokens.weight)
-            self.mask_embedding.copy_(target.embed_tokens.weight[self.dcfg.mask_token_id])
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i + 1 for i in self.dcfg.target_layer_ids)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        e = self.embed_tokens(ids)
-        return torch.where(
-            (ids == self.dcfg.mask_token_id).unsqueeze(-1), self.mask_embedding.to(e.dtype), e
-        )
+        self._finish_init(H, tcfg.vocab_size, dcfg)
 
     def context(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """[B,T,H] context states: hidden_norm(fc(concat(aux)))."""
