@@ -87,3 +87,28 @@ def test_export_refuses_an_unaligned_geometry():
         k3_target_hf_config(K3TargetConfig(vocab_size=448, kda_num_heads=2, kda_head_dim=64))
     cfg = k3_target_hf_config(K3TargetConfig(vocab_size=448))
     assert cfg["linear_attn_config"]["num_heads"] == 16
+
+
+def test_bundled_pair_fills_every_required_shard():
+    """models/k3-pair (trained): its config's geometry and its checkpoint's tensor names leave no
+    shard of the fused KDA projection unfilled (what stopped the first trained pair on the
+    H200). The names come from the safetensors header; nothing is loaded."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from dspark_dev.training.export import K3_TARGET_DIR
+
+    tdir = Path(__file__).resolve().parents[3] / "models" / "k3-pair" / K3_TARGET_DIR
+    with open(tdir / "training.json") as f:
+        cfg = K3TargetConfig(**json.load(f)["target_config"])
+    with safe_open(str(tdir / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert required_shard_names(cfg), "the bundled target has no KDA layer"
+    assert missing_shards(cfg, names) == set()
+    # control: the same names read as the old 2 x 64 geometry leave the padding shard unfilled
+    old = K3TargetConfig(**{**vars(cfg), "kda_num_heads": 2, "kda_head_dim": 64})
+    assert missing_shards(old, names) == {
+        f"model.layers.{i}.self_attn.in_proj_qkvgfab.weight.6" for i in (0, 2)
+    }
