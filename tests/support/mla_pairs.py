@@ -1,0 +1,99 @@
+"""The trained tiny Kimi-K3 and DeepSeek-V4 pairs (issue 26) for the GPU group's trained mode
+(``DSPARK_DSV4K3_WEIGHTS=trained``: tests/gpu/test_dsv4_k3_engine.py, test_dsv4_k3_pp.py).
+
+* Kimi-K3: ``models/k3-pair/{k3-target,k3-dspark}`` (``dspark_dev.training.export.write_k3_pair``,
+  what ``train_tiny_pair --family k3`` writes), block size in the draft's ``block_size``.
+* DeepSeek-V4: ``models/dsv4-pair/dsv4``, one checkpoint with the target and its ``mtp.*`` draft
+  (``dspark_dev.training.dsv4_train.write_dsv4_pair``), block size in ``dspark_block_size``.
+
+Both are bfloat16 safetensors trained on the seeded GSM8K-style corpus of models/tiny-pair with
+its tokenizer (each directory carries a copy): :func:`heldout_waves` gives held-out prompts (never
+trained on), encoded with the pair's own ``tokenizer.json``. :func:`trained_acceptance_problems`
+is the trained-mode acceptance rule: mean acceptance length >= 3.0 at the trained block size and
+an accepted token at every draft position.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dspark_dev.tiny_mla_targets import TinyPair
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODELS = REPO_ROOT / "models"
+#: family -> (pair directory, target subdirectory, draft subdirectory, block-size key, family name)
+LAYOUT = {
+    "k3": ("k3-pair", "k3-target", "k3-dspark", "block_size", "kimi-k3"),
+    "dsv4": ("dsv4-pair", "dsv4", "dsv4", "dspark_block_size", "deepseek-v4"),
+}
+#: issue 26: what a trained pair must reach in vLLM
+MIN_ACCEPTANCE_LENGTH = 3.0
+TRAINED_K = 7
+
+
+def trained_pair(fam: str, models: Path | None = None) -> tuple[TinyPair | None, str]:
+    """(pair, "") when the family's trained pair is complete under ``models`` (default: the
+    repo's models/), else (None, why)."""
+    root, tdir, ddir, _, name = LAYOUT[fam]
+    base = Path(models or MODELS) / root
+    for d in {tdir, ddir}:
+        p = base / d
+        need = [p / "config.json", p / "tokenizer.json"]
+        missing = [str(x) for x in need if not x.exists()]
+        if not missing and not list(p.glob("*.safetensors")):
+            missing.append(f"{p}/*.safetensors")
+        if missing:
+            return None, (
+                f"the trained {name} pair is not bundled: {', '.join(missing)} missing (issue 26; "
+                f"{'train_tiny_pair --family k3' if fam == 'k3' else 'dsv4_train'} writes it)"
+            )
+    return TinyPair(str(base / tdir), str(base / ddir), name), ""
+
+
+def block_size(pair: TinyPair, fam: str) -> int:
+    """The draft block the pair was trained for (its ``num_speculative_tokens``)."""
+    cfg = json.loads((Path(pair.draft) / "config.json").read_text())
+    return int(cfg[LAYOUT[fam][3]])
+
+
+def heldout_waves(pair: TinyPair, sizes=(3, 5, 7)) -> list[list[list[int]]]:
+    """Distinct held-out corpus prompts as token ids of the pair's tokenizer, one list per wave
+    (waves of 3, 5 and 7 requests replay padded decode graphs of 4 and 8)."""
+    from tokenizers import Tokenizer
+
+    from dspark_dev.training import corpus
+
+    tok = Tokenizer.from_file(str(Path(pair.target) / "tokenizer.json"))
+    probs = corpus.heldout_problems(max(sum(sizes), corpus.DEFAULT_HELDOUT_SIZE))
+    ids = [tok.encode(corpus.format_prompt(p.question)).ids for p in probs[: sum(sizes)]]
+    out, at = [], 0
+    for n in sizes:
+        out.append(ids[at : at + n])
+        at += n
+    return out
+
+
+def acceptance_length(m: dict) -> float:
+    """Mean tokens per draft step, the bonus token included (1 + accepted / drafts)."""
+    n = int(m.get("num_drafts", 0))
+    return 1.0 + int(m.get("num_accepted_tokens", 0)) / n if n else float("nan")
+
+
+def trained_acceptance_problems(m: dict, k: int) -> list[str]:
+    """What keeps spec-decode counters ``m`` from a trained pair's acceptance at block ``k``:
+    mean acceptance length below :data:`MIN_ACCEPTANCE_LENGTH`, per-position counters missing or
+    of another length than ``k``, or a draft position that never accepted."""
+    out = []
+    if not m.get("num_drafts"):
+        return [f"no drafts at all: {m}"]
+    al = acceptance_length(m)
+    if not al >= MIN_ACCEPTANCE_LENGTH:
+        out.append(f"mean acceptance length {al:.3f} < {MIN_ACCEPTANCE_LENGTH}")
+    per = list(m.get("accepted_per_pos") or [])
+    if len(per) != k:
+        out.append(f"accepted per position {per}: want {k} positions")
+    zero = [i for i, x in enumerate(per) if not x > 0]
+    if zero:
+        out.append(f"draft positions {zero} never accepted: {per}")
+    return out
