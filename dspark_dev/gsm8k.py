@@ -258,9 +258,32 @@ def score(cfg: EvalConfig, rows: list[dict], res: dict) -> dict:
         "accuracy_equals": cfg.accuracy_equals,
         "acceptance_length_min": cfg.acceptance_length_min,
     }
-    report["failures"] = check(report)
+    report["failures"] = unmeasured(cfg) + check(report)
     report["passed"] = not report["failures"]
     return report
+
+
+def needed_thresholds(cfg: EvalConfig) -> tuple[str, ...]:
+    """The thresholds a gated config must set: ``accuracy_min`` without speculation;
+    ``accuracy_equals`` (the no-spec accuracy, reproduced exactly) and ``acceptance_length_min``
+    with it."""
+    return ("accuracy_equals", "acceptance_length_min") if cfg.speculative else ("accuracy_min",)
+
+
+def unmeasured(cfg: EvalConfig) -> list[str]:
+    """A gated config (``ci: cpu`` or ``ci: gpu``) whose needed thresholds are still null fails,
+    naming the file to fill: a new config is written before its numbers can be measured (e.g. a
+    GPU pair on a machine without one), and a null must not gate as a pass. ``ci: manual``
+    configs may leave thresholds null (recorded, not gated)."""
+    if cfg.ci == "manual":
+        return []
+    null = [k for k in needed_thresholds(cfg) if getattr(cfg, k) is None]
+    if not null:
+        return []
+    return [
+        f"thresholds {', '.join(null)} are null (not measured yet): measure them with this "
+        f"config and fill them in {cfg.path or cfg.name} (docs/results/gsm8k.md)"
+    ]
 
 
 def check(report: dict) -> list[str]:
