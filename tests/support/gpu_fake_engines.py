@@ -1,0 +1,142 @@
+"""A pytest plugin that runs the DSV4/K3 GPU groups' tests on CPU with FAKE engines: checks the
+wiring (which engines a mode starts, with which arguments, and that the tests' assertions pass and
+fail on the counters they are given), never vLLM. Written for the trained mode of issue 26, which
+no GPU has run yet.
+
+    DSPARK_FAKE_MODELS=<dir holding k3-pair/ and dsv4-pair/> DSPARK_DSV4K3_WEIGHTS=trained \\
+    PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/gpu python -m pytest -p support.gpu_fake_engines \\
+        tests/gpu/test_dsv4_k3_engine.py tests/gpu/test_dsv4_k3_pp.py
+
+Fakes: ``support.gpu.run_llm``, ``support.pd_run.run_pd``, ``dspark_dev.pp_launch.deployment`` /
+``serve_waves`` and ``gpu_common.require_cuda``; the GPU markers' skips are lifted. Every engine
+answers the same tokens for a prompt (greedy parity holds) and trained-looking counters at the
+speculative config's k ([36, 30, 25, 20, 15, 10, 4] of 40 drafts); the NaN-norm PD control
+accepts nothing, the subtle control [30, 20, 12, 8, 5, 3, 2], and an engine started with
+``VLLM_DSPARK_PP_SKIP_PATCHES`` fails at start-up. ``DSPARK_FAKE_MUTATION`` breaks one thing, for
+showing that a check fails: ``subtle_same`` (the subtle control accepts like the PD run),
+``pos6_zero`` (draft position 6 never accepts), ``nan_leaks`` (the NaN-norm control accepts 6 %),
+``pp2_low`` (PP=2 accepts less than PP=1),
+``skip_starts`` (the split-skipped engine starts). The engine calls are written as JSON to
+``DSPARK_FAKE_CALLS`` (default: none written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+CALLS: list = []
+MUTATION = os.environ.get("DSPARK_FAKE_MUTATION", "")
+GOOD = [36, 30, 25, 20, 15, 10, 4]
+SUBTLE = [30, 20, 12, 8, 5, 3, 2]
+
+
+def _counters(per: list[int]) -> dict:
+    return {
+        "num_drafts": 40,
+        "num_draft_tokens": 40 * len(per),
+        "num_accepted_tokens": sum(per),
+        "accepted_per_pos": per,
+    }
+
+
+def _good(k: int) -> list[int]:
+    per = list(GOOD if MUTATION != "pos6_zero" else [*GOOD[:6], 0])
+    return (per + [0] * k)[:k]
+
+
+def _tokens(prompts) -> list[list[int]]:
+    return [[(sum(p) + i) % 400 + 3 for i in range(20)] for p in prompts]
+
+
+def pytest_configure(config):
+    import gpu_common
+
+    import support.gpu as g
+    import support.mla_pairs as mp
+    import support.pd_run as pd
+    from dspark_dev import pp_launch
+
+    if os.environ.get("DSPARK_FAKE_MODELS"):
+        mp.MODELS = Path(os.environ["DSPARK_FAKE_MODELS"])
+    gpu_common.require_cuda = lambda: None
+
+    def run_llm(
+        name, cfg, waves, *, timeout_s, sampling=None, logprobs=None, probe=False, env=None
+    ):
+        CALLS.append(["llm", name, cfg, sampling, logprobs, env])
+        if env and "VLLM_DSPARK_PP_SKIP_PATCHES" in env and MUTATION != "skip_starts":
+            raise g.GPUCaseFailure(f"[{name}] failed (exit 1) in phase 'startup': fake")
+        k = (cfg.get("speculative_config") or {}).get("num_speculative_tokens", 0)
+        out = []
+        for w in waves:
+            toks = _tokens(w)
+            lps = [[{str(t): -0.1, "7": -2.5} for t in r] for r in toks] if logprobs else None
+            out.append(
+                {"tokens": toks, "logprobs": lps, "metrics": _counters(_good(k)) if k else {}}
+            )
+        return g.LLMResult(name, out, {}, None, 1.0, 2.0)
+
+    def run_pd(model, spec, prompts, *, prefill_speculative_config=None, **kw):
+        CALLS.append(["pd", model, spec, prefill_speculative_config, kw])
+        k = spec["num_speculative_tokens"]
+        per = _good(k)
+        pre = (prefill_speculative_config or {}).get("model", "")
+        if "nan-norm" in pre:
+            per = [0] * k if MUTATION != "nan_leaks" else ([10, 5, 2] + [0] * k)[:k]
+        elif "scaled-aux" in pre and MUTATION != "subtle_same":
+            per = SUBTLE[:k]
+        return {
+            "tokens": _tokens(prompts),
+            "decoder_spec": _counters(per),
+            "prefill_spec": {"num_draft_tokens": 0},
+            "decoder_kv": {"vllm:external_prefix_cache_hits_total": 5.0},
+            "prefill_log_markers": {"context-KV-only drafter": True},
+            "timings": "fake",
+        }
+
+    class Node:
+        def log_tail(self, n):
+            return "PP handshake: 2 ranks agree\nDSpark PP exchange: fake over nccl\n"
+
+    class Deployment:
+        def __init__(self, name, target, **kw):
+            CALLS.append(["pp", name, target, kw.get("spec"), kw.get("base_args")])
+            self.k = (kw.get("spec") or {}).get("num_speculative_tokens", 0)
+            self.nodes, self.url = [Node(), Node()], "fake"
+
+        def start(self):
+            pass
+
+        def wait_ready(self, timeout_s):
+            return 1.0
+
+        def stop(self):
+            return []
+
+    def deployment(name, target, **kw):
+        return Deployment(name, target, **kw)
+
+    def serve_waves(url, model, waves, max_tokens, *, ignore_eos=False, timeout_s=120.0):
+        CALLS.append(["serve", model, max_tokens, ignore_eos])
+        per = GOOD if MUTATION != "pp2_low" else [36, 30, 25, 20, 15, 1, 0]
+        return [t for w in waves for t in _tokens(w)], [_counters(per) for _ in waves]
+
+    g.run_llm, pd.run_pd = run_llm, run_pd
+    pp_launch.deployment, pp_launch.serve_waves = deployment, serve_waves
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # engines are faked: lift the no-CUDA skips
+        item.own_markers = [m for m in item.own_markers if m.name != "skip"]
+
+
+def pytest_unconfigure(config):
+    out = os.environ.get("DSPARK_FAKE_CALLS")
+    if out:
+        with open(out, "w") as f:
+            json.dump(CALLS, f, indent=1, default=str)
