@@ -3,7 +3,7 @@ producer a broken draft and checks that the decoder's acceptance falls, which sh
 decoder reads the draft context KV the producer wrote (so a PD acceptance check can fail).
 
 Two strengths: :func:`nan_norm_draft` (a non-finite context: acceptance falls to ~0, which even
-dummy weights show) and :func:`scaled_aux_draft` (a finite, slightly wrong context, as a real bug
+dummy weights show) and :func:`aux_perturbed_draft` (a finite, somewhat wrong context, as a real bug
 would give: only a trained pair, whose drafts depend on their context, can show the fall).
 Used by tests/e2e/producer (CPU), tests/unit/producer and tests/gpu/test_dsv4_k3_engine.py.
 """
@@ -43,10 +43,14 @@ def nan_norm_draft(draft_dir: str, out_dir: str) -> str:
     return str(dst)
 
 
-#: The subtle control's default: one aux layer's share of the draft's context projection at half
-#: its weight. A power of two, so the scaled bf16 / fp32 weights are exact (the writer's unit test
-#: checks the factor bit for bit).
-SUBTLE_SCALE = 0.5
+#: The subtle control's perturbation (``dspark_dev.training.pd_control_sim.perturbed_weight``):
+#: the draft's first and last aux taps exchanged in its context projection, as if the producer
+#: captured or relayed its aux hidden states in the wrong order. Chosen by that module's CPU
+#: estimate on the interim trained Kimi-K3 pair (prompt context only, as in PD; the GPU PD wave's
+#: 7 prompts): 36.9 % -> 25.3 %. A wrong *scale* was tried first and is too weak to see: the
+#: last tap at half weight gave 34.7 % (41.2 % vs 40.8 % on 15 prompts), at zero 32.6 %, because
+#: the context RMSNorm after the projection undoes most of a change of magnitude.
+SUBTLE_PERTURB = "swap:0:-1"
 
 #: Where each draft layout keeps its context projection (``concat(aux hidden states) -> hidden``,
 #: input columns in ``target_layer_ids`` order) and the config key listing its aux layers:
@@ -77,43 +81,33 @@ def context_proj_layout(draft_dir: str) -> tuple[str, str, list[int]]:
     )
 
 
-def scaled_aux_draft(
-    draft_dir: str, out_dir: str, aux_index: int = -1, scale: float = SUBTLE_SCALE
-) -> str:
-    """A copy of ``draft_dir`` whose only change is the draft's context projection: the input
-    columns that read aux layer ``target_layer_ids[aux_index]`` (the last, deepest tap by
-    default) multiplied by ``scale``. Same names, shapes and dtypes; every other tensor and the
-    config are bytes-equal.
+def aux_perturbed_draft(draft_dir: str, out_dir: str, perturb: str = SUBTLE_PERTURB) -> str:
+    """A copy of ``draft_dir`` whose only change is the draft's context projection, its aux
+    blocks of input columns changed by ``perturb`` (``swap:I:J``: blocks I and J exchanged;
+    ``scale:J:S``: block J times S; ``perturbed_weight``). Same names, shapes and dtypes; every
+    other tensor and the config are bytes-equal.
 
-    The subtle PD control (issue 26 item 2): as if the prefill-only producer captured one aux
-    hidden state at a wrong scale (a plausible bug, e.g. a tap taken before instead of after a
-    residual add, or a stage boundary relaying a pre-norm tensor), its draft context KV is finite
-    and a little off. A uniform scale of the whole projection would be undone by the context
-    RMSNorm that follows it; scaling one aux block changes the mix of layers, i.e. the direction
-    of the context state, so every context key and value moves. The decoder keeps the real
-    draft, so greedy output must not change, while acceptance falls (it drafts from prompt
-    context KV that is slightly wrong). For DeepSeek-V4 the whole checkpoint directory is copied
+    The subtle PD control (issue 26 item 2): the prefill-only producer loads it, so its draft
+    context KV of the prompt is finite and somewhat wrong, as a real bug in how the producer feeds
+    its drafter would make it (by default: the aux taps in the wrong order). The decoder keeps
+    the real draft, so greedy output must not change, while acceptance falls (it drafts over a
+    wrong prompt context). For DeepSeek-V4 the whole checkpoint directory is copied
     (``mtp.0.main_proj`` is the draft's alone; the target never reads it)."""
-    import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from dspark_dev.training.pd_control_sim import perturbed_weight
+
     st, name, ids = context_proj_layout(draft_dir)
     src = Path(draft_dir)
-    dst = Path(out_dir) / f"{src.name}-scaled-aux-control"
+    dst = Path(out_dir) / f"{src.name}-aux-perturbed-control"
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    out_st = dst / Path(st).name
     with safe_open(st, "pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     w = tensors[name]
-    n = len(ids)
-    if w.dim() != 2 or w.shape[1] % n:
-        raise AssertionError(f"{name} {tuple(w.shape)}: columns are not {n} aux blocks")
-    width = w.shape[1] // n
-    j = range(n)[aux_index]  # IndexError for an index out of range
-    w = w.clone()
-    w[:, j * width : (j + 1) * width] *= torch.tensor(scale, dtype=w.dtype)
-    tensors[name] = w.contiguous()
-    save_file(tensors, str(out_st), metadata=meta)
+    if w.dim() != 2 or w.shape[1] % len(ids):
+        raise AssertionError(f"{name} {tuple(w.shape)}: columns are not {len(ids)} aux blocks")
+    tensors[name] = perturbed_weight(w, len(ids), perturb).contiguous()
+    save_file(tensors, str(dst / Path(st).name), metadata=meta)
     return str(dst)

@@ -87,7 +87,7 @@ def pytest_configure(config):
         pre = (prefill_speculative_config or {}).get("model", "")
         if "nan-norm" in pre:
             per = [0] * k if MUTATION != "nan_leaks" else ([10, 5, 2] + [0] * k)[:k]
-        elif "scaled-aux" in pre and MUTATION != "subtle_same":
+        elif "aux-perturbed" in pre and MUTATION != "subtle_same":
             per = SUBTLE[:k]
         return {
             "tokens": _tokens(prompts),

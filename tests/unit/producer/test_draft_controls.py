@@ -1,7 +1,8 @@
-"""The subtle PD control's writer (``support.draft_controls.scaled_aux_draft``, issue 26 item 2):
-the copy differs from the original draft only in the context projection's columns of one aux
-layer, by exactly the factor asked for, for a Kimi-K3 draft directory and for a DeepSeek-V4
-checkpoint (target tensors + ``mtp.*`` draft in one file). Toy checkpoints, no engine: < 1 s."""
+"""The subtle PD control's writer (``support.draft_controls.aux_perturbed_draft``, issue 26 item
+2): the copy differs from the original draft only in the context projection's aux column blocks,
+exactly as asked (the default: first and last exchanged; a scale: one block times the factor),
+for a Kimi-K3 draft directory and for a DeepSeek-V4 checkpoint (target tensors + ``mtp.*`` draft
+in one file). Toy checkpoints, no engine: < 1 s."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from support.draft_controls import SUBTLE_SCALE, context_proj_layout, scaled_aux_draft
+from support.draft_controls import SUBTLE_PERTURB, aux_perturbed_draft, context_proj_layout
 
 HIDDEN = 8
 
@@ -57,14 +58,30 @@ def _load(d: Path) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-@pytest.mark.parametrize("aux_index", [-1, 0])
+def _block(w: torch.Tensor, n: int, j: int) -> torch.Tensor:
+    width = w.shape[1] // n
+    j = range(n)[j]
+    return w[:, j * width : (j + 1) * width]
+
+
+# perturbation -> {block index (from the end too): where its new columns come from, or a factor}
+CASES = {
+    SUBTLE_PERTURB: {0: ("block", -1), -1: ("block", 0)},
+    "swap:0:1": {0: ("block", 1), 1: ("block", 0)},
+    "scale:-1:0.5": {-1: ("times", 0.5)},
+    "scale:0:2": {0: ("times", 2.0)},
+}
+
+
+@pytest.mark.parametrize("perturb", sorted(CASES))
 @pytest.mark.parametrize("fam", sorted(LAYOUTS))
-def test_scaled_aux_draft_changes_one_aux_block_by_the_factor(tmp_path, fam, aux_index):
+def test_aux_perturbed_draft_changes_only_the_asked_aux_blocks(tmp_path, fam, perturb):
     name, _, ids, _ = LAYOUTS[fam]
+    n = len(ids)
     src = _toy(tmp_path, fam)
     assert context_proj_layout(str(src))[1:] == (name, ids)
-    out = Path(scaled_aux_draft(str(src), str(tmp_path / "out"), aux_index=aux_index))
-    assert out != src and out.name == f"{fam}-scaled-aux-control"
+    out = Path(aux_perturbed_draft(str(src), str(tmp_path / "out"), perturb))
+    assert out != src and out.name == f"{fam}-aux-perturbed-control"
     for f in ("config.json", "tokenizer.json"):
         assert (out / f).read_bytes() == (src / f).read_bytes(), f
     (a, meta_a), (b, meta_b) = _load(src), _load(out)
@@ -74,17 +91,17 @@ def test_scaled_aux_draft_changes_one_aux_block_by_the_factor(tmp_path, fam, aux
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         if k != name:
             assert torch.equal(a[k], b[k]), f"{k} changed"
-    j = range(len(ids))[aux_index]
-    cols = torch.zeros(a[name].shape[1], dtype=torch.bool)
-    cols[j * HIDDEN : (j + 1) * HIDDEN] = True
-    assert torch.equal(b[name][:, ~cols], a[name][:, ~cols]), "columns of other aux layers changed"
-    # exact: bf16 times a power of two
-    assert torch.equal(b[name][:, cols].float(), a[name][:, cols].float() * SUBTLE_SCALE)
+    want = {range(n)[j]: how for j, how in CASES[perturb].items()}
+    for j in range(n):  # exact: a permutation, or bf16 times a power of two
+        got = _block(b[name], n, j)
+        kind, arg = want.get(j, ("block", j))
+        ref = _block(a[name], n, arg) if kind == "block" else _block(a[name], n, j).float() * arg
+        assert torch.equal(got.float(), ref.float()), f"aux block {j}"
     assert not torch.equal(b[name], a[name])
 
 
-def test_scaled_aux_draft_refuses_a_draft_without_a_context_projection(tmp_path):
+def test_aux_perturbed_draft_refuses_a_draft_without_a_context_projection(tmp_path):
     d = _toy(tmp_path, "k3")
     save_file({"other.weight": torch.zeros(2, 2)}, str(d / "model.safetensors"))
     with pytest.raises(AssertionError, match="no context projection"):
-        scaled_aux_draft(str(d), str(tmp_path / "out"))
+        aux_perturbed_draft(str(d), str(tmp_path / "out"))
