@@ -69,8 +69,8 @@ of 3/5/7, stopping at EOS, at most 64 tokens). On top of the checks above:
   acceptance must fall at least ``SUBTLE_MARGIN_POINTS`` (5) points below the PD run's: 2.5 times
   the 2-point band the PD run must keep to the aggregated run, so run-to-run noise cannot make
   it, while a decoder that ignored or recomputed the pulled draft KV would stay inside that band.
-  The CPU estimate on the interim K3 pair (``dspark_dev.training.pd_control_sim``, the PD wave's
-  7 prompts) is 36.9 % -> 25.3 %; a wrong scale (the last tap at half weight: 34.7 %) is too weak
+  The CPU estimate on the bundled K3 pair (``dspark_dev.training.pd_control_sim``, the PD wave's
+  7 prompts) is 38.5 % -> 27.7 %; a wrong scale (the last tap at half weight: 37.7 %) is too weak
   to test, which is why the control exchanges taps (``draft_controls.SUBTLE_PERTURB``);
 * Kimi-K3 KV-group split effect (jobs ``k3_split_applied`` / ``k3_split_skipped``, eager, top-2
   logprobs): the same aggregated DSpark with the plugin's split patch (``v1_kv_cache_interface``)

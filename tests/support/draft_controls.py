@@ -46,10 +46,11 @@ def nan_norm_draft(draft_dir: str, out_dir: str) -> str:
 #: The subtle control's perturbation (``dspark_dev.training.pd_control_sim.perturbed_weight``):
 #: the draft's first and last aux taps exchanged in its context projection, as if the producer
 #: captured or relayed its aux hidden states in the wrong order. Chosen by that module's CPU
-#: estimate on the interim trained Kimi-K3 pair (prompt context only, as in PD; the GPU PD wave's
-#: 7 prompts): 36.9 % -> 25.3 %. A wrong *scale* was tried first and is too weak to see: the
-#: last tap at half weight gave 34.7 % (41.2 % vs 40.8 % on 15 prompts), at zero 32.6 %, because
-#: the context RMSNorm after the projection undoes most of a change of magnitude.
+#: estimate on the bundled trained Kimi-K3 pair (models/k3-pair; prompt context only, as in PD;
+#: the GPU PD wave's 7 prompts): 38.5 % -> 27.7 %. A wrong *scale* was tried first and is too weak
+#: to see: the last tap at half weight gave 37.7 %, at zero 30.6 %, because the context RMSNorm
+#: after the projection undoes most of a change of magnitude (the first and second taps exchanged:
+#: 34.9 %).
 SUBTLE_PERTURB = "swap:0:-1"
 
 #: Where each draft layout keeps its context projection (``concat(aux hidden states) -> hidden``,
