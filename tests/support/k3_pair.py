@@ -1,6 +1,6 @@
 """Seeded tiny Kimi-K3 pairs for the CPU checks against vLLM's K3 layers
-(tests/unit/training/test_k3_equivalence.py, test_k3_vllm_sim.py), and the training-module
-mutations their controls apply (in the child process that runs the comparison)."""
+(tests/unit/training/test_k3_equivalence.py, test_k3_vllm_sim.py), the training-module mutations
+their controls apply, and the runner of their child processes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,20 @@ from dspark_dev.training.k3_models import K3DraftConfig, K3TargetConfig, TinyK3,
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(REPO, "models", "tiny-pair", "target", "tokenizer.json")
 TRAINING_STATE = "training_state.pt"  # read by k3_vllm_probe.py
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "k3_vllm_probe.py")
 MUTATIONS = ("no-conv", "neox-rope")
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """The tiny K3 training modules run many small ops, which 2 OpenMP threads on 2 busy cores run
+    about ten times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _fit_draft(target, draft, num_prompts: int, max_new: int, steps: int) -> None:
@@ -81,13 +94,8 @@ def make_random_k3_pair(
     with torch.no_grad():
         draft.mask_embedding.normal_(0, 1.0)
     if fit_prompts:
-        # one thread: many tiny ops, which 2 OpenMP threads on 2 busy cores run ten times slower
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_torch_thread():
             _fit_draft(target, draft, fit_prompts, fit_max_new, fit_steps)
-        finally:
-            torch.set_num_threads(threads)
     round_to_bf16_(target, draft)  # the values the bfloat16 checkpoint holds
     # the modules as trained (their own parameter layout): the probe compares vLLM against these,
     # so a layout slip in hf_state_dict / vllm_state_dict cannot hide behind the loader
@@ -105,26 +113,27 @@ def make_random_k3_pair(
     )
 
 
-def mutate_training_modules(mutation: str) -> None:
+def mutate_training_modules(mutation: str, set_attr=setattr) -> None:
     """The controls: a training KDA without its short convolution (``no-conv``), or the drafter's
-    RoPE in the NeoX layout instead of vLLM's GPT-J one (``neox-rope``)."""
+    RoPE in the NeoX layout instead of vLLM's GPT-J one (``neox-rope``). ``set_attr``: pytest's
+    ``monkeypatch.setattr`` in a test process (undone after the test)."""
     import torch.nn.functional as F
 
     from dspark_dev.training import k3_models
 
     if mutation == "no-conv":
-        k3_models.KDA.short_conv = staticmethod(lambda x, w: F.silu(x))
+        set_attr(k3_models.KDA, "short_conv", staticmethod(lambda x, w: F.silu(x)))
     elif mutation == "neox-rope":
         from dspark_dev.training.models import apply_rope
 
-        k3_models.apply_rope_interleaved = apply_rope
+        set_attr(k3_models, "apply_rope_interleaved", apply_rope)
     elif mutation:
         raise ValueError(f"unknown mutation {mutation!r} (known: {MUTATIONS})")
 
 
-def run_child(script: str, args: list[str], out_json: str, timeout: float = 900) -> dict:
-    """Run ``tests/support/<script> ARGS`` in its own process (the CPU test environment, this
-    repository first on PYTHONPATH, a deadline) and return the JSON it wrote to ``out_json``."""
+def run_child(argv: list[str], out_json: str, timeout: float = 900) -> dict:
+    """Run ``python ARGV`` in its own process (the CPU test environment, this repository first on
+    PYTHONPATH, a deadline) and return the JSON it wrote to ``out_json``."""
     from dspark_dev.proc import run_with_timeout
     from support.env import CPU_ENV
 
@@ -133,10 +142,7 @@ def run_child(script: str, args: list[str], out_json: str, timeout: float = 900)
         **CPU_ENV,
         "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
-    rc, so, se = run_with_timeout(
-        [sys.executable, path, *args], timeout=timeout, env=env, capture=True
-    )
-    assert rc == 0, f"{script} failed ({rc}):\n{so[-3000:]}\n{se[-6000:]}"
+    rc, so, se = run_with_timeout([sys.executable, *argv], timeout=timeout, env=env, capture=True)
+    assert rc == 0, f"{argv[:2]} failed ({rc}):\n{so[-3000:]}\n{se[-6000:]}"
     with open(out_json) as f:
         return json.load(f)

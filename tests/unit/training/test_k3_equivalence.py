@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from support.k3_pair import make_random_k3_pair, run_child
+from support.k3_pair import PROBE, make_random_k3_pair, run_child
 
 TOL = 2e-3
 
@@ -41,7 +41,7 @@ pytestmark = [
 
 def _probe(pair: str, tmp, mutation: str = "") -> dict:
     out = str(tmp / f"probe{mutation}.json")
-    return run_child("k3_vllm_probe.py", [pair, out, mutation], out)
+    return run_child([PROBE, pair, out, mutation], out)
 
 
 @pytest.fixture(scope="module")
