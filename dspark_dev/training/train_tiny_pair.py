@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_dev.training import corpus
+from dspark_dev.training.greedy_dspark import anchor_walk, markov_chain, summarize
 from dspark_dev.training.models import (
     DraftConfig,
     TargetConfig,
@@ -199,50 +200,42 @@ def greedy_generate(target, prompt: list[int], max_new: int, device) -> list[int
 
 
 @torch.no_grad()
-def simulate_acceptance(draft, target, prompts: list[list[int]], max_new: int, device):
-    """Greedy DSpark as vLLM runs it, on the target's own greedy continuation of each prompt:
-    the first anchor is the first generated token; a step with k accepted drafts moves the anchor
-    by k + 1 (the bonus token). Returns (mean acceptance length incl. bonus, per-position
-    acceptance rates, number of steps, completions)."""
+def training_drafts(draft, target, seq: list[int], prompt_len: int, device):
+    """The greedy drafts (``greedy_dspark.markov_chain``) of the training modules for every anchor
+    of ``seq`` (positions ``prompt_len .. len(seq) - 2``) on the target's teacher-forced context:
+    (drafts [A][N], the blocks' base logits [A,N,V] without the Markov bias, or None if A = 0)."""
     N = draft.dcfg.block_size
-    accepted_at = [0] * N
-    steps = 0
-    total_len = 0
+    P, L = prompt_len, len(seq)
+    ids = torch.tensor([seq + [PAD_ID] * (N + 1)], device=device)
+    _, _, aux = target(ids, draft.aux_layer_ids)
+    ctx = draft.context(aux)
+    anchors = torch.arange(P, L - 1, device=device).view(1, -1)  # anchors before the final token
+    if anchors.numel() == 0:
+        return [], None
+    _, _, hidden = draft(ids, ctx, anchors, target.lm_head_weight)
+    hidden = hidden[0].float()  # [A,N,H]
+    base = hidden @ target.lm_head_weight.float().t()
+    drafts = markov_chain(
+        base, ids[0, anchors[0]], lambda prev: draft.markov_w2(draft.markov_w1(prev)).float()
+    )
+    return drafts, base
+
+
+@torch.no_grad()
+def simulate_acceptance(draft, target, prompts: list[list[int]], max_new: int, device):
+    """Greedy DSpark as vLLM runs it (``greedy_dspark``: the sequential Markov chain over each
+    block, the anchor walk) on the target's own greedy continuation of each prompt. Returns (mean
+    acceptance length incl. bonus, per-position acceptance rates, number of steps, completions)."""
+    walks = []
     completions = []
     for prompt in prompts:
         gen = greedy_generate(target, prompt, max_new, device)
         completions.append(gen)
         seq = prompt + gen + [EOS_ID]
-        P, L = len(prompt), len(seq)
-        ids = torch.tensor([seq + [PAD_ID] * (N + 1)], device=device)
-        _, _, aux = target(ids, draft.aux_layer_ids)
-        ctx = draft.context(aux)
-        anchors = torch.arange(P, L - 1, device=device).view(1, -1)  # anchors before the final EOS
-        if anchors.numel() == 0:
-            continue
-        _, _, hidden = draft(ids, ctx, anchors, target.lm_head_weight)
-        hidden = hidden[0].float()  # [A,N,H]
-        base = hidden @ target.lm_head_weight.float().t()
-        prev = ids[0, anchors[0]]
-        drafts = []
-        for i in range(N):
-            tok = (base[:, i] + draft.markov_w2(draft.markov_w1(prev)).float()).argmax(-1)
-            drafts.append(tok)
-            prev = tok
-        drafts = torch.stack(drafts, 1).tolist()  # [A,N]
-        a = P
-        while a < L - 1:
-            d = drafts[a - P]
-            k = 0
-            while k < N and a + k + 1 < L and d[k] == seq[a + k + 1]:
-                k += 1
-            for i in range(k):
-                accepted_at[i] += 1
-            steps += 1
-            total_len += k + 1
-            a += k + 1
-    per_pos = [c / max(1, steps) for c in accepted_at]
-    return total_len / max(1, steps), per_pos, steps, completions
+        drafts, _ = training_drafts(draft, target, seq, len(prompt), device)
+        walks.append(anchor_walk(seq, len(prompt), drafts))
+    mean_len, per_pos, steps = summarize(walks, draft.dcfg.block_size)
+    return mean_len, per_pos, steps, completions
 
 
 def answer_value(text: str):
