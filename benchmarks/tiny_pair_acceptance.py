@@ -19,6 +19,11 @@ tests/unit/training/test_k3_equivalence.py), in bfloat16 unless ``--dtype`` says
 ``--compare-training`` also runs the pure-torch training modules (float32) on the same prompts:
 their greedy tokens against vLLM's no-speculation tokens, and their simulated greedy DSpark
 acceptance (``train_tiny_pair.simulate_acceptance``) beside vLLM's.
+
+Lossless check: float32 (the Qwen3 default) must give identical outputs. In bfloat16 the
+no-speculation run also returns its top-2 logprobs and the check is the GPU parity rule
+(``dspark_dev.parity``: identical tokens except at a proven near-tie, each first difference
+reported with its top-2 gap); the exit status is 1 for any difference the rule does not excuse.
 """
 
 from __future__ import annotations
@@ -114,7 +119,12 @@ def run_one(args, spec: bool) -> dict:
         "name": "tiny-pair-acceptance",
         "llm": llm,
         "waves": [prompts],
-        "sampling": {"max_tokens": args.max_tokens, "ignore_eos": False},
+        "sampling": {
+            "max_tokens": args.max_tokens,
+            "ignore_eos": False,
+            # the near-tie rule needs the reference's top-2 where it is not exact (bf16)
+            **({"logprobs": 2} if not spec and args.dtype != "float32" else {}),
+        },
     }
     print(
         f"[tiny_pair_acceptance] running {f'DSpark k={args.k}' if spec else 'no speculation'} "
@@ -135,11 +145,14 @@ def run_one(args, spec: bool) -> dict:
         "tokens": wave["tokens"],
         "texts": wave["texts"],
         "metrics": wave["metrics"],
+        "logprobs": wave.get("logprobs"),
         "generate_s": run.result.get("generate_s", 0.0),
     }
 
 
 def main() -> int:
+    from dspark_dev.parity import DEFAULT_NEAR_TIE, compare_tokens
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", default=DEFAULT_PAIR)
     p.add_argument("--family", choices=["qwen3", "k3", "dsv4"], default="qwen3")
@@ -153,6 +166,12 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1500)
     p.add_argument("--out-json", default="")
+    p.add_argument(
+        "--near-tie",
+        type=float,
+        default=DEFAULT_NEAR_TIE,
+        help="bf16 only: the largest top-2 gap (nats) that excuses a first difference",
+    )
     args = p.parse_args()
     args.dtype = args.dtype or ("float32" if args.family == "qwen3" else "bfloat16")
     if args.compare_training and args.family == "dsv4":
@@ -166,6 +185,11 @@ def main() -> int:
     acc_len = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else float("nan")
     per_pos = [a / drafts for a in m.get("accepted_per_pos", [])] if drafts else []
     same = sum(a == b for a, b in zip(base["tokens"], spec["tokens"], strict=True))
+    exact = args.dtype == "float32"
+    parity = compare_tokens(
+        base["tokens"], spec["tokens"], None if exact else base["logprobs"], near_tie=args.near_tie
+    )
+    lossless = parity.identical if exact else parity.ok
     acc_base = sum(answer_value(t) == v for t, v in zip(base["texts"], values, strict=True)) / len(
         values
     )
@@ -185,6 +209,9 @@ def main() -> int:
         "num_draft_tokens": m.get("num_draft_tokens", 0),
         "num_accepted_tokens": m.get("num_accepted_tokens", 0),
         "lossless_identical_outputs": f"{same}/{len(values)}",
+        "lossless_rule": "identical" if exact else f"identical except near-ties <= {args.near_tie}",
+        "lossless_ok": lossless,
+        "first_differences": [m.describe() for m in parity.mismatches] + parity.length_problems,
         "accuracy_no_spec": acc_base,
         "accuracy_dspark": acc_spec,
         "generate_s_no_spec": round(base["generate_s"], 2),
@@ -197,9 +224,10 @@ def main() -> int:
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump(result, f, indent=2)
-    if same != len(values):
+    if not lossless:
         print(
-            "[tiny_pair_acceptance] LOSSLESS CHECK FAILED: speculative outputs differ",
+            "[tiny_pair_acceptance] LOSSLESS CHECK FAILED: speculative outputs differ\n"
+            + parity.describe(),
             file=sys.stderr,
         )
         return 1

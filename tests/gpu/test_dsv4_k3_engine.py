@@ -92,8 +92,8 @@ from gpu_common import GRAPH_COMPILATION_CONFIG, Jobs, make_prompts, require_cud
 from support import mla_pairs
 from support.draft_controls import SUBTLE_PERTURB
 from support.mla_pairs import TRAINED_K
-from support.parity import acceptance_close, acceptance_rate, compare_tokens
 
+from dspark_dev.parity import acceptance_close, acceptance_rate, compare_tokens
 from vllm_dspark_pp.patches import SKIP_ENV
 
 FAMILIES = ("k3", "dsv4")

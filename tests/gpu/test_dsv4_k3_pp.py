@@ -43,9 +43,9 @@ from pathlib import Path
 import pytest
 from gpu_common import GRAPH_COMPILATION_CONFIG, Jobs, make_prompts, require_cuda
 from support import mla_pairs
-from support.parity import compare_tokens, counters_close
 
 from dspark_dev import pp_launch
+from dspark_dev.parity import compare_tokens, counters_close
 from dspark_dev.serve import GPU_CHILD_ENV
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)

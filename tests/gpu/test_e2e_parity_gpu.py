@@ -2,7 +2,7 @@
 
 Waves of 3, 5 and 7 requests (48 tokens each, ``ignore_eos``) run against decode graphs captured
 for 4 and 8 requests, so every decode step of the graph run replays a padded graph. All runs
-are bf16; the parity rule is tests/support/parity.py (identical tokens except at a proven near-tie,
+are bf16; the parity rule is dspark_dev/parity.py (identical tokens except at a proven near-tie,
 acceptance within 2 points). The engines were started by conftest.gpu_jobs.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 from gpu_common import WAVE_SIZES
-from support.parity import acceptance_close, acceptance_rate, compare_tokens
+
+from dspark_dev.parity import acceptance_close, acceptance_rate, compare_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(480)]
 

@@ -15,7 +15,7 @@ about 7.5 tokens a step, and 8 random token prompts) into the load.
 Checked: every request of every run completed (0 failed); no ERROR or traceback line in either
 launcher's log; KV-cache usage and running requests back to 0 after each run (``/metrics``);
 the sample's greedy tokens equal PP=1 without speculation (a plain ``vllm serve`` started in the
-same group; tests/support/parity.py: identical except at a proven near-tie); DSpark drafted
+same group; dspark_dev/parity.py: identical except at a proven near-tie); DSpark drafted
 under the load. Recorded (growth stated, bounded only generously by
 ``DSPARK_GPU_LOAD_GROWTH_MIB``): the RSS of both launchers' process groups and their GPU memory
 (nvidia-smi) when ready and after each run. Control: stock vLLM 0.34.0 under the same launchers
@@ -44,9 +44,9 @@ from pathlib import Path
 import pytest
 from gpu_common import DRYRUN_CPU, PAIR_DTYPE, require_cuda
 from support import served_load, tiny_pair
-from support.parity import compare_tokens
 
 from dspark_dev import pp_launch
+from dspark_dev.parity import compare_tokens
 from dspark_dev.serve import GPU_CHILD_ENV, free_port, http_json
 from dspark_dev.serve_demo import Server, serve_argv, spec_metrics
 

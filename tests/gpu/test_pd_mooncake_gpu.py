@@ -7,7 +7,7 @@ prefiller with one output token, then to the decoder. Model: the trained tiny pa
 prompts sent concurrently, each answer stopping at EOS; the references are the ``pair_baseline``
 (no speculation) and ``pair_spec`` (aggregated DSpark, same graph mode as the servers) jobs.
 Checked: the KV really came over the connector (the decoder's external prefix cache hits),
-greedy output equals the aggregated runs (tests/support/parity.py rule: identical except at a proven
+greedy output equals the aggregated runs (dspark_dev/parity.py rule: identical except at a proven
 near-tie), the aggregated pair really accepts (mean acceptance length >= 3), and the decoder's
 number of drafts, acceptance and accepted tokens per position (its /metrics counters) equal the
 aggregated DSpark run's of the same scheduling mode within 2 points, under async scheduling (the
@@ -27,7 +27,8 @@ import datetime
 import json
 
 import pytest
-from support.parity import acceptance_close, acceptance_rate, compare_tokens
+
+from dspark_dev.parity import acceptance_close, acceptance_rate, compare_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(540)]
 

@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from gpu_common import make_prompts, require_cuda
-from support.parity import acceptance_close, acceptance_rate, compare_tokens
+
+from dspark_dev.parity import acceptance_close, acceptance_rate, compare_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(255)]
 

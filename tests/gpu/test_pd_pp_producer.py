@@ -40,9 +40,9 @@ from gpu_common import (
     require_cuda,
 )
 from support import tiny_pair
-from support.parity import acceptance_rate, compare_tokens, counters_close
 
 from dspark_dev import pp_launch
+from dspark_dev.parity import acceptance_rate, compare_tokens, counters_close
 from dspark_dev.serve import free_port
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)

@@ -53,10 +53,10 @@ from gpu_common import (
     require_cuda,
 )
 from support import tiny_pair
-from support.parity import compare_tokens, counters_close
 
 from dspark_dev import pp_launch, serve_demo
 from dspark_dev.metrics import EMPTY, counter_sum
+from dspark_dev.parity import compare_tokens, counters_close
 from dspark_dev.proc import live_group_members
 from dspark_dev.serve import GPU_CHILD_ENV
 from vllm_dspark_pp.protocol import graph_batch, handshake

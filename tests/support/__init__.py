@@ -5,8 +5,8 @@
   (``dspark_dev.engine``);
 * ``support.gpu``: ``run_llm`` (one-GPU tier) over the same runner;
 * ``support.engines``: the session-scoped engine runs the CPU e2e tests share (a pytest plugin);
-* ``support.tiny_pair``: the trained tiny pair; ``support.parity_cpu`` / ``support.parity``: the
-  CPU (exact) and GPU (near-tie) parity rules;
+* ``support.tiny_pair``: the trained tiny pair; ``support.parity_cpu``: the CPU (exact) parity
+  rule (the GPU near-tie rule is ``dspark_dev.parity``, shared with the benchmarks);
 * ``support.pd_run`` / ``support.pd_nixl``: prefiller + decoder + PD proxy over MooncakeConnector
   / NixlConnector;
 * ``support.dflash_prepare_ref``: the reference of the DFlash input preparation (GPU test);

@@ -325,7 +325,7 @@ def write_artifacts(
 
 def summary(results: dict) -> str:
     """The table printed last: one row per pair and pass."""
-    from support.parity import acceptance_rate
+    from dspark_dev.parity import acceptance_rate
 
     rows = [
         f"{'pair':<8} {'pass':<14} {'ok':<4} {'accept%':>8} {'drafts':>7} {'ext hits':>9}  note"

@@ -1,13 +1,12 @@
-"""The GPU parity rule (tests/support/parity.py) and the one /metrics reader
+"""The GPU parity rule (dspark_dev/parity.py) and the one /metrics reader
 (dspark_dev.metrics)."""
 
 from __future__ import annotations
 
 import math
 
-from support.parity import acceptance_close, acceptance_rate, compare_tokens
-
 from dspark_dev import metrics
+from dspark_dev.parity import acceptance_close, acceptance_rate, compare_tokens
 
 
 def test_identical_tokens():

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from run_pp2_aggregated import MAX_TOKENS, random_pair, waves
 from support.gpu import GPUCaseFailure, run_llm
-from support.parity import acceptance_close, compare_tokens
 from support.pd_run import run_pd
 
 from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
+from dspark_dev.parity import acceptance_close, compare_tokens
 
 
 def main(argv=None) -> int:

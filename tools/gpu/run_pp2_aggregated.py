@@ -13,7 +13,7 @@ For each model pair (the random-weight tiny pair, generated here, and the traine
 
 * PP=1 without speculation (reference tokens, top-2 logprobs), PP=1 DSpark (reference acceptance),
   PP=2 DSpark, and PP=2 x TP=2 DSpark with 4 GPUs: greedy tokens equal the PP=1 non-speculative
-  run (the near-tie rule of tests/support/parity.py) and acceptance equals PP=1 DSpark's (exact
+  run (the near-tie rule of dspark_dev/parity.py) and acceptance equals PP=1 DSpark's (exact
   counts reported; the verdict allows 2 points for bf16);
 * start-up + warm-up of PP=2 DSpark repeated 5 times, each under a hard deadline: a hang is a
   failure naming the phase and the last log line where it stopped;
@@ -34,9 +34,9 @@ import tempfile
 from pathlib import Path
 
 from support.gpu import GPUCaseFailure, run_llm
-from support.parity import acceptance_close, compare_tokens
 
 from dspark_dev.multi_gpu import Report, gpu_count, guarded_env
+from dspark_dev.parity import acceptance_close, compare_tokens
 
 WAVES_SEED = 4321
 MAX_TOKENS = 48
