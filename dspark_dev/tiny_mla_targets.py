@@ -142,11 +142,38 @@ DSV4_GPU_ATTENTION = {
 }
 
 
-def dsv4_fields(*, gpu: bool = True) -> dict[str, Any]:
+# The training geometry (``dsv4_fields(train=True)``, what ``train_tiny_pair --family dsv4``
+# trains and the bundled pair ships): the GPU geometry with the query side shrunk to the smallest
+# shape vLLM's H200 path runs for the released DeepSeek-V4-Flash, the 8 query heads and one
+# ``wo_a`` group each rank of Flash holds at TP=8 (64 heads, 8 groups). FlashMLA pads the heads
+# to 64 (``nvidia/flashmla.py:74-81``), the fused q-norm/RoPE/insert op zero-fills the padding
+# heads (``attention.py:753-770``), the inverse-RoPE kernel takes any group shape whose heads
+# split into 1/2/4-head programs and the unquantised ``wo_a`` is a bf16 bmm
+# (``nvidia/ops/o_proj.py:101-107``); the q-LoRA rank feeds only bf16 GEMMs and the masked Triton
+# RMSNorm (``models/common/ops/fused_qk_rmsnorm.py:179``). What the kernels fix (head_dim 512 with
+# 64 RoPE channels, the indexer's 64 x 128 heads and top-512, the compressor ratios) and what is
+# kept as run (hidden, the MoE widths, hc_mult) stays as in the GPU geometry; TP 1 only (one
+# group). docs/dsv4-pure-torch.md has the table. bf16 checkpoint: 8.25 MiB (GPU geometry:
+# 31.3 MiB, 75 % of it wq_b and wo_a).
+DSV4_TRAIN_ATTENTION = {
+    "num_attention_heads": 8,
+    "o_groups": 1,
+    "o_lora_rank": 32,
+    "q_lora_rank": 32,
+}
+
+
+def dsv4_fields(*, gpu: bool = True, train: bool = False) -> dict[str, Any]:
+    """The tiny DeepSeek-V4 config. ``gpu``: the CUDA kernels' widths (what the dummy-weight GPU
+    tests run); ``train`` (needs ``gpu``): the smaller query side of ``DSV4_TRAIN_ATTENTION``."""
+    if train and not gpu:
+        raise ValueError("the training geometry is a variant of the GPU one (gpu=True)")
     cfg = tiny_mla_drafts.tiny_dsv4_config(gpu=gpu)
     out = cfg.to_dict()
     if gpu:
         out.update(DSV4_GPU_ATTENTION)
+    if train:
+        out.update(DSV4_TRAIN_ATTENTION)
     # The DSpark fields of a released DeepSeek-V4-Flash config.json (its drafter reads the
     # target's config): the noise token for the parallel-drafting slots and the draft block.
     out.update(
@@ -162,8 +189,8 @@ def dsv4_fields(*, gpu: bool = True) -> dict[str, Any]:
     return out
 
 
-def make_tiny_dsv4_pair(out: str | Path, *, gpu: bool = True) -> TinyPair:
+def make_tiny_dsv4_pair(out: str | Path, *, gpu: bool = True, train: bool = False) -> TinyPair:
     """The DeepSeek-V4 draft lives in the target checkpoint: one directory, used twice."""
     out = Path(out)
-    _write_dir(out / "dsv4", dsv4_fields(gpu=gpu))
+    _write_dir(out / "dsv4", dsv4_fields(gpu=gpu, train=train))
     return TinyPair(str(out / "dsv4"), str(out / "dsv4"), "deepseek-v4")

@@ -85,6 +85,16 @@ def prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------- load check (CPU)
+def flashmla_padded_sink(sink: torch.Tensor) -> torch.Tensor:
+    """The attention sink as vLLM's FlashMLA layer holds it: allocated at the padded head count
+    (64 for up to 64 heads, else 128: ``M/nvidia/flashmla.py:74-81``), the checkpoint's heads
+    first and -inf (no sink) in the padding slots (``weight_utils.load_attention_sink``). The GPU
+    geometry's 64 heads need no padding; the training geometry's 8 get 56 slots."""
+    n = sink.numel()
+    padded = 64 if n <= 64 else 128
+    return torch.cat([sink, sink.new_full((padded - n,), float("-inf"))])
+
+
 def vllm_layer_params(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
     """One decoder layer's vLLM parameters (prefix ``dst``) from the checkpoint tensors under
     ``src``: fused projections are concatenations, the routed experts stacked."""
@@ -95,8 +105,9 @@ def vllm_layer_params(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[s
     )
     for k in ("attn.q_norm.weight", "attn.kv_norm.weight", "attn.wq_b.weight"):
         out[dst + k] = g(k)
-    for k in ("attn.wo_a.weight", "attn.wo_b.weight", "attn.attn_sink"):
+    for k in ("attn.wo_a.weight", "attn.wo_b.weight"):
         out[dst + k] = g(k)
+    out[dst + "attn.attn_sink"] = flashmla_padded_sink(g("attn.attn_sink"))
     for c in ("attn.compressor.", "attn.indexer.compressor."):
         if src + c + "wkv.weight" in sd:
             out[dst + c + "fused_wkv_wgate.weight"] = torch.cat(

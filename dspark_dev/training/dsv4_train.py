@@ -54,12 +54,23 @@ class DSV4DraftView:
         return asdict(self)
 
 
-def build_dsv4_configs(vocab: int, block_size: int, markov_rank: int, draft_layers: int):
-    """The tiny GPU config of ``tiny_mla_targets.dsv4_fields(gpu=True)`` with the corpus
-    tokenizer's vocab, the corpus' noise token and the requested block / Markov rank / stages."""
+#: ``--dsv4-geometry``: ``train`` = ``dsv4_fields(gpu=True, train=True)`` (8 query heads, one
+#: output group, q-LoRA 32: an 8.3 MiB checkpoint), ``gpu`` = the dummy-weight GPU tests' sizes
+#: (64 heads, 8 groups, q-LoRA 64: 31.3 MiB).
+DSV4_GEOMETRIES = ("train", "gpu")
+
+
+def build_dsv4_configs(
+    vocab: int, block_size: int, markov_rank: int, draft_layers: int, geometry: str = "train"
+):
+    """The tiny config of ``tiny_mla_targets.dsv4_fields`` (``geometry``: see
+    ``DSV4_GEOMETRIES``) with the corpus tokenizer's vocab, the corpus' noise token and the
+    requested block / Markov rank / stages."""
     from dspark_dev import tiny_mla_targets as t
 
-    d = t.dsv4_fields(gpu=True)
+    if geometry not in DSV4_GEOMETRIES:
+        raise ValueError(f"unknown DeepSeek-V4 geometry {geometry!r}: {DSV4_GEOMETRIES}")
+    d = t.dsv4_fields(gpu=True, train=geometry == "train")
     d.update(
         vocab_size=vocab,
         dspark_block_size=block_size,
@@ -164,9 +175,12 @@ class DSV4TrainDraft(nn.Module):
 
 
 def dsv4_hf_config(cfg: DSV4TrainConfig) -> dict:
+    """The exported config.json: ``dsv4_fields(gpu=True)`` with every size the trained model
+    has (so the training geometry's heads, groups and ranks come from ``cfg`` itself)."""
     from dspark_dev import tiny_mla_targets as t
 
     d = t.dsv4_fields(gpu=True)
+    d.update({k: v for k, v in cfg.to_dict().items() if k in d})
     d.update(
         vocab_size=cfg.vocab_size,
         dspark_block_size=cfg.dspark_block_size,

@@ -86,9 +86,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="qwen3",
         help="qwen3: the Qwen3 pair (models.py); k3: the Kimi-K3 pair (k3_models.py: "
         "KimiLinearForCausalLM target + K3DSparkModel drafter, bfloat16 checkpoints); dsv4: the "
-        "DeepSeek-V4 pair (dsv4_train.py: tiny_mla_targets.dsv4_fields(gpu=True) sizes, the "
-        "draft as mtp.<i>.* in the target's bfloat16 checkpoint; of the size flags only "
-        "--block-size, --markov-rank and --draft-layers apply)",
+        "DeepSeek-V4 pair (dsv4_train.py: tiny_mla_targets.dsv4_fields sizes, see "
+        "--dsv4-geometry; the draft as mtp.<i>.* in the target's bfloat16 checkpoint; of the "
+        "size flags only --block-size, --markov-rank and --draft-layers apply)",
+    )
+    p.add_argument(
+        "--dsv4-geometry",
+        choices=["train", "gpu"],
+        default="train",
+        help="dsv4: train = dsv4_fields(gpu=True, train=True), 8 query heads in one output group "
+        "and q-LoRA 32 (8.3 MiB bf16 checkpoint); gpu = the dummy-weight GPU tests' 64 heads in 8 "
+        "groups, q-LoRA 64 (31.3 MiB). docs/dsv4-pure-torch.md: what vLLM's H200 path accepts",
     )
     # sizes (k3: --hidden and the intermediate sizes default to k3_models' configs)
     p.add_argument("--hidden", type=int, default=None, help="default 128")
@@ -295,7 +303,9 @@ def build_configs(args, vocab: int):
             build_dsv4_configs,
         )
 
-        tc, dc = build_dsv4_configs(vocab, args.block_size, args.markov_rank, args.draft_layers)
+        tc, dc = build_dsv4_configs(
+            vocab, args.block_size, args.markov_rank, args.draft_layers, args.dsv4_geometry
+        )
         return (
             tc,
             dc,

@@ -81,8 +81,11 @@ def _state_blocks(blocks):
     return {n: b for n, b in blocks.items() if n.endswith("compressor.state_cache")}
 
 
-def test_dsv4_state_caches_keep_their_blocks(tmp_path, plugin, dist_env, monkeypatch):
-    pair = t.make_tiny_dsv4_pair(tmp_path, gpu=True)
+@pytest.mark.parametrize("train", [False, True], ids=["gpu-geometry", "train-geometry"])
+def test_dsv4_state_caches_keep_their_blocks(train, tmp_path, plugin, dist_env, monkeypatch):
+    """Also for the training geometry (``dsv4_fields(train=True)``: 8 query heads, one output
+    group, q-LoRA 32), whose trained pair must plan the same way on the H200."""
+    pair = t.make_tiny_dsv4_pair(tmp_path, gpu=True, train=train)
     layout, blocks = _dsv4_groups(pair, monkeypatch)
     assert layout.is_block_outermost, layout
     states = _state_blocks(blocks)

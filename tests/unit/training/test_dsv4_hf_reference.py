@@ -30,8 +30,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _config() -> dict:
+def _config(**query_side) -> dict:
     cfg = tiny_mla_drafts.tiny_dsv4_config(gpu=False).to_dict()
+    cfg.update(query_side)
     cfg.update(
         {
             "architectures": ["DeepseekV4ForCausalLM"],
@@ -47,11 +48,18 @@ def _config() -> dict:
     return cfg
 
 
-def test_target_matches_transformers_deepseek_v4(tmp_path):
+# "one-group": the query side of the training geometry (tiny_mla_targets.DSV4_TRAIN_ATTENTION:
+# 8 heads in a single wo_a group), at the CPU config's widths.
+@pytest.mark.parametrize(
+    "query_side",
+    [{}, {"num_attention_heads": 8, "o_groups": 1, "o_lora_rank": 16}],
+    ids=["cpu", "one-group"],
+)
+def test_target_matches_transformers_deepseek_v4(query_side, tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    cfg_d = _config()
+    cfg_d = _config(**query_side)
     cfg = M.DSV4Config.from_dict(cfg_d)
     assert cfg.qk_rope_head_dim == 8 and cfg.compress_ratio(1) == 8
     target, draft = M.TinyDSV4(cfg), M.TinyDSV4Draft(cfg)

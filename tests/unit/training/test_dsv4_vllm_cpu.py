@@ -181,3 +181,29 @@ def test_moe_matches_vllm_deepseek_v4_moe(moe_config, layer_idx):
         if mine.is_hash:
             mine.tid2eid.copy_(mine.tid2eid.roll(1, dims=0))
             assert not torch.allclose(mine(x, ids), got, rtol=1e-3, atol=1e-3)
+
+
+def test_training_geometry_fills_every_vllm_parameter(tmp_path):
+    """The training geometry (``dsv4_fields(train=True)``: 8 query heads in one ``wo_a`` group,
+    q-LoRA 32) loads into the same CUDA classes with every parameter filled; FlashMLA allocates
+    the sink at 64 heads, so its 56 padding slots must hold -inf and the 8 real ones ours."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from dspark_dev import tiny_mla_targets as t
+
+    pair = t.make_tiny_dsv4_pair(tmp_path, gpu=True, train=True)
+    cfg = M.DSV4Config.from_dict(t.dsv4_fields(gpu=True, train=True))
+    assert (cfg.num_attention_heads, cfg.o_groups, cfg.q_lora_rank) == (8, 1, 32)
+    target, draft = M.TinyDSV4(cfg), M.TinyDSV4Draft(cfg)
+    M.init_pair(target, draft, seed=0)
+    sd = M.vllm_checkpoint(target, draft)
+    save_file(sd, str(Path(pair.target) / "model.safetensors"), metadata={"format": "pt"})
+    keep: dict = {}
+    assert C.load_problems(Path(pair.target), sd, keep) == {"target": [], "drafter": []}
+    for model, src in ((keep["target"], "layers.0."), (keep["drafter"], "mtp.1.")):
+        attn = dict(model.named_modules())[f"model.layers.{src.split('.')[1]}.attn"]
+        assert (attn.n_local_heads, attn.padded_heads, attn.n_local_groups) == (8, 64, 1)
+        assert torch.equal(attn.attn_sink[:8], sd[src + "attn.attn_sink"].float())
+        assert torch.isneginf(attn.attn_sink[8:]).all()
