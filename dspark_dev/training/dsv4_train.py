@@ -222,6 +222,65 @@ def write_dsv4_pair(
     return (path,)
 
 
+def _named_tensors(export) -> dict[str, torch.Tensor]:
+    """``export()`` (a ``vllm_state_dict``) with ``dsv4_models._export`` bypassed: the checkpoint
+    names mapped to the modules' own parameters and buffers, not to copies."""
+    from unittest import mock
+
+    with mock.patch.object(M, "_export", lambda sd: sd):
+        return export()
+
+
+def load_dsv4_pair(out: str):
+    """Rebuild (target, draft) DeepSeek-V4 training modules (float32) from a ``write_dsv4_pair``
+    directory: the configs from ``dsv4/training.json``, every tensor of the one checkpoint by its
+    exported name (the draft's ``mtp.*``, its noise-token row from ``embed.weight``). Fails on a
+    tensor missing from either side or of another shape."""
+    import json
+
+    from safetensors.torch import load_file
+
+    d = os.path.join(out, DSV4_DIR)
+    with open(os.path.join(d, "training.json")) as f:
+        extra = json.load(f)
+    cfg = DSV4TrainConfig.from_dict(extra["target_config"])
+    target, draft = (
+        DSV4TrainTarget(cfg),
+        DSV4TrainDraft(cfg, DSV4DraftView(**extra["draft_config"])),
+    )
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    refs = _named_tensors(target.vllm_state_dict)
+    refs.update(_named_tensors(draft.core.vllm_state_dict))
+    if set(refs) != set(sd):
+        raise ValueError(
+            f"{d}: checkpoint and modules differ: only in the checkpoint "
+            f"{sorted(set(sd) - set(refs))[:5]}, "
+            f"only in the modules {sorted(set(refs) - set(sd))[:5]}"
+        )
+    with torch.no_grad():
+        for name, ref in refs.items():
+            if name.endswith("tid2eid"):  # exported as an int32 copy of the int64 table
+                ref = _hash_table(target, draft, name)
+            if ref.shape != sd[name].shape:
+                raise ValueError(
+                    f"{name}: checkpoint {tuple(sd[name].shape)}, module {tuple(ref.shape)}"
+                )
+            ref.copy_(sd[name].to(ref.dtype))
+    draft.init_from_target(target)
+    return target, draft
+
+
+def _hash_table(target, draft, name: str) -> torch.Tensor:
+    """The ``tid2eid`` buffer that checkpoint tensor ``name`` (``[mtp.]<i>.ffn.gate.tid2eid``)
+    came from."""
+    parts = name.split(".")
+    if parts[0] == "mtp":
+        layer = draft.core.layers[int(parts[1])]
+    else:
+        layer = target.layers[int(parts[1])]
+    return layer.ffn.tid2eid
+
+
 def dsv4_model_card(target, draft, extra: dict | None) -> str:
     c, d = target.cfg, draft.dcfg
     e = extra or {}

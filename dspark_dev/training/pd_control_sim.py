@@ -1,18 +1,23 @@
-"""Estimate, on CPU, what the GPU group's subtle PD control does to a trained Kimi-K3 pair's
-acceptance (issue 26 item 2; tests/gpu/test_dsv4_k3_engine.py, ``support.draft_controls``).
+"""Estimate, on CPU, what the GPU group's subtle PD control does to a trained Kimi-K3 or
+DeepSeek-V4 pair's acceptance (issue 26 item 2; tests/gpu/test_dsv4_k3_engine.py,
+``support.draft_controls``).
 
-The control gives the prefill-only producer a draft whose context projection reads one aux layer
-at ``scale`` times its weight (or, ``--perturb``, another change of the projection's aux
-blocks); the decoder keeps the real draft. So the draft context of the
-prompt positions comes from the perturbed projection and every later position's from the real one.
-This replays that with the training modules (``export.load_k3_pair``) in the greedy DSpark loop of
-``train_tiny_pair.simulate_acceptance`` (the target's own greedy continuation; a step with k
-accepted drafts moves the anchor by k + 1): acceptance with the real context everywhere, with the
-prompt's context perturbed (the PD control), and with every position's perturbed (an upper bound).
-Teacher-forced float32 on CPU, not vLLM's bf16 engine: an estimate of the effect's size, for
-choosing the control's strength, not a measurement.
+The control gives the prefill-only producer a draft whose context projection has its aux column
+blocks changed by ``--perturb`` (by default in the GPU test: the first and last aux taps
+exchanged; Kimi-K3's ``context_proj``, DeepSeek-V4's ``mtp.0.main_proj``); the decoder keeps the
+real draft. So the draft context of the prompt positions comes from the perturbed projection and
+every later position's from the real one. This replays that with the training modules
+(``export.load_k3_pair`` / ``dsv4_train.load_dsv4_pair``, the family from the pair's layout or
+``--family``) through ``train_tiny_pair.training_drafts`` and ``greedy_dspark``'s anchor walk (the
+target's own greedy continuation; a step with k accepted drafts moves the anchor by k + 1):
+acceptance with the real context everywhere, with the prompt's context perturbed (the PD control),
+and with every position's perturbed (an upper bound). Teacher-forced float32 on CPU, not vLLM's
+bf16 engine: an estimate of the effect's size, for choosing the control's strength, not a
+measurement. The GPU PD wave is held-out prompts 8-14 (``--first 8 --prompts 7``):
 
-    python3 -m dspark_dev.training.pd_control_sim --pair models/k3-pair --prompts 15
+    python3 -m dspark_dev.training.pd_control_sim --pair models/k3-pair --first 8 --prompts 7
+    python3 -m dspark_dev.training.pd_control_sim --pair models/dsv4-pair --first 8 --prompts 7 \
+        --perturb swap:0:-1
 """
 
 from __future__ import annotations
@@ -45,64 +50,86 @@ def perturbed_weight(w: torch.Tensor, n_aux: int, perturb: str) -> torch.Tensor:
     return w
 
 
-def _perturbed_context(draft, aux: list[torch.Tensor], perturb: str):
-    w = perturbed_weight(draft.context_proj.weight, len(aux), perturb)
-    return draft.context_norm(torch.nn.functional.linear(torch.cat(aux, dim=-1), w))
+def context_parts(draft) -> tuple[torch.nn.Linear, torch.nn.Module]:
+    """(projection ``concat(aux) -> hidden``, the norm after it) of a training draft: Kimi-K3's
+    ``context_proj`` / ``context_norm``, DeepSeek-V4's ``main_proj`` / ``main_norm`` (the
+    checkpoint's ``mtp.0.main_proj.weight``, the tensor ``draft_controls`` perturbs)."""
+    if hasattr(draft, "context_proj"):
+        return draft.context_proj, draft.context_norm
+    return draft.core.main_proj, draft.core.main_norm
+
+
+def perturbed_context(draft, aux: list[torch.Tensor], perturb: str) -> torch.Tensor:
+    proj, norm = context_parts(draft)
+    w = perturbed_weight(proj.weight, len(aux), perturb)
+    return norm(torch.nn.functional.linear(torch.cat(aux, dim=-1), w))
 
 
 @torch.no_grad()
 def simulate(target, draft, prompts, gens, ctx_mode: str, perturb: str = "") -> dict:
-    """Greedy DSpark acceptance over ``prompts`` with their target continuations ``gens``;
-    ``ctx_mode``: "real", "prompt" (positions before the first generated token perturbed) or
-    "all"."""
-    from dspark_dev.training.tokenizer import EOS_ID, PAD_ID
+    """Greedy DSpark acceptance (``greedy_dspark`` through ``train_tiny_pair.training_drafts``)
+    over ``prompts`` with their target continuations ``gens``; ``ctx_mode``: "real", "prompt"
+    (positions before the first generated token perturbed) or "all"."""
+    from dspark_dev.training.greedy_dspark import anchor_walk, summarize
+    from dspark_dev.training.tokenizer import EOS_ID
+    from dspark_dev.training.train_tiny_pair import training_drafts
 
-    N = draft.dcfg.block_size
-    accepted_at, steps, total = [0] * N, 0, 0
+    def context(prompt_len: int):
+        def ctx_of(aux):
+            ctx = draft.context(aux)
+            if ctx_mode == "real":
+                return ctx
+            bad = perturbed_context(draft, aux, perturb)
+            upto = prompt_len if ctx_mode == "prompt" else ctx.shape[1]
+            return torch.cat([bad[:, :upto], ctx[:, upto:]], dim=1)
+
+        return ctx_of
+
+    walks = []
     for prompt, gen in zip(prompts, gens, strict=True):
         seq = prompt + gen + [EOS_ID]
-        P, L = len(prompt), len(seq)
-        ids = torch.tensor([seq + [PAD_ID] * (N + 1)])
-        _, _, aux = target(ids, draft.aux_layer_ids)
-        ctx = draft.context(aux)
-        if ctx_mode != "real":
-            bad = _perturbed_context(draft, aux, perturb)
-            upto = P if ctx_mode == "prompt" else ctx.shape[1]
-            ctx = torch.cat([bad[:, :upto], ctx[:, upto:]], dim=1)
-        anchors = torch.arange(P, L - 1).view(1, -1)
-        if anchors.numel() == 0:
-            continue
-        _, _, hidden = draft(ids, ctx, anchors, target.lm_head_weight)
-        base = hidden[0].float() @ target.lm_head_weight.float().t()
-        prev = ids[0, anchors[0]]
-        drafts = []
-        for i in range(N):
-            tok = (base[:, i] + draft.markov_w2(draft.markov_w1(prev)).float()).argmax(-1)
-            drafts.append(tok)
-            prev = tok
-        drafts = torch.stack(drafts, 1).tolist()
-        a = P
-        while a < L - 1:
-            d = drafts[a - P]
-            k = 0
-            while k < N and a + k + 1 < L and d[k] == seq[a + k + 1]:
-                k += 1
-            for i in range(k):
-                accepted_at[i] += 1
-            steps += 1
-            total += k + 1
-            a += k + 1
+        drafts, _ = training_drafts(draft, target, seq, len(prompt), "cpu", context(len(prompt)))
+        walks.append(anchor_walk(seq, len(prompt), drafts))
+    N = draft.dcfg.block_size
+    mean_len, per_pos, steps = summarize(walks, N)
     return {
-        "acceptance_pct": round(100.0 * sum(accepted_at) / max(1, steps * N), 2),
-        "acceptance_length": round(total / max(1, steps), 3),
-        "per_position": [round(c / max(1, steps), 3) for c in accepted_at],
+        "acceptance_pct": round(100.0 * sum(per_pos) / N, 2),
+        "acceptance_length": round(mean_len, 3),
+        "per_position": [round(r, 3) for r in per_pos],
         "steps": steps,
     }
 
 
+def load_pair(pair: str, family: str | None = None):
+    """(family, target, draft, tokenizer.json) of a bundled pair directory: ``k3`` (a
+    ``write_k3_pair`` one: k3-target/, k3-dspark/) or ``dsv4`` (``write_dsv4_pair``: dsv4/);
+    ``family`` None detects it from the layout."""
+    import os
+
+    from dspark_dev.training.dsv4_train import DSV4_DIR, load_dsv4_pair
+    from dspark_dev.training.export import K3_TARGET_DIR, load_k3_pair
+
+    if family is None:
+        family = "dsv4" if os.path.isdir(os.path.join(pair, DSV4_DIR)) else "k3"
+    if family == "dsv4":
+        target, draft = load_dsv4_pair(pair)
+        tok = os.path.join(pair, DSV4_DIR, "tokenizer.json")
+    elif family == "k3":
+        target, draft = load_k3_pair(pair)
+        tok = os.path.join(pair, K3_TARGET_DIR, "tokenizer.json")
+    else:
+        raise ValueError(f"family {family!r}: k3 or dsv4")
+    return family, target, draft, tok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pair", default="models/k3-pair", help="a write_k3_pair directory")
+    ap.add_argument(
+        "--pair", default="models/k3-pair", help="a write_k3_pair or write_dsv4_pair directory"
+    )
+    ap.add_argument(
+        "--family", choices=["k3", "dsv4"], default=None, help="default: from the pair's layout"
+    )
     ap.add_argument("--prompts", type=int, default=15, help="first N held-out prompts")
     ap.add_argument(
         "--first", type=int, default=0, help="skip this many (8: the GPU PD wave, prompts 8-14)"
@@ -117,20 +144,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dspark_dev.training import corpus
-    from dspark_dev.training.export import load_k3_pair
     from dspark_dev.training.tokenizer import PurePythonBPE
     from dspark_dev.training.train_tiny_pair import greedy_generate
 
     torch.manual_seed(0)
-    target, draft = load_k3_pair(args.pair)
+    family, target, draft, tok_json = load_pair(args.pair, args.family)
     target.eval()
     draft.eval()
-    tok = PurePythonBPE(f"{args.pair}/k3-target/tokenizer.json")
+    tok = PurePythonBPE(tok_json)
     probs = corpus.heldout_problems(max(args.prompts, corpus.DEFAULT_HELDOUT_SIZE))
     chosen = probs[args.first : args.first + args.prompts]
     prompts = [tok.encode(corpus.format_prompt(p.question)) for p in chosen]
     gens = [greedy_generate(target, p, args.max_new, "cpu") for p in prompts]
-    out = {"pair": args.pair, "prompts": len(prompts), "first": args.first}
+    out = {"pair": args.pair, "family": family, "prompts": len(prompts), "first": args.first}
     out["real"] = simulate(target, draft, prompts, gens, "real")
     for p in args.perturb.split(","):
         for mode in ("prompt", "all"):

@@ -208,15 +208,16 @@ def greedy_generate(target, prompt: list[int], max_new: int, device) -> list[int
 
 
 @torch.no_grad()
-def training_drafts(draft, target, seq: list[int], prompt_len: int, device):
+def training_drafts(draft, target, seq: list[int], prompt_len: int, device, context=None):
     """The greedy drafts (``greedy_dspark.markov_chain``) of the training modules for every anchor
     of ``seq`` (positions ``prompt_len .. len(seq) - 2``) on the target's teacher-forced context:
-    (drafts [A][N], the blocks' base logits [A,N,V] without the Markov bias, or None if A = 0)."""
+    (drafts [A][N], the blocks' base logits [A,N,V] without the Markov bias, or None if A = 0).
+    ``context(aux) -> ctx`` replaces ``draft.context`` (``pd_control_sim``'s perturbed ones)."""
     N = draft.dcfg.block_size
     P, L = prompt_len, len(seq)
     ids = torch.tensor([seq + [PAD_ID] * (N + 1)], device=device)
     _, _, aux = target(ids, draft.aux_layer_ids)
-    ctx = draft.context(aux)
+    ctx = (context or draft.context)(aux)
     anchors = torch.arange(P, L - 1, device=device).view(1, -1)  # anchors before the final token
     if anchors.numel() == 0:
         return [], None
