@@ -98,8 +98,9 @@ def test_gate_passes_and_fails_readably():
 
 
 def test_a_gated_config_with_a_null_threshold_fails_until_measured():
-    """``ci: cpu`` / ``ci: gpu`` configs cannot pass while a needed threshold is null (the K3
-    pair's GPU configs are written before a GPU has measured them); ``ci: manual`` ones record."""
+    """``ci: cpu`` / ``ci: gpu`` configs cannot pass while a needed threshold is null (the K3 and
+    DeepSeek-V4 pairs' GPU configs are written before a GPU has measured them); ``ci: manual``
+    ones record."""
     spec = {"speculative_config": {"method": "dspark"}}
     for ci in ("gpu", "cpu"):
         cfg = gsm8k.EvalConfig(name="t", data="x", ci=ci, llm=spec, path="cfg.yaml")
@@ -115,9 +116,10 @@ def test_a_gated_config_with_a_null_threshold_fails_until_measured():
     assert "accuracy_min are null" in _fake(nospec, ["#### 0"], 0, 0)["failures"][0]
     manual = gsm8k.EvalConfig(name="m", data="x", ci="manual", llm=spec, accuracy_min=0.5)
     assert _fake(manual, ["#### 0", "#### 1"])["passed"]
-    k3 = [c for c in CONFIGS if os.path.basename(c).startswith("k3-")]
-    assert len(k3) == 3
-    for path in k3:  # until a GPU run measures them (docs/results/gpu.md, next lease)
+    # the trained tiny K3 and DeepSeek-V4 pairs' configs (not the real dsv4-flash-* ones)
+    trained = [c for c in CONFIGS if os.path.basename(c).startswith(("k3-", "dsv4-pp"))]
+    assert len(trained) == 6
+    for path in trained:  # until a GPU run measures them (docs/results/gpu.md, next lease)
         cfg = gsm8k.load_config(path)
         assert cfg.ci == "gpu"
         if all(getattr(cfg, k) is None for k in gsm8k.needed_thresholds(cfg)):
