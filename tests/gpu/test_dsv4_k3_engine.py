@@ -71,7 +71,8 @@ of 3/5/7, stopping at EOS, at most 64 tokens). On top of the checks above:
   it, while a decoder that ignored or recomputed the pulled draft KV would stay inside that band.
   The CPU estimate on the bundled K3 pair (``dspark_dev.training.pd_control_sim``, the PD wave's
   7 prompts) is 38.5 % -> 27.7 %; a wrong scale (the last tap at half weight: 37.7 %) is too weak
-  to test, which is why the control exchanges taps (``draft_controls.SUBTLE_PERTURB``);
+  to test, which is why the control exchanges taps (``draft_controls.SUBTLE_PERTURB``); on the
+  bundled DeepSeek-V4 pair (its 2 taps exchanged) the same estimate is 74.0 % -> 35.6 %;
 * Kimi-K3 KV-group split effect (jobs ``k3_split_applied`` / ``k3_split_skipped``, eager, top-2
   logprobs): the same aggregated DSpark with the plugin's split patch (``v1_kv_cache_interface``)
   applied and skipped through ``VLLM_DSPARK_PP_SKIP_PATCHES``. Asserted: only the applied run (the
