@@ -70,13 +70,15 @@ def compare_training(args, prompts: list[str], base_tokens: list[list[int]]) -> 
     """The training modules (float32, on CUDA when present) on the same prompts."""
     import torch
 
+    from dspark_dev.training.dsv4_train import load_dsv4_pair
     from dspark_dev.training.export import load_k3_pair, load_pair
     from dspark_dev.training.tokenizer import EOS_ID, PurePythonBPE
     from dspark_dev.training.train_tiny_pair import greedy_generate, simulate_acceptance
 
     target_dir, _ = _dirs(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target, draft = (load_k3_pair if args.family == "k3" else load_pair)(args.pair)
+    loader = {"k3": load_k3_pair, "dsv4": load_dsv4_pair}.get(args.family, load_pair)
+    target, draft = loader(args.pair)
     target.to(device).eval()
     draft.to(device).eval()
     bpe = PurePythonBPE(os.path.join(target_dir, "tokenizer.json"))
@@ -174,8 +176,6 @@ def main() -> int:
     )
     args = p.parse_args()
     args.dtype = args.dtype or ("float32" if args.family == "qwen3" else "bfloat16")
-    if args.compare_training and args.family == "dsv4":
-        p.error("--compare-training has no DeepSeek-V4 loader yet (train_tiny_pair simulates it)")
 
     _, values = _prompts(args.num_prompts)
     base = run_one(args, spec=False)
