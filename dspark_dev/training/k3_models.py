@@ -60,6 +60,8 @@ from dspark_dev.training.models import MLP, DraftHeads, RMSNorm, _init_weights, 
 # (model_executor/layers/linear.py:727-741, model_loader/default_loader.py:568-573, 608-612):
 # such a checkpoint fails at engine start ("weights were not initialized ... weight.6").
 KDA_IN_PROJ_ALIGNMENT = 16
+# the KDA layer's plain linear projections, in checkpoint order (kda.py's names, model.py:1342-1356)
+KDA_LINEARS = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj", "f_b_proj", "o_proj")
 
 
 def kda_in_proj_shard_rows(num_heads: int, head_dim: int, tp_size: int = 1) -> list[int]:
@@ -432,16 +434,7 @@ class TinyK3(nn.Module):
             sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
             a = layer.self_attn
             if layer.is_kda:
-                for n in (
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "g_proj",
-                    "b_proj",
-                    "f_a_proj",
-                    "f_b_proj",
-                    "o_proj",
-                ):
+                for n in KDA_LINEARS:
                     sd[p + f"self_attn.{n}.weight"] = getattr(a, n).weight
                 for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
                     sd[p + f"self_attn.{n}.weight"] = getattr(a, n).unsqueeze(1)
@@ -485,16 +478,7 @@ class TinyK3(nn.Module):
                 )
                 a = layer.self_attn
                 if layer.is_kda:
-                    for n in (
-                        "q_proj",
-                        "k_proj",
-                        "v_proj",
-                        "g_proj",
-                        "b_proj",
-                        "f_a_proj",
-                        "f_b_proj",
-                        "o_proj",
-                    ):
+                    for n in KDA_LINEARS:
                         getattr(a, n).weight.copy_(local[f"self_attn.{n}.weight"])
                     for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
                         getattr(a, n).copy_(local[f"self_attn.{n}.weight"].squeeze(1))
@@ -577,26 +561,9 @@ class TinyK3DSpark(DraftHeads):
         x = self.embed(blk).flatten(1, 2)  # [B,M*N,H]
         qcos, qsin = self._rope(qpos.flatten(1))
         ccos, csin = self._rope(torch.arange(T, device=dev))
-        ctx_ok = torch.arange(T, device=dev).view(1, 1, 1, T) < anchors.view(B, M, 1, 1)
-        ctx_ok = ctx_ok.expand(B, M, N, T).reshape(B, M * N, T)
-        blk_id = torch.arange(M, device=dev).repeat_interleave(N)
-        blk_ok = (blk_id.view(-1, 1) == blk_id.view(1, -1)).unsqueeze(0).expand(B, -1, -1)
-        mask = torch.cat([ctx_ok, blk_ok], dim=-1)
-        for layer in self.layers:
-            attn = layer.self_attn
-            ck, cv = attn.kv_of(ctx, ccos, csin)
-            h = layer.input_layernorm(x)
-            q = attn.q_of(h, qcos, qsin)
-            bk, bv = attn.kv_of(h, qcos, qsin)
-            x = x + attn.attend(q, torch.cat([ck, bk], 1), torch.cat([cv, bv], 1), mask=mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.final_norm(x).view(B, M, N, -1)
-        prev = ids.gather(1, qpos.flatten(1).clamp(max=T - 1)).view(B, M, N)
-        memb = self.markov_w1(prev)
-        logits = hidden @ lm_head.t().to(hidden.dtype) + self.markov_w2(memb)
-        conf_in = torch.cat([hidden, memb], -1) if dcfg.confidence_head_with_markov else hidden
-        conf = self.confidence_proj(conf_in.float()).squeeze(-1)
-        return logits, conf, hidden
+        mask = self.block_mask(T, anchors, N)
+        x = self.run_layers(x, ctx, (qcos, qsin), (ccos, csin), mask)
+        return self.heads(self.final_norm(x).view(B, M, N, -1), ids, qpos, lm_head)
 
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         """The HF-layout draft checkpoint ``K3DSparkForCausalLM.load_weights`` reads

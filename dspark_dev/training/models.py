@@ -235,6 +235,44 @@ class DraftHeads(nn.Module):
             (ids == self.dcfg.mask_token_id).unsqueeze(-1), self.mask_embedding.to(e.dtype), e
         )
 
+    @staticmethod
+    def block_mask(T: int, anchors: torch.Tensor, N: int) -> torch.Tensor:
+        """[B, M*N, T + M*N] attention mask of M blocks of N queries: block query (m, i) sees
+        context position j < a_m and every key of its own block m."""
+        B, M = anchors.shape
+        dev = anchors.device
+        ctx_ok = torch.arange(T, device=dev).view(1, 1, 1, T) < anchors.view(B, M, 1, 1)
+        ctx_ok = ctx_ok.expand(B, M, N, T).reshape(B, M * N, T)
+        blk_id = torch.arange(M, device=dev).repeat_interleave(N)
+        blk_ok = (blk_id.view(-1, 1) == blk_id.view(1, -1)).unsqueeze(0).expand(B, -1, -1)
+        return torch.cat([ctx_ok, blk_ok], dim=-1)
+
+    def run_layers(self, x, ctx, q_rope, ctx_rope, mask) -> torch.Tensor:
+        """The block queries ``x`` through the draft layers: each layer's keys and values are the
+        context's (``ctx`` at the context positions' RoPE) and the block's own."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            ck, cv = attn.kv_of(ctx, *ctx_rope)
+            h = layer.input_layernorm(x)
+            q = attn.q_of(h, *q_rope)
+            bk, bv = attn.kv_of(h, *q_rope)
+            x = x + attn.attend(q, torch.cat([ck, bk], 1), torch.cat([cv, bv], 1), mask=mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def heads(self, hidden, ids, qpos, lm_head):
+        """(logits with the teacher-forced Markov bias, confidence logits, hidden) of normed
+        block states ``hidden`` [B,M,N,H] at positions ``qpos`` [B,M,N]: the Markov input of
+        position a+i is the token at a+i (the anchor for i = 0)."""
+        T = ids.shape[1]
+        prev = ids.gather(1, qpos.flatten(1).clamp(max=T - 1)).view(qpos.shape)
+        memb = self.markov_w1(prev)
+        logits = hidden @ lm_head.t().to(hidden.dtype) + self.markov_w2(memb)
+        with_markov = self.dcfg.confidence_head_with_markov
+        conf_in = torch.cat([hidden, memb], -1) if with_markov else hidden
+        conf = self.confidence_proj(conf_in.float()).squeeze(-1)
+        return logits, conf, hidden
+
 
 class TinyDSparkDraft(DraftHeads):
     """Qwen3 DSpark draft. ``embed_tokens`` is a frozen copy of the target's except the trainable
@@ -286,28 +324,9 @@ class TinyDSparkDraft(DraftHeads):
         ccos, csin = rope_cos_sin(
             torch.arange(T, device=ids.device), dcfg.head_dim, tcfg.rope_theta
         )
-        # mask: block query (m, i) sees context j < a_m and every key of its own block m
-        ctx_ok = torch.arange(T, device=ids.device).view(1, 1, 1, T) < anchors.view(B, M, 1, 1)
-        ctx_ok = ctx_ok.expand(B, M, N, T).reshape(B, M * N, T)
-        blk_id = torch.arange(M, device=ids.device).repeat_interleave(N)
-        blk_ok = (blk_id.view(-1, 1) == blk_id.view(1, -1)).unsqueeze(0).expand(B, -1, -1)
-        mask = torch.cat([ctx_ok, blk_ok], dim=-1)
-        for layer in self.layers:
-            attn = layer.self_attn
-            ck, cv = attn.kv_of(ctx, ccos, csin)
-            h = layer.input_layernorm(x)
-            q = attn.q_of(h, qcos, qsin)
-            bk, bv = attn.kv_of(h, qcos, qsin)
-            x = x + attn.attend(q, torch.cat([ck, bk], 1), torch.cat([cv, bv], 1), mask=mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.norm(x).view(B, M, N, -1)
-        # teacher-forced Markov input: prev_i = token at a+i (prev_0 = anchor)
-        prev = ids.gather(1, qpos.flatten(1).clamp(max=T - 1)).view(B, M, N)
-        memb = self.markov_w1(prev)
-        logits = hidden @ lm_head.t().to(hidden.dtype) + self.markov_w2(memb)
-        conf_in = torch.cat([hidden, memb], -1) if dcfg.confidence_head_with_markov else hidden
-        conf = self.confidence_proj(conf_in.float()).squeeze(-1)
-        return logits, conf, hidden
+        mask = self.block_mask(T, anchors, N)
+        x = self.run_layers(x, ctx, (qcos, qsin), (ccos, csin), mask)
+        return self.heads(self.norm(x).view(B, M, N, -1), ids, qpos, lm_head)
 
     @torch.no_grad()
     def draft_greedy(self, target: TinyQwen3, seq: torch.Tensor, anchor: int):
