@@ -79,6 +79,10 @@ of 3/5/7, stopping at EOS, at most 64 tokens). On top of the checks above:
   trained acceptance rule, finite logprobs); the skipped run's acceptance, per-position counters
   and first tokens' logprobs, or its start-up error, are recorded in the summary JSON
   (``$OUT/dsv4k3_summary.json``, key ``k3_kv_split``).
+* The stock control (job ``<fam>_stock``, trained mode, both families): the same aggregated DSpark,
+  eager, with the plugin left out (``VLLM_PLUGINS=no-such-plugin``); whether stock vLLM 0.34.0
+  starts on the pair, its parity with our no-spec run and its acceptance (or its start-up error)
+  are recorded under ``<fam>_aggregated.stock_vllm_eager``, not asserted.
 
     DSPARK_DSV4K3_WEIGHTS=trained bash tools/gpu/run_groups.sh $OUT dsv4k3
 """
@@ -176,7 +180,7 @@ def _control_draft(pair, tmp):
 def _job_names(fam):
     names = [f"{fam}_{x}" for x in ("base", "graphs", "eager", "pd", "pd_control")]
     if TRAINED:
-        names.append(f"{fam}_pd_subtle")
+        names += [f"{fam}_pd_subtle", f"{fam}_stock"]
         if fam == "k3":
             names += ["k3_split_applied", "k3_split_skipped"]
     return names
@@ -321,6 +325,20 @@ def jobs(tmp_path_factory):
                 logprobs=2,
                 env={SKIP_ENV: SPLIT_PATCH},
             )
+        if TRAINED:  # the control: stock vLLM 0.34.0 (plugin left out), same pair and prompts
+            stock_cfg = {**LLM_BASE, "model": pair.target, "speculative_config": spec}
+            j.submit(
+                f"{fam}_stock",
+                _maybe_failed,
+                run_llm,
+                f"{fam}_stock",
+                {**stock_cfg, "enforce_eager": True},
+                waves,
+                timeout_s=TIMEOUT_S,
+                sampling=sampling,
+                logprobs=2,
+                env={"VLLM_PLUGINS": "no-such-plugin"},
+            )
     yield j
     j.shutdown()
     print("\n=== DSV4/K3 SUMMARY ===")
@@ -379,6 +397,13 @@ def test_aggregated_greedy_parity_graphs_and_eager(jobs, fam):
     SUMMARY[f"{fam}_aggregated"]["graphs_vs_eager"] = desc
     assert ok, f"[{fam}] CUDA graphs vs eager: {desc}"
     if TRAINED:
+        # recorded, not asserted: what stock vLLM does with the same pair (starts or not, parity,
+        # acceptance), beside ours
+        stock = jobs.result(f"{fam}_stock")
+        SUMMARY[f"{fam}_aggregated"]["stock_vllm_eager"] = (
+            {"started": True, **_split_row(stock["result"], base)} if stock["started"] else stock
+        )
+        print(f"[{fam}/stock] {json.dumps(SUMMARY[f'{fam}_aggregated']['stock_vllm_eager'])}")
         for mode in ("graphs", "eager"):
             _assert_trained(jobs.result(f"{fam}_{mode}").metrics(), f"[{fam}/{mode}]")
 
