@@ -4,7 +4,8 @@ A configuration (one YAML file, see tests/evals/gsm8k/configs/) names the data (
 path, or ``builtin:tiny-heldout`` for the seeded held-out set of the tiny pair's corpus), the
 prompting (few-shot count, max tokens), how to run the model (``llm``: keyword arguments of
 ``vllm.LLM``, run in a subprocess with a hard timeout; or an OpenAI-compatible server URL given at
-run time, for ``vllm serve`` deployments such as PD) and the thresholds. A configuration passes
+run time, for ``vllm serve`` deployments such as PD; or, for PP > 1, one ``vllm serve`` launcher per
+stage started here, which runs PP on one GPU: :func:`run_launchers`) and the thresholds. A configuration passes
 when accuracy >= ``accuracy_min`` and mean acceptance length >= ``acceptance_length_min`` (each
 checked only when set). Acceptance comes from vLLM's spec-decode metrics: mean acceptance length =
 1 + accepted draft tokens / draft steps (the bonus token included), per-position rate = accepted
@@ -231,6 +232,108 @@ def run_server(cfg: EvalConfig, prompts: list[str], url: str, concurrency: int =
     }
 
 
+# ---------------------------------------------------------------- PP over vLLM's launchers
+
+# ``llm`` keys the launcher composition passes itself (dspark_dev.pp_launch.launcher_argv)
+LAUNCHER_OWN_KEYS = ("model", "pipeline_parallel_size", "speculative_config")
+# a GPU stage that shares the device with another gets a fixed KV budget (pp_launch docstring)
+SHARED_GPU_DEFAULTS = {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30}
+
+
+def llm_serve_args(llm: dict) -> list[str]:
+    """``vllm serve`` flags for a config's ``llm`` keyword arguments, without the target,
+    ``pipeline_parallel_size`` and ``speculative_config``. ``True`` / ``False`` become ``--name`` /
+    ``--no-name`` (vLLM's boolean options take both), dicts JSON, numbers and strings their text;
+    ``None`` is left out (vLLM's default). Lists have no one serve spelling and are refused."""
+    argv: list[str] = []
+    for key, value in llm.items():
+        if key in LAUNCHER_OWN_KEYS or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        elif isinstance(value, (int, float, str)):
+            argv += [flag, str(value)]
+        else:
+            raise ValueError(
+                f"llm.{key} = {value!r}: no vllm serve spelling for a {type(value).__name__}; "
+                "run this config offline (without --launchers)"
+            )
+    return argv
+
+
+def launcher_device() -> str:
+    """``gpu`` where torch sees CUDA, else ``cpu`` (vLLM's CPU platform)."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def run_launchers(
+    cfg: EvalConfig,
+    prompts: list[str],
+    *,
+    log_dir: str,
+    device: str | None = None,
+    gpu_layout: str | None = None,
+) -> dict:
+    """Serve the config's target with one ``vllm serve`` launcher per PP stage
+    (:func:`dspark_dev.pp_launch.deployment`: ``--nnodes N --node-rank R``, node 0 serving the
+    API) and score it over HTTP (:func:`run_server`). On one GPU every stage shares GPU 0 (each
+    launcher its own ``NCCL_HOSTID``); ``DSPARK_GPU_PP_LAYOUT=per-stage`` puts stage R on GPU R.
+    A stage that shares the GPU gets :data:`SHARED_GPU_DEFAULTS` unless ``llm`` sets them. The
+    launchers are stopped on every path; one still running afterwards is an error."""
+    from dspark_dev import pp_launch
+
+    llm = _resolve_llm_args(cfg.llm)
+    pp = int(llm.get("pipeline_parallel_size") or 1)
+    if pp < 2:
+        raise ValueError(
+            f"{cfg.path or cfg.name}: --launchers runs one PP stage per vllm serve launcher and "
+            f"needs llm.pipeline_parallel_size >= 2 (it is {pp}); run this config without "
+            "--launchers"
+        )
+    device = device or launcher_device()
+    chosen = pp_launch.layout(gpu_layout) if device == "gpu" else pp_launch.SHARED
+    if device == "gpu" and chosen == pp_launch.SHARED:
+        llm = {**SHARED_GPU_DEFAULTS, **llm}
+    dep = pp_launch.deployment(
+        f"gsm8k-{cfg.name}",
+        llm["model"],
+        pp=pp,
+        spec=llm.get("speculative_config"),
+        log_dir=log_dir,
+        device=device,
+        gpu_layout=chosen,
+        base_args=llm_serve_args(llm),
+        env={k: str(v) for k, v in cfg.env.items()},
+    )
+    print(
+        f"[gsm8k] {cfg.name}: {pp} launchers on {device}"
+        + (f" ({chosen} layout)" if device == "gpu" else "")
+        + f", logs in {log_dir}",
+        flush=True,
+    )
+    try:
+        dep.start()
+        ready_s = dep.wait_ready(cfg.timeout_s)
+        res = run_server(cfg, prompts, dep.url)
+        dead = dep.dead_nodes()
+        if dead:
+            raise RuntimeError(f"launchers died during the evaluation: {', '.join(dead)}")
+    except (RuntimeError, TimeoutError, OSError) as e:
+        dep.stop()
+        raise RuntimeError(f"{e}\n{dep.logs(3000)}") from e
+    left = dep.stop()
+    if left:
+        raise RuntimeError(f"launcher processes still running after stop: pids {left}")
+    res["load_s"] = ready_s
+    res["config"] = {"launchers": pp, "device": device, "gpu_layout": chosen}
+    return res
+
+
 # ---------------------------------------------------------------- scoring and gating
 
 
@@ -327,12 +430,26 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate(cfg: EvalConfig, server_url: str | None = None, limit: int | None = None) -> dict:
+def evaluate(
+    cfg: EvalConfig,
+    server_url: str | None = None,
+    limit: int | None = None,
+    launchers_log_dir: str | None = None,
+) -> dict:
+    """Score one config: against ``server_url``, or over one ``vllm serve`` launcher per PP stage
+    when ``launchers_log_dir`` is given (:func:`run_launchers`), else offline."""
     rows, shots = questions_for(cfg)
     if limit:
         rows = rows[:limit]
     prompts = [build_prompt(r["question"], shots) for r in rows]
-    res = run_server(cfg, prompts, server_url) if server_url else run_offline(cfg, prompts)
+    if server_url and launchers_log_dir:
+        raise ValueError("give either a server URL or launchers, not both")
+    if server_url:
+        res = run_server(cfg, prompts, server_url)
+    elif launchers_log_dir:
+        res = run_launchers(cfg, prompts, log_dir=launchers_log_dir)
+    else:
+        res = run_offline(cfg, prompts)
     report = score(cfg, rows, res)
     report["completions"] = res["texts"]
     report["tokens"] = res.get("tokens")

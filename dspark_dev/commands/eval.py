@@ -17,6 +17,18 @@ def add_arguments(parser) -> None:
         default=None,
         help="OpenAI-compatible server (e.g. http://localhost:8000) instead of an offline LLM",
     )
+    g.add_argument(
+        "--launchers",
+        action="store_true",
+        help="serve the config's PP=N target with N `vllm serve` launchers (--nnodes N, one stage "
+        "each) and evaluate over HTTP: PP on one GPU (every stage on GPU 0, each launcher its own "
+        "NCCL_HOSTID); DSPARK_GPU_PP_LAYOUT=per-stage puts stage R on GPU R",
+    )
+    g.add_argument(
+        "--launcher-logs",
+        default=None,
+        help="directory for the launchers' logs (default: a new temporary directory)",
+    )
     g.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
     g.add_argument(
         "--accuracy-min", type=float, default=None, help="override the config's threshold"
@@ -41,9 +53,19 @@ def run(args) -> int:
         cfg.accuracy_min = args.accuracy_min
     if args.acceptance_length_min is not None:
         cfg.acceptance_length_min = args.acceptance_length_min
+    logs = None
+    if args.launchers:
+        import tempfile
+
+        if args.server_url:
+            print("eval gsm8k: --launchers starts its own servers; drop --server-url", flush=True)
+            return 2
+        logs = args.launcher_logs or tempfile.mkdtemp(prefix=f"gsm8k-{cfg.name}-")
     try:
-        report = gsm8k.evaluate(cfg, server_url=args.server_url, limit=args.limit)
-    except RuntimeError as e:
+        report = gsm8k.evaluate(
+            cfg, server_url=args.server_url, limit=args.limit, launchers_log_dir=logs
+        )
+    except (RuntimeError, ValueError) as e:
         print(f"GSM8K [{cfg.name}]: ERROR {e}", flush=True)
         return 2
     print(gsm8k.format_report(report), flush=True)

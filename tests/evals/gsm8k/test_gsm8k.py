@@ -252,3 +252,124 @@ def test_cpu_config(path, request, pair_reference):
     report["config"] = run.config
     print(gsm8k.format_report(report), "\nvLLM used:", run.config)
     assert report["passed"], gsm8k.format_report(report)
+
+
+PP_CONFIGS = [
+    c for c in CONFIGS if int(gsm8k.load_config(c).llm.get("pipeline_parallel_size") or 1) > 1
+]
+
+
+def _serve_parser():
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def _parse_launcher(parser, argv):
+    """vLLM's own ``vllm serve`` parser on a launcher's command line (without the executable
+    and the ``serve`` word)."""
+    return parser.parse_args(argv[argv.index("serve") + 1 :])
+
+
+def test_launcher_command_lines_parse_back_to_every_pp_configs_llm_arguments():
+    """``eval gsm8k --launchers``: for every PP > 1 config, the command line of each stage's
+    launcher, read by vLLM 0.34.0's own serve parser, gives back the config's target, PP size,
+    speculative config and every other ``llm`` argument, and node 1 is headless with the same
+    master address. A flag vLLM does not know, or a wrong boolean spelling, fails here."""
+    from dspark_dev import pp_launch
+
+    assert PP_CONFIGS, "no PP > 1 GSM8K config"
+    parser = _serve_parser()
+    for path in PP_CONFIGS:
+        cfg = gsm8k.load_config(path)
+        llm = gsm8k._resolve_llm_args(cfg.llm)
+        pp = llm["pipeline_parallel_size"]
+        for rank in range(pp):
+            argv = pp_launch.launcher_argv(
+                llm["model"],
+                pp=pp,
+                rank=rank,
+                master_port=29511,
+                api_port=8011 if rank == 0 else None,
+                spec=llm.get("speculative_config"),
+                base_args=gsm8k.llm_serve_args(llm),
+            )
+            args = _parse_launcher(parser, argv)
+            assert args.model_tag == llm["model"], path
+            assert (args.nnodes, args.node_rank, args.headless) == (pp, rank, rank > 0), path
+            for key, want in llm.items():
+                if key != "model":  # serve takes the target as its positional model_tag
+                    assert getattr(args, key) == want, f"{path}: llm.{key}"
+
+
+def test_launcher_flags_spell_booleans_both_ways_and_refuse_what_serve_cannot_take():
+    parser = _serve_parser()
+    argv = ["vllm", "serve", "m", *gsm8k.llm_serve_args({"enforce_eager": False, "seed": 3})]
+    args = _parse_launcher(parser, argv)
+    assert args.enforce_eager is False and args.seed == 3
+    assert gsm8k.llm_serve_args({"enable_prefix_caching": None}) == []
+    with pytest.raises(ValueError, match="run this config offline"):
+        gsm8k.llm_serve_args({"cuda_graph_sizes": [1, 2]})
+    with pytest.raises(SystemExit):  # the control: a name vLLM's serve does not have
+        _parse_launcher(parser, ["vllm", "serve", "m", *gsm8k.llm_serve_args({"no_such": 1})])
+
+
+def test_launchers_refuse_a_pp1_config_before_starting_anything(monkeypatch):
+    from dspark_dev import pp_launch
+
+    def no_deployment(*a, **k):
+        raise AssertionError("a launcher was built for a PP=1 config")
+
+    monkeypatch.setattr(pp_launch, "deployment", no_deployment)
+    cfg = gsm8k.load_config(os.path.join(HERE, "configs", "tiny-pp1-dspark.yaml"))
+    with pytest.raises(ValueError, match="pipeline_parallel_size >= 2"):
+        gsm8k.run_launchers(cfg, ["q"], log_dir="/nonexistent", device="cpu")
+
+
+def test_launchers_share_one_gpu_with_a_fixed_kv_budget_per_stage(monkeypatch, tmp_path):
+    """On GPU in the shared layout each stage gets its own NCCL host id and, unless the config
+    sets them, a fixed KV budget and a small memory share (the profile would count the other
+    stage's memory); the per-stage layout leaves the memory to vLLM. Engines faked: the composed
+    deployment is inspected, not started."""
+    from dspark_dev import pp_launch
+
+    built = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_deployment(name, target, **kw):
+        built.update(kw, target=target)
+        raise Stop
+
+    monkeypatch.setattr(pp_launch, "deployment", fake_deployment)
+    cfg = gsm8k.load_config(os.path.join(HERE, "configs", "k3-pp2-dspark.yaml"))
+    for layout_name, want_mem in (("shared", True), ("per-stage", False)):
+        built.clear()
+        monkeypatch.setenv(pp_launch.LAYOUT_ENV, layout_name)
+        with pytest.raises(Stop):
+            gsm8k.run_launchers(cfg, ["q"], log_dir=str(tmp_path), device="gpu")
+        base = built["base_args"]
+        assert ("--kv-cache-memory-bytes" in base) is want_mem, layout_name
+        assert ("--gpu-memory-utilization" in base) is want_mem, layout_name
+        assert built["gpu_layout"] == layout_name and built["pp"] == 2
+        assert built["env"] == {"CUDA_LAUNCH_BLOCKING": "1"}  # the config's env, every launcher
+        assert built["spec"]["num_speculative_tokens"] == 7
+    assert pp_launch.stage_env(1, device="gpu", gpu_layout="shared", tag="x")["NCCL_HOSTID"]
+
+
+@pytest.mark.skipif(
+    os.environ.get("DSPARK_GSM8K_LAUNCHERS") != "1",
+    reason="opt-in (about 3 min on 2 cores): DSPARK_GSM8K_LAUNCHERS=1",
+)
+def test_launchers_reproduce_the_offline_pp2_gate_on_cpu(tmp_path):
+    """``eval gsm8k --launchers`` for real on the CPU platform: the PP=2 sync config served by two
+    launchers passes its gate (accuracy equal to no speculation, the acceptance threshold) and no
+    launcher process is left. Hand-run record: docs/results/gsm8k.md."""
+    cfg = gsm8k.load_config(os.path.join(HERE, "configs", "tiny-pp2-dspark-sync.yaml"))
+    report = gsm8k.evaluate(cfg, launchers_log_dir=str(tmp_path))
+    print(gsm8k.format_report(report))
+    assert report["config"]["launchers"] == 2
+    assert report["num_drafts"] > 0
+    assert report["passed"], gsm8k.format_report(report)
