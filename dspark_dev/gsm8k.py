@@ -4,12 +4,12 @@ A configuration (one YAML file, see tests/evals/gsm8k/configs/) names the data (
 path, or ``builtin:tiny-heldout`` for the seeded held-out set of the tiny pair's corpus), the
 prompting (few-shot count, max tokens), how to run the model (``llm``: keyword arguments of
 ``vllm.LLM``, run in a subprocess with a hard timeout; or an OpenAI-compatible server URL given at
-run time, for ``vllm serve`` deployments such as PD; or, for PP > 1, one ``vllm serve`` launcher per
-stage started here, which runs PP on one GPU: :func:`run_launchers`) and the thresholds. A configuration passes
-when accuracy >= ``accuracy_min`` and mean acceptance length >= ``acceptance_length_min`` (each
-checked only when set). Acceptance comes from vLLM's spec-decode metrics: mean acceptance length =
-1 + accepted draft tokens / draft steps (the bonus token included), per-position rate = accepted
-at position i / draft steps.
+run time, for ``vllm serve`` deployments such as PD; or, for PP > 1, one ``vllm serve`` launcher
+per stage started here, which runs PP on one GPU: :func:`run_launchers`) and the thresholds. A
+configuration passes when accuracy >= ``accuracy_min`` and mean acceptance length >=
+``acceptance_length_min`` (each checked only when set). Acceptance comes from vLLM's spec-decode
+metrics: mean acceptance length = 1 + accepted draft tokens / draft steps (the bonus token
+included), per-position rate = accepted at position i / draft steps.
 """
 
 from __future__ import annotations
