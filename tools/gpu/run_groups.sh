@@ -26,7 +26,15 @@
 #         28 case 3, PD part: the decoder SIGKILLed while the producer holds KV for it, then
 #         restarted; tests/gpu/test_pd_decoder_kill_gpu.py), sampling (issue 28 case 4:
 #         PP=2 DSpark's sampling against the target's distribution, with power against temperature
-#         0.8; tests/gpu/test_sampling_gpu.py; its JSON in OUTDIR/sampling).
+#         0.8; tests/gpu/test_sampling_gpu.py; its JSON in OUTDIR/sampling),
+#         acceptance (issue 26: both trained tiny pairs' served acceptance and lossless check, bf16,
+#         k=7, 64 held-out prompts, beside their training simulation; benchmarks/
+#         tiny_pair_acceptance.py as acceptance_k3 and acceptance_dsv4, JSON in OUTDIR),
+#         dsv4_check (issue 26: the DeepSeek-V4 engine against the pure-torch reference, with
+#         DSpark; dspark_dev/training/dsv4_check.py, OUTDIR/dsv4_check.json),
+#         gsm8k_k3 / gsm8k_dsv4 (issue 26: the family's GSM8K YAMLs, PP=1 no-spec and DSpark
+#         offline, PP=2 DSpark through `eval gsm8k --launchers`, all three side by side; reports in
+#         OUTDIR/gsm8k; they exit 1 while their thresholds are null, and the reports fill them).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -42,6 +50,21 @@ OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
 STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
+KNOWN=(pd_mooncake dsv4k3 nixl pp pd_pp dsv4k3_pp router dsv4_router producer_memory pp_adaptive
+  lost_stage lost_stage_control lost_stage_stock load pd_kill pd_decoder_kill sampling acceptance
+  dsv4_check gsm8k_k3 gsm8k_dsv4)
+[ $# -gt 0 ] || {
+  echo "run_groups.sh: name at least one group: ${KNOWN[*]}" >&2
+  exit 2
+}
+for g in "$@"; do # a misspelt group fails the call before anything starts
+  known=0
+  for k in "${KNOWN[@]}"; do [ "$k" = "$g" ] && known=1; done
+  if [ "$known" = 0 ]; then
+    echo "run_groups.sh: unknown group '$g'; known groups: ${KNOWN[*]}" >&2
+    exit 2
+  fi
+done
 mkdir -p "$OUTDIR"
 ART=$(mktemp -d /tmp/dspark-gpu-artifacts.XXXX)
 PGIDS=$(mktemp -d /tmp/dspark-gpu-pgids.XXXX)
@@ -56,6 +79,16 @@ rm -rf build ./*.egg-info
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site . 2>&1 \
   | grep -v "^WARNING: Target directory"
 rm -rf build ./*.egg-info
+
+run_cmd() {  # name, then a command line (not pytest); the environment comes from the caller
+  local name=$1
+  shift
+  say "group $name: started"
+  timeout -k 10 "$BUDGET" "$@" >"$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc" >>"$OUTDIR/rc.txt"
+  say "group $name: exit $rc"
+}
 
 run_group() {  # name, then the pytest arguments; the environment comes from the caller
   local name=$1
@@ -154,7 +187,33 @@ for g in "$@"; do
     DSPARK_GPU_SAMPLING_OUT="$OUTDIR/sampling" DSPARK_GPU_SAMPLING_LOGS="$ART/sampling" DSPARK_GPU_SAMPLING_BUDGET_S=$((BUDGET - 20)) \
       run_group "$g" tests/gpu/test_sampling_gpu.py --timeout=$((BUDGET - 5)) &
     ;;
-  *) say "unknown group $g (pd_mooncake, dsv4k3, nixl, pp, pd_pp, dsv4k3_pp, router, dsv4_router, producer_memory, pp_adaptive, lost_stage, lost_stage_control, lost_stage_stock, load, pd_kill, pd_decoder_kill, sampling)" ;;
+  acceptance)
+    # two engines each (no speculation, then DSpark), one after the other: half the budget apiece
+    for fam in k3 dsv4; do
+      pair=models/k3-pair
+      [ "$fam" = dsv4 ] && pair=models/dsv4-pair
+      PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" run_cmd "acceptance_$fam" \
+        python3 benchmarks/tiny_pair_acceptance.py --family "$fam" --pair "$pair" --k 7 \
+        --num-prompts 64 --compare-training --timeout $(((BUDGET - 60) / 2)) \
+        --out-json "$OUTDIR/${fam}_acceptance.json" &
+    done
+    ;;
+  dsv4_check)
+    run_cmd "$g" python3 -m dspark_dev.training.dsv4_check --spec --out /tmp/dsv4-check \
+      --report "$OUTDIR/dsv4_check.json" --timeout $(((BUDGET - 60) / 3)) &
+    ;;
+  gsm8k_k3 | gsm8k_dsv4)
+    fam=${g#gsm8k_}
+    mkdir -p "$OUTDIR/gsm8k" "$ART/$g"
+    for arm in pp1-nospec pp1-dspark pp2-dspark; do
+      launch=()
+      [ "$arm" = pp2-dspark ] && launch=(--launchers --launcher-logs "$ART/$g")
+      run_cmd "$g-$arm" python3 -m vllm_dspark_pp.cli.main eval gsm8k \
+        --config "tests/evals/gsm8k/configs/$fam-$arm.yaml" "${launch[@]}" \
+        --out-json "$OUTDIR/gsm8k/$fam-$arm.json" &
+    done
+    ;;
+  *) say "group $g is in KNOWN but has no case here" ;;
   esac
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
@@ -189,5 +248,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE "^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|producer KV: |restarted decoder: |sampling (first|after_accepted): n=|PP=2 vs PP=1 DSpark|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)" \
+grep -hE '^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|producer KV: |restarted decoder: |sampling (first|after_accepted): n=|PP=2 vs PP=1 DSpark|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)|^GSM8K \[|^  (accuracy|mean acceptance length|FAILED: )|"(mean_acceptance_length|lossless_ok|lossless_identical_outputs|passed)": ' \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80
