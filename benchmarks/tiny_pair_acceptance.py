@@ -218,12 +218,20 @@ def main() -> int:
         "generate_s_dspark": round(spec["generate_s"], 2),
         "output_tokens": sum(len(t) for t in spec["tokens"]),
     }
+
+    def record() -> None:
+        print(json.dumps(result, indent=2), flush=True)
+        if args.out_json:
+            with open(args.out_json, "w") as f:
+                json.dump(result, f, indent=2)
+
     if args.compare_training:
+        # vLLM's figures are kept first: a deadline that ends the comparison leaves them recorded
+        result["training_comparison"] = "running"
+        record()
         result.update(compare_training(args, _prompts(args.num_prompts)[0], base["tokens"]))
-    print(json.dumps(result, indent=2))
-    if args.out_json:
-        with open(args.out_json, "w") as f:
-            json.dump(result, f, indent=2)
+        result["training_comparison"] = "done"
+    record()
     if not lossless:
         print(
             "[tiny_pair_acceptance] LOSSLESS CHECK FAILED: speculative outputs differ\n"

@@ -55,3 +55,36 @@ def test_lossless_verdict(monkeypatch, tmp_path, dtype, spec_tokens, gap, rc):
     if spec_tokens != BASE and rc == 0:
         assert "near-tie (excused)" in res["first_differences"][0]
     assert res["mean_acceptance_length"] == 2.5
+
+
+def test_vllm_figures_are_recorded_before_the_training_comparison(monkeypatch, tmp_path):
+    """A deadline that kills the run inside ``--compare-training`` (the training modules on the
+    same prompts) must leave vLLM's acceptance in the JSON: it is written first."""
+    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    out = tmp_path / "r.json"
+
+    def fake_run_one(args, spec):
+        return {
+            "tokens": BASE,
+            "texts": ["#### 1", "#### 2"],
+            "metrics": {"num_drafts": 2, "num_accepted_tokens": 3, "accepted_per_pos": [2, 1]},
+            "logprobs": None,
+            "generate_s": 0.0,
+        }
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # what the deadline's signal amounts to here
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    monkeypatch.setattr(bench, "_prompts", lambda n: (["q1", "q2"], [1, 2]))
+    monkeypatch.setattr(bench, "compare_training", killed)
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["tiny_pair_acceptance.py", "--dtype", "float32", "--compare-training"]
+        + ["--out-json", str(out)],
+    )
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    res = json.loads(out.read_text())
+    assert res["mean_acceptance_length"] == 2.5 and res["training_comparison"] == "running"
