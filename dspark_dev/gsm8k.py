@@ -271,6 +271,16 @@ def launcher_device() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
+def launcher_env(cfg: EvalConfig, device: str) -> dict:
+    """Every launcher's environment: on a GPU the one-GPU tier's child settings first
+    (``dspark_dev.serve.GPU_CHILD_ENV``: loopback host IP, offline hub, engine deadlines), then the
+    config's ``env``."""
+    from dspark_dev.serve import GPU_CHILD_ENV
+
+    base = dict(GPU_CHILD_ENV) if device == "gpu" else {}
+    return {**base, **{k: str(v) for k, v in cfg.env.items()}}
+
+
 def run_launchers(
     cfg: EvalConfig,
     prompts: list[str],
@@ -308,7 +318,7 @@ def run_launchers(
         device=device,
         gpu_layout=chosen,
         base_args=llm_serve_args(llm),
-        env={k: str(v) for k, v in cfg.env.items()},
+        env=launcher_env(cfg, device),
     )
     print(
         f"[gsm8k] {cfg.name}: {pp} launchers on {device}"

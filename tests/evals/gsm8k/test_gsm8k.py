@@ -325,6 +325,8 @@ def test_launchers_refuse_a_pp1_config_before_starting_anything(monkeypatch):
     cfg = gsm8k.load_config(os.path.join(HERE, "configs", "tiny-pp1-dspark.yaml"))
     with pytest.raises(ValueError, match="pipeline_parallel_size >= 2"):
         gsm8k.run_launchers(cfg, ["q"], log_dir="/nonexistent", device="cpu")
+    # CPU launchers: only the config's env (dspark_dev.serve_demo adds the CPU settings)
+    assert gsm8k.launcher_env(cfg, "cpu") == {k: str(v) for k, v in cfg.env.items()}
 
 
 def test_launchers_share_one_gpu_with_a_fixed_kv_budget_per_stage(monkeypatch, tmp_path):
@@ -354,7 +356,8 @@ def test_launchers_share_one_gpu_with_a_fixed_kv_budget_per_stage(monkeypatch, t
         assert ("--kv-cache-memory-bytes" in base) is want_mem, layout_name
         assert ("--gpu-memory-utilization" in base) is want_mem, layout_name
         assert built["gpu_layout"] == layout_name and built["pp"] == 2
-        assert built["env"] == {"CUDA_LAUNCH_BLOCKING": "1"}  # the config's env, every launcher
+        assert built["env"]["CUDA_LAUNCH_BLOCKING"] == "1"  # the config's env, every launcher
+        assert built["env"]["VLLM_HOST_IP"] == "127.0.0.1"  # the GPU tier's child settings
         assert built["spec"]["num_speculative_tokens"] == 7
     assert pp_launch.stage_env(1, device="gpu", gpu_layout="shared", tag="x")["NCCL_HOSTID"]
 
