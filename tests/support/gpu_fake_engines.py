@@ -7,8 +7,13 @@ no GPU has run yet.
     PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/gpu python -m pytest -p support.gpu_fake_engines \\
         tests/gpu/test_dsv4_k3_engine.py tests/gpu/test_dsv4_k3_pp.py
 
+    DSPARK_FAKE_MODELS=$PWD/models DSPARK_GPU_PD_PP_PAIR=tiny|dsv4|k3 PYTHONPATH=... \\
+        python -m pytest -p support.gpu_fake_engines tests/gpu/test_pd_pp_producer.py
+
 Fakes: ``support.gpu.run_llm``, ``support.pd_run.run_pd``, ``dspark_dev.pp_launch.deployment`` /
-``serve_waves`` and ``gpu_common.require_cuda``; the GPU markers' skips are lifted. Every engine
+``serve_waves``, ``dspark_dev.multi_gpu.NcclStubGuard`` (the kit's recording NCCL stub: built,
+nothing called; its ``env()`` is ``DSPARK_FAKE_NCCL_GUARD=1``, so the calls show which launchers
+got it) and ``gpu_common.require_cuda``; the GPU markers' skips are lifted. Every engine
 answers the same tokens for a prompt (greedy parity holds) and trained-looking counters at the
 speculative config's k ([36, 30, 25, 20, 15, 10, 4] of 40 drafts); the NaN-norm PD control
 accepts nothing, the subtle control [30, 20, 12, 8, 5, 3, 2], and an engine started with
@@ -16,7 +21,10 @@ accepts nothing, the subtle control [30, 20, 12, 8, 5, 3, 2], and an engine star
 showing that a check fails: ``subtle_same`` (the subtle control accepts like the PD run),
 ``pos6_zero`` (draft position 6 never accepts), ``nan_leaks`` (the NaN-norm control accepts 6 %),
 ``pp2_low`` (PP=2 accepts less than PP=1),
-``skip_starts`` (the split-skipped engine starts). The engine calls are written as JSON to
+``skip_starts`` (the split-skipped engine starts), ``nccl_stub_called`` (a launcher reached a
+stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange). A fake
+PD run answers as its proxy and launchers would: every request through both sides, one log per
+producer launcher (the handshake and ``over nccl`` lines). The engine calls are written as JSON to
 ``DSPARK_FAKE_CALLS`` (default: none written).
 """
 
@@ -58,7 +66,7 @@ def pytest_configure(config):
     import support.gpu as g
     import support.mla_pairs as mp
     import support.pd_run as pd
-    from dspark_dev import pp_launch
+    from dspark_dev import multi_gpu, pp_launch
 
     if os.environ.get("DSPARK_FAKE_MODELS"):
         mp.MODELS = Path(os.environ["DSPARK_FAKE_MODELS"])
@@ -67,7 +75,7 @@ def pytest_configure(config):
     def run_llm(
         name, cfg, waves, *, timeout_s, sampling=None, logprobs=None, probe=False, env=None
     ):
-        CALLS.append(["llm", name, cfg, sampling, logprobs, env])
+        CALLS.append(["llm", name, cfg, sampling, logprobs, env, waves, timeout_s])
         if env and "VLLM_DSPARK_PP_SKIP_PATCHES" in env and MUTATION != "skip_starts":
             raise g.GPUCaseFailure(f"[{name}] failed (exit 1) in phase 'startup': fake")
         k = (cfg.get("speculative_config") or {}).get("num_speculative_tokens", 0)
@@ -89,12 +97,26 @@ def pytest_configure(config):
             per = [0] * k if MUTATION != "nan_leaks" else ([10, 5, 2] + [0] * k)[:k]
         elif "aux-perturbed" in pre and MUTATION != "subtle_same":
             per = SUBTLE[:k]
+        n = len(prompts)
+        stage = "PP handshake: 2 ranks agree\nDSpark PP exchange: fake over nccl\n"
+        names = ["prefill"] + [
+            f"prefill-node{i + 1}" for i in range(len(kw.get("prefill_followers") or []))
+        ]
+        logs = {
+            x: stage if i == 0 or MUTATION != "pd_one_stage" else "" for i, x in enumerate(names)
+        }
         return {
             "tokens": _tokens(prompts),
             "decoder_spec": _counters(per),
             "prefill_spec": {"num_draft_tokens": 0},
-            "decoder_kv": {"vllm:external_prefix_cache_hits_total": 5.0},
+            "decoder_kv": {
+                "vllm:external_prefix_cache_hits_total": 5.0,
+                "vllm:mooncake_num_failed_transfers_total": 0.0,
+                "vllm:mooncake_num_failed_recvs_total": 0.0,
+            },
             "prefill_log_markers": {"context-KV-only drafter": True},
+            "proxy": {"requests": n, "prefill_ok": n, "decode_ok": n, "errors": []},
+            "producer_logs": logs,
             "timings": "fake",
         }
 
@@ -125,7 +147,21 @@ def pytest_configure(config):
         per = GOOD if MUTATION != "pp2_low" else [36, 30, 25, 20, 15, 1, 0]
         return [t for w in waves for t in _tokens(w)], [_counters(per) for _ in waves]
 
+    class NcclStubGuard:
+        def __init__(self, work_dir, site=None):
+            self.so, self.problem = Path(work_dir) / "libnccl_stub_loud.so", None
+
+        def build(self):
+            return self
+
+        def env(self):
+            return {"DSPARK_FAKE_NCCL_GUARD": "1"}
+
+        def calls(self):
+            return ["ncclCommInitRankScalable"] if MUTATION == "nccl_stub_called" else []
+
     g.run_llm, pd.run_pd = run_llm, run_pd
+    multi_gpu.NcclStubGuard = NcclStubGuard
     pp_launch.deployment, pp_launch.serve_waves = deployment, serve_waves
 
 
