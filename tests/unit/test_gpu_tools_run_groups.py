@@ -39,14 +39,16 @@ def test_every_group_is_documented_and_named_when_unknown():
         assert re.search(rf"\b{label}\b", header), f"{label} is not described in the header"
 
 
-def _fake_run(tmp_path: Path, *groups: str, budget: int = 540):
+def _fake_run(tmp_path: Path, *groups: str, budget: int = 540, env_keys: tuple[str, ...] = ()):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.txt"
     stub = bin_dir / "python3"
-    # one line per call, written at once (groups run side by side): the arguments, shell-quoted
+    # one line per call, written at once (groups run side by side): the arguments, shell-quoted,
+    # then ``ENV:KEY=value`` for each of ``env_keys`` (what the group set for its command)
     log.write_text("")
-    stub.write_text(f'#!/bin/bash\nline=$(printf "%q " "$@")\necho "$line" >> {log}\n')
+    envs = "".join(f' "ENV:{k}=${{{k}-}}"' for k in env_keys)
+    stub.write_text(f'#!/bin/bash\nline=$(printf "%q " "$@"{envs})\necho "$line" >> {log}\n')
     stub.chmod(0o755)
     out = tmp_path / "out"
     env = {
@@ -90,6 +92,20 @@ def test_issue26_groups_start_the_leases_commands(tmp_path):
         assert ("--launchers" in c) is config.endswith("pp2-dspark.yaml"), c
     check = [c for c in work if c[:2] == ["-m", "dspark_dev.training.dsv4_check"]]
     assert len(check) == 1 and "--spec" in check[0]
+
+
+def test_pd_pp_groups_run_the_pp_producer_module_for_their_pair(tmp_path):
+    keys = ("DSPARK_GPU_PD_PP_PAIR", "DSPARK_GPU_ARTIFACTS", "DSPARK_GPU_PD_PP_READY_S")
+    proc, calls = _fake_run(tmp_path, "pd_pp", "pd_pp_dsv4", "pd_pp_k3", env_keys=keys)
+    runs = [c for c in calls if "tests/gpu/test_pd_pp_producer.py" in c]
+    assert len(runs) == 3, calls
+    env = [dict(x[4:].split("=", 1) for x in c if x.startswith("ENV:")) for c in runs]
+    assert sorted(e["DSPARK_GPU_PD_PP_PAIR"] for e in env) == ["", "dsv4", "k3"]
+    arts = {e["DSPARK_GPU_PD_PP_PAIR"]: e["DSPARK_GPU_ARTIFACTS"] for e in env}
+    assert arts["dsv4"].endswith("/pd_pp_dsv4") and arts["k3"].endswith("/pd_pp_k3"), arts
+    assert all(e["DSPARK_GPU_PD_PP_READY_S"] == "420" for e in env), env
+    rc = sorted((tmp_path / "out" / "rc.txt").read_text().splitlines())
+    assert rc == ["pd_pp rc=0", "pd_pp_dsv4 rc=0", "pd_pp_k3 rc=0"], rc
 
 
 def test_a_misspelt_group_fails_the_call_before_anything_starts(tmp_path):

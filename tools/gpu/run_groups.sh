@@ -9,6 +9,9 @@
 #         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL),
 #         pp (issue 25: PP=2/3 on one GPU, several ranks through NCCL; tests/gpu/test_pp_one_gpu.py),
 #         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
+#         pd_pp_dsv4 / pd_pp_k3 (issue 26 "also at PP=2": the same PD with a PP=2 producer for the
+#         trained DeepSeek-V4 / Kimi-K3 pair, DSPARK_GPU_PD_PP_PAIR=dsv4|k3, with the subtle
+#         control; a failing run's server logs in artifacts.tgz under the group's name),
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
 #         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
 #         dsv4_router (issue 26: vLLM's DSV4 MoE layer at 256 experts, padded decode batches, eager
@@ -50,9 +53,9 @@ OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
 STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
-KNOWN=(pd_mooncake dsv4k3 nixl pp pd_pp dsv4k3_pp router dsv4_router producer_memory pp_adaptive
-  lost_stage lost_stage_control lost_stage_stock load pd_kill pd_decoder_kill sampling acceptance
-  dsv4_check gsm8k_k3 gsm8k_dsv4)
+KNOWN=(pd_mooncake dsv4k3 nixl pp pd_pp pd_pp_dsv4 pd_pp_k3 dsv4k3_pp router dsv4_router
+  producer_memory pp_adaptive lost_stage lost_stage_control lost_stage_stock load pd_kill
+  pd_decoder_kill sampling acceptance dsv4_check gsm8k_k3 gsm8k_dsv4)
 [ $# -gt 0 ] || {
   echo "run_groups.sh: name at least one group: ${KNOWN[*]}" >&2
   exit 2
@@ -118,6 +121,13 @@ for g in "$@"; do
     ;;
   pd_pp)
     DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
+      run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
+    ;;
+  pd_pp_dsv4 | pd_pp_k3)
+    # the same module and deadlines as pd_pp, the pair by its knob; its own artifacts folder, so
+    # that two PD groups' server logs (same names) do not overwrite each other
+    mkdir -p "$ART/$g"
+    DSPARK_GPU_PD_PP_PAIR=${g#pd_pp_} DSPARK_GPU_ARTIFACTS="$ART/$g" DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
     ;;
   dsv4k3_pp)
