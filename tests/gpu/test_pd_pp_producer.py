@@ -374,8 +374,9 @@ def test_subtly_wrong_producer_draft_drops_the_decoder_acceptance(pd_jobs):
     g, b = good["decoder_spec"], bad["decoder_spec"]
     gp, bp = acceptance_rate(g), acceptance_rate(b)
     print(
-        f"subtle control ({PAIR}): good {gp:.1f}% {g} vs producer draft with aux taps "
-        f"{SUBTLE_PERTURB} {bp:.1f}% {b}; drop {gp - bp:.2f} points (need {SUBTLE_MARGIN_POINTS})"
+        f"subtle control ({PAIR}, PP=2 producer): decoder {bp:.1f}% vs PD {gp:.1f}%, drop "
+        f"{gp - bp:.2f} points (need {SUBTLE_MARGIN_POINTS}); producer draft's aux taps "
+        f"{SUBTLE_PERTURB}; {g} vs {b}"
     )
     assert b["num_draft_tokens"] > 0, b
     base = jobs.result("pair_baseline")

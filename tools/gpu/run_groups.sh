@@ -258,5 +258,5 @@ rm -rf "$PGIDS"
 
 say "verdicts"
 cat "$OUTDIR/rc.txt"
-grep -hE '^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|producer KV: |restarted decoder: |sampling (first|after_accepted): n=|PP=2 vs PP=1 DSpark|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)|^GSM8K \[|^  (accuracy|mean acceptance length|FAILED: )|"(mean_acceptance_length|lossless_ok|lossless_identical_outputs|passed)": ' \
+grep -hE '^(tests/gpu/\S+ (PASSED|FAILED|ERROR|SKIPPED))|PD acceptance:|subtle control \(|DSV4 ROUTER LAYER|PP acceptance:|STOCK vLLM|sample under load|producer KV: |restarted decoder: |sampling (first|after_accepted): n=|PP=2 vs PP=1 DSpark|memory growth|PRODUCER DRAFTER MEMORY|^group [AB] |^(FAILED|ERROR) |[0-9]+ (passed|failed)|^GSM8K \[|^  (accuracy|mean acceptance length|FAILED: )|"(mean_acceptance_length|lossless_ok|lossless_identical_outputs|passed)": ' \
   "$OUTDIR"/*.log | cut -c1-300 | tail -n 80
