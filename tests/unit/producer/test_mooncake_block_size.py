@@ -8,7 +8,9 @@ with a MooncakeConnector producer config and no speculative config (the failure 
 one), and vLLM's own connector classes (the module imports without Mooncake; a worker cannot be
 constructed without it, so the worker cases bind the attributes ``__init__`` sets before
 ``_sync_block_size_with_kernel`` on an instance made with ``object.__new__`` and call the real
-method). vLLM's unpatched methods come from ``patches._util.original``.
+method). vLLM's unpatched methods come from ``patches._util.original``. The PD with a PP=2
+producer case plans the target's two layers as two PP stages (vLLM's planner over both workers)
+and checks that each stage's worker, the scheduler and the PP=1 decoder agree.
 
 What only a GPU run shows: that the engine then registers and transfers the KV cache
 (tests/gpu/test_dsv4_k3_engine.py::test_pd_over_mooncake[dsv4]).
@@ -48,9 +50,9 @@ def _mooncake(role: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dsv4(tmp_path_factory, plugin, dist_env):
-    """(config, worker KV-cache config, scheduler KV-cache config, block size after the engine
-    core's rewrite) for the tiny DeepSeek-V4 target as a Mooncake prefiller."""
+def dsv4_built(tmp_path_factory, plugin, dist_env):
+    """(config, {layer name: KV-cache spec}) of the tiny DeepSeek-V4 target as a Mooncake
+    prefiller."""
     pair = t.make_tiny_dsv4_pair(tmp_path_factory.mktemp("mc-dsv4"), gpu=True)
     # the GPU run's cache dtype: DeepSeek-V4's CUDA attention picks fp8_ds_mla by itself there
     cfg = engine_config(
@@ -60,6 +62,14 @@ def dsv4(tmp_path_factory, plugin, dist_env):
     assert cfg.cache_config.block_size == 256
     with pytest.MonkeyPatch.context() as m:
         specs = build_dsv4_target(cfg, m)
+    return cfg, specs
+
+
+@pytest.fixture(scope="module")
+def dsv4(dsv4_built):
+    """(config, worker KV-cache config, scheduler KV-cache config, block size after the engine
+    core's rewrite) for the tiny DeepSeek-V4 target as a Mooncake prefiller."""
+    cfg, specs = dsv4_built
     _, kv_cfg, sched_cfg, rewritten = plan_as_engine_core(cfg, specs)
     return cfg, kv_cfg, sched_cfg, rewritten
 
@@ -137,6 +147,47 @@ def test_patched_scheduler_and_workers_agree_on_256(mc, dsv4):
     assert patched.block_size == 256
     # the only other use of the scheduler's block size is unchanged
     assert patched.blocks_per_sw == stock.blocks_per_sw
+
+
+def test_pp2_producer_stages_agree_with_the_pp1_decoder_on_256(mc, dsv4_built, dsv4):
+    """PD with a PP=2 producer (tests/gpu/test_pd_pp_producer.py, DSPARK_GPU_PD_PP_PAIR=dsv4):
+    each producer stage plans only its own layers (stage 0 the ratio-4 layer, stage 1 the
+    ratio-128 one; vLLM plans PP workers together, ``get_kv_cache_configs``), and the engine core
+    rewrites the block size to the smallest state block of the stages' scheduler plan. The patched
+    worker of each stage, the scheduler and a PP=1 decoder must still transfer in one block size:
+    256 (the decoder pulls every stage's pages into its own blocks)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    cfg, specs = dsv4_built
+    _, decoder_plan, _, decoder_rewritten = dsv4
+    stages = [{n: s for n, s in specs.items() if (".layers.0." in n) == (r == 0)} for r in (0, 1)]
+    assert all(stages) and sum(map(len, stages)) == len(specs), stages
+    with set_current_vllm_config(cfg):
+        groups = get_global_kv_cache_groups(cfg, stages)
+        plans = get_kv_cache_configs(cfg, stages, [1 << 30] * 2, groups)
+    sched = generate_scheduler_kv_cache_config(plans)
+    rewritten = min(
+        g.kv_cache_spec.block_size
+        for g in sched.kv_cache_groups
+        if g.kv_cache_spec.prefix_cacheable
+    )
+    assert rewritten == 4
+    seen = []
+    for r, plan in enumerate(plans):
+        held = {n for g in plan.transfer_groups for n in g.layer_names}
+        assert held == set(stages[r]), (r, held)  # a stage's plan holds its own layers only
+        assert sorted(set(mb.group_block_sizes(plan))) == [4, 8, 64, 256]
+        w = _worker(mc, cfg, plan, rewritten)  # uniproc: the rewritten value
+        w._sync_block_size_with_kernel()
+        seen.append((w.block_size, w._physical_blocks_per_logical_kv_block))
+    dec = _worker(mc, cfg, decoder_plan, decoder_rewritten)
+    dec._sync_block_size_with_kernel()
+    assert (
+        seen == [(dec.block_size, dec._physical_blocks_per_logical_kv_block)] * 2 == [(256, 1)] * 2
+    )
+    assert _scheduler(mc, cfg, sched, rewritten, stock=False).block_size == 256
 
 
 def _group(name, spec):
