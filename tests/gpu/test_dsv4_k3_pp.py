@@ -29,6 +29,12 @@ to PP=1 no-spec under the near-tie rule, acceptance and per-position counters wi
 PP=1 DSpark), and the PP=1 DSpark reference must accept like a trained pair (mean acceptance
 length >= 3.0, every draft position accepted), so the 2-point rule compares real acceptance.
 
+Kimi-K3 PP=2 race diagnosis (docs/k3-pp-race.md): ``K3_DIAG`` variants, each PP=2 DSpark eager
+with one change; those in ``K3_DIAG_OPT_IN`` (one-launcher CUDA_LAUNCH_BLOCKING, side streams
+off, device syncs at named points on PP rank 0, deeper UVA staging pools, the CUDA sanitizer)
+start only when ``DSPARK_DSV4K3_PP_JOBS`` names them; a failing variant's error carries the
+probes' lines (where a sync first saw the CUDA error, out-of-range ids).
+
     source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT dsv4k3_pp
     DSPARK_DSV4K3_WEIGHTS=trained bash tools/gpu/run_groups.sh $OUT dsv4k3_pp  # (same kit)
 """
@@ -72,16 +78,48 @@ LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="
 
 K3_PROBE_DIR = Path(__file__).resolve().parents[1] / "support" / "k3_probe"
 # Diagnosis variants of the Kimi-K3 PP=2 failure (2026-12-03), each PP=2 DSpark eager with one
-# change: extra launcher arguments and environment.
-K3_DIAG = {
+# change: extra launcher arguments, environment of both launchers, environment of one launcher
+# ({launcher: env}; launcher 0 runs the API server, the engine core and PP rank 0, launcher 1 PP
+# rank 1). The DSPARK_TEST_K3_* knobs are tests/support/k3_probe/k3_sync_probe.py's; what each
+# variant's verdict says: docs/k3-pp-race.md.
+K3_DIAG: dict[str, tuple[list[str], dict[str, str], dict[int, dict[str, str]]]] = {
     # the probe alone (it syncs the device at every embedding call: a timing change too)
-    "probe": ([], {}),
+    "probe": ([], {}, {}),
     # every kernel synchronous: the failing op is the one in the traceback
-    "blocking": ([], {"CUDA_LAUNCH_BLOCKING": "1"}),
-    "sync": (["--no-async-scheduling"], {}),
-    "noprefix": (["--no-enable-prefix-caching"], {}),
+    "blocking": ([], {"CUDA_LAUNCH_BLOCKING": "1"}, {}),
+    "sync": (["--no-async-scheduling"], {}, {}),
+    "noprefix": (["--no-enable-prefix-caching"], {}, {}),
+    # which process's asynchrony the race needs: kernels synchronous on one launcher only
+    "blocking_r0": ([], {}, {0: {"CUDA_LAUNCH_BLOCKING": "1"}}),
+    "blocking_r1": ([], {}, {1: {"CUDA_LAUNCH_BLOCKING": "1"}}),
+    # Kimi-K3's side streams off (MoE down-projection, MLA gate, KDA projection, shared experts)
+    "nostreams": (
+        [],
+        {"DSPARK_TEST_K3_NO_SIDE_STREAMS": "1", "VLLM_DISABLE_SHARED_EXPERTS_STREAM": "1"},
+        {},
+    ),
+    # device syncs on PP rank 0 only: after every runner step (no CPU run-ahead across steps) ...
+    "sync_step": ([], {"DSPARK_TEST_K3_SYNC": "step", "DSPARK_TEST_K3_SYNC_RANKS": "0"}, {}),
+    # ... before the forward (inputs and metadata complete) ...
+    "sync_prep": ([], {"DSPARK_TEST_K3_SYNC": "prep", "DSPARK_TEST_K3_SYNC_RANKS": "0"}, {}),
+    # ... after every PP handler call (the sampled-token exchange landed) ...
+    "sync_recv": ([], {"DSPARK_TEST_K3_SYNC": "recv", "DSPARK_TEST_K3_SYNC_RANKS": "0"}, {}),
+    # ... and inside the forward, to name the interval of the failing kernel
+    "locate": (
+        [],
+        {"DSPARK_TEST_K3_SYNC": "prep,embed,layers", "DSPARK_TEST_K3_SYNC_RANKS": "0"},
+        {},
+    ),
+    # vLLM's UVA staging pools 8 deep instead of max_concurrent_batches (3)
+    "uva8": ([], {"DSPARK_TEST_K3_UVA_DEPTH": "8"}, {}),
+    # PyTorch's CUDA sanitizer on launcher 0: names both accesses of an unsynchronised
+    # cross-stream pair of torch ops (Triton launches and NCCL's own streams are invisible to it)
+    "csan_r0": ([], {}, {0: {"TORCH_CUDA_SANITIZER": "1"}}),
 }
 STOCK_DIAG = ("probe", "blocking")
+#: diagnosis variants that start only when DSPARK_DSV4K3_PP_JOBS names them (twelve PP=2
+#: deployments at once would not start within a lease's budget on one GPU)
+K3_DIAG_OPT_IN = frozenset(K3_DIAG) - {"probe", "blocking", "sync", "noprefix"}
 
 
 def mode_name(eager: bool) -> str:
@@ -97,7 +135,7 @@ def _served(
     mode = ["--enforce-eager"] if eager else [
         "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)
     ]  # fmt: skip
-    extra_args, extra_env = K3_DIAG[diag] if diag else ([], {})
+    extra_args, extra_env, env_per_rank = K3_DIAG[diag] if diag else ([], {}, {})
     mode = mode + extra_args
     if diag:  # every eager diagnosis variant also reports the ids PP rank 0 embeds
         extra_env = {
@@ -119,15 +157,18 @@ def _served(
     spec = None if control else pair.speculative_config(K)
     dep = pp_launch.deployment(
         name, pair.target, pp=2, spec=spec, log_dir=LOG_DIR,
-        device="gpu", base_args=base, env=env,
+        device="gpu", base_args=base, env=env, env_per_rank=env_per_rank,
     )  # fmt: skip
     out: dict = {"name": name}
+    error: Exception | None = None
     try:
         dep.start()
         out["ready_s"] = round(dep.wait_ready(READY_S), 1)
         out["tokens"], out["per_wave"] = pp_launch.serve_waves(
             dep.url, pair.target, waves, MAX_TOKENS, ignore_eos=not TRAINED
         )
+    except Exception as e:
+        error = e
     finally:
         out["leftover_pids"] = dep.stop()
         logs = [n.log_tail(10**8) for n in dep.nodes]
@@ -138,6 +179,26 @@ def _served(
             else None
             for x in logs
         ]
+        out["probe"] = probe_lines(logs)
+    if error is not None:  # the probes' verdict travels with the failure (docs/k3-pp-race.md)
+        lines = "".join(f"\n  {x}" for x in out["probe"])
+        raise RuntimeError(f"[{name}] {type(error).__name__}: {error}{lines}") from error
+    return out
+
+
+def probe_lines(logs: list[str], per_log: int = 12) -> list[str]:
+    """The k3_probe lines of each launcher's log (``node<i>:`` prefixed), at most ``per_log``
+    each: where a sync point first saw the CUDA error, out-of-range ids reports, the CUDA
+    sanitizer's race reports (their stacks: the launcher logs), what the sync probes installed,
+    and the last ids reports before the end (which call failed)."""
+    out = []
+    for i, log in enumerate(logs):
+        ids = [x for x in log.splitlines() if "K3_IDS_PROBE" in x]
+        syncs = [x for x in log.splitlines() if "K3_SYNC_PROBE" in x]
+        keep = [x for x in syncs if "first seen" in x] + [x for x in ids if "OUT OF RANGE" in x][:4]
+        keep += [x for x in log.splitlines() if "CSAN detected" in x][:2]
+        keep += [x for x in syncs if "first seen" not in x] + ids[-3:]
+        out += [f"node{i}: {x[:400]}" for x in dict.fromkeys(keep)][:per_log]
     return out
 
 
@@ -202,6 +263,11 @@ def mla_pp_jobs(tmp_path_factory):
             for control in ("nospec", "stock"):
                 jobs.submit(f"k3_pp2_{control}", _served, fam, pair, waves, False, control=control)
             for diag in K3_DIAG:
+                if diag in K3_DIAG_OPT_IN and not only:
+                    jobs.skip(
+                        f"k3_pp2_{diag}", "opt-in diagnosis: name it in DSPARK_DSV4K3_PP_JOBS"
+                    )
+                    continue
                 jobs.submit(f"k3_pp2_{diag}", _served, fam, pair, waves, True, diag=diag)
             for diag in STOCK_DIAG:  # stock vLLM (plugin out, no DSpark), eager, probed
                 jobs.submit(
@@ -277,6 +343,7 @@ def test_k3_pp2_diagnosis(mla_pp_jobs, diag):
     ok, desc = counters_close(_sum(got["per_wave"]), pp1.metrics())
     print(f"[k3 PP=2 {diag}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
     print(f"[k3 PP=2 {diag}] vs PP=1 DSpark graphs: {desc}")
+    print(f"[k3 PP=2 {diag}] probe lines:" + "".join(f"\n  {x}" for x in got["probe"]))
     assert rep.ok, rep.describe()
     assert ok, desc
     if TRAINED:

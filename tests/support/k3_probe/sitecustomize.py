@@ -7,6 +7,9 @@ first op of PP rank 0's forward; eager engines only, a compiled graph does not c
 ``K3_IDS_PROBE pid=.. call=.. n=.. min=.. max=.. vocab=..`` to stderr for its first 40 calls, and
 every call whose ids fall outside the vocabulary prints them and their positions (it syncs the
 device: a diagnosis aid, never for timing).
+
+The sync-point, side-stream and UVA-depth probes of ``k3_sync_probe.py`` (this directory; each off
+unless its ``DSPARK_TEST_K3_*`` variable is set) are installed here too.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ import sys
 
 
 def _install() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import k3_sync_probe
+    finally:
+        sys.path.pop(0)
+    k3_sync_probe.install()
     if os.environ.get("DSPARK_TEST_K3_IDS_PROBE") != "1":
         return
     from vllm_dspark_pp.patches import when_imported

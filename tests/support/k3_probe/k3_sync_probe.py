@@ -1,0 +1,247 @@
+"""Probes that narrow down the Kimi-K3 PP=2 race (docs/k3-pp-race.md), loaded by the k3_probe
+``sitecustomize`` into every process of a diagnosis deployment (tests/gpu/test_dsv4_k3_pp.py,
+``K3_DIAG``). Each is off unless its variable is set; each changes one thing:
+
+* ``DSPARK_TEST_K3_SYNC=<points>``: a device-wide ``torch.cuda.synchronize()`` at the named points
+  (comma-separated, :data:`POINTS`): ``step`` after every ``GPUModelRunner.execute_model`` and
+  ``sample_tokens`` (the CPU never starts a step before the GPU finished the previous one),
+  ``prep`` on entering the model's forward (all input and metadata preparation done), ``embed``
+  after the embedding, ``layers`` after every decoder layer and at the forward's exit, ``recv``
+  after every call of the runner's PP handler (``receive``, ``get_prev_sampled_outputs``,
+  ``broadcast``, ``broadcast_drafts``). The first sync that raises prints
+  ``K3_SYNC_PROBE ... first seen at '<label>' ... last clean sync '<label>'``: the failing
+  kernel was launched between the two. ``DSPARK_TEST_K3_SYNC_RANKS=0`` (comma-separated PP ranks;
+  default all) limits the syncs to those ranks.
+* ``DSPARK_TEST_K3_NO_SIDE_STREAMS=1``: after the Kimi-K3 model is built, every side stream its
+  modules hold (MoE down-projection, MLA output gate, KDA projection overlap, vLLM's shared-expert
+  stream) is set to ``None``, so each of those pairs runs in order on the current stream.
+* ``DSPARK_TEST_K3_UVA_DEPTH=<n>``: vLLM's UVA staging pools (``buffer_utils.UvaBufferPool``,
+  reused round robin) get at least ``n`` slots instead of ``max_concurrent_batches``.
+
+Every probe prints what it installed (``K3_SYNC_PROBE installed ...``) so a log shows it acted.
+Eager engines only: the sync points are Python wrappers a compiled graph does not call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable, Mapping
+
+SYNC_ENV = "DSPARK_TEST_K3_SYNC"
+RANKS_ENV = "DSPARK_TEST_K3_SYNC_RANKS"
+NO_STREAMS_ENV = "DSPARK_TEST_K3_NO_SIDE_STREAMS"
+UVA_DEPTH_ENV = "DSPARK_TEST_K3_UVA_DEPTH"
+POINTS = ("step", "prep", "embed", "layers", "recv")
+#: module attributes holding a side stream in vLLM 0.34.0's Kimi-K3 path (docs/k3-pp-race.md)
+STREAM_ATTRS = ("_down_proj_stream", "aux_stream", "_projection_aux_stream", "_stream")
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+MODEL = "vllm.models.kimi_k3.nvidia.model"
+BUFFERS = "vllm.v1.worker.gpu.buffer_utils"
+PP_HANDLER_METHODS = ("receive", "get_prev_sampled_outputs", "broadcast", "broadcast_drafts")
+
+
+def emit(line: str) -> None:
+    print(f"K3_SYNC_PROBE pid={os.getpid()} {line}", file=sys.stderr, flush=True)
+
+
+def parse_points(value: str) -> frozenset[str]:
+    points = frozenset(p.strip() for p in value.split(",") if p.strip())
+    unknown = sorted(points - set(POINTS))
+    if unknown:
+        raise ValueError(f"{SYNC_ENV}: unknown points {unknown}; known: {', '.join(POINTS)}")
+    return points
+
+
+def parse_ranks(value: str) -> frozenset[int] | None:
+    value = value.strip()
+    if not value or value == "all":
+        return None
+    return frozenset(int(r) for r in value.split(",") if r.strip())
+
+
+def _pp_rank() -> int:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank_in_group
+
+
+def _cuda_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+class SyncPoints:
+    """Synchronises at each hit (on the selected ranks) and names the first one that fails."""
+
+    def __init__(
+        self,
+        points: frozenset[str],
+        ranks: frozenset[int] | None,
+        *,
+        sync: Callable[[], None] = _cuda_sync,
+        rank_of: Callable[[], int] = _pp_rank,
+        out: Callable[[str], None] = emit,
+    ) -> None:
+        self.points, self.ranks = points, ranks
+        self._sync, self._rank_of, self._out = sync, rank_of, out
+        self.count = 0
+        self.last_clean = "(none yet)"
+
+    def active(self, point: str) -> bool:
+        return point in self.points
+
+    def hit(self, label: str) -> None:
+        if self.ranks is not None and self._rank_of() not in self.ranks:
+            return
+        self.count += 1
+        try:
+            self._sync()
+        except Exception as e:
+            self._out(
+                f"CUDA error first seen at '{label}' (sync #{self.count}); "
+                f"last clean sync '{self.last_clean}': {type(e).__name__}: {e}"
+            )
+            raise
+        self.last_clean = label
+
+
+def _after(cls: type, name: str, label: Callable[[object], str], sp: SyncPoints) -> None:
+    real = cls.__dict__.get(name) or getattr(cls, name)
+
+    @functools.wraps(real, updated=())
+    def wrapper(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        sp.hit(label(self))
+        return out
+
+    setattr(cls, name, wrapper)
+
+
+def _before(cls: type, name: str, label: str, sp: SyncPoints) -> None:
+    real = cls.__dict__.get(name) or getattr(cls, name)
+
+    @functools.wraps(real, updated=())
+    def wrapper(self, *args, **kwargs):
+        sp.hit(label)
+        return real(self, *args, **kwargs)
+
+    setattr(cls, name, wrapper)
+
+
+def patch_runner(module, sp: SyncPoints) -> list[str]:
+    """``step`` and ``recv`` points on the model runner module (its ``GPUModelRunner`` and the
+    ``PPHandler`` class it binds, the plugin's subclass when the plugin is loaded)."""
+    done = []
+    if sp.active("step"):
+        for name in ("execute_model", "sample_tokens"):
+            _after(module.GPUModelRunner, name, lambda _s, n=name: f"after {n}", sp)
+            done.append(f"GPUModelRunner.{name}")
+    if sp.active("recv"):
+        handler = module.PPHandler
+        for name in PP_HANDLER_METHODS:
+            if hasattr(handler, name):
+                _after(handler, name, lambda _s, n=name: f"after PPHandler.{n}", sp)
+                done.append(f"{handler.__name__}.{name}")
+    return done
+
+
+def patch_model(module, sp: SyncPoints) -> list[str]:
+    """``prep``, ``embed`` and ``layers`` points on the Kimi-K3 model module."""
+    done = []
+    if sp.active("prep"):
+        _before(module.KimiLinearForCausalLM, "forward", "forward entry", sp)
+        done.append("KimiLinearForCausalLM.forward (entry)")
+    if sp.active("embed"):
+        _after(module.KimiLinearModel, "embed_input_ids", lambda _s: "after embedding", sp)
+        done.append("KimiLinearModel.embed_input_ids")
+    if sp.active("layers"):
+        _after(
+            module.KimiDecoderLayer,
+            "forward",
+            lambda s: f"after layer {getattr(s, 'layer_idx', '?')}",
+            sp,
+        )
+        _after(module.KimiLinearModel, "forward", lambda _s: "forward exit", sp)
+        done += ["KimiDecoderLayer.forward", "KimiLinearModel.forward (exit)"]
+    return done
+
+
+def null_side_streams(model, is_stream: Callable[[object], bool]) -> list[str]:
+    """Set every side stream a module of ``model`` holds to ``None``; returns what it changed."""
+    changed = []
+    for name, mod in model.named_modules():
+        for attr in STREAM_ATTRS:
+            if is_stream(mod.__dict__.get(attr)):
+                setattr(mod, attr, None)
+                changed.append(f"{name or '<model>'}.{attr}")
+    return changed
+
+
+def patch_side_streams(module, is_stream: Callable[[object], bool] | None = None) -> None:
+    if is_stream is None:
+        import torch
+
+        def is_stream(x):
+            return isinstance(x, torch.cuda.Stream)
+
+    cls = module.KimiLinearForCausalLM
+    real_init = cls.__init__
+
+    @functools.wraps(real_init, updated=())
+    def __init__(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        changed = null_side_streams(self, is_stream)
+        emit(f"installed no-side-streams: {len(changed)} set to None: {', '.join(changed)}")
+
+    cls.__init__ = __init__
+
+
+def patch_uva_depth(module, depth: int) -> None:
+    real = module.set_default_max_concurrency
+
+    @functools.wraps(real, updated=())
+    def set_default_max_concurrency(n: int) -> None:
+        emit(f"installed UVA pool depth {max(n, depth)} (vLLM asked {n})")
+        real(max(n, depth))
+
+    module.set_default_max_concurrency = set_default_max_concurrency
+
+
+def install(
+    env: Mapping[str, str] = os.environ,
+    when_imported: Callable | None = None,
+) -> list[str]:
+    """Register the probes ``env`` asks for; returns their names (nothing when none is set)."""
+    points = parse_points(env.get(SYNC_ENV, ""))
+    depth = env.get(UVA_DEPTH_ENV, "").strip()
+    if not (points or depth or env.get(NO_STREAMS_ENV) == "1"):
+        return []
+    if when_imported is None:
+        from vllm_dspark_pp.patches import when_imported
+    assert when_imported is not None
+    installed: list[str] = []
+    if points:
+        sp = SyncPoints(points, parse_ranks(env.get(RANKS_ENV, "")))
+        where = f"points={','.join(sorted(points))} ranks={env.get(RANKS_ENV) or 'all'}"
+
+        def on_runner(module):
+            if sp.active("step") or sp.active("recv"):
+                emit(f"installed sync {where}: {', '.join(patch_runner(module, sp))}")
+
+        def on_model(module):
+            if points & {"prep", "embed", "layers"}:
+                emit(f"installed sync {where}: {', '.join(patch_model(module, sp))}")
+
+        when_imported(RUNNER, on_runner)
+        when_imported(MODEL, on_model)
+        installed.append(f"sync:{','.join(sorted(points))}")
+    if env.get(NO_STREAMS_ENV) == "1":
+        when_imported(MODEL, patch_side_streams)
+        installed.append("no-side-streams")
+    if depth:
+        when_imported(BUFFERS, lambda m: patch_uva_depth(m, int(depth)))
+        installed.append(f"uva-depth:{int(depth)}")
+    return installed

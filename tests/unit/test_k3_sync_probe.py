@@ -1,0 +1,201 @@
+"""The Kimi-K3 PP=2 race probes (tests/support/k3_probe/k3_sync_probe.py, docs/k3-pp-race.md) on
+stand-in classes: each probe acts where it says, on the ranks it says, and nowhere when unset.
+The GPU jobs that use them: ``K3_DIAG`` in tests/gpu/test_dsv4_k3_pp.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from support.k3_probe import k3_sync_probe as P
+
+
+def _points(points: str, ranks: str = "", rank: int = 0, fail_at: int = 0):
+    calls: list[str] = []
+    out: list[str] = []
+
+    def sync():
+        calls.append("sync")
+        if fail_at and len(calls) == fail_at:
+            raise RuntimeError("device-side assert triggered")
+
+    sp = P.SyncPoints(
+        P.parse_points(points),
+        P.parse_ranks(ranks),
+        sync=sync,
+        rank_of=lambda: rank,
+        out=out.append,
+    )
+    return sp, calls, out
+
+
+def _runner_module():
+    log: list[str] = []
+
+    class PPHandler:
+        def receive(self, batch, recv_drafts):
+            log.append("receive")
+            return True
+
+        def get_prev_sampled_outputs(self):
+            log.append("get_prev")
+
+    class DSparkPPHandler(PPHandler):  # the plugin binds a subclass under the same name
+        def broadcast(self, *a):
+            log.append("broadcast")
+
+    class GPUModelRunner:
+        def execute_model(self, so):
+            log.append("execute")
+            return "out"
+
+        def sample_tokens(self, g):
+            log.append("sample")
+            return "sampled"
+
+    return types.SimpleNamespace(GPUModelRunner=GPUModelRunner, PPHandler=DSparkPPHandler), log
+
+
+def _model_module():
+    class KimiDecoderLayer:
+        def __init__(self, i):
+            self.layer_idx = i
+
+        def forward(self, x):
+            return x + 1
+
+    class KimiLinearModel:
+        def __init__(self):
+            self.layers = [KimiDecoderLayer(0), KimiDecoderLayer(1)]
+
+        def embed_input_ids(self, ids):
+            return ids
+
+        def forward(self, ids):
+            h = self.embed_input_ids(ids)
+            for layer in self.layers:
+                h = layer.forward(h)
+            return h
+
+    class KimiLinearForCausalLM:
+        def __init__(self):
+            self.model = KimiLinearModel()
+
+        def forward(self, ids):
+            return self.model.forward(ids)
+
+    return types.SimpleNamespace(
+        KimiDecoderLayer=KimiDecoderLayer,
+        KimiLinearModel=KimiLinearModel,
+        KimiLinearForCausalLM=KimiLinearForCausalLM,
+    )
+
+
+def test_step_and_recv_points_sync_after_each_call_on_the_selected_rank():
+    module, log = _runner_module()
+    sp = P.SyncPoints(
+        P.parse_points("step,recv"), P.parse_ranks("0"), sync=lambda: log.append("sync"),
+        rank_of=lambda: 0, out=log.append,
+    )  # fmt: skip
+    done = P.patch_runner(module, sp)
+    runner, handler = module.GPUModelRunner(), module.PPHandler()
+    assert runner.execute_model(None) == "out" and runner.sample_tokens(None) == "sampled"
+    assert handler.receive(None, False) is True
+    handler.get_prev_sampled_outputs()
+    handler.broadcast()
+    steps = ["execute", "sample", "receive", "get_prev", "broadcast"]
+    assert log == [x for step in steps for x in (step, "sync")]  # each sync after its call
+    assert sp.count == 5 and sp.last_clean == "after PPHandler.broadcast"
+    assert "DSparkPPHandler.receive" in done and "GPUModelRunner.sample_tokens" in done
+
+
+def test_other_ranks_and_unasked_points_do_not_sync():
+    module, _ = _runner_module()
+    sp, calls, _ = _points("step", ranks="0", rank=1)  # PP rank 1, syncs asked on rank 0 only
+    P.patch_runner(module, sp)
+    module.GPUModelRunner().execute_model(None)
+    module.PPHandler().receive(None, False)  # "recv" not asked: not wrapped
+    assert calls == []
+    assert P.parse_ranks("") is None and P.parse_ranks("all") is None
+    assert P.parse_ranks("0,1") == {0, 1}
+
+
+def test_model_points_name_the_interval_of_the_first_failing_kernel():
+    module = _model_module()
+    sp, calls, out = _points("prep,embed,layers", fail_at=4)  # entry, embed, layer 0, layer 1
+    P.patch_model(module, sp)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        module.KimiLinearForCausalLM().forward(1)
+    assert len(calls) == 4
+    assert out == [
+        "CUDA error first seen at 'after layer 1' (sync #4); last clean sync 'after layer 0': "
+        "RuntimeError: device-side assert triggered"
+    ]
+
+
+def test_model_points_in_order_when_nothing_fails():
+    module = _model_module()
+    labels: list[str] = []
+    sp, _, _ = _points("prep,embed,layers")
+    real_hit = sp.hit
+    sp.hit = lambda label: (labels.append(label), real_hit(label))[1]
+    P.patch_model(module, sp)
+    assert module.KimiLinearForCausalLM().forward(1) == 3
+    assert labels == [
+        "forward entry", "after embedding", "after layer 0", "after layer 1", "forward exit"
+    ]  # fmt: skip
+
+
+def test_no_side_streams_sets_every_stream_to_none_and_nothing_else():
+    class Stream:
+        pass
+
+    class Mod:
+        def __init__(self, **attrs):
+            self.__dict__.update(attrs)
+
+    moe = Mod(_down_proj_stream=Stream(), other=Stream())
+    mla = Mod(aux_stream=Stream(), _gate_events=("e0", "e1"))
+    kda = Mod(_projection_aux_stream=Stream())
+    shared = Mod(_stream=Stream())
+    plain = Mod(aux_stream=None)
+    model = types.SimpleNamespace(
+        named_modules=lambda: [
+            ("", plain),
+            ("moe", moe),
+            ("mla", mla),
+            ("kda", kda),
+            ("sh", shared),
+        ]
+    )
+    changed = P.null_side_streams(model, lambda x: isinstance(x, Stream))
+    assert changed == ["moe._down_proj_stream", "mla.aux_stream", "kda._projection_aux_stream",
+                       "sh._stream"]  # fmt: skip
+    assert moe._down_proj_stream is None and mla.aux_stream is None
+    assert kda._projection_aux_stream is None and shared._stream is None
+    assert isinstance(moe.other, Stream) and mla._gate_events == ("e0", "e1")
+
+
+def test_uva_depth_raises_the_pool_depth_but_never_lowers_it():
+    asked: list[int] = []
+    module = types.SimpleNamespace(set_default_max_concurrency=asked.append)
+    P.patch_uva_depth(module, 8)
+    module.set_default_max_concurrency(3)
+    module.set_default_max_concurrency(12)
+    assert asked == [8, 12]
+
+
+def test_install_registers_only_what_the_environment_asks():
+    hooks: list[str] = []
+
+    def when_imported(name, cb):
+        hooks.append(name)
+
+    assert P.install({}, when_imported) == [] and hooks == []
+    got = P.install(
+        {P.SYNC_ENV: "step,layers", P.NO_STREAMS_ENV: "1", P.UVA_DEPTH_ENV: "8"}, when_imported
+    )
+    assert got == ["sync:layers,step", "no-side-streams", "uva-depth:8"]
+    assert hooks == [P.RUNNER, P.MODEL, P.MODEL, P.BUFFERS]
+    with pytest.raises(ValueError, match="unknown points"):
+        P.install({P.SYNC_ENV: "stepp"}, when_imported)
