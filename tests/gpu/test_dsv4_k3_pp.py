@@ -104,10 +104,10 @@ K3_DIAG: dict[str, tuple[list[str], dict[str, str], dict[int, dict[str, str]]]] 
     "sync_prep": ([], {"DSPARK_TEST_K3_SYNC": "prep", "DSPARK_TEST_K3_SYNC_RANKS": "0"}, {}),
     # ... after every PP handler call (the sampled-token exchange landed) ...
     "sync_recv": ([], {"DSPARK_TEST_K3_SYNC": "recv", "DSPARK_TEST_K3_SYNC_RANKS": "0"}, {}),
-    # ... and inside the forward, to name the interval of the failing kernel
+    # ... and at all of those and inside the forward, to name the interval of the failing kernel
     "locate": (
         [],
-        {"DSPARK_TEST_K3_SYNC": "prep,embed,layers", "DSPARK_TEST_K3_SYNC_RANKS": "0"},
+        {"DSPARK_TEST_K3_SYNC": "step,recv,prep,embed,layers", "DSPARK_TEST_K3_SYNC_RANKS": "0"},
         {},
     ),
     # vLLM's UVA staging pools 8 deep instead of max_concurrent_batches (3)
