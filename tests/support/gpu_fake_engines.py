@@ -1,7 +1,7 @@
 """A pytest plugin that runs the DSV4/K3 GPU groups' tests on CPU with FAKE engines: checks the
 wiring (which engines a mode starts, with which arguments, and that the tests' assertions pass and
 fail on the counters they are given), never vLLM. Written for the trained mode of issue 26, which
-no GPU has run yet.
+no GPU has run yet; the default dummy mode (k=4) runs too (19 passed, 12 skipped, 2026-12-05).
 
     DSPARK_FAKE_MODELS=<dir holding k3-pair/ and dsv4-pair/> DSPARK_DSV4K3_WEIGHTS=trained \\
     PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/gpu python -m pytest -p support.gpu_fake_engines \\
@@ -15,12 +15,13 @@ Fakes: ``support.gpu.run_llm``, ``support.pd_run.run_pd``, ``dspark_dev.pp_launc
 nothing called; its ``env()`` is ``DSPARK_FAKE_NCCL_GUARD=1``, so the calls show which launchers
 got it) and ``gpu_common.require_cuda``; the GPU markers' skips are lifted. Every engine
 answers the same tokens for a prompt (greedy parity holds) and trained-looking counters at the
-speculative config's k ([36, 30, 25, 20, 15, 10, 4] of 40 drafts); the NaN-norm PD control
+speculative config's k ([36, 30, 25, 20, 15, 10, 4] of 40 drafts, cut to k; a PP deployment's
+served counters follow its own k); the NaN-norm PD control
 accepts nothing, the subtle control [30, 20, 12, 8, 5, 3, 2], and an engine started with
 ``VLLM_DSPARK_PP_SKIP_PATCHES`` fails at start-up. ``DSPARK_FAKE_MUTATION`` breaks one thing, for
 showing that a check fails: ``subtle_same`` (the subtle control accepts like the PD run),
 ``pos6_zero`` (draft position 6 never accepts), ``nan_leaks`` (the NaN-norm control accepts 6 %),
-``pp2_low`` (PP=2 accepts less than PP=1),
+``pp2_low`` (PP=2 accepts less than PP=1 at its last two positions),
 ``skip_starts`` (the split-skipped engine starts), ``nccl_stub_called`` (a launcher reached a
 stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange). A fake
 PD run answers as its proxy and launchers would: every request through both sides, one log per
@@ -128,7 +129,8 @@ def pytest_configure(config):
         def __init__(self, name, target, **kw):
             CALLS.append(["pp", name, target, kw.get("spec"), kw.get("base_args")])
             self.k = (kw.get("spec") or {}).get("num_speculative_tokens", 0)
-            self.nodes, self.url = [Node(), Node()], "fake"
+            # the served counters follow this deployment's k (dummy mode drafts 4, trained 7)
+            self.nodes, self.url = [Node(), Node()], f"fake://{name}/k{self.k}"
 
         def start(self):
             pass
@@ -144,7 +146,8 @@ def pytest_configure(config):
 
     def serve_waves(url, model, waves, max_tokens, *, ignore_eos=False, timeout_s=120.0):
         CALLS.append(["serve", model, max_tokens, ignore_eos])
-        per = GOOD if MUTATION != "pp2_low" else [36, 30, 25, 20, 15, 1, 0]
+        k = int(url.rsplit("/k", 1)[1]) if url.startswith("fake://") else len(GOOD)
+        per = _good(k) if MUTATION != "pp2_low" else [*_good(k)[:-2], 1, 0]
         return [t for w in waves for t in _tokens(w)], [_counters(per) for _ in waves]
 
     class NcclStubGuard:
