@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,10 +70,63 @@ def save_artifact(name: str, text: str, limit: int = 2_000_000) -> str | None:
     return str(path)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(tries: int = 200) -> int:
+    """A port that is free now, drawn at random from 20000-59999 (not the kernel's ephemeral
+    pick: two processes asking at once were handed the same port on the H200, 2026-12-05)."""
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(tries):
+        port = rng.randrange(20000, 60000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """Pids with a TCP socket listening on ``port`` (Linux ``/proc``); None where ``/proc``
+    cannot tell (another OS, or no permission)."""
+    inodes = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if not os.path.exists(table):
+                continue
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                        inodes.add(f"socket:[{cols[9]}]")
+    except OSError:
+        return None
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}") in inodes for fd in fds):
+                pids.add(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def port_served_by(port: int, group_leader: int) -> bool | None:
+    """Whether a process of ``group_leader``'s process group listens on ``port`` (None: cannot
+    tell). A ``/health`` that answers from another process means another server holds the port."""
+    pids = listening_pids(port)
+    if not pids:  # nothing readable listens there (another namespace, no permission)
+        return None
+    for pid in pids:
+        try:
+            if group_leader in (os.getpgid(pid), os.getsid(pid)):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def free_port_block(width: int = 50, tries: int = 200) -> int:
@@ -135,13 +189,24 @@ def wait_for_health(
     """
     t0 = time.monotonic()
     next_note = t0 + progress_every_s
+    port = urllib.parse.urlsplit(url).port
+    foreign_noted = False
     while True:
         if proc.poll() is not None:
             return "exited"
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
+                ours = None if port is None else port_served_by(port, proc.pid)
+                if r.status == 200 and ours is not False:
                     return "ready"
+                if r.status == 200 and not foreign_noted:  # not ours: keep waiting for ours
+                    foreign_noted = True
+                    print(
+                        f"[serve] {url}/health answers, but no process of group {proc.pid} "
+                        "listens on that port (another server holds it); waiting for ours",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         except (urllib.error.URLError, OSError, TimeoutError):
             pass
         now = time.monotonic()
