@@ -18,7 +18,12 @@ GPU: the same without the CPU variables (``--dtype`` defaults to float32 either 
 tests/unit/training/test_k3_equivalence.py), in bfloat16 unless ``--dtype`` says otherwise.
 ``--compare-training`` also runs the pure-torch training modules (float32) on the same prompts:
 their greedy tokens against vLLM's no-speculation tokens, and their simulated greedy DSpark
-acceptance (``train_tiny_pair.simulate_acceptance``) beside vLLM's.
+acceptance (``train_tiny_pair.simulate_acceptance``) beside vLLM's; on CUDA only when a tiny
+``torch.linalg.solve_triangular`` works there (K3 needs it; some GPU kits' torch lacks
+libtorch_cuda_linalg.so), else on CPU, the device recorded as ``training_device``.
+``--training-only --from-json PATH`` (with the recorded run's other arguments, hence its prompts)
+runs only that comparison, afterwards and without vLLM, and writes PATH back with it added (the
+greedy-equality count is n/a there: vLLM's tokens are not recorded).
 
 Lossless check: float32 (the Qwen3 default) must give identical outputs. In bfloat16 the
 no-speculation run also returns its top-2 logprobs and the check is the GPU parity rule
@@ -66,30 +71,59 @@ def _dirs(args) -> tuple[str, str]:
     return os.path.join(args.pair, "target"), os.path.join(args.pair, "dspark-draft")
 
 
-def compare_training(args, prompts: list[str], base_tokens: list[list[int]]) -> dict:
-    """The training modules (float32, on CUDA when present) on the same prompts."""
+def training_device() -> tuple[str, str]:
+    """("cuda", "") when CUDA is present and its linear algebra works (K3's ``kda_chunked`` needs
+    ``torch.linalg.solve_triangular``; a torch without libtorch_cuda_linalg.so fails it), else
+    ("cpu", why CUDA was refused, "" when there is none)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", ""
+    try:
+        eye = torch.eye(2, device="cuda")
+        torch.linalg.solve_triangular(eye, eye, upper=False)
+        torch.cuda.synchronize()
+    except Exception as e:  # any failure: not on this CUDA
+        first = (str(e).splitlines() or [""])[0][:160]
+        return "cpu", f"CUDA solve_triangular probe failed: {type(e).__name__}: {first}"
+    return "cuda", ""
+
+
+def compare_training(args, prompts: list[str], base_tokens: list[list[int]] | None) -> dict:
+    """The training modules (float32; on CUDA when its probe passes, else CPU) on the same prompts.
+    ``base_tokens`` None (vLLM's tokens not recorded): no greedy-equality count."""
     import torch
 
     from dspark_dev.training.dsv4_train import load_dsv4_pair
     from dspark_dev.training.export import load_k3_pair, load_pair
     from dspark_dev.training.tokenizer import EOS_ID, PurePythonBPE
-    from dspark_dev.training.train_tiny_pair import greedy_generate, simulate_acceptance
+    from dspark_dev.training.train_tiny_pair import simulate_acceptance
 
     target_dir, _ = _dirs(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name, why = training_device()
+    device = torch.device(name)
     loader = {"k3": load_k3_pair, "dsv4": load_dsv4_pair}.get(args.family, load_pair)
     target, draft = loader(args.pair)
     target.to(device).eval()
     draft.to(device).eval()
     bpe = PurePythonBPE(os.path.join(target_dir, "tokenizer.json"))
     ids = [bpe.encode(p) for p in prompts]
-    same = sum(
-        greedy_generate(target, p, args.max_tokens, device) == [t for t in b if t != EOS_ID]
-        for p, b in zip(ids, base_tokens, strict=True)
+    # the simulation's completions are the training target's greedy tokens (EOS dropped)
+    mean_len, per_pos, steps, gens = simulate_acceptance(
+        draft, target, ids, args.max_tokens, device
     )
-    mean_len, per_pos, steps, _ = simulate_acceptance(draft, target, ids, args.max_tokens, device)
+    if base_tokens is None:
+        greedy = "n/a (vLLM tokens not recorded)"
+    else:
+        same = sum(
+            g == [t for t in b if t != EOS_ID] for g, b in zip(gens, base_tokens, strict=True)
+        )
+        greedy = f"{same}/{len(ids)}"
     return {
-        "training_greedy_equal_to_vllm_no_spec": f"{same}/{len(ids)}",
+        "training_device": name,
+        **({"training_device_reason": why} if why else {}),
+        "training_max_tokens": args.max_tokens,
+        "training_greedy_equal_to_vllm_no_spec": greedy,
         "training_simulated_mean_acceptance_length": mean_len,
         "training_simulated_per_position_acceptance": per_pos,
         "training_simulated_steps": steps,
@@ -152,6 +186,42 @@ def run_one(args, spec: bool) -> dict:
     }
 
 
+def _pair_label(pair: str) -> str:
+    """The pair as the JSON records it: relative to the repository when inside it."""
+    full = os.path.normpath(os.path.join(REPO, pair))  # a relative pair: from the repository
+    return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else full
+
+
+def training_only(args) -> int:
+    """The training comparison afterwards (e.g. on a CPU machine) for a recorded vLLM run."""
+    if not args.from_json:
+        raise SystemExit("--training-only needs --from-json PATH (a recorded acceptance JSON)")
+    with open(args.from_json) as f:
+        result = json.load(f)
+    missing = [k for k in ("pair", "family", "num_prompts", "k") if k not in result]
+    if missing:
+        raise SystemExit(
+            f"--from-json {args.from_json}: not a recorded acceptance JSON, missing {missing}"
+        )
+    ours = {"pair": _pair_label(args.pair), "family": args.family}
+    ours |= {"num_prompts": args.num_prompts, "k": args.k}
+    theirs = dict(result, pair=_pair_label(result["pair"]))
+    differ = [
+        f"{k}: {theirs[k]!r} recorded, {v!r} given" for k, v in ours.items() if theirs[k] != v
+    ]
+    if differ:
+        raise SystemExit(
+            f"--from-json {args.from_json} was recorded with other settings (pass the same "
+            "--pair/--family/--num-prompts/--k): " + "; ".join(differ)
+        )
+    result.update(compare_training(args, _prompts(args.num_prompts)[0], None))
+    result["training_comparison"] = f"done ({result['training_device']}, afterwards)"
+    print(json.dumps(result, indent=2), flush=True)
+    with open(args.out_json or args.from_json, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
 def main() -> int:
     from dspark_dev.parity import DEFAULT_NEAR_TIE, compare_tokens
 
@@ -159,6 +229,13 @@ def main() -> int:
     p.add_argument("--pair", default=DEFAULT_PAIR)
     p.add_argument("--family", choices=["qwen3", "k3", "dsv4"], default="qwen3")
     p.add_argument("--compare-training", action="store_true")
+    p.add_argument(
+        "--training-only",
+        action="store_true",
+        help="no vLLM: add the training comparison to the recorded --from-json (same argv "
+        "otherwise, so the same prompts), written back there or to --out-json",
+    )
+    p.add_argument("--from-json", default="")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--k", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=96)
@@ -176,6 +253,8 @@ def main() -> int:
     )
     args = p.parse_args()
     args.dtype = args.dtype or ("float32" if args.family == "qwen3" else "bfloat16")
+    if args.training_only:
+        return training_only(args)
 
     _, values = _prompts(args.num_prompts)
     base = run_one(args, spec=False)

@@ -88,3 +88,73 @@ def test_vllm_figures_are_recorded_before_the_training_comparison(monkeypatch, t
         bench.main()
     res = json.loads(out.read_text())
     assert res["mean_acceptance_length"] == 2.5 and res["training_comparison"] == "running"
+
+
+def test_training_device_probe(monkeypatch):
+    """The training comparison runs on CUDA only when a tiny ``solve_triangular`` works there (the
+    GPU kit's torch lacked libtorch_cuda_linalg.so, which K3's kda_chunked needs); else on CPU,
+    with the reason recorded."""
+    import torch
+
+    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.training_device() == ("cpu", "")
+
+    def no_linalg(*a, **k):
+        raise RuntimeError("Error in dlopen: libtorch_cuda_linalg.so: cannot open shared object")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "eye", lambda n, device=None: torch.ones(n, n).tril())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert bench.training_device() == ("cuda", "")  # the probe passes: CUDA
+    monkeypatch.setattr(torch.linalg, "solve_triangular", no_linalg)
+    name, why = bench.training_device()
+    assert name == "cpu" and "RuntimeError" in why and "libtorch_cuda_linalg.so" in why
+
+
+def _training_only(monkeypatch, tmp_path, recorded: dict, *extra: str) -> str:
+    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    path = tmp_path / "recorded.json"
+    path.write_text(json.dumps(recorded))
+    monkeypatch.setattr(bench, "compare_training", lambda *a: pytest.fail("must refuse first"))
+    argv = ["tiny_pair_acceptance.py", "--family", "k3", "--pair", "models/k3-pair"]
+    monkeypatch.setattr(sys, "argv", argv + ["--training-only", "--from-json", str(path), *extra])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert json.loads(path.read_text()) == recorded  # left as it was
+    return str(e.value)
+
+
+def test_training_only_refuses_a_json_without_the_run_settings(monkeypatch, tmp_path):
+    msg = _training_only(monkeypatch, tmp_path, {"family": "k3", "mean_acceptance_length": 3.9})
+    assert "not a recorded acceptance JSON" in msg and "['pair', 'num_prompts', 'k']" in msg
+    rec = {"pair": "models/k3-pair", "family": "k3", "num_prompts": 64, "k": 7}
+    msg = _training_only(monkeypatch, tmp_path, rec, "--num-prompts", "8")  # other prompts: refused
+    assert "num_prompts: 64 recorded, 8 given" in msg
+
+
+def test_training_only_adds_the_comparison_afterwards(monkeypatch, tmp_path):
+    """``--training-only --from-json``: the training modules (the tiny Qwen3 pair, two prompts,
+    CUDA refused by the probe) added to the recorded JSON, vLLM's figures kept."""
+    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    path = tmp_path / "acc.json"
+    rec = {"pair": "models/tiny-pair", "family": "qwen3", "num_prompts": 2, "k": 7}
+    path.write_text(
+        json.dumps(dict(rec, mean_acceptance_length=2.5, training_comparison="running"))
+    )
+    monkeypatch.setattr(bench, "training_device", lambda: ("cpu", "probe refused"))
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["tiny_pair_acceptance.py", "--num-prompts", "2", "--max-tokens", "4"]
+        + ["--training-only", "--from-json", str(path)],
+    )
+    assert bench.main() == 0
+    res = json.loads(path.read_text())
+    assert (
+        res["mean_acceptance_length"] == 2.5
+        and res["training_comparison"] == "done (cpu, afterwards)"
+    )
+    assert res["training_device"] == "cpu" and res["training_device_reason"] == "probe refused"
+    assert res["training_greedy_equal_to_vllm_no_spec"] == "n/a (vLLM tokens not recorded)"
+    assert res["training_simulated_steps"] > 0 and res["training_max_tokens"] == 4
