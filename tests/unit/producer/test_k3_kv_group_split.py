@@ -240,3 +240,25 @@ def test_k3_plan_keeps_mooncakes_configured_block_size(
     configured = cfg.cache_config.block_size
     assert transfer_block_size(plan, configured) == configured
     assert transfer_block_size(plan, configured + 1) == configured + 1  # vLLM's value, untouched
+
+
+def test_bundled_k3_pair_merges_without_the_patch(plugin, dist_env, monkeypatch):
+    """The bundled trained pair (models/k3-pair) has the geometry that merges: on the H200
+    (2026-12-05) its DSpark run with the patch skipped therefore served a merged group, and its
+    output, acceptance and logprobs equalled the split run's (docs/results/gpu-dsv4-k3.md, run 5).
+    Hybrid KDA + MLA stack, block-outermost layout: the plan the GPU engine makes."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "models" / "k3-pair"
+    pair = tiny_mla_targets.TinyPair(str(root / "k3-target"), str(root / "k3-dspark"), "kimi-k3")
+    cfg, specs, draft_layers = _specs_of(pair, "full", monkeypatch)
+    target_mla = _check_geometry(specs, draft_layers)
+    _assert_apart(_groups(cfg, specs, "BLNHC"), target_mla, draft_layers)
+    split_patch.remove()
+    try:
+        merged = _groups(cfg, specs, "BLNHC")
+    finally:
+        split_patch.apply()
+    print(*_describe(merged), sep="\n")
+    with pytest.raises(AssertionError):
+        _assert_apart(merged, target_mla, draft_layers)
