@@ -18,8 +18,11 @@ block size and KV dtype equal the target's (Kimi-K3 target MLA and the K3 DSpark
 them apart), the draft layers join the target's group and the target's group spec says
 non-causal; a metadata builder covering target and draft layers (same backend and query heads)
 is built non-causal-capable. Upstream reports NaN logits from the first token, acceptance 0 and
-an illegal memory access under CUDA graph capture on Kimi-K3 DSpark. Our prefill-only producer
-registers the same spec, and a PD pair must group the draft the same way on both sides.
+an illegal memory access under CUDA graph capture on Kimi-K3 DSpark; measured here (one H200,
+2026-12-05, the trained tiny K3 pair, whose draft does merge without this patch) skipping it
+changed nothing: same tokens, acceptance and logprobs (docs/results/gpu-dsv4-k3.md, run 5). Our
+prefill-only producer registers the same spec, and a PD pair must group the draft the same way on
+both sides.
 
 UPSTREAM: vLLM PR #56952 ("[Bugfix][Kimi K3] Split DSpark draft out of the target MLA KV
 group", closed unmerged; it tags the draft spec with a model version instead).
