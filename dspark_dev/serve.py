@@ -76,13 +76,18 @@ def free_port(tries: int = 200) -> int:
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(tries):
         port = rng.randrange(20000, 60000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if _can_bind(port):
             return port
     raise RuntimeError("no free port found")
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def listening_pids(port: int) -> set[int] | None:
@@ -134,15 +139,7 @@ def free_port_block(width: int = 50, tries: int = 200) -> int:
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(tries):
         base = rng.randrange(20000, 60000 - width)
-        ok = True
-        for p in range(base, base + width, 7):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        if all(_can_bind(p) for p in range(base, base + width, 7)):
             return base
     raise RuntimeError("no free port block found")
 

@@ -99,7 +99,7 @@ def test_gate_passes_and_fails_readably():
 
 def test_a_gated_config_with_a_null_threshold_fails_until_measured():
     """``ci: cpu`` / ``ci: gpu`` configs cannot pass while a needed threshold is null (the K3 and
-    DeepSeek-V4 pairs' GPU configs are written before a GPU has measured them); ``ci: manual``
+    DeepSeek-V4 pairs' GPU configs were written before a GPU had measured them); ``ci: manual``
     ones record."""
     spec = {"speculative_config": {"method": "dspark"}}
     for ci in ("gpu", "cpu"):
