@@ -115,6 +115,9 @@ K3_DIAG: dict[str, tuple[list[str], dict[str, str], dict[int, dict[str, str]]]] 
     # PyTorch's CUDA sanitizer on launcher 0: names both accesses of an unsynchronised
     # cross-stream pair of torch ops (Triton launches and NCCL's own streams are invisible to it)
     "csan_r0": ([], {}, {0: {"TORCH_CUDA_SANITIZER": "1"}}),
+    # Programmatic Dependent Launch off (the Triton kernels that ask the platform launch in plain
+    # stream order): a PDL-launched kernel that reads before its gdc_wait races its predecessor
+    "nopdl": ([], {"DSPARK_TEST_K3_NO_PDL": "1"}, {}),
 }
 STOCK_DIAG = ("probe", "blocking")
 #: diagnosis variants that start only when DSPARK_DSV4K3_PP_JOBS names them (twelve PP=2

@@ -199,3 +199,21 @@ def test_install_registers_only_what_the_environment_asks():
     assert hooks == [P.RUNNER, P.MODEL, P.MODEL, P.BUFFERS]
     with pytest.raises(ValueError, match="unknown points"):
         P.install({P.SYNC_ENV: "stepp"}, when_imported)
+
+
+def test_no_pdl_makes_the_platform_answer_false_and_is_registered_alone():
+    class CudaPlatformBase:
+        @classmethod
+        def is_arch_support_pdl(cls) -> bool:
+            return True
+
+    class CudaPlatform(CudaPlatformBase):
+        pass
+
+    module = types.SimpleNamespace(CudaPlatformBase=CudaPlatformBase)
+    assert CudaPlatform.is_arch_support_pdl()
+    P.patch_no_pdl(module)
+    assert CudaPlatform.is_arch_support_pdl() is False  # the subclass vLLM instantiates too
+    hooks: list[str] = []
+    got = P.install({P.NO_PDL_ENV: "1"}, lambda name, cb: hooks.append(name))
+    assert got == ["no-pdl"] and hooks == [P.CUDA_PLATFORM]

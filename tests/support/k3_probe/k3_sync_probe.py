@@ -17,6 +17,11 @@
   stream) is set to ``None``, so each of those pairs runs in order on the current stream.
 * ``DSPARK_TEST_K3_UVA_DEPTH=<n>``: vLLM's UVA staging pools (``buffer_utils.UvaBufferPool``,
   reused round robin) get at least ``n`` slots instead of ``max_concurrent_batches``.
+* ``DSPARK_TEST_K3_NO_PDL=1``: the CUDA platform reports no Programmatic Dependent Launch, so the
+  Triton kernels that ask ``current_platform.is_arch_support_pdl()`` (KDA's short convolution,
+  recurrent kernels and metadata staging, the Mamba state gathers) launch in plain stream order.
+  A kernel launched with PDL may start before its predecessor finished and must wait
+  (``gdc_wait``) before reading its inputs; ``CUDA_LAUNCH_BLOCKING=1`` removes that overlap too.
 
 Every probe prints what it installed (``K3_SYNC_PROBE installed ...``) so a log shows it acted.
 Eager engines only: the sync points are Python wrappers a compiled graph does not call.
@@ -33,12 +38,14 @@ SYNC_ENV = "DSPARK_TEST_K3_SYNC"
 RANKS_ENV = "DSPARK_TEST_K3_SYNC_RANKS"
 NO_STREAMS_ENV = "DSPARK_TEST_K3_NO_SIDE_STREAMS"
 UVA_DEPTH_ENV = "DSPARK_TEST_K3_UVA_DEPTH"
+NO_PDL_ENV = "DSPARK_TEST_K3_NO_PDL"
 POINTS = ("step", "prep", "embed", "layers", "recv")
 #: module attributes holding a side stream in vLLM 0.34.0's Kimi-K3 path (docs/k3-pp-race.md)
 STREAM_ATTRS = ("_down_proj_stream", "aux_stream", "_projection_aux_stream", "_stream")
 RUNNER = "vllm.v1.worker.gpu.model_runner"
 MODEL = "vllm.models.kimi_k3.nvidia.model"
 BUFFERS = "vllm.v1.worker.gpu.buffer_utils"
+CUDA_PLATFORM = "vllm.platforms.cuda"
 PP_HANDLER_METHODS = ("receive", "get_prev_sampled_outputs", "broadcast", "broadcast_drafts")
 
 
@@ -210,6 +217,17 @@ def patch_uva_depth(module, depth: int) -> None:
     module.set_default_max_concurrency = set_default_max_concurrency
 
 
+def patch_no_pdl(module) -> None:
+    """``CudaPlatformBase.is_arch_support_pdl`` answers False (it is a cached classmethod in
+    vLLM 0.34.0; replacing it before any kernel asks leaves no cached True behind)."""
+
+    def is_arch_support_pdl(cls) -> bool:
+        return False
+
+    module.CudaPlatformBase.is_arch_support_pdl = classmethod(is_arch_support_pdl)
+    emit("installed no-PDL: CudaPlatformBase.is_arch_support_pdl -> False")
+
+
 def install(
     env: Mapping[str, str] = os.environ,
     when_imported: Callable | None = None,
@@ -217,7 +235,8 @@ def install(
     """Register the probes ``env`` asks for; returns their names (nothing when none is set)."""
     points = parse_points(env.get(SYNC_ENV, ""))
     depth = env.get(UVA_DEPTH_ENV, "").strip()
-    if not (points or depth or env.get(NO_STREAMS_ENV) == "1"):
+    no_pdl = env.get(NO_PDL_ENV) == "1"
+    if not (points or depth or no_pdl or env.get(NO_STREAMS_ENV) == "1"):
         return []
     if when_imported is None:
         from vllm_dspark_pp.patches import when_imported
@@ -244,4 +263,7 @@ def install(
     if depth:
         when_imported(BUFFERS, lambda m: patch_uva_depth(m, int(depth)))
         installed.append(f"uva-depth:{int(depth)}")
+    if no_pdl:
+        when_imported(CUDA_PLATFORM, patch_no_pdl)
+        installed.append("no-pdl")
     return installed
