@@ -147,6 +147,19 @@ def transport_evidence(texts: list[str]) -> dict:
 HANDSHAKE = re.compile(r"PP handshake: (\d+) ranks agree")
 
 
+RANK_LINE = re.compile(
+    r"rank (\d+) in world size (\d+) is assigned as DP rank \d+, PP rank (\d+), PCP rank \d+, "
+    r"TP rank (\d+)"
+)
+
+
+def rank_assignments(texts: list[str]) -> list[list[tuple[int, ...]]]:
+    """Per launcher log: vLLM's ``rank R in world size W is assigned as ... PP rank P ... TP rank
+    T`` lines (one per worker process, from ``initialize_model_parallel``), as ``(R, W, P, T)``.
+    A TP x PP deployment whose ranks all joined shows ``[(R, T*N, R // T, R % T)]`` in log R."""
+    return [sorted({tuple(int(x) for x in m) for m in RANK_LINE.findall(t)}) for t in texts]
+
+
 def handshake_sizes(texts: list[str]) -> list[int]:
     """The rank counts of every ``PP handshake: N ranks agree`` line, in log order (one line per
     PP group today, ``N`` = PP; a handshake over the whole TP x PP world may log ``N`` = TP*PP)."""

@@ -176,3 +176,14 @@ def test_handshake_sizes_read_either_line_form():
     ]
     assert pp_launch.handshake_sizes(logs) == [2, 4]
     assert pp_launch.handshake_sizes(["no handshake"]) == []
+
+
+def test_rank_assignments_name_each_launchers_rank():
+    line = (
+        "(Worker pid=9) INFO 12-05 10:00:00 [parallel_state.py:2394] rank {r} in world size 4 is "
+        "assigned as DP rank 0, PP rank {p}, PCP rank 0, TP rank {t}, ETP rank 0, EP rank N/A, "
+        "EPLB rank N/A\n"
+    )
+    logs = [line.format(r=r, p=r // 2, t=r % 2) for r in range(4)] + ["no worker line"]
+    got = pp_launch.rank_assignments(logs)
+    assert got == [[(0, 4, 0, 0)], [(1, 4, 0, 1)], [(2, 4, 1, 0)], [(3, 4, 1, 1)], []]
