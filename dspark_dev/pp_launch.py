@@ -1,20 +1,33 @@
-"""PP deployments built from vLLM's own multi-node launchers, one PP stage per launcher.
+"""PP (and TP x PP) deployments built from vLLM's own multi-node launchers, one rank per launcher.
 
 ``vllm serve TARGET -pp N --nnodes N --node-rank R --master-addr 127.0.0.1 --master-port P``
 for R = 0 .. N-1 (every node but 0 ``--headless``): each launcher runs one stage, node 0 also
-the API server and the engine core. The CPU end-to-end tier (tests/e2e/test_multi_node.py), the
+the API server and the engine core.
+
+TP x PP (``tp`` > 1): ``-tp T -pp N --nnodes T*N``. vLLM's launcher puts ``world_size / nnodes``
+ranks on each node, so every launcher holds exactly one rank, and since vLLM orders the global
+ranks as ``pp_rank * tp + tp_rank`` (``initialize_model_parallel`` in
+vllm/distributed/parallel_state.py) and a node's first rank is ``node_rank * ranks_per_node``,
+launcher R holds global rank R: PP stage ``R // T``, TP rank ``R % T``. Node 0 (stage 0, TP rank
+0) runs the API server. The CPU end-to-end tier (tests/e2e/test_multi_node.py), the
 one-GPU PP tier (tests/gpu/test_pp_one_gpu.py) and the served PP benchmark
 (benchmarks/serve_pp_one_gpu.py) start their deployments here, so the launcher composition exists
 once (in dspark_dev, because a benchmark shares it).
 
 GPU layouts (knob :data:`LAYOUT_ENV`):
 
-* ``shared`` (default): every stage on GPU 0. NCCL refuses two ranks on one device ("Duplicate
+* ``shared`` (default): every rank on GPU 0. NCCL refuses two ranks on one device ("Duplicate
   GPU detected") unless each process reports its own host: each launcher gets its own
-  ``NCCL_HOSTID``, and NCCL then joins them with its socket transport over loopback
-  (``NCCL_SOCKET_IFNAME=lo``). Correct, not fast: both stages share one GPU's compute and the
-  wire is a socket (about 2.6 GB/s measured on the H200), so only ratios mean anything there.
-* ``per-stage``: stage R on GPU R (a machine with at least N GPUs), NCCL picks its transport.
+  ``NCCL_HOSTID`` (``{tag}-rank{R}``), and NCCL then joins them with its socket transport over
+  loopback (``NCCL_SOCKET_IFNAME=lo``). Correct, not fast: the ranks share one GPU's compute and
+  the wire is a socket (about 2.6 GB/s measured on the H200), so only ratios mean anything there.
+* ``per-stage``: launcher R (global rank R) on GPU R (a machine with at least T*N GPUs), NCCL
+  picks its transport.
+
+With ``tp`` > 1 on the GPU every launcher also gets ``--disable-custom-all-reduce``
+(:func:`device_args`): vLLM's custom all-reduce of a TP group looks up the P2P access of the
+group's ranks by indexing this process's visible devices with the TP rank, and a launcher here
+sees one device only, so every rank but TP rank 0 died at start on the H100 without the flag.
 
 Memory: several engines share one GPU, so every stage gets a fixed KV budget
 (``--kv-cache-memory-bytes``, which also skips vLLM's memory profile: that profile measures the
@@ -48,7 +61,7 @@ def layout(value: str | None = None) -> str:
 
 
 def stage_env(rank: int, *, device: str, gpu_layout: str = SHARED, tag: str = "dspark") -> dict:
-    """The environment of the launcher that runs PP stage ``rank``.
+    """The environment of launcher ``rank`` (global rank ``rank``; the PP stage when TP=1).
 
     ``device`` "cpu": nothing (the CPU platform needs no device settings). "gpu": the layout's
     device and NCCL settings (module docstring).
@@ -61,9 +74,22 @@ def stage_env(rank: int, *, device: str, gpu_layout: str = SHARED, tag: str = "d
         return {"CUDA_VISIBLE_DEVICES": str(rank)}
     return {
         "CUDA_VISIBLE_DEVICES": "0",
-        "NCCL_HOSTID": f"{tag}-stage{rank}",
+        "NCCL_HOSTID": f"{tag}-rank{rank}",
         "NCCL_SOCKET_IFNAME": "lo",
     }
+
+
+def device_args(*, tp: int, device: str) -> list[str]:
+    """``vllm serve`` flags every launcher of a ``tp`` x PP deployment needs on ``device``:
+    ``--disable-custom-all-reduce`` on the GPU when TP > 1 (module docstring: one visible device
+    per launcher, in either layout), nothing else."""
+    return ["--disable-custom-all-reduce"] if device == "gpu" and tp > 1 else []
+
+
+def rank_place(rank: int, *, tp: int) -> tuple[int, int]:
+    """(PP stage, TP rank) of launcher ``rank``: vLLM's global rank is ``pp_rank * tp + tp_rank``
+    and launcher R holds global rank R."""
+    return divmod(rank, tp)
 
 
 def launcher_argv(
@@ -76,21 +102,28 @@ def launcher_argv(
     spec: dict | None,
     base_args: list[str] | None = None,
     extra: list[str] = (),
+    tp: int = 1,
+    device: str = "cpu",
 ) -> list[str]:
-    """The ``vllm serve`` command of launcher ``rank`` of a ``pp``-stage deployment."""
-    if not 0 <= rank < pp:
-        raise ValueError(f"rank {rank} outside 0..{pp - 1}")
+    """The ``vllm serve`` command of launcher ``rank`` of a ``tp`` x ``pp`` deployment (one rank
+    per launcher: ``--nnodes tp*pp``)."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    world = tp * pp
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside 0..{world - 1}")
     nodes = [
-        "--nnodes", str(pp), "--node-rank", str(rank),
+        "--nnodes", str(world), "--node-rank", str(rank),
         "--master-addr", "127.0.0.1", "--master-port", str(master_port),
     ]  # fmt: skip
     return serve_argv(
         target,
         pp=pp,
+        tp=tp,
         spec=spec,
         port=api_port if rank == 0 else None,
         base=base_args,
-        extra=[*nodes, *extra],
+        extra=[*nodes, *device_args(tp=tp, device=device), *extra],
     )
 
 
@@ -107,8 +140,30 @@ def transport_evidence(texts: list[str]) -> dict:
         "nccl_comms": sorted({(int(a), int(b)) for a, b in NCCL_COMM.findall(text)}),
         "nccl_socket": "NET/Socket" in text,
         "exchange_backends": sorted(set(EXCHANGE.findall(text))),
-        "handshake": bool(re.search(r"PP handshake: \d+ ranks agree", text)),
+        "handshake": bool(HANDSHAKE.search(text)),
     }
+
+
+HANDSHAKE = re.compile(r"PP handshake: (\d+) ranks agree")
+
+
+RANK_LINE = re.compile(
+    r"rank (\d+) in world size (\d+) is assigned as DP rank \d+, PP rank (\d+), PCP rank \d+, "
+    r"TP rank (\d+)"
+)
+
+
+def rank_assignments(texts: list[str]) -> list[list[tuple[int, ...]]]:
+    """Per launcher log: vLLM's ``rank R in world size W is assigned as ... PP rank P ... TP rank
+    T`` lines (one per worker process, from ``initialize_model_parallel``), as ``(R, W, P, T)``.
+    A TP x PP deployment whose ranks all joined shows ``[(R, T*N, R // T, R % T)]`` in log R."""
+    return [sorted({tuple(int(x) for x in m) for m in RANK_LINE.findall(t)}) for t in texts]
+
+
+def handshake_sizes(texts: list[str]) -> list[int]:
+    """The rank counts of every ``PP handshake: N ranks agree`` line, in log order (one line per
+    PP group today, ``N`` = PP; a handshake over the whole TP x PP world may log ``N`` = TP*PP)."""
+    return [int(n) for t in texts for n in HANDSHAKE.findall(t)]
 
 
 @dataclass
@@ -118,6 +173,12 @@ class Deployment:
     name: str
     nodes: list[Server]
     started_at: float = field(default_factory=time.monotonic)
+    tp: int = 1
+    pp: int = 0  # 0: len(nodes) (a PP-only deployment)
+
+    @property
+    def stages(self) -> int:
+        return self.pp or len(self.nodes)
 
     @property
     def head(self) -> Server:
@@ -181,16 +242,21 @@ def deployment(
     env_per_rank: dict[int, dict] | None = None,
     spec_per_rank: dict[int, dict] | None = None,
     own_cache: bool = True,
+    tp: int = 1,
 ) -> Deployment:
-    """A ``pp``-stage deployment (not started). ``env`` goes to every launcher,
+    """A ``tp`` x ``pp`` deployment (not started): ``tp * pp`` launchers, launcher R holding global
+    rank R (PP stage ``R // tp``, TP rank ``R % tp``). ``env`` goes to every launcher,
     ``env_per_rank[r]`` / ``spec_per_rank[r]`` to launcher ``r`` only (fault cases)."""
-    if pp < 2:
-        raise ValueError("a launcher deployment needs pp >= 2 (PP=1 is a plain vllm serve)")
+    if tp < 1 or pp < 1 or tp * pp < 2:
+        raise ValueError(
+            f"a launcher deployment needs pp >= 2 or tp >= 2 (got tp={tp} pp={pp}; "
+            "TP=1 PP=1 is a plain vllm serve)"
+        )
     chosen = layout(gpu_layout) if device == "gpu" else SHARED
     api_port, master_port = free_port(), free_port()
     cache = Path(tempfile.mkdtemp(prefix=f"dspark-{name}-cache-")) if own_cache else None
     nodes = []
-    for rank in range(pp):
+    for rank in range(tp * pp):
         node_env = {**stage_env(rank, device=device, gpu_layout=chosen, tag=name)}
         if cache is not None:  # compile caches of launchers started together must not race
             node_env["VLLM_CACHE_ROOT"] = str(cache / f"node{rank}")
@@ -205,18 +271,22 @@ def deployment(
             spec=(spec_per_rank or {}).get(rank, spec),
             base_args=base_args,
             extra=list(extra),
+            tp=tp,
+            device=device,
         )
+        stage, tp_rank = rank_place(rank, tp=tp)
+        where = f" (PP stage {stage}, TP rank {tp_rank})" if tp > 1 else ""
         nodes.append(
             Server(
                 argv,
                 Path(log_dir) / f"{name}_node{rank}.log",
                 env=node_env,
                 port=api_port if rank == 0 else None,
-                name=f"{name} node {rank}" + ("" if rank == 0 else " (headless)"),
+                name=f"{name} node {rank}{where}" + ("" if rank == 0 else " (headless)"),
                 cpu=device == "cpu",
             )
         )
-    return Deployment(name, nodes)
+    return Deployment(name, nodes, tp=tp, pp=pp)
 
 
 def serve_waves(

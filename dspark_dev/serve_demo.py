@@ -64,12 +64,16 @@ def serve_argv(
     port: int | None = None,
     extra: list[str] | None = None,
     base: list[str] | None = None,
+    tp: int = 1,
 ) -> list[str]:
     """The ``vllm serve`` command line (``port`` None: headless, no API server); ``base``
-    replaces the CPU settings :data:`CPU_SERVE_ARGS` (a GPU deployment passes its own)."""
+    replaces the CPU settings :data:`CPU_SERVE_ARGS` (a GPU deployment passes its own);
+    ``-tp`` only when ``tp`` > 1."""
     exe = Path(sys.executable).with_name("vllm")  # the venv's console script
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     argv = [*launcher, "serve", target, "-pp", str(pp)]
+    if tp > 1:
+        argv += ["-tp", str(tp)]
     argv += CPU_SERVE_ARGS if base is None else list(base)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]

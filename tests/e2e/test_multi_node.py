@@ -17,6 +17,12 @@ the start-up handshake runs across the two launchers over that store.
 * node 1 with another ``num_speculative_tokens``: both fail at start, the message names the ranks
   and the field (opt-in, ``DSPARK_E2E_FULL=1``: the skip reason names what covers it in CI).
 
+**TP=2 x PP=2 on four launchers** (``--nnodes 4 -tp 2 -pp 2``, issue 40): vLLM puts one rank on
+each launcher, launcher R holding global rank R (PP stage R // 2, TP rank R % 2); the same 32
+prompts in one request: tokens equal PP=1 without speculation, counters equal PP=1 DSpark's (the
+two-launcher PP=2 run equals it too, so TP=1 PP=2 is the same reference), every rank logged its
+place in the 4-rank world and every PP group its handshake.
+
 **Ray** (``--distributed-executor-backend ray``): cannot run on the CPU platform of vLLM 0.34.0;
 the test says why and is skipped (see its docstring).
 
@@ -101,6 +107,60 @@ def test_two_launchers_pp2_dspark_parity(tmp_path, pair_reference, pair_pp1):
     for log in (log0, log1):
         line = log.split("DSpark PP exchange:", 1)[1].splitlines()[0]
         assert line.endswith(" over gloo"), line
+
+
+def test_four_launchers_tp2_pp2_dspark_parity(tmp_path, pair_reference, pair_pp1):
+    dep = pp_launch.deployment(
+        "tp2pp2",
+        tiny_pair.TARGET,
+        pp=2,
+        tp=2,
+        spec=tiny_pair.spec_config(),
+        log_dir=tmp_path,
+        extra=engines.pair_serve_args(),
+    )
+    t0 = time.monotonic()
+    try:
+        dep.start()
+        try:
+            ready_s = dep.wait_ready(READY_TIMEOUT_S)
+        except Exception as exc:
+            pytest.fail(f"{exc}\n{_logs(*dep.nodes)}")
+        prompts = tiny_pair.heldout_prompts(engines.PAIR_NUM_PROMPTS)
+        t1 = time.monotonic()
+        out = serve_demo.complete(dep.url, tiny_pair.TARGET, prompts, engines.PAIR_MAX_TOKENS)
+        serve_s = time.monotonic() - t1
+        metrics = serve_demo.spec_metrics(dep.url)
+        dead = dep.dead_nodes()
+        logs = [n.log_tail(10**7) for n in dep.nodes]
+    finally:
+        left = dep.stop()
+    print(
+        f"four launchers, TP=2 x PP=2 DSpark: ready {ready_s:.0f} s, served in {serve_s:.0f} s, "
+        f"{time.monotonic() - t0:.0f} s in all; {metrics}"
+    )
+    assert not left, f"launchers left processes behind: {left}"
+    assert not dead, f"launchers died while serving: {dead}"
+    assert [c["token_ids"] for c in out] == pair_reference.tokens, (
+        "TP=2 x PP=2 DSpark output differs from PP=1 no-spec"
+    )
+    assert [c["finish_reason"] for c in out] == pair_reference.finish_reasons
+    assert metrics == pair_pp1.metrics, (
+        f"spec-decode counters differ from PP=1 DSpark:\n  PP=1: {pair_pp1.metrics}\n"
+        f"  got:  {metrics}"
+    )
+    # Every launcher held exactly its own rank of the 4-rank world (rank = pp_rank * 2 + tp_rank).
+    placed = pp_launch.rank_assignments(logs)
+    assert placed == [[(r, 4, r // 2, r % 2)] for r in range(4)], placed
+    assert "world_size=4, local_world_size=1" in logs[0]
+    assert all("headless multiproc executor" in log for log in logs[1:])
+    # the handshake ran: one line per PP group (2 ranks) or one over the world (4)
+    sizes = pp_launch.handshake_sizes(logs)
+    assert sizes and set(sizes) <= {2, 4}, sizes
+    # every rank runs the exchange with its own PP group's last rank (global rank 2 + TP rank)
+    for rank, log in enumerate(logs):
+        want = f"broadcasts from PP rank {2 + rank % 2} over gloo"
+        assert want in log, f"launcher {rank}: no '{want}' line"
 
 
 def _expect_start_failure(node0, node1, limit_s: float) -> tuple[float, str]:

@@ -97,14 +97,19 @@ def _flat(waves):
     return [p for w in waves for p in w]
 
 
-def _base_args(async_scheduling: bool) -> list[str]:
+def _base_args(
+    async_scheduling: bool, *, eager: bool = False, dtype: str = PAIR_DTYPE
+) -> list[str]:
+    """Every launcher's ``vllm serve`` settings; ``eager``: no CUDA graphs (the TP x PP tier's
+    eager variants), ``dtype`` (the TP x PP tier runs bf16)."""
     if DRYRUN_CPU:
         return ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
                 "--max-num-seqs", "8", "--seed", "0"]  # fmt: skip
+    graphs = ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
     return [
-        "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
+        "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
         "--gpu-memory-utilization", MEM_SHARE, "--kv-cache-memory-bytes", str(KV_BYTES),
-        "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG),
+        *(["--enforce-eager"] if eager else graphs),
         "--async-scheduling" if async_scheduling else "--no-async-scheduling",
     ]  # fmt: skip
 
@@ -117,6 +122,11 @@ def _launcher_env(guard) -> dict:
 
 
 def _deployment(name: str, pp: int, spec: dict | None, async_scheduling: bool, guard, **kw):
+    """``kw``: ``eager`` / ``dtype`` for :func:`_base_args`, the rest (``tp``, ``env``, ...) for
+    :func:`pp_launch.deployment`."""
+    base = _base_args(
+        async_scheduling, eager=kw.pop("eager", False), dtype=kw.pop("dtype", PAIR_DTYPE)
+    )
     return pp_launch.deployment(
         name,
         tiny_pair.TARGET,
@@ -124,7 +134,7 @@ def _deployment(name: str, pp: int, spec: dict | None, async_scheduling: bool, g
         spec=spec,
         log_dir=LOG_DIR,
         device="cpu" if DRYRUN_CPU else "gpu",
-        base_args=_base_args(async_scheduling),
+        base_args=base,
         env={**_launcher_env(guard), **kw.pop("env", {})},
         **kw,
     )
@@ -172,12 +182,18 @@ def _abort_mid_stream(url: str, prompt: list[int], after_chunks: int = 4) -> dic
             "running": running}  # fmt: skip
 
 
-def _evidence(dep, pp: int) -> dict:
+def _evidence(dep, pp: int, tp: int = 1) -> dict:
     logs = [n.log_tail(10**8) for n in dep.nodes]
     text = "\n".join(logs)
     nccl_init = sorted(set(re.findall(r"nRanks (\d+) nNodes (\d+)", text)))
+    sizes = pp_launch.handshake_sizes(logs)  # N of "PP handshake: N ranks agree" (PP or TP x PP)
     return {
-        "handshake": f"PP handshake: {pp} ranks agree" in text,
+        "handshake": bool(sizes) and set(sizes) <= {pp, tp * pp},
+        "handshake_sizes": sizes,
+        "ranks": pp_launch.rank_assignments(logs),
+        "nccl_comms_per_log": [
+            sorted(set(re.findall(r"nRanks (\d+) nNodes (\d+)", log))) for log in logs
+        ],
         "exchange_backends": [
             re.findall(r"DSpark PP exchange: .*? over (\S+)", log)[-1:] for log in logs
         ],
@@ -187,10 +203,12 @@ def _evidence(dep, pp: int) -> dict:
     }
 
 
-def _served(name, pp, async_scheduling, extra_spec, waves, guard, *, abort=False):
+def _served(name, pp, async_scheduling, extra_spec, waves, guard, *, abort=False, **kw):
+    """One launcher deployment serving the waves; ``kw``: ``tp``, ``eager``, ``dtype``."""
     spec = {**tiny_pair.spec_config(), **extra_spec}
-    dep = _deployment(name, pp, spec, async_scheduling, guard)
-    out: dict = {"name": name, "pp": pp}
+    tp = kw.get("tp", 1)
+    dep = _deployment(name, pp, spec, async_scheduling, guard, **kw)
+    out: dict = {"name": name, "pp": pp, "tp": tp}
     try:
         dep.start()
         out["ready_s"] = round(dep.wait_ready(READY_S), 1)
@@ -201,7 +219,7 @@ def _served(name, pp, async_scheduling, extra_spec, waves, guard, *, abort=False
         out["alive_after"] = not dep.dead_nodes()
     finally:
         out["leftover_pids"] = dep.stop()
-        out["evidence"] = _evidence(dep, pp)
+        out["evidence"] = _evidence(dep, pp, tp)
         out["log_dir"] = str(LOG_DIR)
     return out
 
@@ -217,13 +235,13 @@ def _signal_members(dep, sig) -> None:
                 pass
 
 
-def _stock(name, async_scheduling, waves, guard) -> dict:
+def _stock(name, async_scheduling, waves, guard, *, pp: int = 2, **kw) -> dict:
     """PP=2 DSpark under the same launchers with the plugin left out: record what happens.
     Stock processes have no SIGUSR1 handler (the plugin installs it), so a hang is diagnosed
     with Python's faulthandler on SIGABRT (PYTHONFAULTHANDLER=1): every thread's stack, then
-    the process ends."""
+    the process ends. ``pp`` and ``kw`` (``tp``, ``eager``, ``dtype``): another shape."""
     env = {"VLLM_PLUGINS": "no-such-plugin", "PYTHONFAULTHANDLER": "1"}
-    dep = _deployment(name, 2, tiny_pair.spec_config(), async_scheduling, guard, env=env)
+    dep = _deployment(name, pp, tiny_pair.spec_config(), async_scheduling, guard, env=env, **kw)
     rec: dict = {"name": name, "scheduling": "async" if async_scheduling else "sync"}
     phase = "start-up"
     try:
@@ -320,14 +338,26 @@ def _fault(guard) -> dict:
     }
 
 
+def _llm(name: str, cfg: dict, waves, *, logprobs: int | None = None, dtype: str = PAIR_DTYPE):
+    """One PP=1 engine (``LLM``, the references) over the waves."""
+    from support.gpu import run_llm
+
+    llm_cfg = {"model": tiny_pair.TARGET, "dtype": dtype, "gpu_memory_utilization": 0.05, **cfg}
+    kw = {"env": dict(CPU_DRYRUN_ENV)} if DRYRUN_CPU else {}
+    if DRYRUN_CPU:
+        llm_cfg.update(CPU_DRYRUN_LLM)
+    return run_llm(
+        name, llm_cfg, waves, timeout_s=READY_S + 120, sampling=PAIR_SAMPLING, logprobs=logprobs,
+        **kw,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def pp_jobs():
     require_cuda()
     ok, why = tiny_pair.available()
     if not ok:
         pytest.skip(why)
-    from support.gpu import run_llm
-
     from dspark_dev.multi_gpu import NcclStubGuard
 
     guard = NcclStubGuard(LOG_DIR / "nccl-guard")
@@ -338,15 +368,7 @@ def pp_jobs():
     jobs = Jobs(only=ONLY, max_workers=16, knob="DSPARK_GPU_PP_JOBS")
 
     def llm(name, cfg):
-        llm_cfg = {"model": tiny_pair.TARGET, "dtype": PAIR_DTYPE, "gpu_memory_utilization": 0.05,
-                   **cfg}  # fmt: skip
-        kw = {"env": dict(CPU_DRYRUN_ENV)} if DRYRUN_CPU else {}
-        if DRYRUN_CPU:
-            llm_cfg.update(CPU_DRYRUN_LLM)
-        return run_llm(
-            name, llm_cfg, waves, timeout_s=READY_S + 120, sampling=PAIR_SAMPLING,
-            logprobs=2 if name == "pp_ref" else None, **kw,
-        )  # fmt: skip
+        return _llm(name, cfg, waves, logprobs=2 if name == "pp_ref" else None)
 
     graphs = {"compilation_config": GRAPH_COMPILATION_CONFIG}
     jobs.submit("ref", llm, "pp_ref", {"enforce_eager": True})

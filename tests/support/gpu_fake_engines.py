@@ -10,6 +10,8 @@ no GPU has run yet; the default dummy mode (k=4) runs too (19 passed, 12 skipped
     DSPARK_FAKE_MODELS=$PWD/models DSPARK_GPU_PD_PP_PAIR=tiny|dsv4|k3 PYTHONPATH=... \\
         python -m pytest -p support.gpu_fake_engines tests/gpu/test_pd_pp_producer.py
 
+    PYTHONPATH=... python -m pytest -p support.gpu_fake_engines tests/gpu/test_tp_pp_one_gpu.py
+
 Fakes: ``support.gpu.run_llm``, ``support.pd_run.run_pd``, ``dspark_dev.pp_launch.deployment`` /
 ``serve_waves``, ``dspark_dev.multi_gpu.NcclStubGuard`` (the kit's recording NCCL stub: built,
 nothing called; its ``env()`` is ``DSPARK_FAKE_NCCL_GUARD=1``, so the calls show which launchers
@@ -21,12 +23,16 @@ accepts nothing, the subtle control [30, 20, 12, 8, 5, 3, 2], and an engine star
 ``VLLM_DSPARK_PP_SKIP_PATCHES`` fails at start-up. ``DSPARK_FAKE_MUTATION`` breaks one thing, for
 showing that a check fails: ``subtle_same`` (the subtle control accepts like the PD run),
 ``pos6_zero`` (draft position 6 never accepts), ``nan_leaks`` (the NaN-norm control accepts 6 %),
-``pp2_low`` (PP=2 accepts less than PP=1 at its last two positions),
+``pp2_low`` (PP=2 accepts less than PP=1 at its last two positions), ``rank_silent`` (the last
+launcher of a deployment logged no rank line),
 ``skip_starts`` (the split-skipped engine starts), ``nccl_stub_called`` (a launcher reached a
 stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange). A fake
 PD run answers as its proxy and launchers would: every request through both sides, one log per
-producer launcher (the handshake and ``over nccl`` lines). The engine calls are written as JSON to
-``DSPARK_FAKE_CALLS`` (default: none written).
+producer launcher (the handshake and ``over nccl`` lines). A fake PP deployment has ``tp * pp``
+launchers whose logs say what real ones do: vLLM's rank line, NCCL communicators of the TP and PP
+sizes over sockets, the handshake and exchange lines (PP > 1); a client abort mid-stream
+(test_pp_one_gpu.py ``_abort_mid_stream``) reads 4 chunks and leaves nothing running. The engine
+calls are written as JSON to ``DSPARK_FAKE_CALLS`` (default: none written).
 """
 
 from __future__ import annotations
@@ -122,23 +128,41 @@ def pytest_configure(config):
         }
 
     class Node:
+        def __init__(self, rank=0, tp=1, pp=2):
+            self.text = ""
+            if MUTATION != "rank_silent" or rank < tp * pp - 1:
+                self.text += (
+                    f"rank {rank} in world size {tp * pp} is assigned as DP rank 0, PP rank "
+                    f"{rank // tp}, PCP rank 0, TP rank {rank % tp}, ETP rank 0\n"
+                )
+            for size in {s for s in (tp, pp) if s > 1}:
+                self.text += f"NCCL INFO comm 0x1 rank 0 nRanks {size} nNodes {size}\n"
+            self.text += "NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
+            if pp > 1:
+                self.text += f"PP handshake: {pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
+
         def log_tail(self, n):
-            return "PP handshake: 2 ranks agree\nDSpark PP exchange: fake over nccl\n"
+            return self.text
 
     class Deployment:
         def __init__(self, name, target, **kw):
-            CALLS.append(["pp", name, target, kw.get("spec"), kw.get("base_args")])
+            CALLS.append(["pp", name, target, kw.get("spec"), kw.get("base_args"), kw.get("tp")])
             self.k = (kw.get("spec") or {}).get("num_speculative_tokens", 0)
+            tp, pp = kw.get("tp", 1), kw.get("pp", 2)
             # the served counters follow this deployment's k (dummy mode drafts 4, trained 7)
-            self.nodes, self.url = [Node(), Node()], f"fake://{name}/k{self.k}"
+            self.nodes = [Node(r, tp, pp) for r in range(tp * pp)]
+            self.url = f"fake://{name}/k{self.k}"
 
         def start(self):
-            pass
+            return self
 
         def wait_ready(self, timeout_s):
             return 1.0
 
-        def stop(self):
+        def dead_nodes(self):
+            return []
+
+        def stop(self, grace_s=10.0):
             return []
 
     def deployment(name, target, **kw):
@@ -160,6 +184,8 @@ def pytest_configure(config):
         def env(self):
             return {"DSPARK_FAKE_NCCL_GUARD": "1"}
 
+        symbols = ["ncclCommInitRankScalable"]
+
         def calls(self):
             return ["ncclCommInitRankScalable"] if MUTATION == "nccl_stub_called" else []
 
@@ -170,8 +196,18 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    import sys
+
     for item in items:  # engines are faked: lift the no-CUDA skips
         item.own_markers = [m for m in item.own_markers if m.name != "skip"]
+    pp_tier = sys.modules.get("test_pp_one_gpu")  # imported by the TP x PP module too
+    if pp_tier is not None:
+
+        def abort_mid_stream(url, prompt, after_chunks=4):
+            CALLS.append(["abort", url, after_chunks])
+            return {"chunks_read": after_chunks, "running_after_s": 0.0, "running": 0}
+
+        pp_tier._abort_mid_stream = abort_mid_stream
 
 
 def pytest_unconfigure(config):

@@ -1,10 +1,11 @@
-"""The GPU groups of issue 26 run their wiring on CPU with fake engines (tests/support/
+"""The GPU groups of issues 26 and 40 run their wiring on CPU with fake engines (tests/support/
 gpu_fake_engines.py): which engines each mode starts, with which arguments, and that their checks
 pass on good counters and fail on bad ones. A GPU lease is short; a test module broken in a way the
 CPU can see must not be found there. Each case is the plugin's own command in a child pytest."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,6 +19,12 @@ pytestmark = pytest.mark.quick
 REPO = Path(__file__).resolve().parents[2]
 DSV4K3 = ["tests/gpu/test_dsv4_k3_engine.py", "tests/gpu/test_dsv4_k3_pp.py"]
 PD_PP = ["tests/gpu/test_pd_pp_producer.py"]
+TP_PP = ["tests/gpu/test_tp_pp_one_gpu.py"]
+# every TP x PP job but the stock control (its fake would wait on a /health that never answers)
+TP_PP_JOBS = ",".join(
+    ["ref", "pp1_async", "pp1_sync", "tp2pp2_async", "tp2pp2_sync_eager", "tp2pp2_sync",
+     "tp2pp2_eager", "tp2pp1_async", "tp1pp2_async"]
+)  # fmt: skip
 
 
 def _fake_run(modules: list[str], **env: str) -> dict[str, int]:
@@ -27,7 +34,9 @@ def _fake_run(modules: list[str], **env: str) -> dict[str, int]:
         "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("", "tests", "tests/gpu")),
         **env,
     }
-    for knob in ("DSPARK_DSV4K3_WEIGHTS", "DSPARK_GPU_PD_PP_PAIR", "DSPARK_FAKE_MUTATION"):
+    knobs = ("DSPARK_DSV4K3_WEIGHTS", "DSPARK_GPU_PD_PP_PAIR", "DSPARK_FAKE_MUTATION",
+             "DSPARK_GPU_TP_PP_JOBS")  # fmt: skip
+    for knob in knobs:
         if not child_env.get(knob):
             child_env.pop(knob, None)
     proc = subprocess.run(
@@ -71,3 +80,38 @@ def test_the_wiring_run_fails_when_a_draft_position_never_accepts():
         DSPARK_FAKE_MUTATION="pos6_zero",
     )
     assert got["rc"] != 0 and got.get("failed", 0) > 0, got["last"]
+
+
+def _tp_pp_run(tmp_path, jobs: str | None, mutation: str = "") -> tuple[dict, dict]:
+    out = tmp_path / "out"
+    got = _fake_run(
+        TP_PP,
+        DSPARK_GPU_TP_PP_JOBS=jobs or "",
+        DSPARK_FAKE_MUTATION=mutation,
+        DSPARK_GPU_PP_LOGS=str(tmp_path / "logs"),
+        DSPARK_GPU_TP_PP_OUT=str(out),
+    )
+    record = json.loads((out / "tp_pp.json").read_text())
+    return got, record
+
+
+@pytest.mark.parametrize("jobs", [None, TP_PP_JOBS], ids=["default-jobs", "all-but-stock"])
+def test_fake_engines_pass_the_tp_pp_group_and_its_record_is_written(tmp_path, jobs):
+    got, record = _tp_pp_run(tmp_path, jobs)
+    assert got["rc"] == 0 and not got.get("failed") and not got["errors"], got["last"]
+    served = ["tp2pp2_async", "tp2pp2_sync_eager"] if jobs is None else TP_PP_JOBS.split(",")[3:]
+    checks = [f"{c}[{n}]" for n in served for c in ("greedy", "acceptance", "ranks")]
+    assert set(checks) | {"abort", "nccl_stubs"} == set(record["verdicts"]), record["verdicts"]
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    assert record["jobs"]["tp2pp2_async"]["shape"]["tp"] == 2 and record["commit"]
+    assert record["jobs"]["tp2pp2_async"]["counters"]["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("mutation, check", [("pp2_low", "acceptance"), ("rank_silent", "ranks")])
+def test_the_tp_pp_checks_fail_on_low_acceptance_and_a_silent_rank(tmp_path, mutation, check):
+    """The controls: lower counters at the last two draft positions fail the acceptance check of
+    every served job; a launcher without vLLM's rank line fails the every-rank check."""
+    got, record = _tp_pp_run(tmp_path, TP_PP_JOBS, mutation)
+    assert got["rc"] != 0 and got.get("failed") == 6, got["last"]
+    bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert bad == sorted(f"{check}[{n}]" for n in TP_PP_JOBS.split(",")[3:]), bad

@@ -108,6 +108,22 @@ def test_pd_pp_groups_run_the_pp_producer_module_for_their_pair(tmp_path):
     assert rc == ["pd_pp rc=0", "pd_pp_dsv4 rc=0", "pd_pp_k3 rc=0"], rc
 
 
+def test_tp_pp_group_runs_its_module_with_its_deadlines_and_record_folder(tmp_path):
+    keys = ("DSPARK_GPU_PP_LOGS", "DSPARK_GPU_TP_PP_OUT", "DSPARK_GPU_PP_READY_S",
+            "DSPARK_GPU_PP_STOCK_READY_S")  # fmt: skip
+    proc, calls = _fake_run(tmp_path, "tp_pp", env_keys=keys)
+    runs = [c for c in calls if "tests/gpu/test_tp_pp_one_gpu.py" in c]
+    assert len(runs) == 1, calls
+    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
+    assert env["DSPARK_GPU_PP_LOGS"].endswith("/tp_pp"), env
+    assert env["DSPARK_GPU_TP_PP_OUT"] == str(tmp_path / "out" / "tp_pp"), env
+    # start-up deadlines inside the budget, with room to serve and stop after them
+    assert (env["DSPARK_GPU_PP_READY_S"], env["DSPARK_GPU_PP_STOCK_READY_S"]) == ("370", "390")
+    assert "--timeout=520" in runs[0]
+    assert (tmp_path / "out" / "tp_pp").is_dir()
+    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["tp_pp rc=0"]
+
+
 def test_a_misspelt_group_fails_the_call_before_anything_starts(tmp_path):
     proc, calls = _fake_run(tmp_path, "acceptance", "gsm8k_k4")
     assert proc.returncode == 2 and "unknown group 'gsm8k_k4'" in proc.stderr

@@ -85,3 +85,105 @@ def test_bad_layout_and_pp1_are_refused_with_the_fix(tmp_path, monkeypatch):
         pp_launch.deployment("x", "/m/t", pp=2, spec=None, log_dir=tmp_path, device="gpu")
     with pytest.raises(ValueError, match="pp >= 2"):
         pp_launch.deployment("x", "/m/t", pp=1, spec=None, log_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------- TP x PP (issue 40)
+
+
+def _tp2pp2(tmp_path, **kw):
+    return pp_launch.deployment(
+        "tp", "/m/t", pp=2, tp=2, spec={"method": "dspark", "model": "/m/d"}, log_dir=tmp_path,
+        **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device, gpu_layout", [("cpu", None), ("gpu", "shared"),
+                                                ("gpu", "per-stage")])  # fmt: skip
+def test_tp2_pp2_is_four_launchers_one_rank_each(tmp_path, device, gpu_layout):
+    dep = _tp2pp2(tmp_path, device=device, gpu_layout=gpu_layout)
+    assert len(dep.nodes) == 4 and (dep.tp, dep.stages) == (2, 2)
+    masters = {_flag(n.argv, "--master-port") for n in dep.nodes}
+    assert len(masters) == 1 and None not in masters
+    for rank, node in enumerate(dep.nodes):
+        argv = node.argv
+        # world size 4 over 4 nodes: vLLM puts one rank on each launcher
+        assert (_flag(argv, "-tp"), _flag(argv, "-pp")) == ("2", "2")
+        assert _flag(argv, "--nnodes") == "4" and _flag(argv, "--node-rank") == str(rank)
+        assert ("--headless" in argv) == (rank > 0)
+        assert (_flag(argv, "--port") is not None) == (rank == 0)
+        assert '"method": "dspark"' in _flag(argv, "--speculative-config")
+        # launcher R holds global rank R = pp_rank * tp + tp_rank
+        stage, tp_rank = pp_launch.rank_place(rank, tp=2)
+        assert (stage, tp_rank) == (rank // 2, rank % 2)
+        assert f"PP stage {stage}, TP rank {tp_rank}" in node.name
+    assert dep.head.port is not None and all(n.port is None for n in dep.nodes[1:])
+
+
+def test_tp2_pp2_cpu_launchers_get_no_device_settings_nor_the_all_reduce_flag(tmp_path):
+    dep = _tp2pp2(tmp_path)
+    for n in dep.nodes:
+        assert n.cpu and "CUDA_VISIBLE_DEVICES" not in n.env and "NCCL_HOSTID" not in n.env
+        assert "--disable-custom-all-reduce" not in n.argv
+        assert "--enforce-eager" in n.argv  # the CPU serve settings
+    assert len({n.env["VLLM_CACHE_ROOT"] for n in dep.nodes}) == 4
+
+
+def test_tp2_pp2_shared_gpu_layout_one_nccl_host_per_rank_and_no_custom_all_reduce(tmp_path):
+    dep = _tp2pp2(tmp_path, device="gpu", gpu_layout="shared")
+    envs = [n.env for n in dep.nodes]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0"] * 4
+    assert [e["NCCL_HOSTID"] for e in envs] == [f"tp-rank{r}" for r in range(4)]
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" for e in envs)
+    assert len({e["VLLM_CACHE_ROOT"] for e in envs}) == 4
+    for n in dep.nodes:
+        assert n.argv.count("--disable-custom-all-reduce") == 1 and not n.cpu
+
+
+def test_tp2_pp2_per_stage_layout_puts_rank_r_on_gpu_r(tmp_path, monkeypatch):
+    monkeypatch.setenv(pp_launch.LAYOUT_ENV, "per-stage")
+    dep = _tp2pp2(tmp_path, device="gpu")
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in dep.nodes] == ["0", "1", "2", "3"]
+    assert not any("NCCL_HOSTID" in n.env for n in dep.nodes)
+    # each launcher still sees one device, so the TP all-reduce flag stays
+    assert all("--disable-custom-all-reduce" in n.argv for n in dep.nodes)
+
+
+def test_pp_only_deployments_keep_their_command_lines(tmp_path):
+    """tp=1 (every existing caller): no -tp, no all-reduce flag, --nnodes = pp."""
+    dep = pp_launch.deployment("p", "/m/t", pp=2, spec=None, log_dir=tmp_path, device="gpu")
+    for n in dep.nodes:
+        assert "-tp" not in n.argv and "--disable-custom-all-reduce" not in n.argv
+        assert _flag(n.argv, "--nnodes") == "2"
+    assert [n.env["NCCL_HOSTID"] for n in dep.nodes] == ["p-rank0", "p-rank1"]
+    assert dep.stages == 2 and dep.tp == 1
+
+
+def test_tp2_pp1_is_two_launchers_and_bad_shapes_are_refused(tmp_path):
+    dep = pp_launch.deployment("t", "/m/t", pp=1, tp=2, spec=None, log_dir=tmp_path, device="gpu")
+    assert [_flag(n.argv, "--nnodes") for n in dep.nodes] == ["2", "2"]
+    assert [(_flag(n.argv, "-tp"), _flag(n.argv, "-pp")) for n in dep.nodes] == [("2", "1")] * 2
+    with pytest.raises(ValueError, match="rank 4 outside 0..3"):
+        pp_launch.launcher_argv("/m/t", pp=2, tp=2, rank=4, master_port=1, api_port=None, spec=None)
+    with pytest.raises(ValueError, match="got tp=0 pp=2"):
+        pp_launch.deployment("x", "/m/t", pp=2, tp=0, spec=None, log_dir=tmp_path)
+
+
+def test_handshake_sizes_read_either_line_form():
+    logs = [
+        "INFO x PP handshake: 2 ranks agree (protocol 2, vLLM 0.34.0, method dspark, k=7)\n",
+        "nothing\n",
+        "INFO y PP handshake: 4 ranks agree (TP=2 x PP=2)\n",
+    ]
+    assert pp_launch.handshake_sizes(logs) == [2, 4]
+    assert pp_launch.handshake_sizes(["no handshake"]) == []
+
+
+def test_rank_assignments_name_each_launchers_rank():
+    line = (
+        "(Worker pid=9) INFO 12-05 10:00:00 [parallel_state.py:2394] rank {r} in world size 4 is "
+        "assigned as DP rank 0, PP rank {p}, PCP rank 0, TP rank {t}, ETP rank 0, EP rank N/A, "
+        "EPLB rank N/A\n"
+    )
+    logs = [line.format(r=r, p=r // 2, t=r % 2) for r in range(4)] + ["no worker line"]
+    got = pp_launch.rank_assignments(logs)
+    assert got == [[(0, 4, 0, 0)], [(1, 4, 0, 1)], [(2, 4, 1, 0)], [(3, 4, 1, 1)], []]

@@ -8,6 +8,10 @@
 # Groups: pd_mooncake (issue 13: PD over Mooncake, async + sync, with its aggregated references),
 #         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL),
 #         pp (issue 25: PP=2/3 on one GPU, several ranks through NCCL; tests/gpu/test_pp_one_gpu.py),
+#         tp_pp (issue 40: TP=2 x PP=2 on one GPU, one launcher per rank; tests/gpu/
+#         test_tp_pp_one_gpu.py; jobs by DSPARK_GPU_TP_PP_JOBS (default ref,pp1_async,tp2pp2_async,
+#         tp2pp2_sync_eager; `all` adds TP=2 alone, PP=2 alone, the other corners and the stock
+#         control); its JSON record in OUTDIR/tp_pp/tp_pp.json, the launchers' logs in artifacts.tgz),
 #         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
 #         pd_pp_dsv4 / pd_pp_k3 (issue 26 "also at PP=2": the same PD with a PP=2 producer for the
 #         trained DeepSeek-V4 / Kimi-K3 pair, DSPARK_GPU_PD_PP_PAIR=dsv4|k3, with the subtle
@@ -45,7 +49,8 @@
 # (default 0): seconds between group starts, so the first group's engines compile ahead of the
 # others' (the call then lasts up to BUDGET + (groups - 1) x STAGGER); DSPARK_GPU_LOST_STAGE_READY_S
 # (default BUDGET - 200): the lost_stage groups' start-up deadline; DSPARK_GPU_ADAPTIVE_READY_S
-# (default BUDGET - 200): pp_adaptive's.
+# (default BUDGET - 200): pp_adaptive's; DSPARK_GPU_TP_PP_READY_S (default BUDGET - 170) and
+# DSPARK_GPU_TP_PP_STOCK_READY_S (default BUDGET - 150): tp_pp's start-up deadlines (plugin, stock).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -53,7 +58,7 @@ OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
 STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
-KNOWN=(pd_mooncake dsv4k3 nixl pp pd_pp pd_pp_dsv4 pd_pp_k3 dsv4k3_pp router dsv4_router
+KNOWN=(pd_mooncake dsv4k3 nixl pp tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 dsv4k3_pp router dsv4_router
   producer_memory pp_adaptive lost_stage lost_stage_control lost_stage_stock load pd_kill
   pd_decoder_kill sampling acceptance dsv4_check gsm8k_k3 gsm8k_dsv4)
 [ $# -gt 0 ] || {
@@ -118,6 +123,14 @@ for g in "$@"; do
     mkdir -p "$ART/pp" # every launcher's log comes back in artifacts.tgz
     DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
+    ;;
+  tp_pp)
+    # four launchers per TP=2 x PP=2 deployment (about 258 s to start with CUDA graphs, alone)
+    mkdir -p "$ART/tp_pp" "$OUTDIR/tp_pp"
+    DSPARK_GPU_PP_LOGS="$ART/tp_pp" DSPARK_GPU_TP_PP_OUT="$OUTDIR/tp_pp" \
+      DSPARK_GPU_PP_READY_S=${DSPARK_GPU_TP_PP_READY_S:-$((BUDGET - 170))} \
+      DSPARK_GPU_PP_STOCK_READY_S=${DSPARK_GPU_TP_PP_STOCK_READY_S:-$((BUDGET - 150))} \
+      run_group "$g" tests/gpu/test_tp_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   pd_pp)
     DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
