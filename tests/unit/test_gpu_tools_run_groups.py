@@ -84,7 +84,7 @@ def test_issue26_groups_start_the_leases_commands(tmp_path):
         assert (REPO / pair).is_dir() and c[c.index("--k") + 1] == "7"
         assert int(c[c.index("--timeout") + 1]) * 2 < 540  # both engines inside the budget
         assert c[c.index("--out-json") + 1].endswith(f"{fam}_acceptance.json")
-    evals = [c for c in work if c[:4] == ["-m", "vllm_dspark_pp.cli.main", "eval", "gsm8k"]]
+    evals = [c for c in work if c[:4] == ["-m", "dspark_dev", "eval", "gsm8k"]]
     assert len(evals) == 6
     for c in evals:
         config = c[c.index("--config") + 1]

@@ -218,7 +218,7 @@ for g in "$@"; do
     for arm in pp1-nospec pp1-dspark pp2-dspark; do
       launch=()
       [ "$arm" = pp2-dspark ] && launch=(--launchers --launcher-logs "$ART/$g")
-      run_cmd "$g-$arm" python3 -m vllm_dspark_pp.cli.main eval gsm8k \
+      run_cmd "$g-$arm" python3 -m dspark_dev eval gsm8k \
         --config "tests/evals/gsm8k/configs/$fam-$arm.yaml" "${launch[@]}" \
         --out-json "$OUTDIR/gsm8k/$fam-$arm.json" &
     done
