@@ -77,7 +77,7 @@ def test_issue26_groups_start_the_leases_commands(tmp_path):
         + [f"gsm8k_{f}-{a}" for f in ("k3", "dsv4") for a in ARMS]
     )
     assert all(line.endswith("rc=0") for line in rc.splitlines())
-    acc = [c for c in work if c[0] == "benchmarks/tiny_pair_acceptance.py"]
+    acc = [c for c in work if c[:2] == ["-m", "benchmarks.tiny_pair_acceptance"]]
     assert len(acc) == 2
     for c in acc:
         fam, pair = c[c.index("--family") + 1], c[c.index("--pair") + 1]

@@ -203,7 +203,7 @@ for g in "$@"; do
       pair=models/k3-pair
       [ "$fam" = dsv4 ] && pair=models/dsv4-pair
       PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" run_cmd "acceptance_$fam" \
-        python3 benchmarks/tiny_pair_acceptance.py --family "$fam" --pair "$pair" --k 7 \
+        python3 -m benchmarks.tiny_pair_acceptance --family "$fam" --pair "$pair" --k 7 \
         --num-prompts 64 --compare-training --timeout $(((BUDGET - 60) / 2)) \
         --out-json "$OUTDIR/${fam}_acceptance.json" &
     done
