@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dspark_bench_hooks import CONFIDENCES_ENV
+from benchmarks.dspark_bench_hooks import CONFIDENCES_ENV
 
 SUFFIX = "_adaptive"
 CONFIDENCE_CHOICES = ("synthetic", "draft")

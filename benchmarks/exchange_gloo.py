@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The PP token exchange itself, timed on CPU over gloo: stock vLLM 0.34.0 vs this plugin.
 
-    python benchmarks/exchange_gloo.py --out docs/results/exchange_gloo.json [--md FILE]
+    python -m benchmarks.exchange_gloo --out docs/results/exchange_gloo.json [--md FILE]
 
 Two processes (PP=2: rank 1 is the last stage, rank 0 receives), one decode step per iteration
 with k drafts per request at N requests, for N in 1..64. What each side posts per step
@@ -30,13 +30,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def stock_payloads(n: int, k: int, with_drafts: bool = True) -> list[tuple[str, tuple, str]]:

@@ -20,7 +20,7 @@ platform turns async scheduling off; ``async`` forces it back on with
 tiny pair on the CPU platform. On a GPU pass ``--target``/``--draft`` (e.g. the config-only
 shapes of benchmarks/real_shapes.py, ``--dummy``).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/first_token_steps.py --out /tmp/fts
+    .venv/bin/python -m benchmarks.first_token_steps --out /tmp/fts
 
 Why hand-written: vLLM has no record of its scheduler outputs per step.
 """
@@ -40,7 +40,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO))
 
 PAIR = REPO / "models" / "tiny-pair"
 # (module, class or None, attribute): the functions the plugin wraps that run per step
@@ -369,7 +368,7 @@ def run_case(case: dict, a, env_base: dict, work: Path) -> dict:
     t0 = time.monotonic()
     with open(lp, "wb") as logf:
         proc = start_in_session(
-            [sys.executable, __file__, "--child", str(sp), str(rp)],
+            [sys.executable, "-m", "benchmarks.first_token_steps", "--child", str(sp), str(rp)],
             env=env,
             stdout=logf,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cost of the sliced remote wait (patches/distributed_device_communicators_shm_broadcast.py).
 
-    python benchmarks/mq_remote_wait.py --out docs/results/mq_remote_wait.json
+    python -m benchmarks.mq_remote_wait --out docs/results/mq_remote_wait.json
 
 One vLLM ``MessageQueue`` writer with one remote reader (ZMQ over loopback TCP, as the engine
 core reading the reply of a worker on another node). Each round the writer enqueues a batch of
@@ -24,7 +24,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def main() -> int:

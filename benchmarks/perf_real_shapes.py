@@ -4,7 +4,7 @@ at real model shapes on one GPU (config-only folders, dummy weights, synthetic a
 
 One command per shape on the GPU machine (see docs/results/performance.md for the exact lines):
 
-    python3 benchmarks/perf_real_shapes.py --shape qwen3-8b --phases nospec,producer \\
+    python3 -m benchmarks.perf_real_shapes --shape qwen3-8b --phases nospec,producer \\
         --out $OUT --budget-s 380
 
 What runs: one child process (own process group, hard timeout) per *phase*, in the order of
@@ -46,7 +46,7 @@ TTFT/TPOT. CPU dry run (tiny pair, eager):
 
     VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= \\
     VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. \\
-    python benchmarks/perf_real_shapes.py --shape tiny -k 4 --acceptance-lengths 2.5,3.5 \\
+    python -m benchmarks.perf_real_shapes --shape tiny -k 4 --acceptance-lengths 2.5,3.5 \\
         --concurrency 1,2 --output-len 16 --input-len 16 --repeats 1 --eager --out /tmp/perf \\
         --budget-s 900
 """
@@ -63,12 +63,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.real_shapes import SHAPES, ShapePaths, engine_kwargs, write_shape
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
-
-from real_shapes import SHAPES, ShapePaths, engine_kwargs, write_shape  # noqa: E402
 
 PLUGIN = "dspark_pp"
 BENCH_PLUGIN = "dspark_bench"
@@ -695,7 +693,7 @@ def run_child(
     seen = records.read_text().count("\n") if records.exists() else 0
     with log_path.open("ab") as logf:
         proc = start_in_session(
-            [sys.executable, str(Path(__file__).resolve()), "--_child", str(spec_path)],
+            [sys.executable, "-m", "benchmarks.perf_real_shapes", "--_child", str(spec_path)],
             env=env,
             stdout=logf,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown tables and PNG plots from benchmarks/perf_real_shapes.py results.
 
-    python3 benchmarks/plot_perf.py OUT/perf_qwen3-8b.json OUT/perf_qwen3-4b.json \\
+    python3 -m benchmarks.plot_perf OUT/perf_qwen3-8b.json OUT/perf_qwen3-4b.json \\
         --out-dir docs/results --md docs/results/performance_tables.md
 
 Per shape: a throughput / latency table (no speculation and DSpark at each acceptance length,
@@ -22,7 +22,7 @@ MIB = 2**20
 def load(paths: list[str | Path]) -> list[dict]:
     """Result JSONs, one per shape: several JSONs of one shape (calls with different
     ``--phases``) are merged (``perf_real_shapes.merge_results``)."""
-    from perf_real_shapes import merge_results
+    from benchmarks.perf_real_shapes import merge_results
 
     by_shape: dict[str, list[dict]] = {}
     for p in paths:
@@ -39,8 +39,7 @@ def plan_bytes(res: dict) -> dict | None:
     if not isinstance(cfg, dict) or "intermediate_size" not in cfg:
         return None
     try:
-        from real_shapes import SHAPES, draft_config
-
+        from benchmarks.real_shapes import SHAPES, draft_config
         from vllm_dspark_pp.producer.qwen3 import draft_load_bytes
     except ImportError:
         return None

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tables, ratios and a figure from benchmarks/serve_pp_one_gpu.py's recorded JSON (issue 29).
 
-    python3 benchmarks/plot_pp_one_gpu.py RUN1/serve_pp_one_gpu_pp1.json RUN2/...pp2.json \\
+    python3 -m benchmarks.plot_pp_one_gpu RUN1/serve_pp_one_gpu_pp1.json RUN2/...pp2.json \\
         --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
         --copy-to docs/results
 
@@ -43,11 +43,9 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adaptive_bench import adaptive_markdown  # noqa: E402
+from benchmarks.adaptive_bench import adaptive_markdown
 
 GOAL_B = 0.9
 GOAL_E_SHARE = 0.03  # issue 29 goal (e): the exchange under 3% of a decode step at C >= 8

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Table (markdown) and plot (PNG, if matplotlib is importable) of benchmarks/serve_pp.py results.
 
-    python3 benchmarks/plot_serve.py OUT/serve_*.json [--png FILE] [--md FILE]
+    python3 -m benchmarks.plot_serve OUT/serve_*.json [--png FILE] [--md FILE]
 
 The markdown table has one row per (config, model size, concurrency): output tokens/s, mean and
 median TPOT, mean TTFT, acceptance. The PNG has two panels against concurrency: output tokens/s

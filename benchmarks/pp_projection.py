@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PP=2 projection for DSpark from one-GPU measurements (docs/performance-bound.md's numbers).
 
-    python3 benchmarks/pp_projection.py OUT/perf_qwen3-8b.json \\
+    python3 -m benchmarks.pp_projection OUT/perf_qwen3-8b.json \\
         [--gloo docs/results/exchange_gloo.json] [--md docs/results/pp_projection.md]
 
 Inputs, all measured by benchmarks/perf_real_shapes.py at PP=1 (plugin on) and
@@ -287,7 +287,7 @@ def markdown(p: dict, gloo: dict | None = None) -> str:
         ),
     ]
     if gloo:
-        from exchange_gloo import markdown as gloo_md
+        from benchmarks.exchange_gloo import markdown as gloo_md
 
         lines += [
             "",
@@ -300,14 +300,10 @@ def markdown(p: dict, gloo: dict | None = None) -> str:
 
 
 def _served_plot():
-    """benchmarks/plot_pp_one_gpu.py (the served tables' reader), imported once."""
-    import importlib
-    import sys
+    """benchmarks/plot_pp_one_gpu.py (the served tables' reader), imported when first needed."""
+    from benchmarks import plot_pp_one_gpu
 
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module("plot_pp_one_gpu")
+    return plot_pp_one_gpu
 
 
 def served_comparison(p: dict, served_paths: list) -> dict:
@@ -581,10 +577,6 @@ def served_markdown(cmp: dict) -> str:
 
 
 def main(argv=None) -> int:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("result", nargs="+", help="result JSON(s) of ONE shape (merged)")
     ap.add_argument("--gloo", type=Path, default=None)
@@ -608,7 +600,7 @@ def main(argv=None) -> int:
         help="write the comparison into this file's SERVED_VS_PROJECTION block",
     )  # fmt: skip
     a = ap.parse_args(argv)
-    from perf_real_shapes import merge_results
+    from benchmarks.perf_real_shapes import merge_results
 
     res = merge_results([json.loads(Path(x).read_text()) for x in a.result])
     p = project(res, a.link_gbps, a.bcast_us)
@@ -619,14 +611,14 @@ def main(argv=None) -> int:
     if a.json:
         a.json.write_text(json.dumps(p, indent=1) + "\n")
     if a.fill:
-        from plot_perf import fill_between
+        from benchmarks.plot_perf import fill_between
 
         fill_between(a.fill, "PROJECTION", md)
     print(md)
     if a.served:
         smd = served_markdown(served_comparison(p, a.served))
         if a.fill_served:
-            from plot_perf import fill_between
+            from benchmarks.plot_perf import fill_between
 
             fill_between(a.fill_served, "SERVED_VS_PROJECTION", smd)
         print(smd)

@@ -14,7 +14,7 @@ as parameters: the Markov rank (only the full drafter has a Markov head; rows fo
 ranks) and the number of target layers feeding ``fc`` (vLLM's fallback when the config names
 none is one per draft layer, i.e. 5).
 
-Usage: python benchmarks/producer_draft_bytes.py [--markdown]
+Usage: python -m benchmarks.producer_draft_bytes [--markdown]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Config-only model folders at real deployment shapes (never weights): Qwen3 targets + Qwen3
 DSpark drafts of the published block-7 shape, for timing with ``load_format="dummy"``.
 
-    python benchmarks/real_shapes.py --out /tmp/shapes [--shape qwen3-8b] [--check]
+    python -m benchmarks.real_shapes --out /tmp/shapes [--shape qwen3-8b] [--check]
 
 writes ``OUT/<shape>/target/config.json`` and ``OUT/<shape>/dspark-draft/config.json`` (plus
 ``generation_config.json``); ``--check`` builds vLLM's engine config from each pair on this

@@ -4,10 +4,10 @@
 One configuration per command (each < 10 minutes), after the kit is booted on a >= 2-GPU machine:
 
     source /tmp/site/env.sh && PYTHONPATH=.:$PYTHONPATH \\
-        python3 benchmarks/serve_pp.py --config pp2_dspark --out $OUT
+        python3 -m benchmarks.serve_pp --config pp2_dspark --out $OUT
     ... --config pp2_plain      (PP=2, no speculation)
     ... --config tp2_dspark     (TP=2 + DSpark)
-    python3 benchmarks/plot_serve.py $OUT/serve_*.json --png docs/results/multi_gpu_serve.png \\
+    python3 -m benchmarks.plot_serve $OUT/serve_*.json --png docs/results/multi_gpu_serve.png \\
         --md docs/results/multi_gpu_serve.md
 
 Models (``--model-size``): ``tiny`` = the random tiny pair (6 layers x 128, vocab 512), ``wide`` = a

@@ -7,12 +7,12 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
     source /tmp/site/env.sh && python3 tools/gpu/check_kit.py /tmp/site && \\
       python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade \\
         --target /tmp/site . && rm -rf build ./*.egg-info && \\
-      PYTHONUNBUFFERED=1 PYTHONPATH=.:$PYTHONPATH python3 benchmarks/serve_pp_one_gpu.py \\
+      PYTHONUNBUFFERED=1 python3 -m benchmarks.serve_pp_one_gpu \\
         --configs pp1 --out $OUT
     ... --configs pp2      (PP=2 no-spec + PP=2 DSpark, two launchers each)
     ... --configs stock    (PP=2 no-spec with the plugin left out, and with it, same lease)
     ... --configs pd --budget-s 520   (PD vs aggregated, AL 3.99; three engines on the GPU)
-    python3 benchmarks/plot_pp_one_gpu.py RUN*/serve_pp_one_gpu_*.json \\
+    python3 -m benchmarks.plot_pp_one_gpu RUN*/serve_pp_one_gpu_*.json \\
         --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
         --copy-to docs/results
 
@@ -117,16 +117,13 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from benchmarks.adaptive_bench import adaptive_env, check_args, confidences_of
+from benchmarks.perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist
+from benchmarks.real_shapes import SHAPES, write_shape
+from dspark_dev.pp_launch import transport_evidence
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
-
-from adaptive_bench import adaptive_env, check_args, confidences_of  # noqa: E402
-from perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist  # noqa: E402
-from real_shapes import SHAPES, write_shape  # noqa: E402
-
-from dspark_dev.pp_launch import transport_evidence  # noqa: E402
 
 RESULT_PREFIX = "serve_pp_one_gpu"
 
@@ -827,12 +824,12 @@ def plan_sweeps(a) -> list[tuple[Config, int | None, float | None]]:
 
 
 def prepare_models(a, work: Path):
-    from real_shapes import ShapePaths
+    from benchmarks.real_shapes import ShapePaths
 
     if a.model_dir:
         d = Path(a.model_dir).resolve()
         return ShapePaths(d.name, str(d / "target"), str(d / "dspark-draft")), None
-    import shape_tokenizer
+    from benchmarks import shape_tokenizer
 
     paths = write_shape(a.shape, work / "shapes")
     return paths, shape_tokenizer.write(paths.target)

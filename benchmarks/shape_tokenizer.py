@@ -4,7 +4,7 @@ A dummy-weight target at a real shape (benchmarks/real_shapes.py) has no tokeniz
 machine cannot download one; ``vllm serve`` and ``vllm bench serve`` (random dataset) need one
 whose vocabulary covers every token id the model can emit. This writes one next to the config:
 
-    python benchmarks/shape_tokenizer.py MODEL_DIR [--check]
+    python -m benchmarks.shape_tokenizer MODEL_DIR [--check]
 
 What it builds, with the ``tokenizers`` package (a vLLM dependency):
 

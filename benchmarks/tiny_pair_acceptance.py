@@ -9,7 +9,7 @@ times. CPU:
 
     VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=
     VLLM_CPU_OMP_THREADS_BIND=nobind \\
-    PYTHONPATH=. python benchmarks/tiny_pair_acceptance.py --out-json /tmp/acc.json
+    python -m benchmarks.tiny_pair_acceptance --out-json /tmp/acc.json
 
 GPU: the same without the CPU variables (``--dtype`` defaults to float32 either way).
 

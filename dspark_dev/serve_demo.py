@@ -1,6 +1,6 @@
 """Serve DSpark on a PP target with ``vllm serve`` and ask it one question (the quick start).
 
-Used by ``vllm-dspark-pp demo`` (what ``tools/quickstart.sh`` runs) and by the CPU end-to-end
+Used by ``python -m dspark_dev demo`` (what ``tools/quickstart.sh`` runs) and by the CPU end-to-end
 tests (tests/e2e/test_quickstart.py, tests/e2e/test_multi_node.py), which start the same
 ``vllm serve`` processes through :class:`Server`.
 

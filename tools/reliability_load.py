@@ -9,8 +9,8 @@ failed counts from bench serve's result JSON, the server's KV-cache usage and ru
 once idle (must return to 0), the summed RSS of the server's process group (must not grow run
 over run), and ERROR lines in the server log (must be none). Writes OUT/reliability_load.json.
 
-    .venv/bin/python tools/reliability_load.py --runs 3 --num-prompts 100 --concurrency 8 \\
-        --input-len 64 --output-len 64 --out /tmp/rel-load
+    PYTHONPATH=.:tests .venv/bin/python tools/reliability_load.py --runs 3 --num-prompts 100 \\
+        --concurrency 8 --input-len 64 --output-len 64 --out /tmp/rel-load
 
 ``--plugins none`` runs the stock vLLM control (``VLLM_PLUGINS`` leaves the plugin out, no
 speculation: stock PP + DSpark does not run). The GPU command for the full scale is in
@@ -28,13 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # dspark_dev and the test helpers of a checkout
+# dspark_dev and the test helpers (tests/support) of a checkout: on PYTHONPATH (the usage above)
+from support import engines, tiny_pair
+from support.served_load import group_rss_mib, wait_idle
 
-from support import engines, tiny_pair  # noqa: E402
-from support.served_load import group_rss_mib, wait_idle  # noqa: E402
-
-from dspark_dev.serve_demo import (  # noqa: E402
+from dspark_dev.serve_demo import (
     Server,
     free_port,
     live_group_members,

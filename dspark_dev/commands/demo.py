@@ -1,4 +1,4 @@
-"""``vllm-dspark-pp demo``: serve the bundled trained pair with DSpark on a PP=2 target on the
+"""``python -m dspark_dev demo``: serve the bundled trained pair with DSpark on a PP=2 target on the
 CPU platform, ask one held-out question through the OpenAI API, print the answer and the
 acceptance, stop the server (see dspark_dev/serve_demo.py; tools/quickstart.sh runs it).
 

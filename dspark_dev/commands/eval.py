@@ -1,4 +1,5 @@
-"""``vllm-dspark-pp eval gsm8k``: GSM8K-style accuracy + acceptance gate for one configuration."""
+"""``python -m dspark_dev eval gsm8k``: GSM8K-style accuracy + acceptance gate for one
+configuration."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``vllm-dspark-pp train-tiny-pair``: rebuild the tiny Qwen3 target + DSpark drafter pair (issue
-7)."""
+"""``python -m dspark_dev train-tiny-pair``: rebuild the tiny Qwen3 target + DSpark drafter pair
+(issue 7)."""
 
 from __future__ import annotations
 

@@ -206,9 +206,6 @@ def load_problems(
     report loaded. ``keep``: receives the loaded models (``target``, ``drafter``) and the
     VllmConfig (``config``)."""
     import pytest
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from support.tiny_dsv4_cpu import construct_on_cpu, engine_config
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
         ensure_model_parallel_initialized,
@@ -220,6 +217,7 @@ def load_problems(
 
     import vllm_dspark_pp
     from dspark_dev import tiny_mla_targets as t
+    from dspark_dev.tiny_dsv4_cpu import construct_on_cpu, engine_config
 
     vllm_dspark_pp.register()
     pair = t.TinyPair(str(model_dir), str(model_dir), "deepseek-v4")

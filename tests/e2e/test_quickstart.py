@@ -1,6 +1,6 @@
-"""The README's first command, as a test: ``vllm-dspark-pp demo`` (what tools/quickstart.sh runs
-after set-up) serves the trained pair with DSpark on a PP=2 target through ``vllm serve`` on the
-CPU platform, asks one held-out question through ``/v1/completions`` and stops the server.
+"""The README's first command, as a test: ``python -m dspark_dev demo`` (what tools/quickstart.sh
+runs after set-up) serves the trained pair with DSpark on a PP=2 target through ``vllm serve`` on
+the CPU platform, asks one held-out question through ``/v1/completions`` and stops the server.
 
 Checks: the answer equals the PP=1 no-speculation answer token for token (the session's
 ``pair_reference``, whose first prompt is the same held-out question), the mean acceptance length

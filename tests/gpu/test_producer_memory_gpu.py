@@ -64,7 +64,8 @@ def test_producer_drafter_at_the_qwen3_8b_shape_holds_no_kv_copy(tmp_path):
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks" / "perf_real_shapes.py"),
+        "-m",
+        "benchmarks.perf_real_shapes",
         "--shape",
         "qwen3-8b",
         "--phases",

@@ -26,7 +26,8 @@ def test_tiny_pair_gpu_lossless_and_acceptance(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            os.path.join(REPO, "benchmarks", "tiny_pair_acceptance.py"),
+            "-m",
+            "benchmarks.tiny_pair_acceptance",
             "--num-prompts",
             "64",
             "--out-json",
@@ -34,6 +35,7 @@ def test_tiny_pair_gpu_lossless_and_acceptance(tmp_path):
             "--timeout",
             "600",
         ],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=1400,

@@ -10,8 +10,8 @@
 * ``support.pd_run`` / ``support.pd_nixl``: prefiller + decoder + PD proxy over MooncakeConnector
   / NixlConnector;
 * ``support.dflash_prepare_ref``: the reference of the DFlash input preparation (GPU test);
-* ``support.wheel``: the packages ``pip install .`` puts in the wheel;
-* ``support.scripts``: import a script of ``benchmarks/`` or ``tools/gpu/`` by its path;
+* ``support.wheel``: the packages ``pip install .`` puts in the wheel, and the wheel built;
+* ``support.scripts``: import a script of ``tools/gpu/`` or ``tests/gpu/`` by its path;
 * ``support.fake_vllm_serve``: a stand-in ``vllm serve`` process (no model) for the served
   benchmark's PD orchestration run on CPU; ``support.perf_records``: synthetic benchmark records.
 

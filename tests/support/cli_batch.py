@@ -10,7 +10,9 @@ the tests assert on it exactly as on a process of their own. What needs a pristi
 subprocess of its own, and each batched command keeps at least one test through the real
 ``python -m vllm_dspark_pp.cli.main`` entry point.
 
-Run as a script: ``python cli_batch.py CALLS.json RESULTS.json``; CALLS is a list of argv
+Run as a module from the checkout root with ``tests`` on ``PYTHONPATH``: ``python -m
+support.cli_batch CALLS.json RESULTS.json`` (so this checkout comes first, as in pytest's
+``pythonpath``, and tests/support's module names never shadow packages); CALLS is a list of argv
 lists for ``vllm_dspark_pp.cli.main.main``; RESULTS gets one object per call (argv, returncode,
 stdout, stderr) plus the file of the ``vllm_dspark_pp`` package that ran them.
 """
@@ -25,8 +27,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-DRIVER = Path(__file__).resolve()
-REPO = DRIVER.parents[2]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _exit_status(code) -> int:
@@ -80,8 +81,10 @@ def run_cli_batch(calls: list[list[str]], *, timeout: float, tmp_dir: Path):
     calls_file = tmp_dir / "cli_calls.json"
     results_file = tmp_dir / "cli_results.json"
     calls_file.write_text(json.dumps(calls))
-    cmd = [sys.executable, str(DRIVER), str(calls_file), str(results_file)]
-    code, out, err = run_with_timeout(cmd, timeout=timeout, capture=True)
+    cmd = [sys.executable, "-m", "support.cli_batch", str(calls_file), str(results_file)]
+    paths = [str(REPO / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    code, out, err = run_with_timeout(cmd, timeout=timeout, env=env, cwd=str(REPO), capture=True)
     if code != 0 or not results_file.exists():
         raise RuntimeError(f"cli_batch driver exited {code}:\n{(out + err)[-3000:]}")
     results = json.loads(results_file.read_text())
@@ -106,9 +109,4 @@ def _main(calls_path: str, results_path: str) -> int:
 
 
 if __name__ == "__main__":
-    # Python puts a script's folder first on sys.path: tests/support's module names (env, gpu,
-    # wheel, ...) must not shadow packages. This checkout comes first, as pytest's `pythonpath`.
-    if sys.path and Path(sys.path[0]).resolve() == DRIVER.parent:
-        del sys.path[0]
-    sys.path.insert(0, str(REPO))
     sys.exit(_main(*sys.argv[1:]))

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from support.scripts import load_script
-
 REPO = Path(__file__).resolve().parents[2]
 #: every record of the recorded Qwen3-8B results, oldest first (runs 9, 13, 14, then 17)
 RECORDS = REPO / "docs" / "results" / "perf_qwen3-8b.jsonl"
@@ -39,9 +37,9 @@ def check_producer_draft_load(load: dict) -> str:
     once: its class, and its allocator delta within ``TOLERANCE`` of ``vllm-dspark-pp plan``'s
     rule for the context-only role (240.0 MiB here; the drafter before the fix held the fused
     K/V copy too, 1.333x it). Returns the line to print."""
+    from benchmarks import real_shapes
     from vllm_dspark_pp.producer.qwen3 import draft_load_bytes
 
-    real_shapes = load_script("benchmarks/real_shapes.py")
     assert load.get("draft_class") == "Qwen3DSparkContextKVForCausalLM", load
     draft = real_shapes.draft_config(real_shapes.SHAPES["qwen3-8b"])
     rule = draft_load_bytes(draft, 2, own_embed=False, own_head=False)

@@ -1,5 +1,5 @@
-"""Import a repository script by its path (``benchmarks/`` and ``tools/gpu/`` are not
-packages, and tests insert nothing into ``sys.path``)."""
+"""Import a repository script by its path (``tools/gpu/`` and ``tests/gpu/`` are not packages,
+and tests insert nothing into ``sys.path``; ``benchmarks`` is a package, imported by name)."""
 
 from __future__ import annotations
 

@@ -11,12 +11,10 @@ from pathlib import Path
 import pytest
 from support.scripts import load_script
 
+from benchmarks import plot_serve
 from dspark_dev import multi_gpu as mg_common
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-plot_serve = load_script("benchmarks/plot_serve.py")
 
 
 def test_report_prints_the_table_last_and_fails_on_any_failure(tmp_path, capsys):
@@ -77,7 +75,7 @@ def test_mismatch_hook_compiles():
 
 
 def test_serving_tables(tmp_path, capsys):
-    serve_pp = load_script("benchmarks/serve_pp.py")
+    from benchmarks import serve_pp
 
     rows = [
         {"config": "pp2_dspark", "model_size": "tiny", "concurrency": c,

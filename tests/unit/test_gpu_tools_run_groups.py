@@ -77,14 +77,14 @@ def test_issue26_groups_start_the_leases_commands(tmp_path):
         + [f"gsm8k_{f}-{a}" for f in ("k3", "dsv4") for a in ARMS]
     )
     assert all(line.endswith("rc=0") for line in rc.splitlines())
-    acc = [c for c in work if c[0] == "benchmarks/tiny_pair_acceptance.py"]
+    acc = [c for c in work if c[:2] == ["-m", "benchmarks.tiny_pair_acceptance"]]
     assert len(acc) == 2
     for c in acc:
         fam, pair = c[c.index("--family") + 1], c[c.index("--pair") + 1]
         assert (REPO / pair).is_dir() and c[c.index("--k") + 1] == "7"
         assert int(c[c.index("--timeout") + 1]) * 2 < 540  # both engines inside the budget
         assert c[c.index("--out-json") + 1].endswith(f"{fam}_acceptance.json")
-    evals = [c for c in work if c[:4] == ["-m", "vllm_dspark_pp.cli.main", "eval", "gsm8k"]]
+    evals = [c for c in work if c[:4] == ["-m", "dspark_dev", "eval", "gsm8k"]]
     assert len(evals) == 6
     for c in evals:
         config = c[c.index("--config") + 1]

@@ -13,12 +13,11 @@ import types
 import pytest
 import torch
 from support.perf_records import dry_run_launchers, serve_point, serve_run
-from support.scripts import load_script
 
-serve = load_script("benchmarks/serve_pp_one_gpu.py")
-plot = load_script("benchmarks/plot_pp_one_gpu.py")
-hooks = load_script("benchmarks/dspark_bench_hooks.py")
-adaptive = load_script("benchmarks/adaptive_bench.py")
+from benchmarks import adaptive_bench as adaptive
+from benchmarks import dspark_bench_hooks as hooks
+from benchmarks import plot_pp_one_gpu as plot
+from benchmarks import serve_pp_one_gpu as serve
 
 OPT_IN = "VLLM_DSPARK_PP_ADAPTIVE_PP"
 

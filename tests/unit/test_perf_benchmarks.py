@@ -11,19 +11,13 @@ from pathlib import Path
 
 import pytest
 from support.perf_records import run_record
-from support.scripts import load_script
+
+from benchmarks import dspark_bench_hooks as hooks
+from benchmarks import exchange_gloo, plot_perf, pp_projection, real_shapes
+from benchmarks import perf_real_shapes as perf
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
-
-# benchmarks/ is not a package: each script is loaded by its path (no sys.path entry); the
-# drivers import their siblings, which load_script makes importable the same way.
-real_shapes = load_script("benchmarks/real_shapes.py")
-hooks = load_script("benchmarks/dspark_bench_hooks.py")
-exchange_gloo = load_script("benchmarks/exchange_gloo.py")
-perf = load_script("benchmarks/perf_real_shapes.py")
-plot_perf = load_script("benchmarks/plot_perf.py")
-pp_projection = load_script("benchmarks/pp_projection.py")
 
 
 def _records():
@@ -174,12 +168,12 @@ def test_shape_folders_carry_the_published_draft_shape(tmp_path):
 def test_real_shape_builds_vllm_engine_config(tmp_path):
     """vLLM 0.34.0 builds the Qwen3-8B-shaped pair (CPU platform, no weights)."""
     code = (
-        "import json,sys; import real_shapes as r; "
-        "p = r.write_shape('qwen3-8b', sys.argv[2]); print(json.dumps(r.check_engine_config(p)))"
+        "import json,sys; from benchmarks import real_shapes as r; "
+        "p = r.write_shape('qwen3-8b', sys.argv[1]); print(json.dumps(r.check_engine_config(p)))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(BENCH), str(tmp_path)],
-        cwd=str(BENCH),  # the benchmark scripts import each other from their folder
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=str(REPO),  # `python -c` finds benchmarks and this checkout from its root
         capture_output=True,
         text=True,
         timeout=240,

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from support.perf_records import serve_point, serve_run
-from support.scripts import load_script
 
-hooks = load_script("benchmarks/dspark_bench_hooks.py")
-plot = load_script("benchmarks/plot_pp_one_gpu.py")
+from benchmarks import dspark_bench_hooks as hooks
+from benchmarks import plot_pp_one_gpu as plot
+from benchmarks import pp_projection
 
 
 class _Group:
@@ -224,7 +224,6 @@ def test_goal_e_by_stage_splits_the_ranks_and_names_the_last_stage_draft(tmp_pat
 
 
 # --------------------------------------------------------------------------- goal (e) estimated
-pp_projection = load_script("benchmarks/pp_projection.py")
 
 
 def test_message_prices_interpolate_the_measured_one_gpu_points():
@@ -257,7 +256,8 @@ def test_goal_e_from_what_exists_is_labelled_an_estimate_with_its_verdict():
 
 
 def test_the_served_driver_keeps_the_hooks_shape_log_line():
-    serve = load_script("benchmarks/serve_pp_one_gpu.py")
+    from benchmarks import serve_pp_one_gpu as serve
+
     line = (
         "(Worker pid=7) INFO 12-04 15:00:00 dspark_bench: a step received intermediate tensors "
         "{'hidden_states': [32, 4096]} for a batch of 4 requests, 32 tokens (32 after padding)"

@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pytest
 from support.perf_records import run_record
-from support.scripts import load_script
+
+from benchmarks import perf_real_shapes as perf
+from benchmarks import plot_perf, pp_projection
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks"
-
-load_script("benchmarks/real_shapes.py")  # perf_real_shapes imports it by name
-perf = load_script("benchmarks/perf_real_shapes.py")
-plot_perf = load_script("benchmarks/plot_perf.py")
-pp_projection = load_script("benchmarks/pp_projection.py")
 
 
 def test_parse_phases_keeps_order_and_rejects_unknown_or_repeated():
@@ -65,13 +61,15 @@ def test_print_schedule_cli_runs_no_engine():
     proc = subprocess.run(
         [
             sys.executable,
-            str(BENCH / "perf_real_shapes.py"),
+            "-m",
+            "benchmarks.perf_real_shapes",
             "--print-schedule",
             "--phases",
             "nospec,producer",
             "--budget-s",
             "330",
         ],
+        cwd=REPO,  # `python -m` finds benchmarks and this checkout from its root
         capture_output=True,
         text=True,
         timeout=120,
@@ -81,11 +79,13 @@ def test_print_schedule_cli_runs_no_engine():
     bad = subprocess.run(
         [
             sys.executable,
-            str(BENCH / "perf_real_shapes.py"),
+            "-m",
+            "benchmarks.perf_real_shapes",
             "--print-schedule",
             "--phases",
             "nospec,bogus",
         ],
+        cwd=REPO,  # `python -m` finds benchmarks and this checkout from its root
         capture_output=True,
         text=True,
         timeout=120,
@@ -268,8 +268,7 @@ def test_merge_cli_and_plot_load_merge_same_shape(tmp_path):
 
 
 def test_memory_table_compares_the_allocator_with_plan():
-    import real_shapes
-
+    from benchmarks import real_shapes
     from vllm_dspark_pp.producer.qwen3 import draft_load_bytes
 
     res = perf.merge_results([_first_run(), _second_run()])
@@ -335,7 +334,8 @@ def test_print_schedule_honours_phase_min_overrides():
     out = subprocess.run(
         [
             sys.executable,
-            str(BENCH / "perf_real_shapes.py"),
+            "-m",
+            "benchmarks.perf_real_shapes",
             "--phases",
             "off,dspark",
             "--off-mode",
@@ -346,6 +346,7 @@ def test_print_schedule_honours_phase_min_overrides():
             "280",
             "--print-schedule",
         ],
+        cwd=REPO,  # `python -m` finds benchmarks and this checkout from its root
         capture_output=True,
         text=True,
         timeout=120,

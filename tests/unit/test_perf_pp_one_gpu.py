@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 from support.perf_records import dry_run_launchers as _launchers
 from support.perf_records import serve_point, serve_run
-from support.scripts import load_script
 
-serve = load_script("benchmarks/serve_pp_one_gpu.py")
-plot = load_script("benchmarks/plot_pp_one_gpu.py")
-shape_tokenizer = load_script("benchmarks/shape_tokenizer.py")
+from benchmarks import plot_pp_one_gpu as plot
+from benchmarks import pp_projection, shape_tokenizer
+from benchmarks import serve_pp_one_gpu as serve
 
 
 # --------------------------------------------------------------------------- arguments
@@ -221,7 +220,8 @@ def test_transport_evidence_and_useful_lines_from_launcher_logs():
 
 # --------------------------------------------------------------------------- tokenizer
 def test_the_shape_tokenizer_has_the_configs_vocabulary_and_round_trips(tmp_path):
-    real_shapes = load_script("benchmarks/real_shapes.py")
+    from benchmarks import real_shapes
+
     paths = real_shapes.write_shape("qwen3-8b", tmp_path)
     info = shape_tokenizer.write(paths.target)
     assert info["vocab_size"] == info["config_vocab_size"] == 151936
@@ -693,7 +693,6 @@ def test_pd_hop_table_from_a_recorded_point(tmp_path):
 
 
 # --------------------------------------------------------------------------- projection vs served
-pp_projection = load_script("benchmarks/pp_projection.py")
 
 
 def _steps(*ranks):
@@ -745,7 +744,8 @@ def test_the_docs_comparison_block_is_what_the_script_writes_from_the_recorded_j
     doc = (root / "docs/performance-bound.md").read_text()
     block = doc.split("<!-- BEGIN SERVED_VS_PROJECTION -->\n", 1)[1].split("\n<!-- END", 1)[0]
     res = json.loads((root / "docs/results/perf_qwen3-8b.json").read_text())
-    perf = load_script("benchmarks/perf_real_shapes.py")
+    from benchmarks import perf_real_shapes as perf
+
     p = pp_projection.project(perf.merge_results([res]))
     served = [root / f"docs/results/serve_pp_one_gpu_pp{i}.json" for i in (1, 2)]
     assert block == pp_projection.served_markdown(pp_projection.served_comparison(p, served))

@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 from support.producer_memory import check_producer_draft_load, pre_fix_reading, producer_loads
-from support.scripts import load_script
+
+from benchmarks import perf_real_shapes as perf
 
 REPO = Path(__file__).resolve().parents[2]
 RUN17 = REPO / "docs" / "results" / "perf_qwen3-8b_producer_memory.json"
-
-load_script("benchmarks/real_shapes.py")  # perf_real_shapes imports it by name
-perf = load_script("benchmarks/perf_real_shapes.py")
 
 
 def test_the_pre_fix_reading_fails_the_check_and_the_new_one_passes_it():

@@ -8,13 +8,12 @@ import json
 import sys
 
 import pytest
-from support.scripts import load_script
 
 BASE = [[5, 6, 7, 2], [8, 9, 2]]
 
 
 def _run(monkeypatch, tmp_path, dtype: str, spec_tokens, gap: float) -> tuple[int, dict]:
-    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    from benchmarks import tiny_pair_acceptance as bench
 
     def fake_run_one(args, spec):
         # top-2 of the reference at request 0, position 1: its own token 6 and the other run's 4
@@ -60,7 +59,8 @@ def test_lossless_verdict(monkeypatch, tmp_path, dtype, spec_tokens, gap, rc):
 def test_vllm_figures_are_recorded_before_the_training_comparison(monkeypatch, tmp_path):
     """A deadline that kills the run inside ``--compare-training`` (the training modules on the
     same prompts) must leave vLLM's acceptance in the JSON: it is written first."""
-    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    from benchmarks import tiny_pair_acceptance as bench
+
     out = tmp_path / "r.json"
 
     def fake_run_one(args, spec):
@@ -96,7 +96,8 @@ def test_training_device_probe(monkeypatch):
     with the reason recorded."""
     import torch
 
-    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    from benchmarks import tiny_pair_acceptance as bench
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.training_device() == ("cpu", "")
 
@@ -113,7 +114,8 @@ def test_training_device_probe(monkeypatch):
 
 
 def _training_only(monkeypatch, tmp_path, recorded: dict, *extra: str) -> str:
-    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    from benchmarks import tiny_pair_acceptance as bench
+
     path = tmp_path / "recorded.json"
     path.write_text(json.dumps(recorded))
     monkeypatch.setattr(bench, "compare_training", lambda *a: pytest.fail("must refuse first"))
@@ -136,7 +138,8 @@ def test_training_only_refuses_a_json_without_the_run_settings(monkeypatch, tmp_
 def test_training_only_adds_the_comparison_afterwards(monkeypatch, tmp_path):
     """``--training-only --from-json``: the training modules (the tiny Qwen3 pair, two prompts,
     CUDA refused by the probe) added to the recorded JSON, vLLM's figures kept."""
-    bench = load_script("benchmarks/tiny_pair_acceptance.py")
+    from benchmarks import tiny_pair_acceptance as bench
+
     path = tmp_path / "acc.json"
     rec = {"pair": "models/tiny-pair", "family": "qwen3", "num_prompts": 2, "k": 7}
     path.write_text(

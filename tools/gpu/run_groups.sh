@@ -216,7 +216,7 @@ for g in "$@"; do
       pair=models/k3-pair
       [ "$fam" = dsv4 ] && pair=models/dsv4-pair
       PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" run_cmd "acceptance_$fam" \
-        python3 benchmarks/tiny_pair_acceptance.py --family "$fam" --pair "$pair" --k 7 \
+        python3 -m benchmarks.tiny_pair_acceptance --family "$fam" --pair "$pair" --k 7 \
         --num-prompts 64 --compare-training --timeout $(((BUDGET - 60) / 2)) \
         --out-json "$OUTDIR/${fam}_acceptance.json" &
     done
@@ -231,7 +231,7 @@ for g in "$@"; do
     for arm in pp1-nospec pp1-dspark pp2-dspark; do
       launch=()
       [ "$arm" = pp2-dspark ] && launch=(--launchers --launcher-logs "$ART/$g")
-      run_cmd "$g-$arm" python3 -m vllm_dspark_pp.cli.main eval gsm8k \
+      run_cmd "$g-$arm" python3 -m dspark_dev eval gsm8k \
         --config "tests/evals/gsm8k/configs/$fam-$arm.yaml" "${launch[@]}" \
         --out-json "$OUTDIR/gsm8k/$fam-$arm.json" &
     done

@@ -14,18 +14,24 @@ unless its ``DSPARK_TEST_K3_*`` variable is set) are installed here too.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import sys
 
 
+def _load_sync_probe():
+    """``k3_sync_probe.py`` of this directory, loaded by its path (nothing added to the path)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "k3_sync_probe.py")
+    spec = importlib.util.spec_from_file_location("k3_sync_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["k3_sync_probe"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _install() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        import k3_sync_probe
-    finally:
-        sys.path.pop(0)
-    k3_sync_probe.install()
+    _load_sync_probe().install()
     if os.environ.get("DSPARK_TEST_K3_IDS_PROBE") != "1":
         return
     from vllm_dspark_pp.patches import when_imported

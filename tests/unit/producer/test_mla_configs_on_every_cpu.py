@@ -21,9 +21,9 @@ from support.mla_cpu_config import (
     k3_engine_args,
     k3_engine_config,
 )
-from support.tiny_dsv4_cpu import engine_config as dsv4_engine_config
 
 from dspark_dev import tiny_mla_targets
+from dspark_dev.tiny_dsv4_cpu import engine_config as dsv4_engine_config
 
 
 @pytest.fixture(scope="module")

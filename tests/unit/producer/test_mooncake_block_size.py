@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from support.tiny_dsv4_cpu import build_dsv4_target, engine_config, plan_as_engine_core
 
 from dspark_dev import tiny_mla_targets as t
+from dspark_dev.tiny_dsv4_cpu import build_dsv4_target, engine_config, plan_as_engine_core
 from vllm_dspark_pp.connectors import mooncake_blocks as mb
 from vllm_dspark_pp.patches._util import original
 

@@ -33,14 +33,14 @@ import ctypes
 
 import pytest
 import torch
-from support.tiny_dsv4_cpu import (
+
+from dspark_dev import tiny_mla_targets as t
+from dspark_dev.tiny_dsv4_cpu import (
     build_dsv4_target,
     construct_on_cpu,
     engine_config,
     plan_as_engine_core,
 )
-
-from dspark_dev import tiny_mla_targets as t
 from vllm_dspark_pp.connectors import mooncake_blocks as mb
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"

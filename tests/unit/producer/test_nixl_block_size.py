@@ -24,9 +24,9 @@ test process to one core). Not covered: registration and transfer with a real ni
 from __future__ import annotations
 
 import pytest
-from support.tiny_dsv4_cpu import build_dsv4_target, engine_config, plan_as_engine_core
 
 from dspark_dev import tiny_mla_targets as t
+from dspark_dev.tiny_dsv4_cpu import build_dsv4_target, engine_config, plan_as_engine_core
 from vllm_dspark_pp.connectors import mooncake_blocks as mb
 
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"

@@ -26,14 +26,14 @@ import json
 import pytest
 import torch
 from support.mla_cpu_config import k3_engine_config
-from support.tiny_dsv4_cpu import (
+
+from dspark_dev import tiny_mla_targets as t
+from dspark_dev.tiny_dsv4_cpu import (
     build_dsv4_target,
     construct_on_cpu,
     engine_config,
     resolve_layout,
 )
-
-from dspark_dev import tiny_mla_targets as t
 
 
 def _engine_config(pair, **kw):
