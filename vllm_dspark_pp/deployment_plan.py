@@ -2,7 +2,16 @@
 
 Built from config.json files only (no weights, no GPU) through vLLM's own ``EngineArgs`` and
 ``VllmConfig``, so every validation vLLM runs at start-up runs here too. Pure functions of the
-resulting config compute the per-stage layout; :mod:`vllm_dspark_pp.cli.plan` prints it.
+resulting config compute the per-stage layout over TP x PP (each stage's layers, its global ranks,
+the target weight bytes one TP rank of it holds, and on the drafting stage the drafter bytes one TP
+rank holds); :mod:`vllm_dspark_pp.cli.plan` prints it.
+
+Per-rank bytes. Target weights: from the tensor sizes in the target folder's ``*.safetensors``
+headers (only the headers are read; a folder with config.json alone gets no figure), each tensor
+on the stage vLLM builds it on and divided by TP where vLLM shards it (:func:`tp_share`: a
+rule by tensor name, an estimate for architectures with their own layouts). Drafter: the draft
+family's memory rule, split per rank by which of its parts vLLM shards
+(:func:`qwen3_draft_bytes_per_rank`).
 
 On a machine without a GPU vLLM's platform detection picks no CUDA platform. The supported way
 around it is vLLM's own device override ``VLLM_TARGET_DEVICE=cpu`` (its CPU platform), which the
@@ -28,6 +37,9 @@ class Stage:
     drafts: bool
     relay_out_taps: list[int]  # tap ids carried to the next stage
     relay_bytes_per_token: int  # aux-tap bytes per token sent to the next stage
+    global_ranks: list[int] = field(default_factory=list)  # its TP ranks (DP rank 0)
+    weight_bytes_per_rank: int | None = None  # target weights one TP rank of it holds
+    draft_bytes_per_rank: int | None = None  # the drafter one TP rank holds (this role's)
 
 
 @dataclass
@@ -46,6 +58,7 @@ class Plan:
     stages: list[Stage]
     kv_role: str | None
     platform: str
+    dtype: str = ""  # the weights' dtype vLLM picked (sizes the per-rank bytes)
     accepted: bool = True
     messages: list[str] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)
@@ -100,6 +113,136 @@ def build_plan_stages(
             )
         )
     return stages
+
+
+def stage_global_ranks(pp_size: int, tp_size: int) -> list[list[int]]:
+    """Each PP stage's global ranks (its TP ranks), in vLLM's layout (TP fastest; DP rank 0)."""
+    from vllm_dspark_pp.protocol.world import WorldShape
+
+    shape = WorldShape(world_size=pp_size * tp_size, tp=tp_size, pp=pp_size)
+    return [[g for g in range(shape.world_size) if shape.coords(g).pp == p] for p in range(pp_size)]
+
+
+# safetensors dtype -> bytes per element as stored
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+_ST_FLOAT = ("F64", "F32", "F16", "BF16")  # loaded in the model's dtype
+
+
+def checkpoint_tensors(folder: str) -> dict[str, tuple[str, list[int]]]:
+    """``{name: (dtype, shape)}`` of every tensor in ``folder``'s ``*.safetensors`` files, read
+    from their headers only (8-byte length, then a JSON table); empty when there are none."""
+    import glob
+    import os
+    import struct
+
+    out: dict[str, tuple[str, list[int]]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error):
+            continue  # unreadable: sized as if absent
+        for name, info in header.items():
+            if name != "__metadata__":
+                out[name] = (info["dtype"], list(info["shape"]))
+    return out
+
+
+# vLLM's MLA keeps its low-rank down-projections whole on every TP rank (ReplicatedLinear).
+_REPLICATED_LINEARS = ("q_a_proj", "kv_a_proj_with_mqa")
+
+
+def tp_share(name: str, ndim: int, tp: int, num_kv_heads: int) -> float:
+    """The fraction of tensor ``name`` one of ``tp`` ranks holds in vLLM: vectors (norms,
+    biases, sinks) and routers whole; K/V projections split over the KV heads (a rank holds
+    ``max(1, heads // tp)`` of them: replicated when there are fewer heads than ranks); MLA's
+    low-rank down-projections whole; every other matrix (attention, MLP, experts, the
+    vocab-parallel embedding and LM head) divided by ``tp``."""
+    if tp <= 1:
+        return 1.0
+    if ndim <= 1 or "norm" in name or name.endswith(".gate.weight"):
+        return 1.0
+    if any(f".{r}." in name for r in _REPLICATED_LINEARS):
+        return 1.0
+    if ".k_proj." in name or ".v_proj." in name:
+        return max(1, num_kv_heads // tp) / num_kv_heads
+    return 1.0 / tp
+
+
+def stage_weight_bytes(
+    tensors: dict[str, tuple[str, list[int]]],
+    ranges: list[tuple[int, int]],
+    tp: int,
+    num_kv_heads: int,
+    dtype_bytes: int,
+    tied_embeddings: bool = False,
+) -> list[int]:
+    """Target weight bytes one TP rank of each stage holds. A tensor of layer ``L``
+    (``layers.L.``) lives on the stage running L; the embedding on the first stage; everything
+    else outside the layers (final norm, LM head, a drafter shipped in the target checkpoint) on
+    the last. With tied embeddings and PP > 1 the last stage builds its own copy of the
+    embedding as LM head (vLLM's Qwen2/Qwen3/Llama models do)."""
+    import math
+    import re
+
+    per_stage = [0.0] * len(ranges)
+    last = len(ranges) - 1
+    embed = 0.0
+    has_head = False
+    for name, (dtype, shape) in tensors.items():
+        size = math.prod(shape) * (dtype_bytes if dtype in _ST_FLOAT else _ST_BYTES.get(dtype, 1))
+        held = size * tp_share(name, len(shape), tp, num_kv_heads)
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if m and int(m.group(1)) < ranges[-1][1]:
+            layer = int(m.group(1))
+            stage = next(r for r, (a, b) in enumerate(ranges) if a <= layer < b)
+        elif "embed" in name and not m:
+            stage, embed = 0, embed + held
+        else:
+            stage = last
+            has_head |= "lm_head" in name or name.startswith("head.")
+        per_stage[stage] += held
+    if tied_embeddings and not has_head and last > 0:
+        per_stage[last] += embed
+    return [int(b) for b in per_stage]
+
+
+def qwen3_draft_bytes_per_rank(
+    hf: Any, dtype_bytes: int, own_embed: bool, own_head: bool, tp: int
+) -> dict[str, int]:
+    """A Qwen3 DSpark drafter's bytes on one of ``tp`` ranks (vLLM builds it with the target's
+    TP): its attention and MLP are tensor-parallel, its embedding, LM head and Markov
+    projection vocab-parallel; ``fc`` (a ``ReplicatedLinear``), the norms, the mask embedding,
+    the Markov token table and the draft-to-target map are whole on every rank. The fused K/V
+    copy of the full drafter holds this rank's K/V rows. At TP=1 equal to the family's
+    ``draft_load_bytes``."""
+    from vllm_dspark_pp.producer.qwen3 import _get, draft_param_bytes
+
+    comp = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)["components"]
+    nq = int(_get(hf, "num_attention_heads"))
+    nkv = int(_get(hf, "num_key_value_heads", nq))
+    vocab = int(_get(hf, "vocab_size"))
+    dvocab = int(_get(hf, "draft_vocab_size", None) or vocab)
+    kv = max(1, nkv // tp) / nkv
+    share = {
+        "embed_tokens": 1 / tp if own_embed else 0.0,
+        "lm_head": 1 / tp if own_head else 0.0,
+        "layers.q_proj": 1 / tp,
+        "layers.o_proj": 1 / tp,
+        "layers.mlp": 1 / tp,
+        "layers.kv_proj": kv,
+        "markov_head": (vocab + dvocab / tp) / (vocab + dvocab),  # w1 whole, w2 vocab-parallel
+    }
+    fused_copy = comp["layers.kv_proj"] * kv + comp["layers.k_norm"]
+    full = sum(v * share.get(k, 1.0) for k, v in comp.items()) + fused_copy
+    context_only = comp["fc"] + comp["hidden_norm"] + fused_copy
+    return {"full": int(full), "context_only": int(context_only)}
+
+
+#: Per-rank drafter rules by draft family name (families without one get no per-rank figure).
+DRAFT_BYTES_PER_RANK = {"Qwen3 DSpark": qwen3_draft_bytes_per_rank}
 
 
 # Checks this plugin adds to vLLM's own validation. Each takes the VllmConfig and returns a list of
@@ -215,6 +358,23 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
     stages = build_plan_stages(
         n_layers, pc.pipeline_parallel_size, taps, mc.get_hidden_size(), dtype_bytes
     )
+    tp = pc.tensor_parallel_size
+    for stage, ranks in zip(stages, stage_global_ranks(pc.pipeline_parallel_size, tp), strict=True):
+        stage.global_ranks = ranks
+    hf_text = mc.hf_text_config
+    tensors = checkpoint_tensors(mc.model)
+    if tensors:
+        nq = int(getattr(hf_text, "num_attention_heads", 1) or 1)
+        weights = stage_weight_bytes(
+            tensors,
+            [s.layers for s in stages],
+            tp,
+            int(getattr(hf_text, "num_key_value_heads", None) or nq),
+            dtype_bytes,
+            bool(getattr(hf_text, "tie_word_embeddings", False)),
+        )
+        for stage, w in zip(stages, weights, strict=True):
+            stage.weight_bytes_per_rank = w
     kvt = vllm_config.kv_transfer_config
     plan = Plan(
         target=target,
@@ -231,9 +391,11 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
         stages=stages,
         kv_role=kvt.kv_role if kvt is not None else None,
         platform=platform,
+        dtype=str(mc.dtype).removeprefix("torch."),
     )
     if spec is not None and spec.method == "dspark" and spec.draft_model_config is not None:
-        plan.extra.update(_draft_bytes_by_role(spec, kvt, dtype_bytes))
+        plan.extra.update(_draft_bytes_by_role(spec, kvt, dtype_bytes, tp))
+        stages[-1].draft_bytes_per_rank = _draft_bytes_per_rank(spec, kvt, dtype_bytes, tp)
         from vllm_dspark_pp.connectors.nixl_layers import nixl_plan_note
 
         if (note := nixl_plan_note(spec, kvt)) is not None:
@@ -268,7 +430,24 @@ def _checkpoint_ships(draft_dir: str) -> tuple[bool, bool]:
     return embed, head
 
 
-def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str, str]:
+def _draft_bytes_per_rank(spec, kv_transfer_config, dtype_bytes: int, tp: int) -> int | None:
+    """What one TP rank of the drafting stage holds of the drafter this role builds (the
+    context-KV-only drafter on a DSpark prefill-only producer, else the full one); ``None`` for a
+    family without a per-rank rule."""
+    from vllm_dspark_pp.producer.families import draft_architectures, family_for
+    from vllm_dspark_pp.producer.roles import is_dspark_prefill_only
+
+    family = family_for(draft_architectures(spec))
+    rule = DRAFT_BYTES_PER_RANK.get(family.name) if family is not None else None
+    if rule is None:
+        return None
+    own_embed, own_head = _checkpoint_ships(spec.draft_model_config.model)
+    b = rule(spec.draft_model_config.hf_config, dtype_bytes, own_embed, own_head, tp)
+    producer = kv_transfer_config is not None and is_dspark_prefill_only(spec, kv_transfer_config)
+    return b["context_only" if producer else "full"]
+
+
+def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int, tp: int = 1) -> dict[str, str]:
     """Draft bytes this instance holds on the drafting GPU (full drafter vs context-KV-only on
     producers), by the memory rule the draft's family registers (producer/families.py)."""
     from vllm_dspark_pp.producer.families import draft_architectures, families, family_for
@@ -292,6 +471,14 @@ def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str
             + ")"
         )
     }
+    rule = DRAFT_BYTES_PER_RANK.get(family.name)
+    if tp > 1 and rule is not None:
+        r = rule(hf, dtype_bytes, own_embed, own_head, tp)
+        out["draft bytes per TP rank"] = (
+            f"full drafter {r['full'] / mib:.2f} MiB, context-KV-only "
+            f"{r['context_only'] / mib:.2f} MiB on each of the TP={tp} ranks of the last stage "
+            "(attention, MLP and vocab tables split; fc, norms and the Markov token table whole)"
+        )
     if kv_transfer_config is not None:
         producer = is_dspark_prefill_only(spec, kv_transfer_config)
         out["this role builds"] = (
@@ -303,8 +490,8 @@ def _draft_bytes_by_role(spec, kv_transfer_config, dtype_bytes: int) -> dict[str
 def format_plan(plan: Plan) -> str:
     lines = [
         f"target      {plan.target} ({plan.target_architecture}, {plan.num_layers} layers)",
-        f"parallel    PP={plan.pp_size} TP={plan.tp_size}   (configs built on the {plan.platform} "
-        f"platform)",
+        f"parallel    PP={plan.pp_size} TP={plan.tp_size} ({plan.pp_size * plan.tp_size} ranks)   "
+        f"(configs built on the {plan.platform} platform)",
     ]
     if plan.method:
         lines.append(
@@ -328,6 +515,8 @@ def format_plan(plan: Plan) -> str:
             f"{st.rank:>5}  [{st.layers[0]:>3}, {st.layers[1]:>3})    "
             f"{str(st.aux_taps):<13}  {'yes' if st.drafts and plan.method else 'no':<6}  {relay}"
         )
+    lines.append("")
+    lines += _per_rank_lines(plan)
     for key, value in plan.extra.items():
         lines.append(f"{key}: {value}")
     if plan.not_checked:
@@ -341,3 +530,28 @@ def format_plan(plan: Plan) -> str:
         lines.append("verdict     REJECTED")
         lines += [f"  - {m}" for m in plan.messages]
     return "\n".join(lines)
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / (1024 * 1024):.2f} MiB"
+
+
+def _per_rank_lines(plan: Plan) -> list[str]:
+    """The memory one TP rank of each stage holds: target weights and, on the drafting stage,
+    the drafter this role builds (KV cache and activations come on top, decided on the GPU)."""
+    out = [
+        f"per TP rank (TP={plan.tp_size}, {plan.dtype}; weights from the target's safetensors "
+        "headers, divided where vLLM shards them)",
+        "stage  global ranks      target weights  drafter         weights + drafter",
+    ]
+    for st in plan.stages:
+        draft = st.draft_bytes_per_rank if st.drafts and plan.method else None
+        known = [b for b in (st.weight_bytes_per_rank, draft) if b is not None]
+        total = sum(known) if st.weight_bytes_per_rank is not None else None
+        out.append(
+            f"{st.rank:>5}  {str(st.global_ranks):<16}  {_mib(st.weight_bytes_per_rank):<14}  "
+            f"{_mib(draft):<14}  {_mib(total)}"
+        )
+    if any(st.weight_bytes_per_rank is None for st in plan.stages):
+        out.append("  (no *.safetensors in the target folder: target weights not sized)")
+    return out

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     store = DirStore(args.store_dir)
 
     def report(me: int, peer: liveness.Peer, reason: str) -> None:
-        _emit(event="lost", rank=peer.pp_rank, message=liveness.lost_message(me, peer, reason))
+        _emit(event="lost", rank=peer.rank, message=liveness.lost_message(me, peer, reason))
         os._exit(liveness.LOST_PEER_EXIT_STATUS)
 
     watch = liveness.start_watch(

@@ -11,11 +11,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from support.cli_batch import run_cli_batch
 
-from vllm_dspark_pp.deployment_plan import build_plan_stages, tap_stage
+from vllm_dspark_pp.deployment_plan import (
+    _checkpoint_ships,
+    build_plan_stages,
+    qwen3_draft_bytes_per_rank,
+    stage_global_ranks,
+    stage_weight_bytes,
+    tap_stage,
+    tp_share,
+)
 
 
 def _plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -57,6 +66,19 @@ def _batched_plans(target: str, draft: str) -> dict[str, list[str]]:
             "2",
             "--kv-transfer-config",
             _kv("NixlConnector", "kv_producer"),
+        ],
+        "pp2_tp2_json": [target, *spec, "-pp", "2", "-tp", "2", "--json"],
+        "pp2_tp2_text": [target, *spec, "-pp", "2", "-tp", "2"],
+        "mooncake_producer_pp2_tp2_json": [
+            target,
+            *spec,
+            "-pp",
+            "2",
+            "-tp",
+            "2",
+            "--kv-transfer-config",
+            _kv("MooncakeConnector", "kv_producer"),
+            "--json",
         ],
         "nixl_producer_pp1": [
             target,
@@ -155,3 +177,142 @@ def test_plan_accepts_nixl_with_a_pp1_dspark_producer(plans):
     assert (
         "nixl: NixlConnector with a DSpark prefill-only producer at PP=1: accepted" in proc.stdout
     )
+
+
+# ------------------------------------------------------------------ TP x PP
+def _json(proc) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout[proc.stdout.index("{\n") :])
+
+
+def _dtype_bytes(plan: dict) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[plan["dtype"]]
+
+
+def _target_bytes_per_rank(target: str, tp: int, b: int) -> tuple[int, int]:
+    """One TP rank's bytes of stage 0 and stage 1 of a Qwen3 target over PP=2, by hand from its
+    config.json: q, o and the MLP divided by TP; a rank holds max(1, kv_heads // tp) KV heads;
+    norms whole; the vocab-parallel embedding (first stage) and LM head (last stage; its own copy
+    of the embedding when tied) divided by TP; the final norm on the last stage."""
+    c = json.loads((Path(target) / "config.json").read_text())
+    h, hd, nq, nkv = (
+        c["hidden_size"],
+        c["head_dim"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+    )
+    matrices = h * nq * hd * 2 + 3 * h * c["intermediate_size"]
+    kv = 2 * h * nkv * hd * max(1, nkv // tp) / nkv
+    layer = (matrices / tp + kv + 2 * h + 2 * hd) * b
+    per_stage = c["num_hidden_layers"] // 2
+    vocab = c["vocab_size"] * h * b / tp
+    return int(per_stage * layer + vocab), int(per_stage * layer + h * b + vocab)
+
+
+def test_plan_tp2_pp2_places_global_ranks_and_divides_weights_and_drafter(plans, tiny_models):
+    plan = _json(plans["pp2_tp2_json"])
+    b = _dtype_bytes(plan)
+    assert (plan["tp_size"], plan["pp_size"]) == (2, 2) and plan["accepted"] is True
+    s0, s1 = plan["stages"]
+    assert s0["global_ranks"] == [0, 1] and s1["global_ranks"] == [2, 3]
+    assert s0["layers"] == [0, 3] and s1["layers"] == [3, 6]
+    assert (s0["weight_bytes_per_rank"], s1["weight_bytes_per_rank"]) == (
+        _target_bytes_per_rank(tiny_models.target, 2, b)
+    )
+    assert s0["draft_bytes_per_rank"] is None
+    whole = _json(plans["pp2_json"])["stages"]
+    assert [s["weight_bytes_per_rank"] for s in whole] == list(
+        _target_bytes_per_rank(tiny_models.target, 1, b)
+    )
+    hf = json.loads((Path(tiny_models.draft) / "config.json").read_text())
+    ships = _checkpoint_ships(tiny_models.draft)
+    assert whole[1]["draft_bytes_per_rank"] == qwen3_draft_bytes_per_rank(hf, b, *ships, 1)["full"]
+    assert s1["draft_bytes_per_rank"] == qwen3_draft_bytes_per_rank(hf, b, *ships, 2)["full"]
+    assert s1["draft_bytes_per_rank"] < whole[1]["draft_bytes_per_rank"]
+    assert plan["extra"]["draft bytes per TP rank"].startswith("full drafter")
+
+
+def test_plan_tp2_text_has_the_per_rank_table(plans):
+    proc = plans["pp2_tp2_text"]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = proc.stdout
+    assert "parallel    PP=2 TP=2 (4 ranks)" in out
+    assert "stage  global ranks      target weights  drafter         weights + drafter" in out
+    s0, s1 = _json(plans["pp2_tp2_json"])["stages"]
+    w0, w1, d1 = (f"{x / 2**20:.2f} MiB" for x in (s0["weight_bytes_per_rank"],
+                  s1["weight_bytes_per_rank"], s1["draft_bytes_per_rank"]))  # fmt: skip
+    total = f"{(s1['weight_bytes_per_rank'] + s1['draft_bytes_per_rank']) / 2**20:.2f} MiB"
+    assert f"    0  [0, 1]            {w0:<14}  -               {w0}" in out, out
+    assert f"    1  [2, 3]            {w1:<14}  {d1:<14}  {total}" in out, out
+
+
+def test_plan_tp2_producer_holds_the_context_only_drafter_per_rank(plans, tiny_models):
+    plan = _json(plans["mooncake_producer_pp2_tp2_json"])
+    last = plan["stages"][-1]
+    from vllm_dspark_pp.producer.qwen3 import draft_param_bytes
+
+    hf = json.loads((Path(tiny_models.draft) / "config.json").read_text())
+    c = draft_param_bytes(hf, role="kv_both", dtype_bytes=_dtype_bytes(plan))["components"]
+    nkv = hf["num_key_value_heads"]
+    kv_per_rank = c["layers.kv_proj"] * max(1, nkv // 2) // nkv
+    # fc (replicated), hidden norm, this rank's K/V rows, the K norms: no fused copy, no layers
+    want = c["fc"] + c["hidden_norm"] + kv_per_rank + c["layers.k_norm"]
+    assert last["draft_bytes_per_rank"] == want
+    assert plan["extra"]["this role builds"].startswith("context-KV-only drafter")
+
+
+def test_stage_global_ranks_follow_vllms_layout():
+    assert stage_global_ranks(2, 2) == [[0, 1], [2, 3]]
+    assert stage_global_ranks(3, 1) == [[0], [1], [2]]
+    assert stage_global_ranks(2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_tp_share_keeps_vectors_routers_and_scarce_kv_heads_whole():
+    assert tp_share("model.layers.0.mlp.up_proj.weight", 2, 4, 8) == 0.25
+    assert tp_share("model.layers.0.input_layernorm.weight", 1, 4, 8) == 1.0
+    assert tp_share("model.layers.0.mlp.gate.weight", 2, 4, 8) == 1.0  # MoE router
+    assert tp_share("model.layers.0.mlp.gate_proj.weight", 2, 4, 8) == 0.25
+    assert tp_share("model.layers.0.self_attn.k_proj.weight", 2, 4, 8) == 0.25
+    assert tp_share("model.layers.0.self_attn.k_proj.weight", 2, 4, 2) == 0.5  # 1 head of 2
+    assert tp_share("model.layers.0.self_attn.v_proj.weight", 2, 8, 1) == 1.0  # replicated
+    assert tp_share("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", 2, 4, 8) == 1.0
+    assert tp_share("model.layers.0.mlp.up_proj.weight", 2, 1, 8) == 1.0
+
+
+def test_stage_weight_bytes_places_embedding_layers_and_head():
+    t = {
+        "model.embed_tokens.weight": ("BF16", [10, 4]),
+        "model.layers.0.mlp.up_proj.weight": ("BF16", [8, 4]),
+        "model.layers.1.mlp.up_proj.weight": ("BF16", [8, 4]),
+        "model.layers.1.input_layernorm.weight": ("BF16", [4]),
+        "model.norm.weight": ("BF16", [4]),
+        "lm_head.weight": ("BF16", [10, 4]),
+        "mtp.0.attn.wq.weight": ("F8_E4M3", [4, 4]),  # a drafter in the target: 1 byte kept
+    }
+    # dtype bytes 2; TP=2: matrices halved, vectors whole
+    assert stage_weight_bytes(t, [(0, 1), (1, 2)], 2, 1, 2) == [40 + 32, 32 + 8 + 8 + 40 + 8]
+    assert stage_weight_bytes(t, [(0, 2)], 1, 1, 2) == [80 + 64 + 64 + 8 + 8 + 80 + 16]
+    del t["lm_head.weight"]  # tied: the last stage builds its own copy of the embedding
+    tied = stage_weight_bytes(t, [(0, 1), (1, 2)], 2, 1, 2, tied_embeddings=True)
+    assert tied == [40 + 32, 32 + 8 + 8 + 8 + 40]
+
+
+def test_draft_bytes_per_rank_at_tp1_is_the_familys_rule_and_splits_at_tp2(tiny_models):
+    from vllm_dspark_pp.producer.qwen3 import draft_load_bytes, draft_param_bytes
+
+    hf = json.loads((Path(tiny_models.draft) / "config.json").read_text())
+    own_embed, own_head = _checkpoint_ships(tiny_models.draft)
+    whole = draft_load_bytes(hf, 4, own_embed, own_head)
+    one = qwen3_draft_bytes_per_rank(hf, 4, own_embed, own_head, 1)
+    assert one == {"full": whole["full"], "context_only": whole["context_only"]}
+    two = qwen3_draft_bytes_per_rank(hf, 4, own_embed, own_head, 2)
+    c = draft_param_bytes(hf, role="kv_both", dtype_bytes=4)["components"]
+    nkv = hf["num_key_value_heads"]
+    kv_per_rank = c["layers.kv_proj"] * max(1, nkv // 2) // nkv
+    assert two["context_only"] == c["fc"] + c["hidden_norm"] + kv_per_rank + c["layers.k_norm"]
+    assert one["full"] / 2 < two["full"] < one["full"]
+    # four KV heads over two ranks: each holds half the K/V rows
+    four = {**hf, "num_key_value_heads": 4, "num_attention_heads": 4}
+    c4 = draft_param_bytes(four, role="kv_both", dtype_bytes=4)["components"]
+    got = qwen3_draft_bytes_per_rank(four, 4, own_embed, own_head, 2)["context_only"]
+    assert got == c4["fc"] + c4["hidden_norm"] + c4["layers.kv_proj"] // 2 + c4["layers.k_norm"]

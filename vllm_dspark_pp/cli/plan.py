@@ -13,7 +13,8 @@ import sys
 NAME = "plan"
 HELP = (
     "Build vLLM's configs for a target + --speculative-config + -pp/-tp (+ --kv-transfer-config) "
-    "from config.json files only and print the PP deployment plan and whether it is accepted."
+    "from config.json files only and print the TP x PP deployment plan (each stage's layers and "
+    "global ranks, per-TP-rank target weight and drafter bytes) and whether it is accepted."
 )
 
 

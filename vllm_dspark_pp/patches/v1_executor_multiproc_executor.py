@@ -5,8 +5,8 @@ WHAT: (1) ``WorkerProc.shutdown`` first stops this worker's PP peer watch
 shutdown), so the peers do not take an orderly shutdown for a lost stage.
 (2) ``MultiprocExecutor.shutdown`` of an executor whose worker monitor found a dead worker logs,
 once, which local workers ended and how, naming a worker that ended with status 70 as one that
-lost a PP peer (its ``DSpark PP: lost PP rank R ...`` line names the stage) before vLLM's own
-shutdown runs.
+lost a peer rank (its ``DSpark PP: lost PP rank R ...`` line names that rank: stage, and TP rank
+when TP > 1) before vLLM's own shutdown runs.
 
 WHY: without (1) every normal shutdown of a PP deployment would log a false "lost PP rank" and
 end the peers with status 70. Without (2) node 0 only logs ``Worker proc VllmWorker-0 died

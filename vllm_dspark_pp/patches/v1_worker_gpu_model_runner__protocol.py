@@ -1,9 +1,9 @@
 """Bracket each sample_tokens with the exchange schedule, and run the PP start-up handshake.
 
 WHAT: ``GPUModelRunner.__init__`` runs :func:`vllm_dspark_pp.protocol.handshake.run_pp_handshake`
-right
-after vLLM built the ``PPHandler`` (so the PP groups exist), when PP > 1, then starts the PP peer
-watch (:func:`vllm_dspark_pp.protocol.liveness.start_pp_watch`).
+right after vLLM built the ``PPHandler`` (so the parallel groups exist), when PP > 1, then starts
+the peer watch (:func:`vllm_dspark_pp.protocol.liveness.start_pp_watch`). Both cover every rank
+of vLLM's world group (all TP x PP ranks, every DP rank), not only this rank's PP group.
 ``GPUModelRunner.sample_tokens`` tells the ``DSparkPPHandler`` (patches/v1_worker_gpu_pp_utils.py)
 the step's scheduled draft count before
 the step (``begin_step``) and checks after it (``end_step``) that the rank posted exactly the
@@ -13,15 +13,17 @@ WHY: the last rank's ``PPHandler.broadcast`` does not receive the step's draft c
 0.34.0, but the schedule needs it to know whether a draft broadcast follows; and a step that
 planned a draft broadcast and never posted it would leave every other PP rank waiting. The
 handshake makes a rank with another plugin release, vLLM release or speculative setting (or no
-plugin at all) fail at start-up instead of hanging at the first step. The peer watch makes a
-stage lost on another launcher end the engine at once, naming the stage.
+plugin at all) fail at start-up instead of hanging at the first step, wherever in the TP x PP
+grid that rank is. The peer watch makes a rank (a stage, or one TP rank of it) lost on another
+launcher end the engine at once, naming the rank.
 
 UPSTREAM: none (plugin protocol).
 
 RETIRE WHEN: the PP exchange and handshake are upstream.
 
 TESTED BY: tests/unit/protocol/test_protocol_pp_handler.py,
-tests/unit/protocol/test_protocol_handshake.py, tests/unit/protocol/test_liveness.py
+tests/unit/protocol/test_protocol_handshake.py, tests/unit/protocol/test_liveness.py,
+tests/unit/protocol/test_world_handshake_watch.py (TP=2 x PP=2 through vLLM's real groups)
 """
 
 from __future__ import annotations

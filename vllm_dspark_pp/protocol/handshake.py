@@ -1,24 +1,32 @@
-"""Start-up agreement across pipeline-parallel ranks.
+"""Start-up agreement across every rank of the world (TP x PP, and DP).
 
 Every PP rank must run the same exchange code, or the ranks post different collectives and the
-first mismatched step hangs. Right after the PP groups exist (when the model runner builds its
-``PPHandler``), every rank publishes the facts that shape the exchange:
+first mismatched step hangs; the TP ranks of one stage must agree with each other too (they run
+the same drafter and sample the same drafts). Right after the PP groups exist (when the model
+runner builds its ``PPHandler``), every rank of vLLM's world group (all TP x PCP x PP ranks, on
+every DP rank) publishes the facts that shape the exchange:
 
     protocol (vllm_dspark_pp.version.PROTOCOL_VERSION), plugin version, vLLM version,
-    pp_size, method, num_speculative_tokens (k), fixed_graph_batch
+    pp_size, tp_size, method, num_speculative_tokens (k), fixed_graph_batch,
+    adaptive_verification
 
-The last PP rank compares each rank's facts with its own and publishes one verdict; on any
-difference every rank raises :class:`HandshakeError` with the same message naming the rank and
-the field. Nothing here can block forever:
+with its coordinates as vLLM's groups report them. The last rank of the world (the last PP
+stage's last TP rank: the referee, chosen by :func:`referee`) compares each rank's facts with its
+own and publishes one verdict; on any difference every rank raises :class:`HandshakeError` with
+the same message naming the rank (PP rank, TP rank, global rank: :mod:`.world`) and the field.
+It logs the one ``PP handshake: N ranks agree (...) over TP=.. x PP=..`` line of the deployment.
+
+No collective is posted, so no rank can wait on a collective another rank never posts. Nothing
+here can block forever:
 
 * the messages go through the key-value store every process of the job already shares (the
   store ``torch.distributed`` was initialised with), read only after a non-blocking ``check``
   says they are there; every wait polls with a deadline. (Gloo point-to-point was tried first:
   its works only complete inside a ``wait``, and a timed-out ``wait`` closes the connections of
   the whole group, so the verdict could no longer reach the ranks that did answer.)
-* a rank without the plugin publishes nothing: the last rank stops waiting after the timeout
+* a rank without the plugin publishes nothing: the referee stops waiting after the timeout
   and publishes a verdict naming the silent rank, so every rank that runs the plugin fails;
-* if the last rank itself runs without the plugin, the others stop waiting for its verdict
+* if the referee itself runs without the plugin, the others stop waiting for its verdict
   (timeout plus a grace period) and fail, naming it.
 
 A rank without the plugin cannot be made to fail by us; it is stopped when the engine sees the
@@ -35,6 +43,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_dspark_pp.protocol.world import WorldShape, layout_mismatch
 from vllm_dspark_pp.version import PROTOCOL_VERSION, __version__
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -48,11 +57,12 @@ FIELDS = (
     "num_speculative_tokens",
     "fixed_graph_batch",
     "adaptive_verification",
+    "tp_size",
 )
 
 
 class HandshakeError(RuntimeError):
-    """The PP ranks disagree on something that shapes the token exchange, or one is silent."""
+    """The ranks disagree on something that shapes the token exchange, or one is silent."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class HandshakeFacts:
     num_speculative_tokens: int
     fixed_graph_batch: int | None
     adaptive_verification: bool = False  # ships admitted counts (protocol/adaptive.py)
+    tp_size: int = 1
 
 
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
@@ -83,6 +94,7 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
         num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         fixed_graph_batch=fixed_graph_batch(vllm_config),
         adaptive_verification=ships_admitted_counts(vllm_config),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
     )
 
 
@@ -133,33 +145,41 @@ _epochs: dict[tuple, int] = {}
 
 
 def _prefix(ranks: list[int], epoch: int | None) -> str:
-    # One namespace per PP group (there are TP x DP of them) and per handshake of that group in
-    # this process (every rank handshakes the same number of times, so the counters agree).
+    # One namespace per group of ranks (the world) and per handshake of that group in this
+    # process (every rank handshakes the same number of times, so the counters agree).
     key = tuple(ranks)
     if epoch is None:
         epoch = _epochs[key] = _epochs.get(key, 0) + 1
     return f"vllm_dspark_pp/handshake/v{PROTOCOL_VERSION}/{'-'.join(map(str, ranks))}/{epoch}"
 
 
-def compare(ref: dict, ref_rank: int, others: dict[int, dict]) -> list[str]:
-    """One line per (rank, field) that differs from the last rank's facts."""
+def referee(ranks: list[int]) -> int:
+    """The index (in ``ranks``) of the rank that judges: the last one. Every rank calls this
+    same function on the same list, so all of them agree on who judges and who answers."""
+    return len(ranks) - 1
+
+
+def compare(ref: dict, ref_rank: int, others: dict[int, dict], shape: WorldShape) -> list[str]:
+    """One line per (rank, field) that differs from the referee's facts (ranks are indices in
+    the handshake's group, named through ``shape``)."""
     problems = []
     for r in sorted(others):
         facts = others[r]
         for f in FIELDS:
             if facts.get(f) != ref.get(f):
                 problems.append(
-                    f"PP rank {r} has {f}={facts.get(f)!r} but PP rank {ref_rank} (last) has "
-                    f"{f}={ref.get(f)!r}"
+                    f"{shape.label(r)} has {f}={facts.get(f)!r} but {shape.label(ref_rank)} (last) "
+                    f"has {f}={ref.get(f)!r}"
                 )
     return problems
 
 
-def _fix_hint(problems: list[str]) -> str:
+def _fix_hint(shape: WorldShape) -> str:
     return (
-        " Every PP rank must run the same vLLM and vllm-dspark-pp releases (pip install the "
-        "same versions on every node, and keep VLLM_PLUGINS the same) and get the same "
-        "--speculative-config."
+        f" Every rank ({shape.world_size} ranks: {shape.describe()}, on every node) must run "
+        "the same vLLM and vllm-dspark-pp releases (pip install the same versions on every node, "
+        "and keep VLLM_PLUGINS the same) and get the same --speculative-config and parallel "
+        "sizes."
     )
 
 
@@ -171,22 +191,28 @@ def run_handshake(
     store: Any,
     timeout: float | None = None,
     epoch: int | None = None,
+    shape: WorldShape | None = None,
+    coords: dict[str, int] | None = None,
 ) -> None:
-    """Run the handshake for one PP group; raises :class:`HandshakeError` on every rank if the
-    ranks disagree or one is silent. ``ranks`` are the group's global ranks (last = last stage);
-    ``store`` is a ``torch.distributed`` store all of them share."""
+    """Run the handshake over ``ranks`` (global ranks; vLLM's world group, or one PP group when
+    ``shape`` is left out); raises :class:`HandshakeError` on every rank if the ranks disagree or
+    one is silent. ``store`` is a ``torch.distributed`` store all of them share; ``coords`` are
+    this rank's coordinates as vLLM's groups report them (checked against ``shape``)."""
     mine = asdict(facts) if isinstance(facts, HandshakeFacts) else dict(facts)
     world = len(ranks)
     if world <= 1:
         return
+    shape = shape or WorldShape.pp_only(world)
+    if shape.world_size != world:
+        raise ValueError(f"{shape} does not describe a group of {world} ranks")
     timeout = timeout_s() if timeout is None else timeout
     deadline = time.monotonic() + timeout
     prefix = _prefix(ranks, epoch)
-    last = world - 1
+    last = referee(ranks)
     verdict_key = f"{prefix}/verdict"
     if rank_in_group != last:
-        store.set(f"{prefix}/rank{rank_in_group}", _encode(mine))
-        # Wait longer than the last rank does, so its verdict about a silent third rank arrives
+        store.set(f"{prefix}/rank{rank_in_group}", _encode({**mine, "coords": coords}))
+        # Wait longer than the referee does, so its verdict about a silent third rank arrives
         # before this rank gives up on it.
         try:
             missing, lost = _poll(store, [verdict_key], deadline + verdict_grace_s(timeout)), ""
@@ -194,9 +220,9 @@ def run_handshake(
             missing, lost = {verdict_key}, f" (the rendezvous store failed while waiting: {exc})"
         if missing:
             raise HandshakeError(
-                f"vllm-dspark-pp start-up handshake: PP rank {last} (last) sent no verdict within "
-                f"{timeout + verdict_grace_s(timeout):.0f} s{lost}. It probably runs without "
-                f"vllm-dspark-pp (not installed, or left out of VLLM_PLUGINS) or with an "
+                f"vllm-dspark-pp start-up handshake: {shape.label(last)} (last) sent no verdict "
+                f"within {timeout + verdict_grace_s(timeout):.0f} s{lost}. It probably runs "
+                f"without vllm-dspark-pp (not installed, or left out of VLLM_PLUGINS) or with an "
                 f"incompatible release; install the same vllm-dspark-pp on every node. "
                 f"({TIMEOUT_ENV} sets the wait.)"
             )
@@ -205,13 +231,13 @@ def run_handshake(
             raise HandshakeError(verdict.get("message", "handshake failed"))
         return
 
-    keys = {r: f"{prefix}/rank{r}" for r in range(last)}
+    keys = {r: f"{prefix}/rank{r}" for r in range(world) if r != last}
     try:
         missing = _poll(store, list(keys.values()), deadline)
     except _StoreLost as exc:
         raise HandshakeError(
-            f"vllm-dspark-pp start-up handshake: the rendezvous store failed while PP rank "
-            f"{last} (last) waited for the other ranks: {exc}"
+            f"vllm-dspark-pp start-up handshake: the rendezvous store failed while "
+            f"{shape.label(last)} (last) waited for the other ranks: {exc}"
         ) from exc
     silent = sorted(r for r, k in keys.items() if k in missing)
     received: dict[int, dict] = {}
@@ -225,21 +251,25 @@ def run_handshake(
         else:
             received[r] = msg
     problems = [
-        f"PP rank {r} sent no handshake within {timeout:.0f} s: it probably runs without "
+        f"{shape.label(r)} sent no handshake within {timeout:.0f} s: it probably runs without "
         f"vllm-dspark-pp (not installed, or left out of VLLM_PLUGINS)"
         for r in silent
     ]
-    problems += [f"PP rank {r} sent an unreadable handshake" for r in unreadable]
-    problems += compare(mine, last, received)
+    problems += [f"{shape.label(r)} sent an unreadable handshake" for r in unreadable]
+    problems += compare(mine, last, received, shape)
+    for r, msg in sorted([*received.items(), (last, {"coords": coords})]):
+        problem = layout_mismatch(shape, r, msg.get("coords"))
+        if problem:
+            problems.append(problem)
     if problems:
         message = "vllm-dspark-pp start-up handshake failed: " + "; ".join(problems) + "."
-        message += _fix_hint(problems)
+        message += _fix_hint(shape)
         store.set(verdict_key, _encode({"ok": False, "message": message}))
         raise HandshakeError(message)
     store.set(verdict_key, _encode({"ok": True}))
     _logger().info(
         "PP handshake: %d ranks agree (protocol %s, vLLM %s, method %s, k=%s, fixed graph batch "
-        "%s, adaptive verification %s)",
+        "%s, adaptive verification %s) over %s",
         world,
         mine.get("protocol"),
         mine.get("vllm_version"),
@@ -247,6 +277,7 @@ def run_handshake(
         mine.get("num_speculative_tokens"),
         mine.get("fixed_graph_batch"),
         mine.get("adaptive_verification"),
+        shape.describe(),
     )
 
 
@@ -263,17 +294,23 @@ def default_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
-def run_pp_handshake(vllm_config: Any, timeout: float | None = None) -> None:
-    """Handshake over vLLM's PP group (called by the model runner patch when PP > 1)."""
-    from vllm.distributed.parallel_state import get_pp_group
+def run_pp_handshake(
+    vllm_config: Any, timeout: float | None = None, epoch: int | None = None
+) -> None:
+    """Handshake over vLLM's world group: every TP x PCP x PP rank of every DP rank (called by
+    the model runner patch when PP > 1, after vLLM built its groups)."""
+    from vllm_dspark_pp.protocol.world import vllm_world_position
 
-    pp = get_pp_group()
-    if pp.world_size <= 1:
+    pos = vllm_world_position()
+    if pos.shape.pp <= 1:
         return
     run_handshake(
         facts_from_config(vllm_config),
-        rank_in_group=pp.rank_in_group,
-        ranks=list(pp.ranks),
+        rank_in_group=pos.rank_in_group,
+        ranks=pos.ranks,
         store=default_store(),
         timeout=timeout,
+        epoch=epoch,
+        shape=pos.shape,
+        coords=pos.reported,
     )

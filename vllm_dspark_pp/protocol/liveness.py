@@ -1,13 +1,15 @@
-"""A side watch of every PP peer, so a stage lost on another node ends the engine at once.
+"""A side watch of every peer rank, so a rank lost on another node ends the engine at once.
 
 vLLM 0.34.0's multiprocessing executor watches only the worker processes of its own node (their
 process sentinels). When a PP stage on another launcher dies (node 1 of ``--nnodes 2``, started
 ``--headless``), node 0 learns nothing until the reply it waits for times out
 (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, 300 s by default), and its message never names the stage
-(docs/results/reliability.md, case 3b).
+(docs/results/reliability.md, case 3b). The same holds for a TP rank on another launcher (TP=2 x
+PP=2 over four ``--nnodes 4`` launchers): its TP partners and the other stages wait on it.
 
-Right after the start-up handshake (:mod:`vllm_dspark_pp.protocol.handshake`), every rank of a PP
-group opens one small TCP connection to every other rank of the group:
+Right after the start-up handshake (:mod:`vllm_dspark_pp.protocol.handshake`), every rank of
+vLLM's world group (all TP x PCP x PP ranks, on every DP rank) opens one small TCP connection to
+every other rank of the world:
 
 * each rank listens on an ephemeral port of its host (``VLLM_HOST_IP``, as vLLM's own
   connections), publishes ``host, port, token, node, pid`` in the key-value store the handshake
@@ -19,10 +21,15 @@ group opens one small TCP connection to every other rank of the group:
   a peer whose process is alive but silent (stopped, or its host unreachable) for
   ``VLLM_DSPARK_PP_PEER_TIMEOUT_S`` seconds (default 30; heartbeats go every ``timeout / 10``
   seconds, at most every second) is declared lost too;
-* on a loss the thread logs ``DSpark PP: lost PP rank R (host:port, node N, pid P): ...`` with
-  what to look at, and ends its own process with status 70. That process is a worker of a
-  launcher whose executor watches it: its death ends that launcher's engine (node 0: the API
-  server then exits; node 1: the headless launcher exits).
+* on a loss the thread logs ``DSpark PP: lost PP rank R (host:port, node N, pid P): ...``
+  (``lost PP rank P, TP rank T, global rank G (...)`` when the world is more than one PP group;
+  :mod:`.world`) with what to look at, and ends its own process with status 70. That process
+  is a worker of a launcher whose executor watches it: its death ends that launcher's engine
+  (node 0: the API server then exits; other nodes: the headless launcher exits). Every rank
+  watches every other, so every launcher ends by itself: a lost TP rank of one stage ends the
+  other stages' launchers too.
+
+A world of W ranks holds W x (W - 1) / 2 connections (W - 1 sockets per worker).
 * an orderly shutdown (vLLM's ``WorkerProc.shutdown``, through
   ``patches/v1_executor_multiproc_executor.py``) first says goodbye to every peer, so the peers
   do not mistake it for a loss, and stops the thread. The thread is a daemon that never joins
@@ -51,12 +58,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_dspark_pp.protocol.world import WorldShape
 from vllm_dspark_pp.version import PROTOCOL_VERSION
 
 TIMEOUT_ENV = "VLLM_DSPARK_PP_PEER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 30.0
-#: Exit status of a worker that lost a PP peer (``EX_SOFTWARE``); the executor patch names it.
+#: Exit status of a worker that lost a peer rank (``EX_SOFTWARE``); the executor patch names it.
 LOST_PEER_EXIT_STATUS = 70
+#: Every lost line starts so (every rank label starts with "PP rank": world.WorldShape.label).
 LOST_PREFIX = "DSpark PP: lost PP rank"
 
 _HEARTBEAT = b"h"
@@ -73,11 +82,17 @@ class PeerWatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Peer:
-    pp_rank: int
+    rank: int  # index in the watched group (vLLM's world group: the global rank)
     host: str
     port: int
     node: int
     pid: int
+    label: str = ""  # e.g. "PP rank 0, TP rank 1, global rank 1" (world.WorldShape.label)
+    worker: str = ""  # its process name in vLLM's logs, e.g. "Worker_PP0_TP1"
+
+    @property
+    def name(self) -> str:
+        return self.label or f"PP rank {self.rank}"
 
     def where(self) -> str:
         return f"{self.host}:{self.port}, node {self.node}, pid {self.pid}"
@@ -95,7 +110,7 @@ def timeout_s(raw: str | None = None) -> float:
     if not value >= 0.0 or value == float("inf"):
         raise PeerWatchError(
             f"{TIMEOUT_ENV}={raw!r} is not a number of seconds >= 0; use e.g. "
-            f"{TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f} (the default), or 0 to turn the PP peer "
+            f"{TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f} (the default), or 0 to turn the peer "
             "watch off"
         )
     return value
@@ -105,14 +120,16 @@ def heartbeat_interval_s(timeout: float) -> float:
     return min(1.0, timeout / 10.0)
 
 
-def lost_message(me: int, peer: Peer, reason: str) -> str:
-    """The line a rank logs before it exits: names the lost stage and how to diagnose it."""
+def lost_message(me: str, peer: Peer, reason: str) -> str:
+    """The line a rank (``me``: its label) logs before it exits: names the lost rank and how to
+    diagnose it."""
+    worker = peer.worker or f"Worker_PP{peer.rank}"
     return (
-        f"{LOST_PREFIX} {peer.pp_rank} ({peer.where()}): {reason}. This worker (PP rank {me}) "
-        f"exits with status {LOST_PEER_EXIT_STATUS} so that the engine stops now instead of "
-        f"waiting VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for that stage. To diagnose: read node "
-        f"{peer.node}'s launcher log (lines of Worker_PP{peer.pp_rank}, pid {peer.pid}), its "
-        f"kernel log for an out-of-memory kill (dmesg), and whether {peer.host} is reachable. "
+        f"DSpark PP: lost {peer.name} ({peer.where()}): {reason}. This worker ({me}) exits with "
+        f"status {LOST_PEER_EXIT_STATUS} so that the engine stops now instead of waiting "
+        f"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for that rank. To diagnose: read node "
+        f"{peer.node}'s launcher log (lines of {worker}, pid {peer.pid}), its kernel log for an "
+        f"out-of-memory kill (dmesg), and whether {peer.host} is reachable. "
         f"({TIMEOUT_ENV}=0 turns this watch off.)"
     )
 
@@ -123,7 +140,7 @@ def _logger():
     return init_logger("vllm.dspark_pp.liveness")
 
 
-def exit_on_loss(me: int, peer: Peer, reason: str) -> None:
+def exit_on_loss(me: str, peer: Peer, reason: str) -> None:
     """Default reaction: log the loss, flush, end this process with status 70 (no cleanup: the
     main thread may be blocked in a collective with the lost rank)."""
     import logging
@@ -156,9 +173,11 @@ class PeerWatch:
         me: int,
         conns: dict[int, tuple[socket.socket, Peer]],
         timeout: float,
-        on_lost: Callable[[int, Peer, str], None] = exit_on_loss,
+        on_lost: Callable[[str, Peer, str], None] = exit_on_loss,
+        label: str | None = None,
     ) -> None:
         self.me = me
+        self.label = label or f"PP rank {me}"
         self.timeout = timeout
         self.interval = heartbeat_interval_s(timeout)
         self.on_lost = on_lost
@@ -215,7 +234,7 @@ class PeerWatch:
             return
         self._lost_rank = rank
         self._stopping.set()
-        self.on_lost(self.me, self._conns[rank][1], reason)
+        self.on_lost(self.label, self._conns[rank][1], reason)
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
@@ -294,8 +313,8 @@ _epochs: dict[tuple, int] = {}
 
 
 def _prefix(ranks: list[int], epoch: int | None) -> str:
-    # One namespace per PP group and per set-up of that group in this process (every rank sets
-    # up as often as the others, so the counters agree); tests pass ``epoch``.
+    # One namespace per watched group (the world) and per set-up of that group in this process
+    # (every rank sets up as often as the others, so the counters agree); tests pass ``epoch``.
     key = tuple(ranks)
     if epoch is None:
         epoch = _epochs[key] = _epochs.get(key, 0) + 1
@@ -328,9 +347,9 @@ def _read_line(sock: socket.socket, deadline: float) -> bytes:
     return buf.split(b"\n", 1)[0]
 
 
-def _setup_error(me: int, what: str, setup_timeout: float) -> PeerWatchError:
+def _setup_error(me: str, what: str, setup_timeout: float) -> PeerWatchError:
     return PeerWatchError(
-        f"vllm-dspark-pp PP peer watch (PP rank {me}): {what} within {setup_timeout:.0f} s. "
+        f"vllm-dspark-pp peer watch ({me}): {what} within {setup_timeout:.0f} s. "
         "The nodes must reach each other's VLLM_HOST_IP on ephemeral TCP ports (as for "
         "torch.distributed): set VLLM_HOST_IP to the interface the nodes share and open those "
         f"ports, or set {TIMEOUT_ENV}=0 on every node to run without the watch."
@@ -347,12 +366,16 @@ def connect_peers(
     enabled: bool = True,
     setup_timeout: float = 120.0,
     epoch: int | None = None,
+    shape: WorldShape | None = None,
 ) -> dict[int, tuple[socket.socket, Peer]]:
-    """Connect this rank to every other rank of its PP group that runs the watch; returns
-    ``{pp_rank: (socket, peer)}``. Every rank publishes its record, ``enabled`` or not."""
+    """Connect this rank to every other rank of ``ranks`` (vLLM's world group, or one PP group
+    when ``shape`` is left out) that runs the watch; returns ``{index: (socket, peer)}``. Every
+    rank publishes its record, ``enabled`` or not."""
     from vllm_dspark_pp.protocol.handshake import _poll
 
     me, world = rank_in_group, len(ranks)
+    shape = shape or WorldShape.pp_only(world)
+    me_label = shape.label(me)
     prefix = _prefix(ranks, epoch)
     deadline = time.monotonic() + setup_timeout
     token = secrets.token_hex(16)
@@ -367,19 +390,27 @@ def connect_peers(
         keys = {r: f"{prefix}/rank{r}" for r in range(world) if r != me}
         missing = _poll(store, list(keys.values()), deadline)
         if missing:
-            silent = sorted(r for r, k in keys.items() if k in missing)
-            raise _setup_error(me, f"PP ranks {silent} published no address", setup_timeout)
+            silent = "; ".join(shape.label(r) for r, k in sorted(keys.items()) if k in missing)
+            raise _setup_error(me_label, f"{silent} published no address", setup_timeout)
         records = {r: json.loads(store.get(k)) for r, k in keys.items()}
-        off = sorted(r for r, rec in records.items() if not rec.get("enabled"))
+        off = [shape.label(r) for r, rec in sorted(records.items()) if not rec.get("enabled")]
         if off:
             _logger().warning(
-                "DSpark PP: PP ranks %s run with %s=0: they are not watched (set the same value "
-                "on every node)",
-                off,
+                "DSpark PP: %s run with %s=0: they are not watched (set the same value on every "
+                "node)",
+                "; ".join(off),
                 TIMEOUT_ENV,
             )
         peers = {
-            r: Peer(r, rec["host"], int(rec["port"]), int(rec["node"]), int(rec["pid"]))
+            r: Peer(
+                r,
+                rec["host"],
+                int(rec["port"]),
+                int(rec["node"]),
+                int(rec["pid"]),
+                label=shape.label(r),
+                worker=shape.worker_name(r),
+            )
             for r, rec in records.items()
             if rec.get("enabled")
         }
@@ -396,8 +427,8 @@ def connect_peers(
                     sock.sendall(json.dumps(hello).encode() + b"\n")
                 except OSError as exc:
                     raise _setup_error(
-                        me,
-                        f"could not connect to PP rank {r} ({peer.where()}): {exc}",
+                        me_label,
+                        f"could not connect to {peer.name} ({peer.where()}): {exc}",
                         setup_timeout,
                     ) from exc
             expected = {p for p in peers if p > me}
@@ -405,9 +436,8 @@ def connect_peers(
             while expected:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise _setup_error(
-                        me, f"PP ranks {sorted(expected)} did not connect", setup_timeout
-                    )
+                    late = "; ".join(shape.label(r) for r in sorted(expected))
+                    raise _setup_error(me_label, f"{late} did not connect", setup_timeout)
                 listener.settimeout(remaining)
                 try:
                     sock, _ = listener.accept()
@@ -446,13 +476,16 @@ def start_watch(
     node: int,
     timeout: float | None = None,
     setup_timeout: float = 120.0,
-    on_lost: Callable[[int, Peer, str], None] = exit_on_loss,
+    on_lost: Callable[[str, Peer, str], None] = exit_on_loss,
     epoch: int | None = None,
+    shape: WorldShape | None = None,
 ) -> PeerWatch | None:
-    """Set up and start the watch of one PP group; ``None`` when the knob is 0 or PP = 1."""
+    """Set up and start the watch of ``ranks`` (see :func:`connect_peers`); ``None`` when the
+    knob is 0 or there is no other rank."""
     timeout = timeout_s() if timeout is None else timeout
     if len(ranks) <= 1:
         return None
+    shape = shape or WorldShape.pp_only(len(ranks))
     conns = connect_peers(
         rank_in_group=rank_in_group,
         ranks=ranks,
@@ -462,10 +495,11 @@ def start_watch(
         enabled=timeout > 0,
         setup_timeout=setup_timeout,
         epoch=epoch,
+        shape=shape,
     )
     if timeout <= 0 or not conns:
         return None
-    watch = PeerWatch(rank_in_group, conns, timeout, on_lost).start()
+    watch = PeerWatch(rank_in_group, conns, timeout, on_lost, shape.label(rank_in_group)).start()
     _active.append(watch)
     return watch
 
@@ -476,41 +510,51 @@ def stop_all() -> None:
         _active.pop().stop()
 
 
-def start_pp_watch(vllm_config: Any) -> PeerWatch | None:
-    """The watch of this worker's PP group (called by the model runner patch right after the
-    handshake). Only under vLLM's multiprocessing executor."""
-    from vllm.distributed.parallel_state import get_pp_group
-
+def start_pp_watch(
+    vllm_config: Any,
+    *,
+    on_lost: Callable[[str, Peer, str], None] = exit_on_loss,
+    epoch: int | None = None,
+) -> PeerWatch | None:
+    """The watch of every rank of this worker's world (all TP x PCP x PP ranks, every DP rank;
+    called by the model runner patch right after the handshake, when PP > 1). Only under vLLM's
+    multiprocessing executor."""
     from vllm_dspark_pp.protocol.handshake import default_store
     from vllm_dspark_pp.protocol.handshake import timeout_s as handshake_timeout_s
+    from vllm_dspark_pp.protocol.world import vllm_world_position
 
-    pp = get_pp_group()
-    if pp.world_size <= 1:
+    pos = vllm_world_position()
+    if pos.shape.pp <= 1:
         return None
     parallel = vllm_config.parallel_config
     backend = parallel.distributed_executor_backend
     if backend != "mp":
         _logger().info(
-            "DSpark PP: the PP peer watch covers vLLM's multiprocessing executor only; with "
-            "executor backend %r a lost stage is reported by that backend",
+            "DSpark PP: the peer watch covers vLLM's multiprocessing executor only; with "
+            "executor backend %r a lost rank is reported by that backend",
             backend,
         )
         return None
     from vllm.utils.network_utils import get_ip
 
     watch = start_watch(
-        rank_in_group=pp.rank_in_group,
-        ranks=list(pp.ranks),
+        rank_in_group=pos.rank_in_group,
+        ranks=pos.ranks,
         store=default_store(),
         host=get_ip(),
         node=int(getattr(parallel, "node_rank", 0) or 0),
         setup_timeout=handshake_timeout_s(),
+        on_lost=on_lost,
+        epoch=epoch,
+        shape=pos.shape,
     )
     if watch is not None:
         _logger().info(
-            "DSpark PP: PP rank %d watches PP ranks %s (silence limit %g s, %s; 0 = off)",
-            pp.rank_in_group,
-            ", ".join(f"{p.pp_rank} ({p.where()})" for p in watch.peers),
+            "DSpark PP: %s watches %d ranks of %s: %s (silence limit %g s, %s; 0 = off)",
+            watch.label,
+            len(watch.peers),
+            pos.shape.describe(),
+            "; ".join(f"{p.name} ({p.where()})" for p in watch.peers),
             watch.timeout,
             TIMEOUT_ENV,
         )
@@ -559,8 +603,8 @@ def executor_stopping_message(ended: list[tuple[str, int, int | None]]) -> str:
     for name, rank, code in ended:
         if code == LOST_PEER_EXIT_STATUS:
             parts.append(
-                f"{name} (rank {rank}) ended with status {code}: it lost a PP peer (the "
-                f"'{LOST_PREFIX} ...' line above names the stage and its node)"
+                f"{name} (rank {rank}) ended with status {code}: it lost a peer rank (the "
+                f"'{LOST_PREFIX} ...' line above names that rank and its node)"
             )
         elif code is not None and code < 0:
             parts.append(f"{name} (rank {rank}) was killed by signal {-code}")

@@ -216,6 +216,139 @@ def handshake_worker(
     _report(queue, result)
 
 
+#: TP=2 x PP=2 world scenarios (tests/unit/protocol/test_world_handshake_watch.py): name ->
+#: (k of each global rank that differs from 3, silent global ranks). Global rank g is TP rank
+#: g % 2 and PP rank g // 2 (vLLM's layout); rank 3 (PP rank 1, TP rank 1) is the referee.
+WORLD_SCENARIOS = {
+    "agree": ({}, ()),
+    "k_one_rank_other_column": ({1: 5}, ()),
+    "k_whole_other_column": ({1: 5, 3: 5}, ()),
+    "silent_rank": ({}, (2,)),
+    "silent_referee": ({}, (3,)),
+}
+WORLD_TP, WORLD_PP = 2, 2
+
+
+def _world_config(k: int):
+    """What the handshake and the watch read from a VllmConfig (the parallel groups come from
+    vLLM's real parallel state)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            method="dspark", num_speculative_tokens=k, enable_adaptive_verification=False
+        ),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=WORLD_PP,
+            tensor_parallel_size=WORLD_TP,
+            distributed_executor_backend="mp",
+            node_rank=0,
+        ),
+        additional_config={},
+    )
+
+
+def world_worker(
+    rank: int,
+    world: int,
+    port: int,
+    names: list[str],
+    timeout_s: float,
+    silent_timeout_s: float,
+    victim: int,
+    watch_wait_s: float,
+    queue,
+) -> None:
+    """One rank of a TP=2 x PP=2 world built by vLLM's own ``init_distributed_environment`` and
+    ``ensure_model_parallel_initialized`` (gloo, CPU). It runs the plugin's runtime entries, the
+    model runner patch's calls: one ``run_pp_handshake`` per scenario (a silent rank skips it,
+    like a rank without the plugin, and waits at the next barrier), recording every
+    ``PP handshake:`` line the plugin logs; then ``start_pp_watch``. After a barrier the
+    ``victim`` reports and SIGKILLs itself; every other rank reports when its watch names a lost
+    rank (``on_lost``), or after ``watch_wait_s`` without one."""
+    import logging
+    import signal
+    import time
+
+    result: dict = {"rank": rank, "scenarios": {}}
+    try:
+        os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+        # Distinct per rank: vLLM's CPU communicator then keeps plain torch.distributed instead of
+        # its shared-memory groups (nothing to leak when a rank is killed).
+        os.environ["VLLM_DIST_IDENT"] = f"dspark-test-{port}-{rank}"
+        import torch.distributed as dist
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+        from vllm_dspark_pp.protocol import handshake, liveness
+
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+            ensure_model_parallel_initialized(WORLD_TP, WORLD_PP)
+
+        lines: list[str] = []
+
+        class Lines(logging.Handler):
+            def emit(self, record):
+                if "PP handshake:" in record.getMessage():
+                    lines.append(record.getMessage())
+
+        hs_logger = logging.getLogger("vllm.dspark_pp.handshake")
+        hs_logger.addHandler(Lines())
+        hs_logger.setLevel(logging.INFO)  # whatever vLLM's logging setup in this child is
+        for i, name in enumerate(names):
+            ks, silent = WORLD_SCENARIOS[name]
+            dist.barrier()
+            del lines[:]
+            out: dict = {}
+            t0 = time.monotonic()
+            if rank in silent:
+                out["outcome"] = "silent"
+            else:
+                try:
+                    handshake.run_pp_handshake(
+                        _world_config(ks.get(rank, 3)),
+                        timeout=silent_timeout_s if silent else timeout_s,
+                        epoch=i + 1,
+                    )
+                    out["outcome"] = "ok"
+                except Exception as e:  # noqa: BLE001
+                    out.update(outcome="error", type=type(e).__name__, message=str(e))
+            out["elapsed"] = time.monotonic() - t0
+            out["lines"] = list(lines)
+            result["scenarios"][name] = out
+
+        dist.barrier()
+        t0 = time.monotonic()
+
+        def on_lost(me, peer, reason):
+            result["watch"] = {
+                "outcome": "lost",
+                "peer": peer.name,
+                "worker": peer.worker,
+                "message": liveness.lost_message(me, peer, reason),
+                "elapsed": time.monotonic() - t0,
+            }
+            _report(queue, result)
+
+        watch = liveness.start_pp_watch(_world_config(3), on_lost=on_lost, epoch=1)
+        result["watching"] = [] if watch is None else sorted(p.rank for p in watch.peers)
+        dist.barrier()  # every rank watches
+        t0 = time.monotonic()
+        if rank == victim:
+            time.sleep(0.3)
+            result["watch"] = {"outcome": "victim"}
+            queue.put(result)
+            queue.close()
+            queue.join_thread()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(watch_wait_s)
+        result["watch"] = {"outcome": "nothing", "elapsed": time.monotonic() - t0}
+    except Exception:
+        result["error"] = traceback.format_exc()
+    _report(queue, result)
+
+
 def run_processes(target, world: int, args_for_rank, timeout_s: float) -> dict[int, dict]:
     """Spawn ``world`` processes, collect one result per rank; every join has a timeout and a
     process still alive after it is killed."""

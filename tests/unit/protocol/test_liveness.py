@@ -162,7 +162,8 @@ def test_goodbye_then_close_is_orderly_and_close_without_goodbye_is_a_loss():
     b.close()  # the peer process died: no goodbye
     assert _until(lambda: bool(lost2), 5.0)
     me, peer, reason = lost2[0]
-    assert (me, peer.pp_rank) == (0, 1) and "the process ended" in reason
+    assert (me, peer.rank, peer.name) == ("PP rank 0", 1, "PP rank 1")
+    assert "the process ended" in reason
 
 
 def _threads_named(name: str) -> int:
@@ -262,7 +263,7 @@ def test_stopping_message_names_the_worker_that_lost_its_peer():
     msg = liveness.log_executor_stopping(
         [SimpleNamespace(proc=p, rank=i) for i, p in enumerate(procs)]
     )
-    assert "VllmWorker-0 (rank 0) ended with status 70: it lost a PP peer" in msg
+    assert "VllmWorker-0 (rank 0) ended with status 70: it lost a peer rank" in msg
     assert "VllmWorker-1 (rank 1) ended with status 0" in msg
     assert "VllmWorker-2 (rank 2) was killed by signal 9" in msg
 

@@ -38,7 +38,7 @@ def _fake_config(method="dspark", max_num_seqs=16):
     return SimpleNamespace(
         speculative_config=SimpleNamespace(method=method, num_speculative_tokens=3),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=2),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=2),
         additional_config={},
     )
 
@@ -185,7 +185,7 @@ def test_handshake_facts_carry_the_fixed_batch():
     gb.record(cfg, 6)
     facts = facts_from_config(cfg)
     assert facts.fixed_graph_batch == 6 and facts.num_speculative_tokens == 3
-    assert facts.method == "dspark" and facts.pp_size == 2
+    assert facts.method == "dspark" and facts.pp_size == 2 and facts.tp_size == 2
 
 
 def test_pinned_dispatches_are_counted_for_the_engine_log():
