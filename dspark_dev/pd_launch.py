@@ -404,3 +404,60 @@ def split_stage_bytes(total: int, stages: int, block: int = 1 << 20) -> list[int
     remainder, so they add up to ``total`` exactly."""
     share = total // stages // block * block
     return [share] * (stages - 1) + [total - share * (stages - 1)]
+
+
+def engine_launchers(
+    *,
+    tp: int,
+    pp: int,
+    device: str,
+    gpu_layout: str | None = None,
+    tag: str = "pd",
+    master_port: int | None = None,
+    first_index: int = 0,
+) -> list[tuple[list[str], dict]]:
+    """``(args, env)`` of each launcher of one PD engine (producer or decoder) of ``tp`` x ``pp``
+    ranks, launcher R holding global rank R (one rank each, dspark_dev/pp_launch.py), for
+    tests/support/pd_run.py: launcher 0 first (it serves the API), then the headless ones.
+
+    ``args`` go after the engine's own (model, common arguments, speculative and KV-transfer
+    configs): ``-tp``/``-pp``, ``--nnodes tp*pp --node-rank R``, the master address, vLLM's
+    all-reduce flag of :func:`pp_launch.device_args`, ``--headless`` for R > 0. A TP=1 PP=1
+    engine is one plain launcher (no args). ``env`` is :func:`pp_launch.stage_env` of index
+    ``first_index + R``: a decoder after a producer of W ranks passes ``first_index=W``, so that
+    in the ``per-stage`` layout it takes the next GPUs and in the ``shared`` layout every launcher
+    of the deployment has its own ``NCCL_HOSTID``."""
+    from dspark_dev import pp_launch
+
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    world = tp * pp
+    chosen = pp_launch.layout(gpu_layout) if device == "gpu" else pp_launch.SHARED
+
+    def env(index: int) -> dict:
+        return pp_launch.stage_env(first_index + index, device=device, gpu_layout=chosen, tag=tag)
+
+    if world == 1:
+        return [([], env(0))]
+    if master_port is None:
+        master_port = free_port()
+    out = []
+    for rank in range(world):
+        args = [*(["-tp", str(tp)] if tp > 1 else []), "-pp", str(pp),
+                "--nnodes", str(world), "--node-rank", str(rank),
+                "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+                *pp_launch.device_args(tp=tp, device=device)]  # fmt: skip
+        if rank:
+            args.append("--headless")
+        out.append((args, env(rank)))
+    return out
+
+
+def shape_label(producer_tp: int, producer_pp: int, decoder_tp: int, decoder_pp: int = 1) -> str:
+    """The PD shapes as the ``PD acceptance:`` line names them: ``producer TP2xPP2 -> decoder
+    TP2`` (a PP=1 side without its PP)."""
+
+    def side(tp: int, pp: int) -> str:
+        return f"TP{tp}xPP{pp}" if pp > 1 else f"TP{tp}"
+
+    return f"producer {side(producer_tp, producer_pp)} -> decoder {side(decoder_tp, decoder_pp)}"

@@ -57,11 +57,14 @@ SUBTLE_PERTURB = "swap:0:-1"
 
 #: Where each draft layout keeps its context projection (``concat(aux hidden states) -> hidden``,
 #: input columns in ``target_layer_ids`` order) and the config key listing its aux layers:
-#: Kimi-K3 (``K3DSparkModel``: ``context_proj``, then ``context_norm``) and DeepSeek-V4 (the
-#: in-checkpoint draft's ``mtp.0.main_proj``, then ``mtp.0.main_norm``).
+#: Kimi-K3 (``K3DSparkModel``: ``context_proj``, then ``context_norm``), DeepSeek-V4 (the
+#: in-checkpoint draft's ``mtp.0.main_proj``, then ``mtp.0.main_norm``) and Qwen3 DSpark (the
+#: trained tiny pair's ``fc``, then ``hidden_norm``; issue 40's TP x PP PD subtle control), tried
+#: in this order (the generic ``fc`` last).
 CONTEXT_PROJ = (
     ("context_proj.weight", "target_layer_ids"),
     ("mtp.0.main_proj.weight", "dspark_target_layer_ids"),
+    ("fc.weight", "target_layer_ids"),
 )
 
 

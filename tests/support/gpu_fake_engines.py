@@ -26,9 +26,14 @@ showing that a check fails: ``subtle_same`` (the subtle control accepts like the
 ``pp2_low`` (PP=2 accepts less than PP=1 at its last two positions), ``rank_silent`` (the last
 launcher of a deployment logged no rank line),
 ``skip_starts`` (the split-skipped engine starts), ``nccl_stub_called`` (a launcher reached a
-stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange). A fake
-PD run answers as its proxy and launchers would: every request through both sides, one log per
-producer launcher (the handshake and ``over nccl`` lines). A fake PP deployment has ``tp * pp``
+stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange),
+``pd_low`` (a PD decoder accepts less at its last two positions), ``nan_same`` (the NaN-norm PD
+control accepts like the good run), ``kv_recomputed`` (the PD decoder computed every prompt token
+itself). A fake PD run answers as its proxy and launchers would: every request through both sides,
+one log per producer launcher (vLLM's rank line of the ``-tp`` x ``-pp`` world its arguments
+name, the handshake and ``over nccl`` lines, the context-KV-only drafter's build line on the last
+stage's launchers), one per decoder launcher (its rank line), the decoder's prompt tokens by
+source (all but one per prompt over the connector). A fake PP deployment has ``tp * pp``
 launchers whose logs say what real ones do: vLLM's rank line, NCCL communicators of the TP and PP
 sizes over sockets, the handshake and exchange lines (PP > 1); a client abort mid-stream
 (test_pp_one_gpu.py ``_abort_mid_stream``) reads 4 chunks and leaves nothing running. The engine
@@ -95,35 +100,58 @@ def pytest_configure(config):
             )
         return g.LLMResult(name, out, {}, None, 1.0, 2.0)
 
+    def _size(args, flag: str) -> int:
+        return int(args[args.index(flag) + 1]) if flag in args else 1
+
     def run_pd(model, spec, prompts, *, prefill_speculative_config=None, **kw):
         CALLS.append(["pd", model, spec, prefill_speculative_config, kw])
         k = spec["num_speculative_tokens"]
-        per = _good(k)
+        per = _good(k) if MUTATION != "pd_low" else [*_good(k)[:-2], 1, 0]
         pre = (prefill_speculative_config or {}).get("model", "")
-        if "nan-norm" in pre:
+        if "nan-norm" in pre and MUTATION != "nan_same":
             per = [0] * k if MUTATION != "nan_leaks" else ([10, 5, 2] + [0] * k)[:k]
         elif "aux-perturbed" in pre and MUTATION != "subtle_same":
             per = SUBTLE[:k]
         n = len(prompts)
-        stage = "PP handshake: 2 ranks agree\nDSpark PP exchange: fake over nccl\n"
-        names = ["prefill"] + [
-            f"prefill-node{i + 1}" for i in range(len(kw.get("prefill_followers") or []))
-        ]
-        logs = {
-            x: stage if i == 0 or MUTATION != "pd_one_stage" else "" for i, x in enumerate(names)
+        followers = kw.get("prefill_followers") or []
+        args0 = list(kw.get("prefill_args") or [])
+        tp, pp = _size(args0, "-tp"), _size(args0, "-pp")
+        names = ["prefill"] + [f"prefill-node{i + 1}" for i in range(len(followers))]
+        logs = {}
+        for i, x in enumerate(names):  # what launcher i (global rank i) of the producer logs
+            text = f"rank {i} in world size {tp * pp} is assigned as DP rank 0, PP rank {i // tp}"
+            text += f", PCP rank 0, TP rank {i % tp}, ETP rank 0\n"
+            if i == 0 or MUTATION != "pd_one_stage":
+                text += f"PP handshake: {pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
+            if i // tp == pp - 1:
+                text += "Built the context-KV-only DSpark drafter: {}\n"
+            logs[x] = text
+        dtp = _size(list(kw.get("decode_args") or []), "-tp")
+        dec_logs = {
+            ("decode" if i == 0 else f"decode-node{i}"): (
+                f"rank {i} in world size {dtp} is assigned as DP rank 0, PP rank 0, PCP rank 0, "
+                f"TP rank {i}, ETP rank 0\n"
+            )
+            for i in range(1 + len(kw.get("decode_followers") or []))
         }
+        tokens = sum(len(p) for p in prompts)
+        local = tokens if MUTATION == "kv_recomputed" else n
+        by = 'vllm:prompt_tokens_by_source_total{engine="0",source="%s"}'
         return {
             "tokens": _tokens(prompts),
             "decoder_spec": _counters(per),
             "prefill_spec": {"num_draft_tokens": 0},
             "decoder_kv": {
-                "vllm:external_prefix_cache_hits_total": 5.0,
+                "vllm:external_prefix_cache_hits_total": float(tokens - local),
                 "vllm:mooncake_num_failed_transfers_total": 0.0,
                 "vllm:mooncake_num_failed_recvs_total": 0.0,
+                by % "local_compute": float(local),
+                by % "external_kv_transfer": float(tokens - local),
             },
             "prefill_log_markers": {"context-KV-only drafter": True},
             "proxy": {"requests": n, "prefill_ok": n, "decode_ok": n, "errors": []},
             "producer_logs": logs,
+            "decoder_logs": dec_logs,
             "timings": "fake",
         }
 

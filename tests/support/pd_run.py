@@ -8,8 +8,10 @@ are saved as artifacts and the exception names the step that failed.
 
 Works with or without the plugin's prefill-only producer role: the instances are started the
 same way either way; what differs is what the prefiller's drafter does (see docs/producer.md).
-Shared by tests/gpu/test_pd_mooncake_gpu.py (one GPU, PP=1 both sides) and
-tools/gpu/run_pd_pp2.py (PP=2 producer).
+Shared by tests/gpu/test_pd_mooncake_gpu.py (one GPU, PP=1 both sides), tests/gpu/
+test_pd_pp_producer.py and tools/gpu/run_pd_pp2.py (PP=2 producer). An engine of several ranks is
+one launcher per rank (``prefill_followers`` / ``decode_followers``: the headless launchers' own
+arguments and environment, composed by dspark_dev/pd_launch.py ``engine_launchers``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def run_pd(
     prefill_env: dict | None = None,
     prefill_followers: list[tuple[list[str], dict]] = (),
     decode_env: dict | None = None,
+    decode_followers: list[tuple[list[str], dict]] = (),
     max_tokens: int = 48,
     ignore_eos: bool = True,
     request_timeout_s: float = 90.0,
@@ -94,27 +97,41 @@ def run_pd(
         producer(f"prefill-node{i + 1}", args, env)
         for i, (args, env) in enumerate(prefill_followers)
     ]
-    dec = Server(
-        "decode",
-        model,
-        [
-            *common_args,
-            *spec,
-            "--kv-transfer-config",
-            json.dumps(mooncake_kv_config("kv_consumer")),
-            *decode_args,
-        ],
-        # its own (unused) bootstrap port, so nothing on the decode side can collide with the
-        # prefiller's
-        env={
-            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
-            "VLLM_PORT": str(free_port_block()),
-            **(decode_env or {}),
-        },
-    )
+
+    def decoder(name: str, args: list[str], env: dict) -> Server:
+        """One launcher of the decoder: node 0 (``dec``: API server) or, for a decoder of
+        several ranks (TP > 1 on one GPU: one launcher per rank), a headless node."""
+        kv = json.dumps(mooncake_kv_config("kv_consumer"))
+        return Server(
+            name,
+            model,
+            [*common_args, *spec, "--kv-transfer-config", kv, *args],
+            # its own (unused) bootstrap port, so nothing on the decode side can collide with the
+            # prefiller's
+            env={
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
+                "VLLM_PORT": str(free_port_block()),
+                **env,
+            },
+        )
+
+    dec = decoder("decode", list(decode_args), dict(decode_env or {}))
+    dec_followers = [
+        decoder(f"decode-node{i + 1}", args, env) for i, (args, env) in enumerate(decode_followers)
+    ]
+    launchers = (pre, *followers, dec, *dec_followers)
 
     def producer_logs() -> str:
         return "\n".join(x.log_text() for x in (pre, *followers))
+
+    def check_followers() -> None:
+        dead = [
+            f"{f.name} (exit {f.proc.poll()})"
+            for f in (*followers, *dec_followers)
+            if f.proc.poll() is not None
+        ]
+        if dead:
+            raise GPUCaseFailure(f"headless launchers exited: {', '.join(dead)}")
 
     ok = False
     try:
@@ -123,14 +140,15 @@ def run_pd(
         for f in followers:
             f.start()
         dec.start()
+        for f in dec_followers:
+            f.start()
         step = "wait for the prefiller's /health"
         pre.wait_ready(deadline)
-        dead = [f"{f.name} (exit {f.proc.poll()})" for f in followers if f.proc.poll() is not None]
-        if dead:
-            raise GPUCaseFailure(f"producer launchers exited: {', '.join(dead)}")
+        check_followers()
         t.mark("prefill ready")
         step = "wait for the decoder's /health"
         dec.wait_ready(deadline)
+        check_followers()
         t.mark("decode ready")
         bootstrap = f"http://127.0.0.1:{bport}"
         step = f"ask the prefiller's Mooncake bootstrap {bootstrap}/query for its engine id"
@@ -186,6 +204,7 @@ def run_pd(
             # What the prefiller's log says it built (patch log lines of vllm_dspark_pp).
             "prefill_log_markers": {m: m in producer_logs() for m in PREFILL_MARKERS},
             "producer_logs": {x.name: x.log_text() for x in (pre, *followers)},
+            "decoder_logs": {x.name: x.log_text() for x in (dec, *dec_followers)},
         }
     except Exception as e:
         raise GPUCaseFailure(
@@ -193,10 +212,11 @@ def run_pd(
             f"--- prefiller log tail ---\n{pre.log_text()[-3000:]}\n"
             + "".join(f"--- {f.name} log tail ---\n{f.log_text()[-2000:]}\n" for f in followers)
             + f"--- decoder log tail ---\n{dec.log_text()[-3000:]}"
+            + "".join(f"\n--- {f.name} log tail ---\n{f.log_text()[-2000:]}" for f in dec_followers)
         ) from e
     finally:
-        for x in (pre, *followers, dec):
+        for x in launchers:
             x.stop()
         if not ok:
-            for x in (pre, *followers, dec):
+            for x in launchers:
                 x.save_log("pd")

@@ -35,7 +35,8 @@ def _fake_run(modules: list[str], **env: str) -> dict[str, int]:
         **env,
     }
     knobs = ("DSPARK_DSV4K3_WEIGHTS", "DSPARK_GPU_PD_PP_PAIR", "DSPARK_FAKE_MUTATION",
-             "DSPARK_GPU_TP_PP_JOBS")  # fmt: skip
+             "DSPARK_GPU_TP_PP_JOBS", "DSPARK_GPU_PD_PP_JOBS",
+             "DSPARK_GPU_PD_TP_PP_OUT")  # fmt: skip
     for knob in knobs:
         if not child_env.get(knob):
             child_env.pop(knob, None)
@@ -115,3 +116,60 @@ def test_the_tp_pp_checks_fail_on_low_acceptance_and_a_silent_rank(tmp_path, mut
     assert got["rc"] != 0 and got.get("failed") == 6, got["last"]
     bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert bad == sorted(f"{check}[{n}]" for n in TP_PP_JOBS.split(",")[3:]), bad
+
+
+# issue 40 item 2: PD with a TP=2 x PP=2 producer (test_pd_pp_producer.py's opt-in jobs)
+PD_TP_GOOD = ["pd_tp2pp2_tp2", "pd_tp2pp2_tp1"]
+PD_TP_JOBS = ",".join(
+    ["pair_baseline", "pair_spec", *PD_TP_GOOD, "pd_tp2pp2_tp2_control", "pd_tp2pp2_tp2_subtle"]
+)
+
+
+def _pd_tp_run(tmp_path, mutation: str = "") -> tuple[dict, dict]:
+    out = tmp_path / "out"
+    got = _fake_run(
+        PD_PP,
+        DSPARK_GPU_PD_PP_JOBS=PD_TP_JOBS,
+        DSPARK_FAKE_MUTATION=mutation,
+        DSPARK_GPU_PD_TP_PP_OUT=str(out),
+    )
+    return got, json.loads((out / "pd_tp_pp.json").read_text())
+
+
+def test_fake_engines_pass_the_pd_tp_pp_jobs_and_their_record_is_written(tmp_path):
+    got, record = _pd_tp_run(tmp_path)
+    assert got["rc"] == 0 and not got.get("failed") and not got["errors"], got["last"]
+    checks = [f"{c}[{n}]" for n in PD_TP_GOOD for c in ("kv", "ranks", "greedy", "acceptance")]
+    assert set(checks) | {"nan_control", "subtle_control"} == set(record["verdicts"])
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    shapes = record["shapes"]
+    assert shapes["pd_tp2pp2_tp2"]["label"] == "producer TP2xPP2 -> decoder TP2"
+    assert shapes["pd_tp2pp2_tp1"]["label"] == "producer TP2xPP2 -> decoder TP1"
+    assert (
+        "producer TP2xPP2 -> decoder TP2"
+        in record["verdicts"]["acceptance[pd_tp2pp2_tp2]"]["detail"]
+    )
+    assert record["commit"] and record["date"] and record["gpu"] and record["command"]
+    assert record["jobs"]["pd_tp2pp2_tp2"]["decoder_spec"]["num_drafts"] > 0
+    assert record["selected_jobs"] == sorted(PD_TP_JOBS.split(","))
+
+
+@pytest.mark.parametrize(
+    "mutation, bad",
+    [
+        ("pd_low", [f"acceptance[{n}]" for n in PD_TP_GOOD]),
+        ("kv_recomputed", [f"kv[{n}]" for n in PD_TP_GOOD]),
+        ("pd_one_stage", [f"ranks[{n}]" for n in PD_TP_GOOD]),
+        ("nan_same", ["nan_control"]),
+        ("subtle_same", ["subtle_control"]),
+    ],
+)
+def test_the_pd_tp_pp_checks_fail_on_their_controls(tmp_path, mutation, bad):
+    """The controls of the PD TP x PP checks: lower decoder counters fail the acceptance check,
+    a decoder that prefilled the prompts itself fails the every-prompt KV check, producer
+    launchers that ran no exchange fail the every-rank check, controls that accept like the
+    good run fail the NaN-norm and the subtle control checks."""
+    got, record = _pd_tp_run(tmp_path, mutation)
+    assert got["rc"] != 0 and got.get("failed") == len(bad), got["last"]
+    failed = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert failed == sorted(bad), failed

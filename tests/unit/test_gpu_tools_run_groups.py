@@ -124,6 +124,23 @@ def test_tp_pp_group_runs_its_module_with_its_deadlines_and_record_folder(tmp_pa
     assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["tp_pp rc=0"]
 
 
+def test_pd_tp_pp_group_runs_the_pd_module_with_its_tp_jobs_and_record_folder(tmp_path):
+    """Group pd_tp_pp (issue 40 item 2): test_pd_pp_producer.py with only the TP x PP PD job and
+    the references by default (the PP=2 jobs of group pd_pp are not started), its record in
+    OUTDIR/pd_tp_pp, its own artifacts folder, a start-up deadline inside the budget."""
+    keys = ("DSPARK_GPU_PD_PP_JOBS", "DSPARK_GPU_PD_TP_PP_OUT", "DSPARK_GPU_ARTIFACTS",
+            "DSPARK_GPU_PD_PP_READY_S", "DSPARK_GPU_PD_PP_PAIR")  # fmt: skip
+    proc, calls = _fake_run(tmp_path, "pd_tp_pp", env_keys=keys)
+    runs = [c for c in calls if "tests/gpu/test_pd_pp_producer.py" in c]
+    assert len(runs) == 1, calls
+    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
+    assert env["DSPARK_GPU_PD_PP_JOBS"] == "pair_baseline,pair_spec,pd_tp2pp2_tp2", env
+    assert env["DSPARK_GPU_PD_TP_PP_OUT"] == str(tmp_path / "out" / "pd_tp_pp"), env
+    assert env["DSPARK_GPU_ARTIFACTS"].endswith("/pd_tp_pp") and env["DSPARK_GPU_PD_PP_PAIR"] == ""
+    assert env["DSPARK_GPU_PD_PP_READY_S"] == "420" and "--timeout=520" in runs[0]
+    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["pd_tp_pp rc=0"]
+
+
 def test_a_misspelt_group_fails_the_call_before_anything_starts(tmp_path):
     proc, calls = _fake_run(tmp_path, "acceptance", "gsm8k_k4")
     assert proc.returncode == 2 and "unknown group 'gsm8k_k4'" in proc.stderr

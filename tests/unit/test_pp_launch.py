@@ -187,3 +187,69 @@ def test_rank_assignments_name_each_launchers_rank():
     logs = [line.format(r=r, p=r // 2, t=r % 2) for r in range(4)] + ["no worker line"]
     got = pp_launch.rank_assignments(logs)
     assert got == [[(0, 4, 0, 0)], [(1, 4, 0, 1)], [(2, 4, 1, 0)], [(3, 4, 1, 1)], []]
+
+
+# PD engines of several ranks (dspark_dev/pd_launch.py engine_launchers, issue 40 item 2): the
+# producer's TP x PP launchers, then the decoder's, one rank each
+
+
+def test_pd_tp2pp2_producer_then_tp2_decoder_one_rank_per_launcher_on_gpu0():
+    from dspark_dev.pd_launch import engine_launchers, shape_label
+
+    prod = engine_launchers(tp=2, pp=2, device="gpu", gpu_layout="shared", tag="pd",
+                            master_port=111)  # fmt: skip
+    dec = engine_launchers(tp=2, pp=1, device="gpu", gpu_layout="shared", tag="pd",
+                           master_port=222, first_index=4)  # fmt: skip
+    assert len(prod) == 4 and len(dec) == 2
+    for rank, (args, _env) in enumerate(prod):
+        assert (_flag(args, "-tp"), _flag(args, "-pp")) == ("2", "2")
+        assert _flag(args, "--nnodes") == "4" and _flag(args, "--node-rank") == str(rank)
+        assert _flag(args, "--master-port") == "111" and _flag(args, "--master-addr")
+        assert ("--headless" in args) == (rank > 0)
+        assert args.count("--disable-custom-all-reduce") == 1
+    for rank, (args, _env) in enumerate(dec):
+        # the decoder's own 2-rank world (vLLM: world_size / nnodes = 1 rank per launcher)
+        assert (_flag(args, "-tp"), _flag(args, "-pp")) == ("2", "1")
+        assert _flag(args, "--nnodes") == "2" and _flag(args, "--node-rank") == str(rank)
+        assert _flag(args, "--master-port") == "222"
+        assert ("--headless" in args) == (rank > 0)
+        assert "--disable-custom-all-reduce" in args
+    envs = [e for _, e in prod + dec]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0"] * 6
+    # six NCCL hosts: no "Duplicate GPU" inside either world
+    assert [e["NCCL_HOSTID"] for e in envs] == [f"pd-rank{i}" for i in range(6)]
+    assert shape_label(2, 2, 2) == "producer TP2xPP2 -> decoder TP2"
+    assert shape_label(2, 2, 1) == "producer TP2xPP2 -> decoder TP1"
+    assert shape_label(1, 2, 1) == "producer TP1xPP2 -> decoder TP1"
+
+
+def test_pd_per_stage_layout_puts_the_decoder_on_the_gpus_after_the_producer(monkeypatch):
+    from dspark_dev.pd_launch import engine_launchers
+
+    monkeypatch.setenv(pp_launch.LAYOUT_ENV, "per-stage")
+    prod = engine_launchers(tp=2, pp=2, device="gpu")
+    dec = engine_launchers(tp=2, pp=1, device="gpu", first_index=4)
+    assert [e["CUDA_VISIBLE_DEVICES"] for _, e in prod + dec] == ["0", "1", "2", "3", "4", "5"]
+    assert len({_flag(a, "--master-port") for a, _ in prod}) == 1
+    assert {_flag(a, "--master-port") for a, _ in prod} != {
+        _flag(a, "--master-port") for a, _ in dec
+    }
+
+
+def test_pd_single_rank_engine_is_one_plain_launcher_and_pp_only_keeps_its_command_line():
+    """TP=1 PP=1 (a decoder at TP1): no multi-node flags; TP=1 x PP=2 (group pd_pp's producer):
+    the command line that group ran before, without ``-tp`` or the all-reduce flag."""
+    from dspark_dev.pd_launch import engine_launchers
+
+    [(args, env)] = engine_launchers(tp=1, pp=1, device="gpu", gpu_layout="shared", first_index=4)
+    assert args == [] and env["NCCL_HOSTID"] == "pd-rank4"
+    prod = engine_launchers(tp=1, pp=2, device="gpu", gpu_layout="shared", master_port=7)
+    assert [a for a, _ in prod] == [
+        ["-pp", "2", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+         "--master-port", "7", *(["--headless"] if r else [])]
+        for r in range(2)
+    ]  # fmt: skip
+    cpu = engine_launchers(tp=2, pp=2, device="cpu", master_port=7)
+    assert all(e == {} and "--disable-custom-all-reduce" not in a for a, e in cpu)
+    with pytest.raises(ValueError, match="got tp=0 pp=1"):
+        engine_launchers(tp=0, pp=1, device="gpu")

@@ -16,6 +16,11 @@
 #         pd_pp_dsv4 / pd_pp_k3 (issue 26 "also at PP=2": the same PD with a PP=2 producer for the
 #         trained DeepSeek-V4 / Kimi-K3 pair, DSPARK_GPU_PD_PP_PAIR=dsv4|k3, with the subtle
 #         control; a failing run's server logs in artifacts.tgz under the group's name),
+#         pd_tp_pp (issue 40 item 2: PD with a TP=2 x PP=2 producer, four launchers, into a TP=2
+#         decoder, two launchers, all on GPU 0; test_pd_pp_producer.py's opt-in jobs, chosen by
+#         DSPARK_GPU_PD_TP_PP_JOBS (default pair_baseline,pair_spec,pd_tp2pp2_tp2; also
+#         pd_tp2pp2_tp1, pd_tp2pp2_tp2_control, pd_tp2pp2_tp2_subtle); its JSON record in
+#         OUTDIR/pd_tp_pp/pd_tp_pp.json, a failing run's server logs in artifacts.tgz),
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
 #         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
 #         dsv4_router (issue 26: vLLM's DSV4 MoE layer at 256 experts, padded decode batches, eager
@@ -50,7 +55,8 @@
 # others' (the call then lasts up to BUDGET + (groups - 1) x STAGGER); DSPARK_GPU_LOST_STAGE_READY_S
 # (default BUDGET - 200): the lost_stage groups' start-up deadline; DSPARK_GPU_ADAPTIVE_READY_S
 # (default BUDGET - 200): pp_adaptive's; DSPARK_GPU_TP_PP_READY_S (default BUDGET - 170) and
-# DSPARK_GPU_TP_PP_STOCK_READY_S (default BUDGET - 150): tp_pp's start-up deadlines (plugin, stock).
+# DSPARK_GPU_TP_PP_STOCK_READY_S (default BUDGET - 150): tp_pp's start-up deadlines (plugin, stock);
+# DSPARK_GPU_PD_TP_PP_JOBS and DSPARK_GPU_PD_TP_PP_READY_S (default BUDGET - 120): pd_tp_pp's.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -58,8 +64,8 @@ OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
 STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
-KNOWN=(pd_mooncake dsv4k3 nixl pp tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 dsv4k3_pp router dsv4_router
-  producer_memory pp_adaptive lost_stage lost_stage_control lost_stage_stock load pd_kill
+KNOWN=(pd_mooncake dsv4k3 nixl pp tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 pd_tp_pp dsv4k3_pp router
+  dsv4_router producer_memory pp_adaptive lost_stage lost_stage_control lost_stage_stock load pd_kill
   pd_decoder_kill sampling acceptance dsv4_check gsm8k_k3 gsm8k_dsv4)
 [ $# -gt 0 ] || {
   echo "run_groups.sh: name at least one group: ${KNOWN[*]}" >&2
@@ -141,6 +147,14 @@ for g in "$@"; do
     # that two PD groups' server logs (same names) do not overwrite each other
     mkdir -p "$ART/$g"
     DSPARK_GPU_PD_PP_PAIR=${g#pd_pp_} DSPARK_GPU_ARTIFACTS="$ART/$g" DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
+      run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
+    ;;
+  pd_tp_pp)
+    # six launchers (producer 2 x 2, decoder 2) and the two PP=1 references at once
+    mkdir -p "$ART/pd_tp_pp" "$OUTDIR/pd_tp_pp"
+    DSPARK_GPU_PD_PP_JOBS=${DSPARK_GPU_PD_TP_PP_JOBS:-pair_baseline,pair_spec,pd_tp2pp2_tp2} \
+      DSPARK_GPU_ARTIFACTS="$ART/pd_tp_pp" DSPARK_GPU_PD_TP_PP_OUT="$OUTDIR/pd_tp_pp" \
+      DSPARK_GPU_PD_PP_READY_S=${DSPARK_GPU_PD_TP_PP_READY_S:-$((BUDGET - 120))} \
       run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
     ;;
   dsv4k3_pp)

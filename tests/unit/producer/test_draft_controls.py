@@ -1,8 +1,9 @@
 """The subtle PD control's writer (``support.draft_controls.aux_perturbed_draft``, issue 26 item
 2): the copy differs from the original draft only in the context projection's aux column blocks,
 exactly as asked (the default: first and last exchanged; a scale: one block times the factor),
-for a Kimi-K3 draft directory and for a DeepSeek-V4 checkpoint (target tensors + ``mtp.*`` draft
-in one file). Toy checkpoints, no engine: < 1 s."""
+for a Kimi-K3 draft directory, a DeepSeek-V4 checkpoint (target tensors + ``mtp.*`` draft in one
+file) and a Qwen3 DSpark draft (``fc``), and for the bundled tiny pair's real draft. Toy
+checkpoints, no engine: < 1 s."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ LAYOUTS = {
         "dspark_target_layer_ids",
         [0, 1],
         ["embed.weight", "layers.0.attn.wkv.weight", "mtp.0.main_norm.weight", "mtp.1.norm.weight"],
+    ),
+    "qwen3": (  # the trained tiny pair's draft (issue 40's TP x PP PD subtle control)
+        "fc.weight",
+        "target_layer_ids",
+        [0, 2, 3],
+        ["hidden_norm.weight", "layers.0.self_attn.k_proj.weight", "norm.weight"],
     ),
 }
 
@@ -105,3 +112,22 @@ def test_aux_perturbed_draft_refuses_a_draft_without_a_context_projection(tmp_pa
     save_file({"other.weight": torch.zeros(2, 2)}, str(d / "model.safetensors"))
     with pytest.raises(AssertionError, match="no context projection"):
         aux_perturbed_draft(str(d), str(tmp_path / "out"))
+
+
+def test_the_tiny_pair_draft_gets_its_fc_aux_blocks_exchanged(tmp_path):
+    """The real bundled draft (models/tiny-pair): ``fc`` ([128, 3 x 128], taps 0, 2, 3) with its
+    first and last aux blocks exchanged, every other tensor equal. Control: before ``fc.weight``
+    was in ``CONTEXT_PROJ`` this raised "no context projection"."""
+    from support import tiny_pair
+
+    ok, why = tiny_pair.available()
+    if not ok:
+        pytest.skip(why)
+    assert context_proj_layout(tiny_pair.DRAFT)[1:] == ("fc.weight", [0, 2, 3])
+    out = Path(aux_perturbed_draft(tiny_pair.DRAFT, str(tmp_path)))
+    (a, _), (b, _) = _load(Path(tiny_pair.DRAFT)), _load(out)
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "fc.weight")
+    assert torch.equal(_block(b["fc.weight"], 3, 0), _block(a["fc.weight"], 3, -1))
+    assert torch.equal(_block(b["fc.weight"], 3, -1), _block(a["fc.weight"], 3, 0))
+    assert torch.equal(_block(b["fc.weight"], 3, 1), _block(a["fc.weight"], 3, 1))
