@@ -114,23 +114,45 @@ def as_stage(monkeypatch: Any, rank: int, size: int) -> Iterator[None]:
         yield
 
 
-def build_stage(cfg: Any, rank: int, size: int, monkeypatch: Any) -> Any:
-    """vLLM's ``DeepseekV41ForCausalLM`` (the CUDA implementation) as PP stage ``rank``."""
+@contextlib.contextmanager
+def cuda_stand_ins(monkeypatch: Any, cfg: Any) -> Iterator[None]:
+    """Construction of vLLM's CUDA V4.1 classes on CPU into ``cfg`` (a fresh layer registry):
+    streams, events and the FP8 einsum recipe answered, a one-rank EP group for the MoE."""
     import vllm.models.deepseek_v41.nvidia.flashmla as flashmla
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
-    from vllm.models.deepseek_v41.nvidia.vl_model import DeepseekV41ForCausalLM
 
     cfg.compilation_config.static_forward_context = {}
-    with (
-        monkeypatch.context() as m,
-        as_stage(monkeypatch, rank, size),
-        set_current_vllm_config(cfg),
-        torch.device("cpu"),
-    ):
+    with monkeypatch.context() as m, set_current_vllm_config(cfg), torch.device("cpu"):
         if ps._EP is None:  # the one-rank world was set up for a dense model
             m.setattr(ps, "_EP", ps.get_tp_group())
         m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
         m.setattr(torch.cuda, "Event", lambda *a, **k: None)
         m.setattr(flashmla, "compute_fp8_einsum_recipe", lambda *a, **k: (None, False))
+        yield
+
+
+def build_stage(cfg: Any, rank: int, size: int, monkeypatch: Any) -> Any:
+    """vLLM's ``DeepseekV41ForCausalLM`` (the CUDA implementation) as PP stage ``rank``."""
+    from vllm.models.deepseek_v41.nvidia.vl_model import DeepseekV41ForCausalLM
+
+    with cuda_stand_ins(monkeypatch, cfg), as_stage(monkeypatch, rank, size):
         return DeepseekV41ForCausalLM(vllm_config=cfg, prefix="")
+
+
+def build_drafter(cfg: Any, cls: type, monkeypatch: Any) -> Any:
+    """A DSpark drafter class (vLLM's full V4.1 drafter or the context-only one) built on CPU."""
+    with cuda_stand_ins(monkeypatch, cfg):
+        return cls(vllm_config=cfg, prefix="")
+
+
+def checkpoint_shapes(hf: Any) -> dict[str, tuple[int, ...]]:
+    """The tiny checkpoint's tensors in V4.1 naming: DeepSeek-V4's (tiny_mla_drafts) without
+    what V4.1 has not (the learned ``hc_head_*``, the confidence head's bias)."""
+    from dspark_dev import tiny_mla_drafts
+
+    return {
+        k: v
+        for k, v in tiny_mla_drafts.dsv4_checkpoint_shapes(hf).items()
+        if "hc_head" not in k and "confidence_head.proj.bias" not in k
+    }
