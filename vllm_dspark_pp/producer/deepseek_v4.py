@@ -15,7 +15,6 @@ DeepSeek-V4 DSpark (``DSparkDraftModel`` -> ``vllm/models/deepseek_v4/nvidia/dsp
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -34,16 +33,10 @@ logger = init_logger("vllm.dspark_pp.producer.deepseek_v4")
 DSV4_NVIDIA_MODULE = "vllm.models.deepseek_v4.nvidia.dspark"
 
 # --------------------------------------------------------------------------- weights
-# DeepSeek-V4: the draft weights ship in the target checkpoint as ``mtp.<i>.*``.
-_DSV4_KEEP = re.compile(
-    r"^(?:mtp\.\d+\.(?:main_proj|main_norm)\.|"
-    r"mtp\.\d+\.attn\.(?:wkv|kv_norm)\.|"
-    r"context_wkv_proj\.)"
-)
-
-
-#: Whether a DeepSeek-V4 checkpoint tensor feeds the context-only drafter; the rest.
-is_dsv4_context_kv_weight, dsv4_skipped_weight_names = drafter.weight_filter(_DSV4_KEEP)
+# The draft weights ship in the target checkpoint as ``mtp.<i>.*`` (shared with V4.1: drafter.py).
+is_dsv4_context_kv_weight = drafter.is_mtp_context_weight
+dsv4_skipped_weight_names = drafter.mtp_skipped_weight_names
+_dsv4_param_name = drafter.mtp_context_param_name
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4
@@ -53,13 +46,9 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
     default: the registry's platform pick)."""
     import torch
     from torch import nn
-    from vllm.config import get_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_world_size
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-    from vllm.model_executor.models.utils import maybe_prefix
     from vllm.models.deepseek_v4 import attention as dsv4_attention
     from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
@@ -164,39 +153,10 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
             super().__init__()
             spec = vllm_config.speculative_config
             assert spec is not None
-            config = spec.draft_model_config.hf_config
-            self.config = config
-            self.hidden_size = config.hidden_size
-            self.num_hidden_layers = config.num_hidden_layers
-            self.target_layer_ids = tuple(config.dspark_target_layer_ids)
-            self.num_dspark_layers = getattr(config, "n_mtp_layers", None) or 3
-            linear: dict[str, Any] = {
-                "bias": False,
-                "return_bias": False,
-                "quant_config": vllm_config.quant_config,
-            }
-            self.main_proj = ReplicatedLinear(
-                config.hidden_size * len(self.target_layer_ids),
-                config.hidden_size,
-                prefix=maybe_prefix(prefix, "main_proj"),
-                **linear,
+            n_layers = getattr(spec.draft_model_config.hf_config, "n_mtp_layers", None) or 3
+            drafter.build_mtp_context_model(
+                self, vllm_config, prefix, n_layers, DeepseekV4ContextKVLayer
             )
-            self.main_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            current = get_current_vllm_config()
-            self.layers = nn.ModuleList(
-                DeepseekV4ContextKVLayer(
-                    current, prefix=maybe_prefix(prefix, f"layers.{self.num_hidden_layers + i}")
-                )
-                for i in range(self.num_dspark_layers)
-            )
-            self.context_wkv_proj = MergedColumnParallelLinear(
-                config.hidden_size,
-                [config.head_dim] * self.num_dspark_layers,
-                prefix=maybe_prefix(prefix, "context_wkv_proj"),
-                disable_tp=True,
-                **linear,
-            )
-            self.confidence_head = None
 
     class DSparkDeepseekV4ContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
         """Top level of the DeepSeek-V4 context-KV-only DSpark drafter."""
@@ -219,44 +179,9 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
         precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
 
         def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
-            """main_proj/main_norm, kv_norm and each layer's wkv (into context_wkv_proj,
-            shard = layer) from the target checkpoint's ``mtp.*``."""
-            params = dict(self.named_parameters())
-            loaded: set[str] = set()
-            for name, tensor in weights:
-                target, shard = _dsv4_param_name(name, len(self.model.layers))
-                if target is None:
-                    continue
-                param = params[target]
-                if shard is not None:
-                    param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
-                else:
-                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(target)
-            return loaded
+            return drafter.load_mtp_context_weights(self, weights)
 
     return DSparkDeepseekV4ContextKVForCausalLM
-
-
-def _dsv4_param_name(name: str, n_layers: int) -> tuple[str | None, int | None]:
-    """Checkpoint name -> (context-only parameter, shard of context_wkv_proj or None)."""
-    scale = name.endswith(".scale")
-    if scale:  # block-fp8 linear scales (the full loader's ``.scale`` rename)
-        name = name.removesuffix(".scale") + ".weight_scale_inv"
-    if name.startswith("context_wkv_proj."):
-        return "model." + name, None
-    m = re.match(r"mtp\.(\d+)\.(.*)$", name)
-    assert m is not None
-    stage, rest = int(m.group(1)), m.group(2)
-    if rest.startswith(("main_proj.", "main_norm.")):
-        return "model." + rest, None
-    if rest.startswith("attn.kv_norm."):
-        return f"model.layers.{stage}.{rest}", None
-    if rest.startswith("attn.wkv."):
-        if stage >= n_layers:
-            return None, None
-        return "model.context_wkv_proj." + rest.removeprefix("attn.wkv."), stage
-    return None, None
 
 
 #: Its drafter ships inside the target checkpoint: the target must be a DeepSeek-V4 one.

@@ -304,6 +304,110 @@ class ContextKVDrafter(RefuseDrafting):
         return loaded
 
 
+# --------------------------------------------------------------------------- DeepSeek mtp drafters
+# DeepSeek-V4 and V4.1 ship the drafter inside the target checkpoint as ``mtp.<i>.*`` and share
+# its context path (vLLM 0.34.0: deepseek_v4/nvidia/dspark.py, deepseek_v41/nvidia/dspark.py):
+# ``main_proj`` + ``main_norm`` over the concatenated taps, every layer's ``wkv`` stacked into
+# ``context_wkv_proj``, then each layer's ``kv_norm``, RoPE and insert. The families differ in
+# the attention layer they hold (:mod:`.deepseek_v4`, :mod:`.deepseek_v41`).
+MTP_CONTEXT_KEEP = re.compile(
+    r"^(?:mtp\.\d+\.(?:main_proj|main_norm)\.|"
+    r"mtp\.\d+\.attn\.(?:wkv|kv_norm)\.|"
+    r"context_wkv_proj\.)"
+)
+
+#: Whether a DeepSeek checkpoint tensor feeds the context-only drafter; the rest.
+is_mtp_context_weight, mtp_skipped_weight_names = weight_filter(MTP_CONTEXT_KEEP)
+
+
+def mtp_context_param_name(name: str, n_layers: int) -> tuple[str | None, int | None]:
+    """Checkpoint name -> (context-only parameter, shard of context_wkv_proj or None), the
+    names vLLM's ``_remap_dspark_name`` gives them."""
+    if name.endswith(".scale"):  # block-fp8 linear scales (the full loader's ``.scale`` rename)
+        name = name.removesuffix(".scale") + ".weight_scale_inv"
+    if name.startswith("context_wkv_proj."):
+        return "model." + name, None
+    m = re.match(r"mtp\.(\d+)\.(.*)$", name)
+    assert m is not None
+    stage, rest = int(m.group(1)), m.group(2)
+    if rest.startswith(("main_proj.", "main_norm.")):
+        return "model." + rest, None
+    if rest.startswith("attn.kv_norm."):
+        return f"model.layers.{stage}.{rest}", None
+    if rest.startswith("attn.wkv."):
+        if stage >= n_layers:
+            return None, None
+        return "model.context_wkv_proj." + rest.removeprefix("attn.wkv."), stage
+    return None, None
+
+
+def build_mtp_context_model(
+    model: Any, vllm_config: VllmConfig, prefix: str, n_layers: int, make_layer: Callable
+) -> None:
+    """Give ``model`` (an ``nn.Module`` under construction) the context path of a DeepSeek mtp
+    drafter: ``main_proj``, ``main_norm``, ``n_layers`` layers ``make_layer(vllm_config,
+    prefix)`` numbered after the target's, and ``context_wkv_proj``, as vLLM builds them."""
+    from torch import nn
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+    from vllm.model_executor.models.utils import maybe_prefix
+
+    spec = vllm_config.speculative_config
+    assert spec is not None
+    config = spec.draft_model_config.hf_config
+    model.config = config
+    model.hidden_size = config.hidden_size
+    model.num_hidden_layers = config.num_hidden_layers
+    model.target_layer_ids = tuple(config.dspark_target_layer_ids)
+    model.num_dspark_layers = n_layers
+    linear: dict[str, Any] = {
+        "bias": False,
+        "return_bias": False,
+        "quant_config": vllm_config.quant_config,
+    }
+    model.main_proj = ReplicatedLinear(
+        config.hidden_size * len(model.target_layer_ids),
+        config.hidden_size,
+        prefix=maybe_prefix(prefix, "main_proj"),
+        **linear,
+    )
+    model.main_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    current = get_current_vllm_config()
+    model.layers = nn.ModuleList(
+        make_layer(current, maybe_prefix(prefix, f"layers.{model.num_hidden_layers + i}"))
+        for i in range(n_layers)
+    )
+    model.context_wkv_proj = MergedColumnParallelLinear(
+        config.hidden_size,
+        [config.head_dim] * n_layers,
+        prefix=maybe_prefix(prefix, "context_wkv_proj"),
+        disable_tp=True,
+        **linear,
+    )
+    model.confidence_head = None
+
+
+def load_mtp_context_weights(model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+    """main_proj/main_norm, kv_norm and each layer's wkv (into context_wkv_proj, shard = layer)
+    from the target checkpoint's ``mtp.*``; returns the parameters loaded."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = mtp_context_param_name(name, len(model.model.layers))
+        if target is None:
+            continue
+        param = params[target]
+        if shard is not None:
+            param.weight_loader(param, tensor, shard)
+        else:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        loaded.add(target)
+    return loaded
+
+
 # --------------------------------------------------------------------------- start checks
 #: Model types whose DSpark drafter ships inside the target checkpoint (DeepSeek-V4, V4.1).
 IN_TARGET_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")

@@ -9,7 +9,6 @@ them a build means moving it into its own module with a ``context_kv_class``
 from __future__ import annotations
 
 from vllm_dspark_pp.producer import families
-from vllm_dspark_pp.producer.drafter import check_target_carries_the_draft
 
 for _name, _arch in (
     ("MiniMax-M3 DSpark", "DSparkMiniMaxDraftModel"),
@@ -20,12 +19,3 @@ for _name, _arch in (
     ("Mistral Large 4 DSpark", "MistralLarge4DSparkModel"),
 ):
     families.register(families.DraftFamily(_name, (_arch,), __name__))
-
-families.register(
-    families.DraftFamily(
-        "DeepSeek-V4.1 DSpark",
-        ("DSparkV41DraftModel",),
-        __name__,
-        start_checks=(check_target_carries_the_draft,),
-    )
-)

@@ -20,7 +20,7 @@ EXPECTED = {
     "Qwen3 DSpark": (("Qwen3DSparkModel",), True, True, False),
     "DeepSeek-V4 DSpark": (("DSparkDraftModel",), True, False, True),
     "Kimi-K3 DSpark": (("K3DSparkModel",), True, False, False),
-    "DeepSeek-V4.1 DSpark": (("DSparkV41DraftModel",), False, False, True),
+    "DeepSeek-V4.1 DSpark": (("DSparkV41DraftModel",), True, True, True),
     "MiniMax-M3 DSpark": (("DSparkMiniMaxDraftModel",), False, False, False),
     "Gemma4 DSpark": (("Gemma4DSparkModel",), False, False, False),
     "Qwen3-Omni DSpark": (("Qwen3OmniDSparkModel",), False, False, False),
@@ -111,4 +111,4 @@ def test_plan_sizes_a_draft_by_its_family_memory_rule():
     out = deployment_plan._draft_bytes_by_role(spec, None, 2)
     sized = [f.name for f in families.families() if f.draft_memory is not None]
     assert out == {"draft bytes": f"computed for {' and '.join(sized)} drafts only"}
-    assert sized == ["Qwen3 DSpark"]
+    assert sized == ["DeepSeek-V4.1 DSpark", "Qwen3 DSpark"]
