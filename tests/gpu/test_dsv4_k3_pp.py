@@ -118,6 +118,9 @@ K3_DIAG: dict[str, tuple[list[str], dict[str, str], dict[int, dict[str, str]]]] 
     # Programmatic Dependent Launch off (the Triton kernels that ask the platform launch in plain
     # stream order): a PDL-launched kernel that reads before its gdc_wait races its predecessor
     "nopdl": ([], {"DSPARK_TEST_K3_NO_PDL": "1"}, {}),
+    # the token ids read back on both sides of the exchange (drafts before the last rank's
+    # broadcast, sampled tokens and drafts where rank 0 consumes them): which side goes bad first
+    "drafts": ([], {"DSPARK_TEST_K3_DRAFTS_PROBE": "1"}, {}),
 }
 STOCK_DIAG = ("probe", "blocking")
 #: diagnosis variants that start only when DSPARK_DSV4K3_PP_JOBS names them (twelve PP=2
@@ -200,6 +203,8 @@ def probe_lines(logs: list[str], per_log: int = 12) -> list[str]:
         syncs = [x for x in log.splitlines() if "K3_SYNC_PROBE" in x]
         keep = [x for x in syncs if "first seen" in x] + [x for x in ids if "OUT OF RANGE" in x][:4]
         keep += [x for x in log.splitlines() if "CSAN detected" in x][:2]
+        drafts = [x for x in log.splitlines() if "K3_DRAFTS" in x or "side=" in x]
+        keep += [x for x in drafts if "BAD" in x][:4] + drafts[-4:]
         keep += [x for x in syncs if "first seen" not in x] + ids[-3:]
         out += [f"node{i}: {x[:400]}" for x in dict.fromkeys(keep)][:per_log]
     return out

@@ -217,3 +217,30 @@ def test_no_pdl_makes_the_platform_answer_false_and_is_registered_alone():
     hooks: list[str] = []
     got = P.install({P.NO_PDL_ENV: "1"}, lambda name, cb: hooks.append(name))
     assert got == ["no-pdl"] and hooks == [P.CUDA_PLATFORM]
+
+
+def test_exchange_reads_report_both_sides_and_flag_non_token_data():
+    import torch
+
+    class PPHandler:
+        def broadcast_drafts(self, draft_tokens):
+            return "sent"
+
+        def get_prev_sampled_outputs(self):
+            return {"sampled_tokens": torch.tensor([[5]]), "draft_tokens": self.recv}
+
+    lines: list[str] = []
+    module = types.SimpleNamespace(PPHandler=PPHandler)
+    names = P.patch_exchange_reads(module, out=lines.append, sync=lambda: None)
+    assert names == ["PPHandler.broadcast_drafts", "PPHandler.get_prev_sampled_outputs"]
+    h = PPHandler()
+    assert h.broadcast_drafts(torch.tensor([[3, 4, -1]])) == "sent"
+    h.recv = torch.tensor([[3, 1041776429, -1107968379]])  # float32 bit patterns, as on the H100
+    assert h.get_prev_sampled_outputs()["sampled_tokens"].item() == 5
+    assert lines[0] == "call=1 side=send drafts n=3 min=-1 max=4"
+    assert lines[1] == "call=1 side=recv sampled_tokens n=1 min=5 max=5"
+    assert lines[2].startswith("call=1 BAD side=recv draft_tokens n=3") and "1041776429" in lines[2]
+    hooks: list[str] = []
+    assert P.install({P.DRAFTS_ENV: "1"}, lambda name, cb: hooks.append(name)) == [
+        "exchange-reads"
+    ] and hooks == [P.RUNNER]

@@ -17,6 +17,12 @@
   stream) is set to ``None``, so each of those pairs runs in order on the current stream.
 * ``DSPARK_TEST_K3_UVA_DEPTH=<n>``: vLLM's UVA staging pools (``buffer_utils.UvaBufferPool``,
   reused round robin) get at least ``n`` slots instead of ``max_concurrent_batches``.
+* ``DSPARK_TEST_K3_DRAFTS_PROBE=1``: the token ids crossing the PP exchange are read back on
+  both sides (a device sync each): on the last rank the drafts handed to ``broadcast_drafts``
+  (``K3_DRAFTS_PROBE side=send``), on the other ranks the sampled tokens and drafts that
+  ``get_prev_sampled_outputs`` hands to the post-update (``side=recv``). A value outside
+  ``[-1, 2**20)`` is reported as ``BAD``: which side first holds non-token data says whether the
+  drafts were wrong before the broadcast or became wrong on the receiving rank.
 * ``DSPARK_TEST_K3_NO_PDL=1``: the CUDA platform reports no Programmatic Dependent Launch, so the
   Triton kernels that ask ``current_platform.is_arch_support_pdl()`` (KDA's short convolution,
   recurrent kernels and metadata staging, the Mamba state gathers) launch in plain stream order.
@@ -39,6 +45,9 @@ RANKS_ENV = "DSPARK_TEST_K3_SYNC_RANKS"
 NO_STREAMS_ENV = "DSPARK_TEST_K3_NO_SIDE_STREAMS"
 UVA_DEPTH_ENV = "DSPARK_TEST_K3_UVA_DEPTH"
 NO_PDL_ENV = "DSPARK_TEST_K3_NO_PDL"
+DRAFTS_ENV = "DSPARK_TEST_K3_DRAFTS_PROBE"
+#: a token id outside [-1, this) is not a token id (the tiny targets' vocabularies are < 1024)
+TOKEN_ID_BOUND = 1 << 20
 POINTS = ("step", "prep", "embed", "layers", "recv")
 #: module attributes holding a side stream in vLLM 0.34.0's Kimi-K3 path (docs/k3-pp-race.md)
 STREAM_ATTRS = ("_down_proj_stream", "aux_stream", "_projection_aux_stream", "_stream")
@@ -228,6 +237,55 @@ def patch_no_pdl(module) -> None:
     emit("installed no-PDL: CudaPlatformBase.is_arch_support_pdl -> False")
 
 
+def token_report(side: str, name: str, values) -> tuple[bool, str]:
+    """(bad, line) for one tensor of token ids read back to the host."""
+    flat = [int(v) for v in values.reshape(-1).tolist()]
+    bad = [v for v in flat if not -1 <= v < TOKEN_ID_BOUND]
+    lo, hi = (min(flat), max(flat)) if flat else (0, 0)
+    head = "BAD " if bad else ""
+    line = f"{head}side={side} {name} n={len(flat)} min={lo} max={hi}"
+    if bad:
+        line += f" first bad {bad[:8]} of {flat[:40]}"
+    return bool(bad), line
+
+
+def patch_exchange_reads(module, out: Callable[[str], None] = emit, sync=_cuda_sync) -> list[str]:
+    """Wrap the runner module's PP handler: drafts read back before ``broadcast_drafts`` (last
+    rank), sampled tokens and drafts after ``get_prev_sampled_outputs`` (other ranks)."""
+    handler = module.PPHandler
+    calls = {"send": 0, "recv": 0}
+
+    def report(side: str, tensors: dict) -> None:
+        calls[side] += 1
+        sync()
+        for name, t in tensors.items():
+            if t is None:
+                continue
+            bad, line = token_report(side, name, t.detach().to("cpu"))
+            if bad or calls[side] <= 12:
+                out(f"call={calls[side]} {line}")
+
+    real_send = handler.broadcast_drafts
+
+    @functools.wraps(real_send, updated=())
+    def broadcast_drafts(self, draft_tokens, *args, **kwargs):
+        report("send", {"drafts": draft_tokens})
+        return real_send(self, draft_tokens, *args, **kwargs)
+
+    real_recv = handler.get_prev_sampled_outputs
+
+    @functools.wraps(real_recv, updated=())
+    def get_prev_sampled_outputs(self, *args, **kwargs):
+        got = real_recv(self, *args, **kwargs)
+        if got:
+            report("recv", {k: got.get(k) for k in ("sampled_tokens", "draft_tokens")})
+        return got
+
+    handler.broadcast_drafts = broadcast_drafts
+    handler.get_prev_sampled_outputs = get_prev_sampled_outputs
+    return [f"{handler.__name__}.broadcast_drafts", f"{handler.__name__}.get_prev_sampled_outputs"]
+
+
 def install(
     env: Mapping[str, str] = os.environ,
     when_imported: Callable | None = None,
@@ -236,7 +294,8 @@ def install(
     points = parse_points(env.get(SYNC_ENV, ""))
     depth = env.get(UVA_DEPTH_ENV, "").strip()
     no_pdl = env.get(NO_PDL_ENV) == "1"
-    if not (points or depth or no_pdl or env.get(NO_STREAMS_ENV) == "1"):
+    drafts = env.get(DRAFTS_ENV) == "1"
+    if not (points or depth or no_pdl or drafts or env.get(NO_STREAMS_ENV) == "1"):
         return []
     if when_imported is None:
         from vllm_dspark_pp.patches import when_imported
@@ -266,4 +325,11 @@ def install(
     if no_pdl:
         when_imported(CUDA_PLATFORM, patch_no_pdl)
         installed.append("no-pdl")
+    if drafts:
+
+        def on_runner_drafts(module):
+            emit(f"installed exchange reads: {', '.join(patch_exchange_reads(module))}")
+
+        when_imported(RUNNER, on_runner_drafts)
+        installed.append("exchange-reads")
     return installed
