@@ -259,14 +259,17 @@ def runtime_knobs() -> list[Knob]:
         without = {k: v for k, v in os.environ.items() if k not in names}
         with mock.patch.dict(os.environ, without, clear=True):
             default = envs.environment_variables[name]()
-        out.append(
-            Knob(
-                name,
-                repr(default) if isinstance(default, str) else str(default),
-                comments.get(name, ""),
-            )
-        )
+        out.append(Knob(name, _shown(default), comments.get(name, "")))
     return out
+
+
+def _shown(default: object) -> str:
+    """A typed default as the variable's text: 120.0 -> "120", False -> "unset (off)"."""
+    if isinstance(default, bool):
+        return "unset (off)" if not default else "on"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default) if default != "" else "unset"
 
 
 def _entry_comments(source: str) -> dict[str, str]:

@@ -3,8 +3,10 @@ is the model).
 
 Read a knob as an attribute of this module (``envs.VLLM_DSPARK_PP_PEER_TIMEOUT_S``): each read
 evaluates the variable then and returns it typed. The comment above each entry of
-:data:`environment_variables` is its documentation. Every runtime knob has the prefix
-``VLLM_DSPARK_PP_``; no other module of the package reads one of ours from ``os.environ``.
+:data:`environment_variables` is its documentation; docs/knobs.md is generated from it (in a
+checkout: ``python -m dspark_dev.knobs --markdown > docs/knobs.md``). Every runtime knob has the
+prefix ``VLLM_DSPARK_PP_``; no other module of the package reads the environment
+(tests/unit/test_knobs.py checks both).
 
 A renamed knob keeps its old name for one release (:data:`deprecated_environment_variables`): read
 under its old name, it logs a deprecation warning once per process.
@@ -92,9 +94,9 @@ def _admitted_timeout_s() -> float:
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
-    # Seconds each PP rank waits at start-up for every other rank's handshake record (and for
-    # their verdict) before it fails naming the silent ranks. Unset or empty: 120.
-    # (protocol/handshake.py)
+    # Seconds the last PP rank waits at start-up for every other rank's handshake record before
+    # it fails naming the silent ranks (the others wait that long plus a grace period for its
+    # verdict). Empty: the default. (protocol/handshake.py)
     "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S": _handshake_timeout_s,
     # Seconds of silence after which a PP rank's peer watch declares another rank lost and the
     # worker exits (status 70) instead of waiting for vLLM's execute timeout; heartbeats go every

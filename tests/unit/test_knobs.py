@@ -167,3 +167,12 @@ def test_the_checks_catch_planted_violations(tmp_path):
         "vllm_dspark_pp/m.py:2: os.environ.get('VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S')"
     ]
     assert stale(scan), "a registry entry named nowhere in the scratch tree is reported"
+
+
+def test_docs_knobs_md_is_the_generated_page(scan):
+    doc = (REPO / "docs" / "knobs.md").read_text()
+    assert doc == knobs.markdown(scan), (
+        "docs/knobs.md is stale: run `python -m dspark_dev.knobs --markdown > docs/knobs.md`"
+    )
+    for name in [*envs.environment_variables, *knobs.REGISTRY]:
+        assert f"| `{name}` |" in doc, name
