@@ -70,7 +70,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> None:
 
 def dump_group_stacks(pgid: int, settle_s: float = 3.0) -> int:
     """Send SIGUSR1 to every running member of group ``pgid`` and give them ``settle_s`` to
-    write their Python stacks (members started with ``DSPARK_PP_STACKS_ON_SIGUSR1=1`` that
+    write their Python stacks (members started with ``VLLM_DSPARK_PP_STACKS_ON_SIGUSR1=1`` that
     loaded the plugin or registered the dump themselves: :mod:`vllm_dspark_pp.stack_dumps`; any
     other member ends, as SIGUSR1's default action, which is fine right before the group is
     killed). Returns how many members were signalled."""

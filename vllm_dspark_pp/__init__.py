@@ -28,6 +28,6 @@ def register() -> None:
         from vllm.logger import init_logger
 
         init_logger("vllm.dspark_pp").info(
-            "pid %d prints its Python stacks on SIGUSR1 (DSPARK_PP_STACKS_ON_SIGUSR1=1)",
+            "pid %d prints its Python stacks on SIGUSR1 (VLLM_DSPARK_PP_STACKS_ON_SIGUSR1=1)",
             os.getpid(),
         )

@@ -19,13 +19,13 @@ benchmarks and test probes outside the package use to hook vLLM modules the same
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
 import re
 import threading
 from dataclasses import dataclass
 from types import ModuleType
 
+from vllm_dspark_pp import envs
 from vllm_dspark_pp.patches._on_import import when_imported
 
 __all__ = ["PatchInfo", "apply_all", "applied_patches", "registry", "when_imported"]
@@ -89,7 +89,7 @@ def applied_patches() -> list[str]:
 def skipped_patches(names: list[str] | None = None, value: str | None = None) -> list[str]:
     """The patch names :data:`SKIP_ENV` (or ``value``) asks to skip; unknown names and
     ``config_vllm`` raise ``ValueError`` (at start-up: ``register`` runs this)."""
-    value = os.environ.get(SKIP_ENV, "") if value is None else value
+    value = envs.VLLM_DSPARK_PP_SKIP_PATCHES if value is None else value
     skip = [s.strip() for s in value.split(",") if s.strip()]
     if not skip:
         return []
@@ -128,7 +128,7 @@ def apply_all() -> list[str]:
                 "vllm-dspark-pp: %s=%s: NOT applying %s (diagnosis only; PP>1 is refused unless "
                 "only %s are skipped)",
                 SKIP_ENV,
-                os.environ.get(SKIP_ENV),
+                envs.VLLM_DSPARK_PP_SKIP_PATCHES,
                 ", ".join(skip),
                 ", ".join(sorted(PP_SKIPPABLE)),
             )

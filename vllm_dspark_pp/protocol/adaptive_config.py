@@ -6,8 +6,9 @@ importing the run-time side (which itself uses the handshake's store helpers).
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from vllm_dspark_pp import envs
 
 #: Opt-in for the covered configurations until the one-GPU PP tier has shown them lossless on a
 #: GPU (tests/gpu/test_pp_adaptive_one_gpu.py; issue 30). Without it vLLM's refusal stands.
@@ -41,7 +42,7 @@ def uncovered_reason(vllm_config: Any) -> str | None:
         return "context parallelism is not covered"
     if par.enable_batch_sharded_sampling:
         return "batch-sharded sampling needs vLLM's host copy of the ranked counts"
-    if os.environ.get(OPT_IN_ENV) != "1":
+    if not envs.VLLM_DSPARK_PP_ADAPTIVE_PP:
         return (
             f"experimental and not yet verified on a GPU; set {OPT_IN_ENV}=1 on every node to "
             "try it (docs/protocol.md, 'Adaptive verification under PP')"

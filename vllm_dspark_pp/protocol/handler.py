@@ -25,7 +25,6 @@ counts to the next verify step on the host (see ``protocol/adaptive.py``).
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_dspark_pp import envs
 from vllm_dspark_pp.protocol.schedule import (
     ALIGN_BYTES,
     COUNTS,
@@ -70,7 +70,7 @@ class AdmittedCounts:
 
     def values(self) -> np.ndarray:
         if self.event is not None and not self.event.query():
-            deadline = time.monotonic() + float(os.environ.get(ADMITTED_TIMEOUT_ENV, "60"))
+            deadline = time.monotonic() + envs.VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S
             while not self.event.query():
                 if time.monotonic() > deadline:
                     raise ExchangeError(

@@ -38,15 +38,15 @@ Timeout: ``VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S`` (default 120 seconds).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_dspark_pp import envs
 from vllm_dspark_pp.protocol.world import WorldShape, layout_mismatch
 from vllm_dspark_pp.version import PROTOCOL_VERSION, __version__
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = envs.HANDSHAKE_TIMEOUT_DEFAULT_S
 TIMEOUT_ENV = "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S"
 FIELDS = (
     "protocol",
@@ -99,8 +99,7 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
 
 
 def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    return float(raw) if raw else DEFAULT_TIMEOUT_S
+    return envs.VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S
 
 
 def verdict_grace_s(timeout: float) -> float:

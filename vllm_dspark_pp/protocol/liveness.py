@@ -58,11 +58,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_dspark_pp import envs
 from vllm_dspark_pp.protocol.world import WorldShape
 from vllm_dspark_pp.version import PROTOCOL_VERSION
 
 TIMEOUT_ENV = "VLLM_DSPARK_PP_PEER_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = envs.PEER_TIMEOUT_DEFAULT_S
 #: Exit status of a worker that lost a peer rank (``EX_SOFTWARE``); the executor patch names it.
 LOST_PEER_EXIT_STATUS = 70
 #: Every lost line starts so (every rank label starts with "PP rank": world.WorldShape.label).
@@ -100,20 +101,12 @@ class Peer:
 
 def timeout_s(raw: str | None = None) -> float:
     """The knob: seconds of silence before an open peer is declared lost; 0 turns the watch off."""
-    raw = os.environ.get(TIMEOUT_ENV) if raw is None else raw
-    if raw is None or raw.strip() == "":
-        return DEFAULT_TIMEOUT_S
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0 or value == float("inf"):
-        raise PeerWatchError(
-            f"{TIMEOUT_ENV}={raw!r} is not a number of seconds >= 0; use e.g. "
-            f"{TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f} (the default), or 0 to turn the peer "
-            "watch off"
-        )
-    return value
+        if raw is None:
+            return envs.VLLM_DSPARK_PP_PEER_TIMEOUT_S
+        return envs.parse_peer_timeout_s(raw)
+    except ValueError as exc:
+        raise PeerWatchError(str(exc)) from None
 
 
 def heartbeat_interval_s(timeout: float) -> float:

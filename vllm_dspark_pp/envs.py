@@ -1,0 +1,143 @@
+"""Every environment variable the plugin reads at run time, in one place (vLLM's ``vllm/envs.py``
+is the model).
+
+Read a knob as an attribute of this module (``envs.VLLM_DSPARK_PP_PEER_TIMEOUT_S``): each read
+evaluates the variable then and returns it typed. The comment above each entry of
+:data:`environment_variables` is its documentation; docs/knobs.md is generated from it (in a
+checkout: ``python -m dspark_dev.knobs --markdown > docs/knobs.md``). Every runtime knob has the
+prefix ``VLLM_DSPARK_PP_``; no other module of the package reads the environment
+(tests/unit/test_knobs.py checks both).
+
+A renamed knob keeps its old name for one release (:data:`deprecated_environment_variables`): read
+under its old name, it logs a deprecation warning once per process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S: float = 120.0
+    VLLM_DSPARK_PP_PEER_TIMEOUT_S: float = 30.0
+    VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S: float = 60.0
+    VLLM_DSPARK_PP_ADAPTIVE_PP: bool = False
+    VLLM_DSPARK_PP_SKIP_PATCHES: str = ""
+    VLLM_DSPARK_PP_STACKS_ON_SIGUSR1: bool = False
+
+PREFIX = "VLLM_DSPARK_PP_"
+HANDSHAKE_TIMEOUT_DEFAULT_S = 120.0
+PEER_TIMEOUT_DEFAULT_S = 30.0
+
+#: Old name -> new name. The old name is still read (the new one wins where both are set) and
+#: logs a deprecation warning; remove an entry one release after the rename.
+deprecated_environment_variables: dict[str, str] = {
+    # renamed after 0.1.0 (one prefix for runtime knobs); the old name goes in 0.3.0
+    "DSPARK_PP_STACKS_ON_SIGUSR1": "VLLM_DSPARK_PP_STACKS_ON_SIGUSR1",
+}
+
+_warned: set[str] = set()
+
+
+def _warn_deprecated(old: str, new: str) -> None:
+    if old in _warned:
+        return
+    _warned.add(old)
+    from vllm.logger import init_logger
+
+    init_logger("vllm.dspark_pp.envs").warning(
+        "vllm-dspark-pp: the environment variable %s is deprecated and will be removed in the "
+        "next release; set %s instead",
+        old,
+        new,
+    )
+
+
+def _raw(name: str) -> str | None:
+    """The variable's value, read under its deprecated name too (with a warning)."""
+    for old, new in deprecated_environment_variables.items():
+        if new == name and old in os.environ:
+            _warn_deprecated(old, new)
+            if name not in os.environ:
+                return os.environ[old]
+    return os.environ.get(name)
+
+
+def parse_peer_timeout_s(raw: str | None) -> float:
+    """``VLLM_DSPARK_PP_PEER_TIMEOUT_S`` from its text: unset or blank is the default; anything
+    but a finite number >= 0 raises ``ValueError`` naming the variable."""
+    name = "VLLM_DSPARK_PP_PEER_TIMEOUT_S"
+    if raw is None or raw.strip() == "":
+        return PEER_TIMEOUT_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0 or value == float("inf"):
+        raise ValueError(
+            f"{name}={raw!r} is not a number of seconds >= 0; use e.g. "
+            f"{name}={PEER_TIMEOUT_DEFAULT_S:.0f} (the default), or 0 to turn the peer "
+            "watch off"
+        )
+    return value
+
+
+def _handshake_timeout_s() -> float:
+    raw = _raw("VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S")
+    return float(raw) if raw else HANDSHAKE_TIMEOUT_DEFAULT_S
+
+
+def _admitted_timeout_s() -> float:
+    raw = _raw("VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S")
+    return float("60" if raw is None else raw)
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Seconds the last PP rank waits at start-up for every other rank's handshake record before
+    # it fails naming the silent ranks (the others wait that long plus a grace period for its
+    # verdict). Empty: the default. (protocol/handshake.py)
+    "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S": _handshake_timeout_s,
+    # Seconds of silence after which a PP rank's peer watch declares another rank lost and the
+    # worker exits (status 70) instead of waiting for vLLM's execute timeout; heartbeats go every
+    # timeout / 10 (at most 1 s). 0 turns the watch off; set the same value on every node.
+    # Anything but a number >= 0 stops start-up. (protocol/liveness.py)
+    "VLLM_DSPARK_PP_PEER_TIMEOUT_S": lambda: parse_peer_timeout_s(
+        _raw("VLLM_DSPARK_PP_PEER_TIMEOUT_S")
+    ),
+    # Seconds a verify step waits on the host for admitted draft counts that were already
+    # posted (adaptive verification under PP); a longer wait is a bug and fails the step.
+    # (protocol/handler.py)
+    "VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S": _admitted_timeout_s,
+    # "1": run adaptive verification under PP through the plugin in the covered configurations
+    # (experimental until verified on a GPU; set it on every node). Anything else: vLLM's
+    # refusal stands. (protocol/adaptive_config.py)
+    "VLLM_DSPARK_PP_ADAPTIVE_PP": lambda: _raw("VLLM_DSPARK_PP_ADAPTIVE_PP") == "1",
+    # Diagnosis only: comma-separated patch names this process does not apply (docs/patches.md);
+    # config_vllm cannot be skipped, and PP > 1 is refused unless only the lost-stage controls
+    # are skipped. Empty: apply every patch. (patches/__init__.py)
+    "VLLM_DSPARK_PP_SKIP_PATCHES": lambda: _raw("VLLM_DSPARK_PP_SKIP_PATCHES") or "",
+    # "1": every process that loads the plugin prints the Python stack of each thread to stderr
+    # on SIGUSR1 and goes on running (docs/bad-configs.md). Formerly DSPARK_PP_STACKS_ON_SIGUSR1
+    # (still read, with a deprecation warning). (stack_dumps.py)
+    "VLLM_DSPARK_PP_STACKS_ON_SIGUSR1": lambda: _raw("VLLM_DSPARK_PP_STACKS_ON_SIGUSR1") == "1",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables.keys())
+
+
+def is_set(name: str) -> bool:
+    """Whether the knob (or its deprecated name) is set in the environment."""
+    if name not in environment_variables:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return name in os.environ or any(
+        new == name and old in os.environ for old, new in deprecated_environment_variables.items()
+    )
