@@ -1,0 +1,382 @@
+#!/usr/bin/env python3
+"""docs/results/tp_pp.md from the TP x PP tier's JSON records (issue 40).
+
+    python -m benchmarks.tp_pp_page            # rewrite docs/results/tp_pp.md
+    python -m benchmarks.tp_pp_page --check    # exit 1 when the committed page is stale
+
+Reads every ``docs/results/tp_pp*.json`` (or the files given), each one record written by
+tests/gpu/test_tp_pp_one_gpu.py (its ``tp_pp.json``, copied here), and writes one section per
+record, newest first: the run (commit, date, GPU, command, knobs), a row per job that ran (shape,
+scheduling, graphs or eager, start-up seconds, tokens, the greedy verdict against PP=1 without
+speculation, the spec-decode counters and their per-position split against the PP=1 DSpark
+reference), the counters per wave, the launchers' evidence (handshake sizes, vLLM's rank lines,
+NCCL communicators, the exchange's backend, pinned dispatches), the abort, the NCCL stub check,
+the stock control when it ran, and the jobs the record says were not selected. Nothing on the
+page is typed by hand: a figure that is not in a record is not on the page. A record that lacks a
+field the page needs, or contradicts itself (a job listed as selected but marked otherwise), is
+refused with :class:`RecordError`. tests/unit/test_tp_pp_page.py checks the committed page is this
+module's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+PAGE = RESULTS / "tp_pp.md"
+PATTERN = "tp_pp*.json"
+PARITY_REF = "ref"  # PP=1 without speculation: the greedy reference
+DSPARK_REFS = ("pp1_async", "pp1_sync")  # PP=1 DSpark: the counters' references
+LAYOUTS = {
+    "shared": "every launcher on GPU 0, NCCL over loopback sockets",
+    "per-stage": "launcher R on GPU R",
+}
+
+
+class RecordError(ValueError):
+    """A record the page cannot be written from."""
+
+
+def need(obj: dict, key: str, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise RecordError(f"{where}: no {key!r}")
+    return obj[key]
+
+
+def load(paths: list[Path]) -> list[tuple[str, dict]]:
+    """``(file name, record)`` per file, newest first; checks what the page relies on."""
+    out = []
+    for path in paths:
+        rec = json.loads(Path(path).read_text())
+        name = Path(path).name
+        for key in ("commit", "date", "gpu", "command", "jobs", "verdicts", "selected_jobs"):
+            need(rec, key, name)
+        jobs = rec["jobs"]
+        marked = sorted(j for j, v in jobs.items() if need(v, "selected", f"{name}: job {j}"))
+        if marked != sorted(rec["selected_jobs"]):
+            raise RecordError(
+                f"{name}: selected_jobs {sorted(rec['selected_jobs'])} but the jobs marked "
+                f"selected are {marked}"
+            )
+        for j, v in jobs.items():
+            need(v, "shape", f"{name}: job {j}")
+        out.append((name, rec))
+    return sorted(out, key=lambda nr: (nr[1]["date"], nr[0]), reverse=True)
+
+
+def _shape(shape: dict) -> str:
+    return f"TP={shape['tp']} x PP={shape['pp']}"
+
+
+def _describe(shape: dict) -> str:
+    return ", ".join(
+        [
+            _shape(shape),
+            f"{shape['scheduling']} scheduling",
+            "CUDA graphs" if shape["cuda_graphs"] else "eager",
+            "DSpark" if shape["speculation"] else "no speculation",
+            "plugin on" if shape["plugin"] else "plugin left out (stock vLLM)",
+        ]
+    )
+
+
+def _ok(v: dict | None) -> str:
+    if v is None:
+        return "no verdict"
+    return {True: "pass", False: "**FAIL**", None: "recorded"}[v.get("ok")]
+
+
+def _pct(c: dict) -> str:
+    drafted = c["num_draft_tokens"]
+    share = f"{100 * c['num_accepted_tokens'] / drafted:.2f}%" if drafted else "-"
+    return f"{c['num_accepted_tokens']}/{drafted} ({share})"
+
+
+def _positions(c: dict) -> str:
+    return "[" + ", ".join(str(x) for x in c.get("accepted_per_pos") or []) + "]"
+
+
+def dspark_ref(jobs: dict, scheduling: str) -> str | None:
+    """The PP=1 DSpark job a served job's counters compare with: the one of its scheduling when it
+    has counters, else the other (the test's rule)."""
+    first = "pp1_async" if scheduling != "sync" else "pp1_sync"
+    for name in (first, *[r for r in DSPARK_REFS if r != first]):
+        if (jobs.get(name) or {}).get("counters"):
+            return name
+    return None
+
+
+def compare_counters(got: dict, ref: dict) -> str:
+    """``equal`` or what differs, computed here from the two records' counters."""
+    diffs = [
+        f"{k} {got[k]} vs {ref[k]}"
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        if got.get(k) != ref.get(k)
+    ]
+    gp, rp = got.get("accepted_per_pos") or [], ref.get("accepted_per_pos") or []
+    if gp != rp:
+        at = [i for i in range(max(len(gp), len(rp))) if gp[i : i + 1] != rp[i : i + 1]]
+        diffs.append(f"per position differs at {at}")
+    return "equal" if not diffs else "; ".join(diffs)
+
+
+def _greedy_cell(v: dict | None) -> str:
+    if v is None:
+        return "no verdict"
+    detail = v.get("detail", "")
+    return f"{_ok(v)}: {detail.split('no-spec: ', 1)[-1]}"
+
+
+def job_rows(rec: dict) -> list[str]:
+    jobs, verdicts = rec["jobs"], rec["verdicts"]
+    lines = [
+        "| job | shape | scheduling | graphs | plugin | speculation | start-up s | tokens | "
+        "greedy vs `ref` (PP=1 no-spec) | accepted / drafted | drafts | accepted per position | "
+        "counters vs PP=1 DSpark |",
+        "|---|---|---|---|---|---|---:|---:|---|---:|---:|---|---|",
+    ]
+    for name, job in jobs.items():
+        if not job["selected"]:
+            continue
+        s = job["shape"]
+        ready = job.get("ready_s", job.get("startup_s"))
+        c = job.get("counters")
+        if name == PARITY_REF:
+            greedy = "the reference"
+        elif name in DSPARK_REFS:
+            greedy = "not compared (a counters reference)"
+        else:
+            greedy = _greedy_cell(verdicts.get(f"greedy[{name}]"))
+        if "error" in job:
+            greedy = f"**no result**: {job['error'][:160]}"
+        if c is None:
+            counters = accepted = drafts = per_pos = "-"
+        else:
+            accepted, drafts, per_pos = _pct(c), str(c["num_drafts"]), _positions(c)
+            if name in DSPARK_REFS:
+                counters = "the reference"
+            else:
+                ref = dspark_ref(jobs, s["scheduling"])
+                counters = "no reference" if ref is None else (
+                    f"{compare_counters(c, jobs[ref]['counters'])} (`{ref}`); test: "
+                    f"{_ok(verdicts.get(f'acceptance[{name}]'))}"
+                )  # fmt: skip
+        graphs = "CUDA graphs" if s["cuda_graphs"] else "eager"
+        lines.append(
+            f"| `{name}` | {_shape(s)} | {s['scheduling']} | {graphs} | "
+            f"{'on' if s['plugin'] else 'off'} | "
+            f"{'DSpark' if s['speculation'] else 'none'} | {'-' if ready is None else ready} | "
+            f"{job.get('num_tokens', '-')} | {greedy} | {accepted} | {drafts} | {per_pos} | "
+            f"{counters} |"
+        )
+    return lines
+
+
+def wave_rows(rec: dict) -> list[str]:
+    waves = rec.get("waves") or []
+    served = [(n, j) for n, j in rec["jobs"].items() if j["selected"] and j.get("per_wave")]
+    if not served:
+        return []
+    lines = [
+        "",
+        "Counters per wave (read from the node-0 server's `/metrics` before and after each wave):",
+        "",
+        "| job | wave | prompts | drafts | accepted / drafted | accepted per position |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, job in served:
+        for i, w in enumerate(job["per_wave"]):
+            prompts = waves[i] if i < len(waves) else "?"
+            lines.append(
+                f"| `{name}` | {i + 1} | {prompts} | {w['num_drafts']} | {_pct(w)} | "
+                f"{_positions(w)} |"
+            )
+    return lines
+
+
+def _per_launcher(items: list, fmt) -> str:
+    return "; ".join(f"{r}: {fmt(x)}" for r, x in enumerate(items))
+
+
+def _rank_line(lines: list) -> str:
+    return ", ".join(f"rank {r} of {w}, PP {p}, TP {t}" for r, w, p, t in lines) or "none"
+
+
+def _comms(comms: list) -> str:
+    return ", ".join(f"{n} ranks / {nodes} nodes" for n, nodes in comms) or "none"
+
+
+def evidence_rows(rec: dict) -> list[str]:
+    served = [(n, j) for n, j in rec["jobs"].items() if j["selected"] and j.get("evidence")]
+    if not served:
+        return []
+    has_fixed = "fixed_graph_batch" in json.dumps(rec)
+    lines = [
+        "",
+        "### The launchers' logs",
+        "",
+        "Read from every launcher's log by the test (launcher R holds global rank R). Handshake: "
+        "the N of each `PP handshake: N ranks agree` line; rank lines: vLLM's `rank R in world "
+        "size W is assigned as ... PP rank P ... TP rank T`; NCCL: the `nRanks N nNodes M` init "
+        "lines (`NCCL_DEBUG=INFO`); exchange: the backend of the plugin's `DSpark PP exchange: "
+        "... over B` line; pinned: the counts of `pinned dispatches so far` lines.",
+        "",
+    ]
+    for name, job in served:
+        ev = job["evidence"]
+        pinned = ev.get("pinned")
+        pinned_txt = f"`{pinned}`" + (
+            "" if has_fixed or pinned else " (the record configures no fixed graph batch)"
+        )
+        verdict = _ok(rec["verdicts"].get(f"ranks[{name}]"))
+        socket = "yes" if ev["nccl_socket"] else "no"
+        lines += [
+            f"`{name}` ({_shape(job['shape'])}); test verdict {verdict}:",
+            "",
+            f"* handshake lines: {len(ev['handshake_sizes'])}, sizes `{ev['handshake_sizes']}`",
+            f"* vLLM's rank lines per launcher: {_per_launcher(ev['ranks'], _rank_line)}",
+            "* NCCL communicator sizes per launcher (distinct pairs): "
+            + _per_launcher(ev["nccl_comms_per_log"], _comms),
+            "* exchange backend per launcher: "
+            + _per_launcher(ev["exchange_backends"], lambda b: ", ".join(b) or "none"),
+            f"* NCCL socket transport (`NET/Socket`) logged: {socket}",
+            f"* pinned dispatch counts: {pinned_txt}",
+            f"* every launcher alive after serving: {'yes' if job.get('alive_after') else 'no'};"
+            f" processes left behind: {job.get('leftover_pids') or 'none'}",
+            "",
+        ]
+    return lines[:-1]
+
+
+def abort_rows(rec: dict) -> list[str]:
+    v = rec["verdicts"].get("abort")
+    done = [(n, j) for n, j in rec["jobs"].items() if j["selected"] and "abort" in j]
+    if not done and v is None:
+        return []
+    lines = ["", "### Abort mid-stream", ""]
+    for name, job in done:
+        ab = job["abort"]
+        lines.append(
+            f"* `{name}`: the client left after {ab['chunks_read']} streamed chunks; "
+            f"{ab['running']:g} requests running {ab['running_after_s']} s later"
+        )
+    if v is not None:
+        lines.append(f"* test verdict {_ok(v)}: `{v['detail']}`")
+    return lines
+
+
+def other_checks(rec: dict) -> list[str]:
+    verdicts = rec["verdicts"]
+    lines = []
+    v = verdicts.get("nccl_stubs")
+    if v is not None:
+        lines += ["", "### The kit's NCCL stubs", "", f"Test verdict {_ok(v)}: `{v['detail']}`."]
+    stock = {k: v for k, v in verdicts.items() if k.startswith("stock[")}
+    if stock:
+        lines += ["", "### Stock vLLM control (plugin left out)", ""]
+        lines += [f"* `{k[6:-1]}`: {v['detail']}" for k, v in stock.items()]
+    return lines
+
+
+def not_run(rec: dict) -> list[str]:
+    lines = ["", "### Not run", ""]
+    idle = [(n, j) for n, j in rec["jobs"].items() if not j["selected"]]
+    failed = [(n, j) for n, j in rec["jobs"].items() if j["selected"] and "error" in j]
+    lines.append(
+        f"Jobs of the test this record did not select ({len(idle)}; `selected: false`):"
+        if idle
+        else "Every job of the test was selected."
+    )
+    if idle:
+        lines.append("")
+        lines += [f"* `{n}`: {_describe(j['shape'])}" for n, j in idle]
+    if failed:
+        lines += ["", "Selected but without a result:", ""]
+        lines += [f"* `{n}`: {j['error'][:300]}" for n, j in failed]
+    if rec.get("layout") == "shared":
+        lines += ["", "Several GPUs: not in this record (every rank shared GPU 0)."]
+    return lines
+
+
+def section(name: str, rec: dict) -> list[str]:
+    verdicts = rec["verdicts"]
+    oks = [v.get("ok") for v in verdicts.values()]
+    knobs = ", ".join(f"`{k}={v}`" for k, v in sorted((rec.get("knobs") or {}).items()))
+    spec = rec.get("spec") or {}
+    graphs = (rec.get("graph_config") or {}).get("decode_cudagraph_capture_request_sizes")
+    layout = rec.get("layout", "?")
+    lines = [
+        "",
+        f"## {rec['date']}: [{name}]({name})",
+        "",
+        f"* commit `{rec['commit']}`; sources sha256 `{rec.get('source_sha256', '-')}`",
+        f"* GPU: {rec['gpu']}; layout `{layout}` ({LAYOUTS.get(layout, 'unknown layout')})",
+        f"* command (on the GPU machine): `{rec['command']}`",
+        f"* knobs (the run's `DSPARK_GPU_*` variables): {knobs or 'none'}",
+        f"* speculation: {spec.get('method', '?')}, k = {spec.get('num_speculative_tokens', '?')},"
+        f" draft `{spec.get('model', '?')}`; waves of {', '.join(map(str, rec.get('waves', [])))}"
+        f" prompts, at most {rec.get('max_tokens', '?')} tokens each; decode CUDA graphs for "
+        f"{graphs} requests",
+        f"* checks: {len(oks)} recorded, {oks.count(True)} passed, {oks.count(False)} failed"
+        + (f", {oks.count(None)} recorded without a verdict" if None in oks else ""),
+    ]
+    bad = [k for k, v in verdicts.items() if v.get("ok") is False]
+    if bad:
+        lines.append(f"* **failed checks**: {', '.join(f'`{k}`' for k in bad)}")
+    lines += ["", "### Jobs", ""] + job_rows(rec)
+    lines += [
+        "",
+        "start-up s: a served job's `ready_s` (launch to every launcher ready), a PP=1 engine's "
+        "`startup_s`. Counters are the node-0 server's spec-decode counters summed over the "
+        "waves (an engine's own for PP=1).",
+    ]
+    lines += wave_rows(rec)
+    return lines + evidence_rows(rec) + abort_rows(rec) + other_checks(rec) + not_run(rec)
+
+
+def markdown(records: list[tuple[str, dict]]) -> str:
+    files = ", ".join(f"docs/results/{n}" for n, _ in records)
+    lines = [
+        f"<!-- generated by benchmarks/tp_pp_page.py from {files}; do not edit by hand -->",
+        "# TP x PP on one GPU: DSpark on a TP=2 x PP=2 target (issue 40)",
+        "",
+        "Each section is one JSON record written by tests/gpu/test_tp_pp_one_gpu.py (group `tp_pp` "
+        "of tools/gpu/run_groups.sh): four `vllm serve -tp 2 -pp 2 --nnodes 4` launchers, one "
+        "rank each, the trained tiny pair. This page is generated "
+        "(`python -m benchmarks.tp_pp_page`; tests/unit/test_tp_pp_page.py checks it is current). "
+        "PD with a TP x PP producer (group `pd_tp_pp`) is not in these records: "
+        "[producer.md](../producer.md).",
+    ]
+    for name, rec in records:
+        lines += section(name, rec)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", nargs="*", type=Path, help=f"default: docs/results/{PATTERN}")
+    ap.add_argument("--out", type=Path, default=PAGE)
+    ap.add_argument("--check", action="store_true", help="exit 1 when --out differs")
+    args = ap.parse_args(argv)
+    paths = args.records or sorted(RESULTS.glob(PATTERN))
+    if not paths:
+        print(f"no records ({RESULTS / PATTERN})", file=sys.stderr)
+        return 2
+    text = markdown(load(paths))
+    if args.check:
+        current = args.out.read_text() if args.out.is_file() else ""
+        if current != text:
+            print(f"{args.out} is stale: run python -m benchmarks.tp_pp_page", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
