@@ -12,18 +12,20 @@ import torch
 
 
 def engine_config(pair, **kw):
-    """A real VllmConfig for the pair's target (dummy weights, no engine started)."""
+    """A real VllmConfig for the pair's target (dummy weights, no engine started); ``kw``: more
+    engine arguments, or other values of these."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(
+    args = dict(
         model=pair.target,
         load_format="dummy",
         dtype="bfloat16",
         max_model_len=256,
         max_num_seqs=8,
         enforce_eager=True,
-        **kw,
-    ).create_engine_config()
+    )
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()
 
 
 def construct_on_cpu(cfg, cls, monkeypatch, *, cuda_router: bool = False):

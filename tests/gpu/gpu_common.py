@@ -3,9 +3,12 @@ tests)."""
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,6 +96,46 @@ def fixed_graph_batch_key() -> str | None:
     from vllm_dspark_pp.protocol import graph_batch
 
     return getattr(graph_batch, "KEY", None)
+
+
+def select_jobs(
+    raw: str, knob: str, all_jobs: tuple[str, ...], default_jobs: tuple[str, ...]
+) -> frozenset[str]:
+    """The jobs a ``knob=a,b`` value selects (``raw``, read by the caller): ``all`` for every one,
+    empty for ``default_jobs``; an unknown name is a usage error."""
+    raw = raw.strip()
+    if raw == "all":
+        return frozenset(all_jobs)
+    chosen = frozenset(j for j in raw.split(",") if j) or frozenset(default_jobs)
+    unknown = sorted(chosen - set(all_jobs))
+    if unknown:
+        raise pytest.UsageError(f"{knob}: unknown jobs {unknown}; known: {list(all_jobs)}")
+    return chosen
+
+
+def record_commit(repo) -> str:
+    """A GPU record's commit: ``DSPARK_GPU_COMMIT`` (the GPU machine has no git history), else
+    the checkout's HEAD."""
+    if os.environ.get("DSPARK_GPU_COMMIT"):
+        return os.environ["DSPARK_GPU_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+            timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({type(exc).__name__}; set DSPARK_GPU_COMMIT)"
+    return out.stdout.strip() or "unknown (no git checkout here; set DSPARK_GPU_COMMIT)"
+
+
+def record_date() -> str:
+    """A GPU record's date (UTC, to the minute)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def record_command() -> str:
+    """The pytest command line a GPU record came from."""
+    return " ".join([os.path.basename(sys.executable), "-m", "pytest", *sys.argv[1:]])
 
 
 class Jobs:

@@ -85,7 +85,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +97,11 @@ from gpu_common import (
     PAIR_SAMPLING,
     Jobs,
     pair_prompts,
+    record_command,
+    record_commit,
+    record_date,
     require_cuda,
+    select_jobs,
 )
 from support import mla_pairs, tiny_pair
 from support.draft_controls import SUBTLE_PERTURB
@@ -166,18 +169,7 @@ ALL_JOBS = ("pair_baseline", "pair_spec", *PD_JOBS)
 DEFAULT_JOBS = ("pair_baseline", "pair_spec", *PP_JOBS)
 
 
-def _selected() -> frozenset[str]:
-    raw = os.environ.get(JOBS_ENV, "").strip()
-    if raw == "all":
-        return frozenset(ALL_JOBS)
-    chosen = frozenset(j for j in raw.split(",") if j) or frozenset(DEFAULT_JOBS)
-    unknown = sorted(chosen - set(ALL_JOBS))
-    if unknown:
-        raise pytest.UsageError(f"{JOBS_ENV}: unknown jobs {unknown}; known: {list(ALL_JOBS)}")
-    return chosen
-
-
-ONLY = _selected()
+ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
 
 
 def _label() -> str:
@@ -513,19 +505,6 @@ def _tp_verdict(check: str, ok: bool, detail: str) -> None:
     TP_RECORD["verdicts"][check] = {"ok": bool(ok), "detail": detail[:4000]}
 
 
-def _commit() -> str:
-    if os.environ.get("DSPARK_GPU_COMMIT"):
-        return os.environ["DSPARK_GPU_COMMIT"]
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unknown ({type(exc).__name__}; set DSPARK_GPU_COMMIT)"
-    return out.stdout.strip() or "unknown (no git checkout here; set DSPARK_GPU_COMMIT)"
-
-
 def _tp_job_summary(jobs: Jobs, name: str) -> dict:
     out: dict = {"selected": name in ONLY, "elapsed_s": jobs.elapsed(name)}
     if name in TP_JOBS:
@@ -563,10 +542,10 @@ def _write_tp_record(jobs: Jobs) -> Path:
         "test": "tests/gpu/test_pd_pp_producer.py",
         "issue": 40,
         "item": 2,
-        "commit": _commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": record_commit(REPO),
+        "date": record_date(),
         "gpu": cuda_status()[1],
-        "command": " ".join([os.path.basename(sys.executable), "-m", "pytest", *sys.argv[1:]]),
+        "command": record_command(),
         "knobs": {k: v for k, v in os.environ.items() if k.startswith("DSPARK_GPU_")},
         "selected_jobs": sorted(ONLY),
         "pair": PAIR,

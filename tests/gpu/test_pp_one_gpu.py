@@ -352,18 +352,24 @@ def _llm(name: str, cfg: dict, waves, *, logprobs: int | None = None, dtype: str
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def pp_jobs():
+def _guard_and_waves(guard_dir: str):
+    """What a PP module's jobs start from (skipped without a GPU or the trained pair): the NCCL
+    stub guard (built, but on the CPU dry run) in ``LOG_DIR / guard_dir``, and the waves."""
     require_cuda()
     ok, why = tiny_pair.available()
     if not ok:
         pytest.skip(why)
     from dspark_dev.multi_gpu import NcclStubGuard
 
-    guard = NcclStubGuard(LOG_DIR / "nccl-guard")
+    guard = NcclStubGuard(LOG_DIR / guard_dir)
     if not DRYRUN_CPU:
         guard.build()
-    waves = _waves()
+    return guard, _waves()
+
+
+@pytest.fixture(scope="module")
+def pp_jobs():
+    guard, waves = _guard_and_waves("nccl-guard")
     # every job at once: they wait on engines, not on Python
     jobs = Jobs(only=ONLY, max_workers=16, knob="DSPARK_GPU_PP_JOBS")
 

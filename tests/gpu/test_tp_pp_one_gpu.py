@@ -47,22 +47,29 @@ import datetime
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from gpu_common import DRYRUN_CPU, GRAPH_COMPILATION_CONFIG, Jobs, cuda_status, require_cuda
+from gpu_common import (
+    DRYRUN_CPU,
+    GRAPH_COMPILATION_CONFIG,
+    Jobs,
+    cuda_status,
+    record_command,
+    record_commit,
+    record_date,
+    select_jobs,
+)
 from support import tiny_pair
 from test_pp_one_gpu import (
     LOG_DIR,
     MAX_TOKENS,
     WAVE_SIZES,
+    _guard_and_waves,
     _llm,
     _served,
     _stock,
     _sum,
-    _waves,
 )
 
 from dspark_dev import pp_launch
@@ -91,18 +98,7 @@ DEFAULT_JOBS = ("ref", "pp1_async", "tp2pp2_async", "tp2pp2_sync_eager")
 REQUEST_TIMEOUT_S = 1200  # how long a test waits for its job (the group's --timeout ends it first)
 
 
-def _selected() -> frozenset[str]:
-    raw = os.environ.get(JOBS_ENV, "").strip()
-    if raw == "all":
-        return frozenset(ALL_JOBS)
-    chosen = frozenset(j for j in raw.split(",") if j) or frozenset(DEFAULT_JOBS)
-    unknown = sorted(chosen - set(ALL_JOBS))
-    if unknown:
-        raise pytest.UsageError(f"{JOBS_ENV}: unknown jobs {unknown}; known: {list(ALL_JOBS)}")
-    return chosen
-
-
-ONLY = _selected()
+ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
 RECORD: dict = {"verdicts": {}}
 
 
@@ -124,19 +120,6 @@ def _shape(name: str) -> dict:
 def _verdict(check: str, ok: bool, detail: str) -> None:
     """The check's outcome for the JSON record (set before the test asserts it)."""
     RECORD["verdicts"][check] = {"ok": bool(ok), "detail": detail[:4000]}
-
-
-def _commit() -> str:
-    if os.environ.get("DSPARK_GPU_COMMIT"):
-        return os.environ["DSPARK_GPU_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-            timeout=10,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unknown ({type(exc).__name__}; set DSPARK_GPU_COMMIT)"
-    return out.stdout.strip() or "unknown (no git checkout here; set DSPARK_GPU_COMMIT)"
 
 
 def _source_sha256() -> str:
@@ -185,11 +168,11 @@ def _write_record(jobs: Jobs) -> Path:
     record = {
         "test": "tests/gpu/test_tp_pp_one_gpu.py",
         "issue": 40,
-        "commit": _commit(),
+        "commit": record_commit(REPO),
         "source_sha256": _source_sha256(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": record_date(),
         "gpu": "CPU dry run" if DRYRUN_CPU else cuda_status()[1],
-        "command": " ".join([os.path.basename(sys.executable), "-m", "pytest", *sys.argv[1:]]),
+        "command": record_command(),
         "knobs": knobs,
         "layout": pp_launch.layout(),
         "selected_jobs": sorted(ONLY),
@@ -209,16 +192,7 @@ def _write_record(jobs: Jobs) -> Path:
 
 @pytest.fixture(scope="module")
 def tp_pp_jobs():
-    require_cuda()
-    ok, why = tiny_pair.available()
-    if not ok:
-        pytest.skip(why)
-    from dspark_dev.multi_gpu import NcclStubGuard
-
-    guard = NcclStubGuard(LOG_DIR / "nccl-guard-tp-pp")
-    if not DRYRUN_CPU:
-        guard.build()
-    waves = _waves()
+    guard, waves = _guard_and_waves("nccl-guard-tp-pp")
     jobs = Jobs(only=ONLY, max_workers=16, knob=JOBS_ENV)
     graphs = {"compilation_config": GRAPH_COMPILATION_CONFIG}
     jobs.submit("ref", _llm, "tp_pp_ref", {"enforce_eager": True}, waves, logprobs=2, dtype=DTYPE)

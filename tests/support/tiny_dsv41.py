@@ -68,21 +68,15 @@ def config_json(pair: t.TinyPair) -> dict[str, Any]:
 
 def engine_config(pair: t.TinyPair, *, pp: int = 2, **kw: Any) -> Any:
     """A real VllmConfig for the pair with DSpark (dummy weights, no engine started)."""
-    from vllm.engine.arg_utils import EngineArgs
+    from dspark_dev import tiny_dsv4_cpu
 
     args: dict[str, Any] = dict(
-        model=pair.target,
-        load_format="dummy",
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=8,
-        enforce_eager=True,
         pipeline_parallel_size=pp,
         distributed_executor_backend="mp",
         speculative_config=pair.speculative_config(4),
     )
     args.update(kw)
-    return EngineArgs(**args).create_engine_config()
+    return tiny_dsv4_cpu.engine_config(pair, **args)
 
 
 class StagePP:

@@ -15,8 +15,6 @@ DeepSeek-V4 DSpark (``DSparkDraftModel`` -> ``vllm/models/deepseek_v4/nvidia/dsp
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -24,13 +22,18 @@ from vllm.logger import init_logger
 from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
 
 logger = init_logger("vllm.dspark_pp.producer.deepseek_v4")
 
 #: vLLM 0.34.0's CUDA implementations (the registry's platform pick on NVIDIA).
 DSV4_NVIDIA_MODULE = "vllm.models.deepseek_v4.nvidia.dspark"
+FAMILY = "DeepSeek-V4 DSpark"
+
+
+def _n_layers(config: Any) -> int:
+    return getattr(config, "n_mtp_layers", None) or 3
+
 
 # --------------------------------------------------------------------------- weights
 # The draft weights ship in the target checkpoint as ``mtp.<i>.*`` (shared with V4.1: drafter.py).
@@ -53,17 +56,8 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
     from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
-    dspark = drafter.platform_module(
-        "vllm.models.deepseek_v4", "DSparkDeepseekV4ForCausalLM", module_name
-    )
-    base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
-    if base_model is None:
-        raise drafter.refuse_platform("DeepSeek-V4 DSpark", dspark, "DSparkDeepseekV4Model")
-    base_top = dspark.DSparkDeepseekV4ForCausalLM
-    model_module = sys.modules[dspark.DeepseekV4DecoderLayer.__module__]
-    select_attn_cls: Any = getattr(model_module, "_select_dsv4_attn_cls", None)
-    if select_attn_cls is None:
-        raise drafter.refuse_platform("DeepSeek-V4 DSpark", model_module, "_select_dsv4_attn_cls")
+    base = drafter.mtp_platform(FAMILY, "vllm.models.deepseek_v4", module_name)
+    select_attn_cls = base[2]
 
     class DeepseekV4ContextKVAttention(nn.Module, AttentionLayerBase):
         """What ``_insert_context_kv`` reads of a DeepseekV4Attention draft layer.
@@ -117,13 +111,7 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
                 backend_cls=full_cls.swa_backend_cls,
             )
             if self.kv_cache_torch_dtype == torch.float8_e4m3fn:
-                # The per-tensor FP8 insert reads these (FlashInfer classes set them to 1).
-                for name in (
-                    "_flashinfer_fp8_q_scale",
-                    "_flashinfer_fp8_q_scale_inv",
-                    "_flashinfer_fp8_kv_scale",
-                ):
-                    self.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
+                drafter.register_fp8_scales(self)
             drafter.register_cache_layer(self, vllm_config, prefix)
 
         # vLLM 0.34.0's own AttentionLayerBase methods of DeepseekV4Attention (spec: None
@@ -134,60 +122,15 @@ def dsv4_context_kv_class(module_name: str | None = None) -> type:
 
         forward = drafter.refusing("draft attention forward")
 
-    class DeepseekV4ContextKVLayer(nn.Module):
-        def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
-            super().__init__()
-            self.attn = DeepseekV4ContextKVAttention(vllm_config, prefix=f"{prefix}.attn")
-
-        forward = drafter.refusing("draft decoder layer forward")
-
-    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4/nvidia/dspark.py).
-    context_path: Any = drafter.context_path(
-        base_model, "combine_hidden_states", "precompute_and_store_context_kv"
+    return drafter.mtp_context_drafter(
+        FAMILY, "DSparkDeepseekV4", base, DeepseekV4ContextKVAttention, _n_layers
     )
-
-    class DSparkDeepseekV4ContextKVModel(context_path, nn.Module):
-        """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache."""
-
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            n_layers = getattr(spec.draft_model_config.hf_config, "n_mtp_layers", None) or 3
-            drafter.build_mtp_context_model(
-                self, vllm_config, prefix, n_layers, DeepseekV4ContextKVLayer
-            )
-
-    class DSparkDeepseekV4ContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
-        """Top level of the DeepSeek-V4 context-KV-only DSpark drafter."""
-
-        family = "DeepSeek-V4 DSpark"
-        model_cls = DSparkDeepseekV4ContextKVModel
-        is_context_kv_weight = staticmethod(is_dsv4_context_kv_weight)
-        skipped_note = "embeddings, heads, MoE, query/output projections, hyper-connections"
-
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self.quant_config = vllm_config.quant_config
-
-        @staticmethod
-        def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
-            return {}  # numbered from the draft config's num_hidden_layers (the target's own)
-
-        combine_hidden_states = base_top.combine_hidden_states
-        get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
-        precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
-
-        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
-            return drafter.load_mtp_context_weights(self, weights)
-
-    return DSparkDeepseekV4ContextKVForCausalLM
 
 
 #: Its drafter ships inside the target checkpoint: the target must be a DeepSeek-V4 one.
 families.register(
     families.DraftFamily(
-        "DeepSeek-V4 DSpark",
+        FAMILY,
         ("DSparkDraftModel",),
         __name__,
         dsv4_context_kv_class,

@@ -16,13 +16,11 @@ the ``kv_norm`` weights (:func:`v41_draft_bytes`, what ``vllm-dspark-pp plan`` p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm_dspark_pp.producer import drafter, families
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
 
 #: vLLM 0.34.0's CUDA implementation (the registry's pick on every platform but ROCm).
@@ -44,7 +42,6 @@ def v41_context_kv_class(module_name: str | None = None) -> type:
     """The DeepSeek-V4.1 context-only top-level class (``module_name``: vLLM's drafter module,
     default: the registry's platform pick)."""
     import math
-    import sys
 
     import torch
     from torch import nn
@@ -56,17 +53,8 @@ def v41_context_kv_class(module_name: str | None = None) -> type:
     from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
-    dspark = drafter.platform_module(
-        "vllm.models.deepseek_v41", "DSparkDeepseekV4ForCausalLM", module_name
-    )
-    base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
-    if base_model is None:
-        raise drafter.refuse_platform(FAMILY, dspark, "DSparkDeepseekV4Model")
-    base_top = dspark.DSparkDeepseekV4ForCausalLM
-    model_module = sys.modules[dspark.DeepseekV4DecoderLayer.__module__]
-    select_attn_cls: Any = getattr(model_module, "_select_dsv4_attn_cls", None)
-    if select_attn_cls is None:
-        raise drafter.refuse_platform(FAMILY, model_module, "_select_dsv4_attn_cls")
+    base = drafter.mtp_platform(FAMILY, "vllm.models.deepseek_v41", module_name)
+    select_attn_cls = base[2]
     full_attention = v41_attention.DeepseekV4Attention
 
     class DeepseekV41ContextKVAttention(nn.Module, AttentionLayerBase):
@@ -143,13 +131,7 @@ def v41_context_kv_class(module_name: str | None = None) -> type:
                 bounded_replay=bounded_replay,
             )
             if self.kv_cache_torch_dtype == torch.float8_e4m3fn:
-                # The per-tensor FP8 insert reads the KV scale (FlashInfer classes set 1).
-                for name in (
-                    "_flashinfer_fp8_q_scale",
-                    "_flashinfer_fp8_q_scale_inv",
-                    "_flashinfer_fp8_kv_scale",
-                ):
-                    self.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
+                drafter.register_fp8_scales(self)
             drafter.register_cache_layer(self, vllm_config, prefix)
 
         # vLLM 0.34.0's own AttentionLayerBase methods of the V4.1 attention (spec: None for a
@@ -160,54 +142,9 @@ def v41_context_kv_class(module_name: str | None = None) -> type:
 
         forward = drafter.refusing("draft attention forward")
 
-    class DeepseekV41ContextKVLayer(nn.Module):
-        def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
-            super().__init__()
-            self.attn = DeepseekV41ContextKVAttention(vllm_config, prefix=f"{prefix}.attn")
-
-        forward = drafter.refusing("draft decoder layer forward")
-
-    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v41/nvidia/dspark.py).
-    context_path: Any = drafter.context_path(
-        base_model, "combine_hidden_states", "precompute_and_store_context_kv"
+    return drafter.mtp_context_drafter(
+        FAMILY, "DSparkDeepseekV41", base, DeepseekV41ContextKVAttention, _n_layers
     )
-
-    class DSparkDeepseekV41ContextKVModel(context_path, nn.Module):
-        """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache."""
-
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            n_layers = _n_layers(spec.draft_model_config.hf_config)
-            drafter.build_mtp_context_model(
-                self, vllm_config, prefix, n_layers, DeepseekV41ContextKVLayer
-            )
-
-    class DSparkDeepseekV41ContextKVForCausalLM(drafter.ContextKVDrafter, nn.Module):
-        """Top level of the DeepSeek-V4.1 context-KV-only DSpark drafter."""
-
-        family = FAMILY
-        model_cls = DSparkDeepseekV41ContextKVModel
-        is_context_kv_weight = staticmethod(drafter.is_mtp_context_weight)
-        skipped_note = "embeddings, heads, MoE, query/output projections, hyper-connections"
-
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self.quant_config = vllm_config.quant_config
-
-        @staticmethod
-        def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
-            return {}  # numbered from the draft config's num_hidden_layers (the target's own)
-
-        combine_hidden_states = base_top.combine_hidden_states
-        get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
-        precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
-
-        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
-            return drafter.load_mtp_context_weights(self, weights)
-
-    return DSparkDeepseekV41ContextKVForCausalLM
 
 
 def v41_draft_bytes(

@@ -388,6 +388,104 @@ def build_mtp_context_model(
     model.confidence_head = None
 
 
+def mtp_platform(family: str, registry_module: str, module_name: str | None) -> tuple[Any, ...]:
+    """vLLM's DeepSeek mtp drafter on this platform (``registry_module``: ``vllm.models.
+    deepseek_v4`` or ``..._v41``; ``module_name``: as :func:`platform_module`): its model class,
+    its top-level class and the model module's ``_select_dsv4_attn_cls``; refused where the
+    platform's module lacks them (:func:`refuse_platform`)."""
+    import sys
+
+    dspark = platform_module(registry_module, "DSparkDeepseekV4ForCausalLM", module_name)
+    base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
+    if base_model is None:
+        raise refuse_platform(family, dspark, "DSparkDeepseekV4Model")
+    base_top = dspark.DSparkDeepseekV4ForCausalLM
+    model_module = sys.modules[dspark.DeepseekV4DecoderLayer.__module__]
+    select_attn_cls: Any = getattr(model_module, "_select_dsv4_attn_cls", None)
+    if select_attn_cls is None:
+        raise refuse_platform(family, model_module, "_select_dsv4_attn_cls")
+    return base_model, base_top, select_attn_cls
+
+
+def register_fp8_scales(layer: Any) -> None:
+    """The per-tensor FP8 insert reads these scales (FlashInfer attention classes set them to 1):
+    non-persistent buffers of ``layer``."""
+    import torch
+
+    for name in ("_flashinfer_fp8_q_scale", "_flashinfer_fp8_q_scale_inv",
+                 "_flashinfer_fp8_kv_scale"):  # fmt: skip
+        layer.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
+
+
+def mtp_context_drafter(
+    family: str,
+    name: str,
+    base: tuple[Any, ...],
+    attn_cls: type,
+    n_layers: Callable[[Any], int],
+) -> type:
+    """The top level of a DeepSeek mtp family's context-KV-only drafter: decoder layers holding
+    only ``attn = attn_cls(vllm_config, prefix)``, the context model (vLLM's own context-KV
+    methods of ``base``'s model class, :func:`build_mtp_context_model` with ``n_layers(draft hf
+    config)`` layers) and the top level with vLLM's own top-level methods (``base``: what
+    :func:`mtp_platform` returned). Classes named ``<name>ContextKVLayer`` / ``...Model`` /
+    ``...ForCausalLM``."""
+    from torch import nn
+
+    base_model, base_top, _ = base
+
+    def named(cls: type, suffix: str) -> type:
+        cls.__name__ = cls.__qualname__ = f"{name}ContextKV{suffix}"
+        return cls
+
+    class Layer(nn.Module):
+        def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+            super().__init__()
+            self.attn = attn_cls(vllm_config, prefix=f"{prefix}.attn")
+
+        forward = refusing("draft decoder layer forward")
+
+    named(Layer, "Layer")
+    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4*/nvidia/dspark.py).
+    path: Any = context_path(base_model, "combine_hidden_states", "precompute_and_store_context_kv")
+
+    class Model(path, nn.Module):
+        """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache."""
+
+        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+            super().__init__()
+            spec = vllm_config.speculative_config
+            assert spec is not None
+            count = n_layers(spec.draft_model_config.hf_config)
+            build_mtp_context_model(self, vllm_config, prefix, count, Layer)
+
+    named(Model, "Model")
+
+    class Top(ContextKVDrafter, nn.Module):
+        model_cls = Model
+        is_context_kv_weight = staticmethod(is_mtp_context_weight)
+        skipped_note = "embeddings, heads, MoE, query/output projections, hyper-connections"
+
+        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self.quant_config = vllm_config.quant_config
+
+        @staticmethod
+        def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
+            return {}  # numbered from the draft config's num_hidden_layers (the target's own)
+
+        combine_hidden_states = base_top.combine_hidden_states
+        get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
+        precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
+
+        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+            return load_mtp_context_weights(self, weights)
+
+    Top.family = family
+    Top.__doc__ = f"Top level of the {family} context-KV-only drafter."
+    return named(Top, "ForCausalLM")
+
+
 def load_mtp_context_weights(model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
     """main_proj/main_norm, kv_norm and each layer's wkv (into context_wkv_proj, shard = layer)
     from the target checkpoint's ``mtp.*``; returns the parameters loaded."""
