@@ -121,6 +121,10 @@ K3_DIAG: dict[str, tuple[list[str], dict[str, str], dict[int, dict[str, str]]]] 
     # the token ids read back on both sides of the exchange (drafts before the last rank's
     # broadcast, sampled tokens and drafts where rank 0 consumes them): which side goes bad first
     "drafts": ([], {"DSPARK_TEST_K3_DRAFTS_PROBE": "1"}, {}),
+    # the same ids copied to the host in stream order with no sync on the last rank (``drafts``
+    # syncs it before its broadcast, which would hide a race there): what the last rank's current
+    # stream and broadcast stream hold, what rank 0's broadcast and main streams receive
+    "wire": ([], {"DSPARK_TEST_K3_WIRE_PROBE": "1"}, {}),
 }
 STOCK_DIAG = ("probe", "blocking")
 #: diagnosis variants that start only when DSPARK_DSV4K3_PP_JOBS names them (twelve PP=2

@@ -244,3 +244,74 @@ def test_exchange_reads_report_both_sides_and_flag_non_token_data():
     assert P.install({P.DRAFTS_ENV: "1"}, lambda name, cb: hooks.append(name)) == [
         "exchange-reads"
     ] and hooks == [P.RUNNER]
+
+
+def test_wire_copies_report_each_side_in_stream_order_without_waiting_on_the_last_rank():
+    """The wire probe never waits on the sending rank (a copy not finished yet is reported at a
+    later call), waits on the receiving one, names a foreign current stream, and flags
+    non-token data; a control: the same copies with a finished flag never set report nothing."""
+    import torch
+
+    finished: list[bool] = [False]
+    waited: list[str] = []
+
+    def copy(tensor, stream):
+        host = tensor.clone()  # what the stream would copy at this point
+        return host, lambda: finished[0], lambda: waited.append(str(stream))
+
+    class PPHandler:
+        def __init__(self):
+            self.device, self.main_stream, self.broadcast_stream = "cpu", "main", "bcast"
+            self.queue: list = [None]
+
+        def broadcast(self, sampled, *a):
+            return "b"
+
+        def broadcast_drafts(self, drafts):
+            return "sent"
+
+        def receive(self, batch, recv_drafts):
+            self.queue[-1] = types.SimpleNamespace(
+                sampled_tokens=torch.tensor([[7]]), draft_tokens=self.recv
+            )
+            return True
+
+        def get_prev_sampled_outputs(self):
+            return {"sampled_tokens": torch.tensor([[7]]), "draft_tokens": self.recv}
+
+    lines: list[str] = []
+    current = ["main"]
+    snaps = P.WireSnapshots(out=lines.append, copy=copy)
+    module = types.SimpleNamespace(PPHandler=PPHandler)
+    names = P.patch_exchange_wire(module, snaps, current_stream=lambda dev: current[0])
+    assert names == [f"PPHandler.{n}" for n in P.PP_HANDLER_METHODS]
+
+    last = PPHandler()
+    assert last.broadcast(torch.tensor([[9]])) == "b"
+    current[0] = "side"
+    assert last.broadcast_drafts(torch.tensor([[3, 4]])) == "sent"
+    assert lines == [] and waited == []  # nothing finished, nothing waited for on the last rank
+    finished[0] = True
+    last.broadcast(torch.tensor([[10]]))  # the next call reports what finished meanwhile
+    assert lines == [
+        "call=1 side=send-main sampled n=1 min=9 max=9 stream=main",
+        "call=1 side=send-main drafts n=2 min=3 max=4 stream=OTHER",
+        "call=1 side=send-bcast drafts n=2 min=3 max=4 stream=OTHER",
+    ]
+    assert waited == []
+
+    lines.clear()
+    snaps.pending.clear()  # ranks are processes of their own; this one starts clean
+    current[0] = "main"
+    first = PPHandler()
+    first.recv = torch.tensor([[3, 1041776429]])  # a float32 bit pattern, as on the H100
+    first.receive(None, True)
+    assert first.get_prev_sampled_outputs()["sampled_tokens"].item() == 7
+    assert waited == ["bcast", "bcast", "main", "main"]  # the receiving side waits for its copies
+    assert lines[0] == "call=1 side=recv-bcast sampled n=1 min=7 max=7 stream=main"
+    assert lines[1].startswith("call=1 BAD side=recv-bcast drafts n=2") and "1041776429" in lines[1]
+    assert lines[3].startswith("call=1 BAD side=recv-main drafts")
+    hooks: list[str] = []
+    assert P.install({P.WIRE_ENV: "1"}, lambda name, cb: hooks.append(name)) == [
+        "exchange-wire"
+    ] and hooks == [P.RUNNER]

@@ -23,6 +23,15 @@
   ``get_prev_sampled_outputs`` hands to the post-update (``side=recv``). A value outside
   ``[-1, 2**20)`` is reported as ``BAD``: which side first holds non-token data says whether the
   drafts were wrong before the broadcast or became wrong on the receiving rank.
+* ``DSPARK_TEST_K3_WIRE_PROBE=1``: the token ids crossing the PP exchange copied to the host in
+  stream order, with no device or stream sync on the last rank (the ``drafts`` probe's sync before
+  ``broadcast_drafts`` would hide a race on that rank): ``side=send-main`` what the last rank's
+  current stream holds when it hands the drafts (and sampled tokens) over, ``side=send-bcast`` what
+  its broadcast stream holds right after posting them, ``side=recv-bcast`` what the receiving
+  rank's broadcast stream holds right after the receive, ``side=recv-main`` what its main stream
+  hands to the post-update (that side waits for its copy: PP rank 0's syncs were shown harmless by
+  ``locate``). Each line also says whether the current stream is the handler's ``main_stream``.
+  The copies keep their source tensors alive until done, as ``record_stream`` would.
 * ``DSPARK_TEST_K3_NO_PDL=1``: the CUDA platform reports no Programmatic Dependent Launch, so the
   Triton kernels that ask ``current_platform.is_arch_support_pdl()`` (KDA's short convolution,
   recurrent kernels and metadata staging, the Mamba state gathers) launch in plain stream order.
@@ -46,6 +55,7 @@ NO_STREAMS_ENV = "DSPARK_TEST_K3_NO_SIDE_STREAMS"
 UVA_DEPTH_ENV = "DSPARK_TEST_K3_UVA_DEPTH"
 NO_PDL_ENV = "DSPARK_TEST_K3_NO_PDL"
 DRAFTS_ENV = "DSPARK_TEST_K3_DRAFTS_PROBE"
+WIRE_ENV = "DSPARK_TEST_K3_WIRE_PROBE"
 #: a token id outside [-1, this) is not a token id (the tiny targets' vocabularies are < 1024)
 TOKEN_ID_BOUND = 1 << 20
 POINTS = ("step", "prep", "embed", "layers", "recv")
@@ -286,6 +296,136 @@ def patch_exchange_reads(module, out: Callable[[str], None] = emit, sync=_cuda_s
     return [f"{handler.__name__}.broadcast_drafts", f"{handler.__name__}.get_prev_sampled_outputs"]
 
 
+def _cuda_copy_to_host(tensor, stream):
+    """A pinned host copy of ``tensor`` enqueued on ``stream``, and a zero-argument ``done``
+    (non-blocking) plus ``wait`` pair for it."""
+    import torch
+
+    host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return host, event.query, event.synchronize
+
+
+def _current_stream(device):
+    import torch
+
+    return torch.cuda.current_stream(device)
+
+
+class WireSnapshots:
+    """Host copies of exchanged token ids, reported once each copy finished (see ``WIRE_ENV``)."""
+
+    def __init__(
+        self,
+        out: Callable[[str], None] = emit,
+        copy: Callable = _cuda_copy_to_host,
+        keep: int = 12,
+    ) -> None:
+        self._out, self._copy, self._keep = out, copy, keep
+        self.pending: list[tuple] = []
+        self.calls: dict[str, int] = {}
+
+    def snap(self, side: str, name: str, tensor, stream, tag: str = "") -> None:
+        if tensor is None:
+            return
+        key = f"{side} {name}"
+        call = self.calls[key] = self.calls.get(key, 0) + 1
+        host, done, wait = self._copy(tensor, stream)
+        # the source stays referenced until its copy is read (it cannot be reused meanwhile)
+        self.pending.append((side, name, call, tag, tensor, host, done, wait))
+
+    def poll(self, wait: bool = False) -> None:
+        keep = []
+        for entry in self.pending:
+            side, name, call, tag, _src, host, done, waiter = entry
+            if wait:
+                waiter()
+            elif not done():
+                keep.append(entry)
+                continue
+            bad, line = token_report(side, name, host)
+            if bad or call <= self._keep:
+                self._out(f"call={call} {line} {tag}".rstrip())
+        self.pending = keep
+
+
+def patch_exchange_wire(
+    module,
+    snaps: WireSnapshots | None = None,
+    current_stream: Callable = _current_stream,
+) -> list[str]:
+    """Wrap the runner module's PP handler with :class:`WireSnapshots` (see ``WIRE_ENV``)."""
+    snaps = snaps or WireSnapshots()
+    handler = module.PPHandler
+
+    def stream_tag(self) -> tuple[object, str]:
+        cur = current_stream(self.device)
+        return cur, "stream=main" if cur == self.main_stream else "stream=OTHER"
+
+    real_bcast = handler.broadcast
+
+    @functools.wraps(real_bcast, updated=())
+    def broadcast(self, sampled_token_ids, *args, **kwargs):
+        snaps.poll()
+        cur, tag = stream_tag(self)
+        snaps.snap("send-main", "sampled", sampled_token_ids, cur, tag)
+        return real_bcast(self, sampled_token_ids, *args, **kwargs)
+
+    real_send = handler.broadcast_drafts
+
+    @functools.wraps(real_send, updated=())
+    def broadcast_drafts(self, draft_tokens, *args, **kwargs):
+        snaps.poll()
+        cur, tag = stream_tag(self)
+        snaps.snap("send-main", "drafts", draft_tokens, cur, tag)
+        out = real_send(self, draft_tokens, *args, **kwargs)
+        snaps.snap("send-bcast", "drafts", draft_tokens, self.broadcast_stream, tag)
+        return out
+
+    real_recv = handler.receive
+
+    @functools.wraps(real_recv, updated=())
+    def receive(self, *args, **kwargs):
+        before = self.queue[-1] if self.queue else None
+        out = real_recv(self, *args, **kwargs)
+        slot = self.queue[-1] if self.queue else None
+        if slot is not None and slot is not before:
+            _cur, tag = stream_tag(self)
+            snaps.snap("recv-bcast", "sampled", slot.sampled_tokens, self.broadcast_stream, tag)
+            snaps.snap("recv-bcast", "drafts", slot.draft_tokens, self.broadcast_stream, tag)
+        return out
+
+    real_prev = handler.get_prev_sampled_outputs
+
+    @functools.wraps(real_prev, updated=())
+    def get_prev_sampled_outputs(self, *args, **kwargs):
+        got = real_prev(self, *args, **kwargs)
+        if got:
+            cur, tag = stream_tag(self)
+            snaps.snap("recv-main", "sampled", got.get("sampled_tokens"), cur, tag)
+            snaps.snap("recv-main", "drafts", got.get("draft_tokens"), cur, tag)
+        snaps.poll(wait=True)
+        return got
+
+    handler.broadcast = broadcast
+    handler.broadcast_drafts = broadcast_drafts
+    handler.receive = receive
+    handler.get_prev_sampled_outputs = get_prev_sampled_outputs
+    import atexit
+
+    def flush() -> None:
+        try:
+            snaps.poll(wait=True)
+        except Exception as e:  # a failed CUDA context: the copies cannot finish
+            emit(f"wire copies not read at exit: {type(e).__name__}: {e}")
+
+    atexit.register(flush)
+    return [f"{handler.__name__}.{n}" for n in PP_HANDLER_METHODS]
+
+
 def install(
     env: Mapping[str, str] = os.environ,
     when_imported: Callable | None = None,
@@ -295,7 +435,8 @@ def install(
     depth = env.get(UVA_DEPTH_ENV, "").strip()
     no_pdl = env.get(NO_PDL_ENV) == "1"
     drafts = env.get(DRAFTS_ENV) == "1"
-    if not (points or depth or no_pdl or drafts or env.get(NO_STREAMS_ENV) == "1"):
+    wire = env.get(WIRE_ENV) == "1"
+    if not (points or depth or no_pdl or drafts or wire or env.get(NO_STREAMS_ENV) == "1"):
         return []
     if when_imported is None:
         from vllm_dspark_pp.patches import when_imported
@@ -332,4 +473,11 @@ def install(
 
         when_imported(RUNNER, on_runner_drafts)
         installed.append("exchange-reads")
+    if wire:
+
+        def on_runner_wire(module):
+            emit(f"installed exchange wire copies: {', '.join(patch_exchange_wire(module))}")
+
+        when_imported(RUNNER, on_runner_wire)
+        installed.append("exchange-wire")
     return installed
