@@ -85,10 +85,11 @@ def test_pp_is_refused_while_a_patch_is_skipped(tmp_path):
 
 
 def test_pp_skippable_patches_exist_and_exclude_the_protocol():
-    """The patches PP may run without (the lost-stage controls) are real patch names, and none
-    of the PP exchange's own patches is among them."""
+    """The patches PP may run without (the lost-stage controls, the stream-ordering control) are
+    real patch names, and none of the PP exchange's own patches is among them."""
     from vllm_dspark_pp.patches import PP_SKIPPABLE
 
     names = {info.name for info in registry()}
     assert PP_SKIPPABLE <= names
-    assert not {n for n in PP_SKIPPABLE if "pp_utils" in n or "model_runner" in n}
+    exchange = {"v1_worker_gpu_pp_utils", "v1_worker_gpu_warmup", "engine_arg_utils__protocol"}
+    assert not {n for n in PP_SKIPPABLE if n in exchange or "model_runner" in n}

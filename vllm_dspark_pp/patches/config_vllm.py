@@ -13,8 +13,9 @@ target's depth).
 WHY: Fail at start, not at step 10,000: both cases would otherwise start and then break or
 silently transfer incomplete draft context KV.
 It also refuses PP>1 while ``VLLM_DSPARK_PP_SKIP_PATCHES`` (a diagnosis knob) skips any patch:
-without the protocol patches a pipeline can hang (the liveness patches in
-``patches.PP_SKIPPABLE`` may be skipped: without them a lost stage is only seen late).
+without the protocol patches a pipeline can hang (the patches in ``patches.PP_SKIPPABLE`` may be
+skipped: without the liveness ones a lost stage is only seen late, without the stream one a
+request may fail as in stock vLLM).
 
 UPSTREAM: vLLM PR #56957 (DSpark prefill-only producers under PP).
 

@@ -1,0 +1,150 @@
+"""The PP handler's stream patch (vllm_dspark_pp/patches/v1_worker_gpu_pp_utils__streams.py) on
+copies of vLLM 0.34.0's own ``PPHandler`` class, with stand-in CUDA streams that log what waits on
+what: after the runner's thread moves to another stream, the handler's orderings name that
+stream; with the patch left out (the control) they name the stream of construction, the race
+that made Kimi-K3 at PP=2 embed stale memory (docs/k3-pp-race.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_dspark_pp.patches import v1_worker_gpu_pp_utils__streams as S
+
+LOG: list[tuple[str, str, str]] = []
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name, self.cuda_stream = name, 0x1000 + len(name)
+
+    def wait_stream(self, other) -> None:
+        LOG.append((self.name, "wait_stream", other.name))
+
+    def wait_event(self, event) -> None:
+        LOG.append((self.name, "wait_event", str(event)))
+
+    def record_event(self):
+        return f"event-of-{self.name}"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FakeStream) and other.name == self.name
+
+    __hash__ = object.__hash__
+
+
+def _vllm_handler_copy() -> type:
+    """A fresh class with vLLM's PPHandler methods, as vLLM's module defines it."""
+    from vllm.v1.worker.gpu import pp_utils
+
+    real = S.stock_handler_class(pp_utils.PPHandler)
+    body = {k: v for k, v in real.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    for k in ("main_stream", "get_prev_sampled_outputs"):
+        # an already patched class (the plugin loaded in this process): take vLLM's originals
+        v = body.get(k)
+        if isinstance(v, property):
+            body.pop(k)
+        elif k == "get_prev_sampled_outputs" and hasattr(v, "__wrapped__"):
+            body[k] = v.__wrapped__
+    cls = type("PPHandler", (), body)
+    cls.__module__ = S.TARGET
+    return cls
+
+
+def _handler(cls: type, built: FakeStream):
+    h = object.__new__(cls)
+    h.device = torch.device("cuda", 0)  # a device object only: no CUDA is touched
+    h.main_stream = built
+    h.broadcast_stream = FakeStream("broadcast")
+    h.is_last_rank, h.last_rank, h.broadcast_group = True, 1, None
+    h.sampled_tokens_broadcast = True
+    h.req_idx_gen_np = np.zeros(4, dtype=np.int32)
+    return h
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    current = {"s": FakeStream("built")}
+    monkeypatch.setattr(S, "_current_stream", lambda device: current["s"])
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src, group: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: LOG.append((s.name, "rec", "")))
+    LOG.clear()
+    return current
+
+
+def _consume(cls: type, built: FakeStream, switched: FakeStream, current) -> list:
+    from vllm.v1.worker.gpu.pp_utils import PendingRecv
+
+    h = _handler(cls, built)
+    h.is_last_rank = False
+    idx = np.array([0, 1])
+    h.queue = deque(
+        [
+            PendingRecv(
+                "recv-event",
+                torch.zeros(2, 3, dtype=torch.int64),
+                torch.ones(2, dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32),
+                torch.tensor([0, 1]),
+                idx,
+                np.array([True, True]),
+                h.req_idx_gen_np[idx].copy(),
+            )
+        ]
+    )
+    current["s"] = switched
+    LOG.clear()
+    assert h.get_prev_sampled_outputs() is not None
+    return list(LOG)
+
+
+def _send_drafts(cls: type, built: FakeStream, switched: FakeStream, current) -> list:
+    h = _handler(cls, built)
+    current["s"] = switched
+    LOG.clear()
+    h.broadcast_drafts(torch.zeros(2, 4, dtype=torch.int64))
+    return [e for e in LOG if e[1] == "wait_stream"]
+
+
+def test_orderings_follow_the_runners_stream_after_a_switch(streams):
+    cls = _vllm_handler_copy()
+    S._patch(types.SimpleNamespace(PPHandler=cls))
+    built, runner = FakeStream("built"), FakeStream("runner")
+    # the last rank's broadcast stream waits for the stream that wrote the drafts
+    assert _send_drafts(cls, built, runner, streams) == [("broadcast", "wait_stream", "runner")]
+    # the consuming stream waits for the receive
+    got = _consume(cls, built, runner, streams)
+    assert ("runner", "wait_event", "recv-event") in got
+    assert not [e for e in got if e[0] == "built"]
+
+
+def test_control_without_the_patch_the_orderings_name_the_stream_of_construction(streams):
+    cls = _vllm_handler_copy()  # not patched: vLLM 0.34.0 as shipped
+    built, runner = FakeStream("built"), FakeStream("runner")
+    assert _send_drafts(cls, built, runner, streams) == [("broadcast", "wait_stream", "built")]
+    assert ("built", "wait_event", "recv-event") in _consume(cls, built, runner, streams)
+
+
+def test_the_plugins_handler_inherits_the_property_and_cpu_keeps_the_stored_stream(streams):
+    from vllm_dspark_pp.protocol.handler import dspark_pp_handler_class
+
+    cls = _vllm_handler_copy()
+    S._patch(types.SimpleNamespace(PPHandler=cls))
+    S._patch(types.SimpleNamespace(PPHandler=cls))  # applying twice changes nothing more
+    sub = dspark_pp_handler_class(cls)
+    assert S.stock_handler_class(sub) is cls
+    h = object.__new__(sub)
+    h.device = torch.device("cuda", 0)
+    h.main_stream = FakeStream("built")
+    streams["s"] = FakeStream("runner")
+    assert h.main_stream == FakeStream("runner")
+    cpu = object.__new__(sub)
+    cpu.device = torch.device("cpu")
+    cpu.main_stream = "placeholder"
+    assert cpu.main_stream == "placeholder"
