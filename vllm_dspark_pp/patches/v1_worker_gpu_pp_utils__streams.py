@@ -106,8 +106,8 @@ def _patch(module) -> None:
     base = stock_handler_class(module.PPHandler)
     if isinstance(base.__dict__.get("main_stream"), property):
         return
-    base.main_stream = property(_get_main_stream, _set_main_stream)
-    base.get_prev_sampled_outputs = _recording_get_prev(base.get_prev_sampled_outputs)
+    setattr(base, "main_stream", property(_get_main_stream, _set_main_stream))
+    setattr(base, "get_prev_sampled_outputs", _recording_get_prev(base.get_prev_sampled_outputs))
 
 
 def apply() -> None:
