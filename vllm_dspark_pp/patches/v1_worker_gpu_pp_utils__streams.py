@@ -107,7 +107,8 @@ def _patch(module) -> None:
     if isinstance(base.__dict__.get("main_stream"), property):
         return
     setattr(base, "main_stream", property(_get_main_stream, _set_main_stream))
-    setattr(base, "get_prev_sampled_outputs", _recording_get_prev(base.get_prev_sampled_outputs))
+    real = base.__dict__["get_prev_sampled_outputs"]
+    setattr(base, "get_prev_sampled_outputs", _recording_get_prev(real))
 
 
 def apply() -> None:
