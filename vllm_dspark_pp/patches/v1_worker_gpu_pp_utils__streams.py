@@ -106,9 +106,9 @@ def _patch(module) -> None:
     base = stock_handler_class(module.PPHandler)
     if isinstance(base.__dict__.get("main_stream"), property):
         return
-    setattr(base, "main_stream", property(_get_main_stream, _set_main_stream))
+    base.main_stream = property(_get_main_stream, _set_main_stream)  # type: ignore[attr-defined]
     real = base.__dict__["get_prev_sampled_outputs"]
-    setattr(base, "get_prev_sampled_outputs", _recording_get_prev(real))
+    base.get_prev_sampled_outputs = _recording_get_prev(real)  # type: ignore[attr-defined]
 
 
 def apply() -> None:
