@@ -200,7 +200,8 @@ DSPARK_TEST_K3_NO_SIDE_STREAMS | unset | `1`: the K3 probe turns Kimi-K3's side 
 DSPARK_TEST_K3_UVA_DEPTH | unset | K3 probe: vLLM's UVA staging pools get at least this many slots.
 DSPARK_TEST_K3_NO_PDL | unset | `1`: the K3 probe reports no Programmatic Dependent Launch.
 DSPARK_TEST_K3_DRAFTS_PROBE | unset | `1`: the K3 probe reads back the exchanged token ids.
-DSPARK_TEST_K3_WIRE_PROBE | unset | `1`: the K3 probe copies the exchanged ids in stream order, no sync on the last rank.
+DSPARK_TEST_K3_WIRE_PROBE | unset | `1`: the K3 probe copies the exchanged ids in
+    stream order, no sync on the last rank.
 DSPARK_TEST_MISMATCH_RANK | -1 | tools/gpu/run_pp2_aggregated.py's probe: the PP rank whose
     handshake facts it falsifies (-1: none).
 # fakes and stubs
