@@ -69,7 +69,7 @@ def _get_main_stream(self):
         self.__dict__["_dspark_told"] = True
         from vllm.logger import init_logger
 
-        init_logger(__name__).info(
+        init_logger("vllm.dspark_pp.streams").info(
             "PP handler: this rank's steps run on CUDA stream %#x, not on the stream current "
             "when the handler was built (%#x); the PP exchange orders against the current one",
             current.cuda_stream,

@@ -148,3 +148,40 @@ def test_the_plugins_handler_inherits_the_property_and_cpu_keeps_the_stored_stre
     cpu.device = torch.device("cpu")
     cpu.main_stream = "placeholder"
     assert cpu.main_stream == "placeholder"
+
+
+def _runner_module(calls: list[str]):
+    class GPUModelRunner:
+        def __init__(self, vllm_config, device):
+            calls.append("runner init")
+
+    return types.SimpleNamespace(GPUModelRunner=GPUModelRunner)
+
+
+@pytest.mark.parametrize(
+    "pp, device, pinned",
+    [(2, "cuda:0", True), (1, "cuda:0", False), (3, "cpu", False)],
+)
+def test_the_runner_moves_to_vllms_stream_before_it_is_built_only_under_pp_on_cuda(
+    monkeypatch, pp, device, pinned
+):
+    """The model runner patch runs vLLM's stream helper (whose first call moves the thread to a
+    dedicated stream) before the runner's own constructor caches any stream; nothing at PP=1 or
+    on the CPU. Control: the unpatched class never calls the helper."""
+    import vllm.utils.torch_utils as tu
+
+    from vllm_dspark_pp.patches import v1_worker_gpu_model_runner__streams as R
+
+    calls: list[str] = []
+    monkeypatch.setattr(tu, "current_stream", lambda: calls.append("helper") or FakeStream("d"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: FakeStream("default"))
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(pipeline_parallel_size=pp))
+    control = _runner_module(calls)
+    control.GPUModelRunner(cfg, torch.device(device))
+    assert calls == ["runner init"]
+    calls.clear()
+    module = _runner_module(calls)
+    R._patch(module)
+    R._patch(module)  # idempotent
+    module.GPUModelRunner(cfg, torch.device(device))
+    assert calls == (["helper", "runner init"] if pinned else ["runner init"])
