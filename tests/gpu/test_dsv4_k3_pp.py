@@ -125,22 +125,14 @@ K3_DIAG: dict[str, tuple[list[str], dict[str, str], dict[int, dict[str, str]]]] 
     # syncs it before its broadcast, which would hide a race there): what the last rank's current
     # stream and broadcast stream hold, what rank 0's broadcast and main streams receive
     "wire": ([], {"DSPARK_TEST_K3_WIRE_PROBE": "1"}, {}),
-    # the control of the fix (patches/v1_worker_gpu_model_runner__streams.py and
-    # v1_worker_gpu_pp_utils__streams.py): the plugin without its stream patches, i.e. the
-    # worker's steps split across two streams as in stock vLLM 0.34.0 (expected to fail as every
-    # K3 PP=2 run did before the fix) ...
+    # the control of the fix (patches/v1_worker_gpu_model_runner__streams.py): the plugin
+    # without it, i.e. the worker's steps on another stream than the one its model runner and PP
+    # handler were built on, as in stock vLLM 0.34.0 (failed on 2026-12-05, docs/k3-pp-race.md)
     "streams_skipped": (
         [],
-        {
-            "VLLM_DSPARK_PP_SKIP_PATCHES": (
-                "v1_worker_gpu_pp_utils__streams,v1_worker_gpu_model_runner__streams"
-            )
-        },
+        {"VLLM_DSPARK_PP_SKIP_PATCHES": "v1_worker_gpu_model_runner__streams"},
         {},
     ),
-    # ... and with the stream pinned but the PP handler's per-call stream left out (the handler
-    # patch alone did not fix it: docs/k3-pp-race.md, run 3)
-    "pin_only": ([], {"VLLM_DSPARK_PP_SKIP_PATCHES": "v1_worker_gpu_pp_utils__streams"}, {}),
 }
 STOCK_DIAG = ("probe", "blocking")
 #: diagnosis variants that start only when DSPARK_DSV4K3_PP_JOBS names them (twelve PP=2

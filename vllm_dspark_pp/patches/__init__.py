@@ -38,13 +38,12 @@ FIELDS = ("WHAT", "WHY", "UPSTREAM", "RETIRE WHEN", "TESTED BY")
 SKIP_ENV = "VLLM_DSPARK_PP_SKIP_PATCHES"
 _UNSKIPPABLE = "config_vllm"
 #: Patches that PP>1 may run without (the controls of the lost-stage test and of the PP stream
-#: ordering test): without the first two a lost PP stage is seen late, without the stream patches
+#: ordering test): without the first two a lost PP stage is seen late, without the stream patch
 #: PP ranks may exchange stale token ids as stock vLLM does (a failed request, never a hang).
 PP_SKIPPABLE = frozenset(
     {
         "distributed_device_communicators_shm_broadcast",
         "v1_executor_multiproc_executor",
-        "v1_worker_gpu_pp_utils__streams",
         "v1_worker_gpu_model_runner__streams",
     }
 )

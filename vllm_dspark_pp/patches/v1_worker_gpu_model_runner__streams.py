@@ -6,24 +6,28 @@ parallel size > 1 on CUDA, first calls vLLM's ``current_stream()`` helper
 happens before the runner, its ``PPHandler`` (pp_utils.py:73) and its cached ``main_stream``
 (model_runner.py:623-626) look up the current stream. Logs one line naming the stream.
 
-WHY: That helper moves the calling thread to a new stream the first time it runs there. When its
-first call comes from inside a forward (Kimi-K3's shared-expert overlap reads it,
-model_executor/layers/fused_moe/runner/shared_experts.py:156), the runner has already cached the
-stream of construction: part of every step then runs on the new stream and part on the old one
-(the async output copy restores the cached stream, async_utils.py:295-303), with nothing ordering
-the two; the PP handler broadcast sampled tokens and drafts before they were written and rank 0
-embedded stale memory as token ids (docs/k3-pp-race.md). Stock vLLM 0.34.0 fails the same.
-Making the move first leaves one stream for everything, which is what PP=1 and the other families
-get by the order their code happens to run in.
+WHY: That helper moves the calling thread to a new stream the first time it runs there; the
+runner's ``PPHandler`` and its cached ``main_stream`` keep the stream current at construction
+(the legacy default stream, measured in every worker of a Kimi-K3 PP=2 deployment). When the
+helper's first call comes during a step (something on Kimi-K3's path calls it; which call comes
+first was not traced: with the shared-expert stream off it still failed), the thread runs its
+steps on the new stream while the PP handler orders against the old one, and the async output
+copy restores the old one (async_utils.py:295-303), with nothing ordering the two. Measured on
+one H100 (docs/k3-pp-race.md, runs 2-5): the last rank broadcast sampled tokens and drafts before
+they were written (rank 0 received the padding and stale memory in the token columns), rank 0
+embedded that memory as token ids, and the request failed with an index-out-of-bounds assert, in
+stock vLLM as with the plugin. Moving the thread first leaves one stream for everything, which is
+what PP=1 and the other families get by the order their code happens to run in.
 
 UPSTREAM: none filed yet (the helper's lazy switch, or the runner's cached stream).
 
 RETIRE WHEN: vLLM fixes the thread's stream before building the model runner, or its runner
 stops caching the stream of construction.
 
-TESTED BY: tests/unit/protocol/test_pp_handler_streams.py (the helper runs before the runner's
-own constructor, only at PP > 1 on CUDA); tests/gpu/test_dsv4_k3_pp.py (Kimi-K3 PP=2 DSpark
-lossless with the stream patches, failing with them skipped: ``k3_pp2_streams_skipped``)
+TESTED BY: tests/unit/protocol/test_pp_worker_stream.py (the helper runs before the runner's own
+constructor, only at PP > 1 on CUDA; vLLM's handler orders against its stream of construction);
+tests/gpu/test_dsv4_k3_pp.py (Kimi-K3 PP=2 DSpark lossless, CUDA graphs and eager; failing with
+this patch skipped: the ``streams_skipped`` variant)
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The PP handler's stream patch (vllm_dspark_pp/patches/v1_worker_gpu_pp_utils__streams.py) on
-copies of vLLM 0.34.0's own ``PPHandler`` class, with stand-in CUDA streams that log what waits on
-what: after the runner's thread moves to another stream, the handler's orderings name that
-stream; with the patch left out (the control) they name the stream of construction, the race
-that made Kimi-K3 at PP=2 embed stale memory (docs/k3-pp-race.md)."""
+"""Under PP a worker's steps stay on the stream its model runner was built on
+(vllm_dspark_pp/patches/v1_worker_gpu_model_runner__streams.py): vLLM's stream helper runs before
+the runner's constructor, only at PP > 1 on CUDA; and the fact that makes it necessary: vLLM
+0.34.0's ``PPHandler`` orders its side stream against the stream current at its construction,
+whatever stream the thread moved to since (Kimi-K3 at PP=2 embedded stale memory,
+docs/k3-pp-race.md). Stand-in CUDA streams log what waits on what."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
-
-from vllm_dspark_pp.patches import v1_worker_gpu_pp_utils__streams as S
 
 LOG: list[tuple[str, str, str]] = []
 
@@ -38,22 +37,12 @@ class FakeStream:
     __hash__ = object.__hash__
 
 
-def _vllm_handler_copy() -> type:
-    """A fresh class with vLLM's PPHandler methods, as vLLM's module defines it."""
+def _vllm_handler() -> type:
     from vllm.v1.worker.gpu import pp_utils
 
-    real = S.stock_handler_class(pp_utils.PPHandler)
-    body = {k: v for k, v in real.__dict__.items() if k not in ("__dict__", "__weakref__")}
-    for k in ("main_stream", "get_prev_sampled_outputs"):
-        # an already patched class (the plugin loaded in this process): take vLLM's originals
-        v = body.get(k)
-        if isinstance(v, property):
-            body.pop(k)
-        elif k == "get_prev_sampled_outputs" and hasattr(v, "__wrapped__"):
-            body[k] = v.__wrapped__
-    cls = type("PPHandler", (), body)
-    cls.__module__ = S.TARGET
-    return cls
+    from vllm_dspark_pp.protocol.handler import vllm_pp_handler_class
+
+    return vllm_pp_handler_class(pp_utils.PPHandler)
 
 
 def _handler(cls: type, built: FakeStream):
@@ -70,7 +59,7 @@ def _handler(cls: type, built: FakeStream):
 @pytest.fixture
 def streams(monkeypatch):
     current = {"s": FakeStream("built")}
-    monkeypatch.setattr(S, "_current_stream", lambda device: current["s"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src, group: None)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: LOG.append((s.name, "rec", "")))
@@ -112,42 +101,17 @@ def _send_drafts(cls: type, built: FakeStream, switched: FakeStream, current) ->
     return [e for e in LOG if e[1] == "wait_stream"]
 
 
-def test_orderings_follow_the_runners_stream_after_a_switch(streams):
-    cls = _vllm_handler_copy()
-    S._patch(types.SimpleNamespace(PPHandler=cls))
-    built, runner = FakeStream("built"), FakeStream("runner")
-    # the last rank's broadcast stream waits for the stream that wrote the drafts
-    assert _send_drafts(cls, built, runner, streams) == [("broadcast", "wait_stream", "runner")]
-    # the consuming stream waits for the receive
-    got = _consume(cls, built, runner, streams)
-    assert ("runner", "wait_event", "recv-event") in got
-    assert not [e for e in got if e[0] == "built"]
-
-
-def test_control_without_the_patch_the_orderings_name_the_stream_of_construction(streams):
-    cls = _vllm_handler_copy()  # not patched: vLLM 0.34.0 as shipped
+def test_vllms_handler_orders_against_the_stream_it_was_built_on(streams):
+    """vLLM 0.34.0 as shipped: after the thread moved from the stream of construction to another
+    one, the last rank's broadcast still waits for the old stream (not for the one that wrote the
+    drafts) and the consuming rank's old stream waits for the receive: the split the patch
+    prevents by moving the thread before the runner and its handler are built."""
+    cls = _vllm_handler()
     built, runner = FakeStream("built"), FakeStream("runner")
     assert _send_drafts(cls, built, runner, streams) == [("broadcast", "wait_stream", "built")]
-    assert ("built", "wait_event", "recv-event") in _consume(cls, built, runner, streams)
-
-
-def test_the_plugins_handler_inherits_the_property_and_cpu_keeps_the_stored_stream(streams):
-    from vllm_dspark_pp.protocol.handler import dspark_pp_handler_class
-
-    cls = _vllm_handler_copy()
-    S._patch(types.SimpleNamespace(PPHandler=cls))
-    S._patch(types.SimpleNamespace(PPHandler=cls))  # applying twice changes nothing more
-    sub = dspark_pp_handler_class(cls)
-    assert S.stock_handler_class(sub) is cls
-    h = object.__new__(sub)
-    h.device = torch.device("cuda", 0)
-    h.main_stream = FakeStream("built")
-    streams["s"] = FakeStream("runner")
-    assert h.main_stream == FakeStream("runner")
-    cpu = object.__new__(sub)
-    cpu.device = torch.device("cpu")
-    cpu.main_stream = "placeholder"
-    assert cpu.main_stream == "placeholder"
+    got = _consume(cls, built, runner, streams)
+    assert ("built", "wait_event", "recv-event") in got
+    assert not [e for e in got if e[0] == "runner"]
 
 
 def _runner_module(calls: list[str]):
