@@ -20,10 +20,11 @@ Trained mode (``DSPARK_DSV4K3_WEIGHTS=trained``, issue 26 item 4; default ``dumm
 the bundled trained pairs of ``support.mla_pairs`` (a family without one has its tests skipped
 with that reason), real bf16 weights, k=7, held-out corpus prompts stopping at EOS (at most 64
 tokens). Only the parity jobs run (PP=1 no-spec, PP=1 DSpark, PP=2 graphs and eager) and, for
-Kimi-K3, the ``blocking`` diagnosis (eager, ``CUDA_LAUNCH_BLOCKING=1``): vLLM 0.34.0's Kimi-K3
-path races at PP > 1 with and without the plugin (docs/results/gpu.md, "Kimi-K3 PP=2: a race, and
-stock vLLM has it too"), so K3's PP=2 graphs and eager tests are expected to fail as with dummy
-weights, and ``test_k3_pp2_diagnosis[blocking]`` is the trained K3 PP=2 evidence. The other
+Kimi-K3, the ``blocking`` diagnosis (eager, ``CUDA_LAUNCH_BLOCKING=1``). Kimi-K3 at PP > 1 failed
+before 2026-12-05 with and without the plugin: the worker's steps ran on another CUDA stream than
+the one its PP handler was built on (docs/k3-pp-race.md); the patch
+``v1_worker_gpu_model_runner__streams`` fixes it (dummy weights: graphs and eager pass; its
+control ``streams_skipped`` fails). The trained K3 pair at PP=2 has not run since the fix. The other
 diagnoses and the no-DSpark controls of the dummy failure are skipped. The same checks (greedy equal
 to PP=1 no-spec under the near-tie rule, acceptance and per-position counters within 2 points of
 PP=1 DSpark), and the PP=1 DSpark reference must accept like a trained pair (mean acceptance

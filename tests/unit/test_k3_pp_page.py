@@ -1,0 +1,44 @@
+"""docs/results/k3_pp.md is benchmarks/k3_pp_page.py's output from the committed Kimi-K3 PP
+records, and the page follows its records: a planted change shows on the page or is refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from benchmarks import k3_pp_page
+
+
+def test_the_committed_page_is_the_generators_output():
+    assert k3_pp_page.PAGE.read_text() == k3_pp_page.markdown(k3_pp_page.load()), (
+        "run: python -m benchmarks.k3_pp_page"
+    )
+
+
+def test_a_verdict_and_a_line_of_the_record_reach_the_page(tmp_path):
+    for path in k3_pp_page.RESULTS.glob("k3_pp*gpu*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    fix = json.loads((tmp_path / k3_pp_page.FIX).read_text())
+    planted = copy.deepcopy(fix)
+    run = planted["runs"][-1]
+    test = next(iter(run["results"]))
+    run["results"][test] = "FAILED"
+    run["lines"].append("PLANTED LINE")
+    (tmp_path / k3_pp_page.FIX).write_text(json.dumps(planted))
+    page = k3_pp_page.markdown(k3_pp_page.load(tmp_path))
+    assert f"| `{test.split('::', 1)[1]}` | FAILED |" in page
+    assert "PLANTED LINE" in page
+    assert page != k3_pp_page.markdown(k3_pp_page.load())
+
+
+@pytest.mark.parametrize("drop", ["commit", "gpu", "command", "results"])
+def test_a_run_without_what_the_page_needs_is_refused(tmp_path, drop):
+    for path in k3_pp_page.RESULTS.glob("k3_pp*gpu*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    fix = json.loads((tmp_path / k3_pp_page.FIX).read_text())
+    del fix["runs"][0][drop]
+    (tmp_path / k3_pp_page.FIX).write_text(json.dumps(fix))
+    with pytest.raises(k3_pp_page.RecordError, match=drop):
+        k3_pp_page.load(tmp_path)
