@@ -365,25 +365,24 @@ def patch_exchange_wire(
         cur = current_stream(self.device)
         return cur, "stream=main" if cur == self.main_stream else "stream=OTHER"
 
-    real_bcast = handler.broadcast
+    def sender(real, name: str, after: bool):
+        """The last rank's call: what its current stream holds going in (and, for the drafts,
+        what its broadcast stream holds once they are posted)."""
 
-    @functools.wraps(real_bcast, updated=())
-    def broadcast(self, sampled_token_ids, *args, **kwargs):
-        snaps.poll()
-        cur, tag = stream_tag(self)
-        snaps.snap("send-main", "sampled", sampled_token_ids, cur, tag)
-        return real_bcast(self, sampled_token_ids, *args, **kwargs)
+        @functools.wraps(real, updated=())
+        def wrapper(self, tokens, *args, **kwargs):
+            snaps.poll()
+            cur, tag = stream_tag(self)
+            snaps.snap("send-main", name, tokens, cur, tag)
+            out = real(self, tokens, *args, **kwargs)
+            if after:
+                snaps.snap("send-bcast", name, tokens, self.broadcast_stream, tag)
+            return out
 
-    real_send = handler.broadcast_drafts
+        return wrapper
 
-    @functools.wraps(real_send, updated=())
-    def broadcast_drafts(self, draft_tokens, *args, **kwargs):
-        snaps.poll()
-        cur, tag = stream_tag(self)
-        snaps.snap("send-main", "drafts", draft_tokens, cur, tag)
-        out = real_send(self, draft_tokens, *args, **kwargs)
-        snaps.snap("send-bcast", "drafts", draft_tokens, self.broadcast_stream, tag)
-        return out
+    broadcast = sender(handler.broadcast, "sampled", after=False)
+    broadcast_drafts = sender(handler.broadcast_drafts, "drafts", after=True)
 
     real_recv = handler.receive
 
