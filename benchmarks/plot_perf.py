@@ -40,7 +40,7 @@ def plan_bytes(res: dict) -> dict | None:
         return None
     try:
         from benchmarks.real_shapes import SHAPES, draft_config
-        from vllm_dspark_pp.producer.qwen3 import draft_load_bytes
+        from vllm_dspark_pp.producer.memory import draft_load_bytes
     except ImportError:
         return None
     shape = SHAPES.get(cfg.get("name"))

@@ -1,10 +1,10 @@
 """Draft parameter bytes on a DSpark producer: full drafter vs context-KV-only drafter.
 
-Analytic (``vllm_dspark_pp.qwen3.draft_param_bytes``; its count is checked against the
+Analytic (``vllm_dspark_pp.producer.memory.draft_param_bytes``; its count is checked against the
 modules vLLM actually builds for the tiny pair in
 tests/unit/producer/test_context_kv_qwen3.py::test_draft_param_bytes_matches_the_built_modules).
 ``--markdown`` adds what each drafter holds after loading by ``plan``'s rule
-(``qwen3.draft_load_bytes``, embedding and LM head shared with the target): the full drafter
+(``memory.draft_load_bytes``, embedding and LM head shared with the target): the full drafter
 with vLLM's fused K/V copy, the context-KV-only drafter without (checked against the built
 module: tests/unit/producer/test_context_kv_qwen3.py, test_context_only_drafter_holds_one_kv_copy).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_dspark_pp.producer.qwen3 import draft_load_bytes, draft_param_bytes
+from vllm_dspark_pp.producer.memory import draft_load_bytes, draft_param_bytes
 
 QWEN3_8B_DSPARK = {
     "hidden_size": 4096,

@@ -121,10 +121,10 @@ def main(argv=None) -> int:
     if cfg["spec"]:
         args += ["--speculative-config", json.dumps({"method": "dspark", "model": pair.draft})]
     rows: list[dict] = []
-    srv = Server(a.config, pair.target, args, env=env)
+    srv = Server.vllm(a.config, pair.target, args, env=env)
     try:
         srv.start()
-        srv.wait_ready(time.monotonic() + 300)
+        srv.wait_ready(300)
         rep.log(f"server {a.config} ready")
         for c in [int(x) for x in a.concurrency.split(",")]:
             if time.monotonic() - rep.t0 > a.budget_s:

@@ -502,7 +502,8 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
     """The configuration's launchers (not started): a plain ``vllm serve`` for PP=1,
     dspark_dev/pp_launch.py's launchers for PP > 1."""
     from dspark_dev import pp_launch
-    from dspark_dev.serve_demo import Server, free_port, serve_argv
+    from dspark_dev.serve import Server, free_port
+    from dspark_dev.serve_demo import serve_argv
 
     spec = spec_config(paths.draft, a.k, initial_al, cfg.adaptive) if cfg.spec else None
     kv = kv_plan(cfg, *kv_args(a))

@@ -1,6 +1,6 @@
 """vLLM's CPU platform from the CUDA wheel: the one copy of the environment it needs.
 
-Used by the CPU test tiers (``tests/support/env.py``), the demo (:mod:`.serve_demo`) and any
+Used by the CPU test tiers (``tests/support/env.py``), CPU servers (:mod:`.serve`) and any
 CPU engine child. ``CPU_ENGINE_EXTRA`` is what engine children get on top: a small KV cache, and
 a stuck PP rank surfaces as an engine error (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``) before any
 outer deadline.

@@ -1,6 +1,6 @@
 """A connected pair of vLLM ``MessageQueue`` ends whose one reader is "on another node" (it reads
 over the queue's zmq socket, not shared memory): what the remote-reader patch changes. Shared by
-benchmarks/mq_remote_wait.py and tests/unit/test_mq_remote_wait.py."""
+benchmarks/mq_remote_wait.py and tests/unit/patches/test_mq_remote_wait.py."""
 
 from __future__ import annotations
 

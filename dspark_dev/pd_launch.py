@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_dev.metrics import parse_prometheus
-from dspark_dev.serve import free_port, free_port_block
+from dspark_dev.proc import live_group_members
+from dspark_dev.serve import Server, check_alive, free_port, free_port_block, wait_ready
 
 #: Log lines a DSpark prefill-only producer prints (producer/load.py, patches/*producer*,
 #: scheduler).
@@ -200,15 +201,15 @@ def new_engine_id(tag: str = "dspark-pd-prefill") -> str:
 
 @dataclass
 class PDDeployment:
-    """Producer launcher(s), decoder and proxy (``dspark_dev.serve_demo.Server`` objects, not
+    """Producer launcher(s), decoder and proxy (``dspark_dev.serve.Server`` objects, not
     started). Same interface as ``pp_launch.Deployment``: ``url`` is what clients target (the
     proxy), ``control_url`` where the spec-decode counters and ``/collective_rpc`` go (the
     decoder, the engine that drafts and samples)."""
 
     name: str
-    producers: list  # node 0 first (API server, bootstrap), then headless PP launchers
-    decoder: object
-    proxy: object
+    producers: list[Server]  # node 0 first (API server, bootstrap), then headless PP launchers
+    decoder: Server
+    proxy: Server
     bootstrap_url: str
     engine_id: str
     started_at: float = field(default_factory=time.monotonic)
@@ -242,40 +243,29 @@ class PDDeployment:
 
     def wait_ready(self, timeout_s: float) -> float:
         """Producer and decoder healthy, the producer's engine registered with its bootstrap
-        server, then the proxy started and healthy; any launcher that exits fails the wait at
-        once (its name in the error). Returns the seconds since :meth:`start`."""
+        server, then the proxy started and healthy, each through
+        :func:`dspark_dev.serve.wait_ready` with every engine launcher watched (one that exits
+        fails the wait at once, named with its log tail). Returns the seconds since
+        :meth:`start`."""
         deadline = time.monotonic() + timeout_s
-
-        def check_alive():
-            dead = [
-                f"{n.name} (exit {n.exited()})"
-                for n in (*self.producers, self.decoder)
-                if n.exited() is not None
-            ]
-            if dead:
-                raise RuntimeError(f"{self.name}: {', '.join(dead)} exited")
-
-        check_alive()
-        self.producers[0].wait_ready(max(1.0, deadline - time.monotonic()))
-        check_alive()
-        self.decoder.wait_ready(max(1.0, deadline - time.monotonic()))
-        check_alive()
+        engines = [*self.producers, self.decoder]
+        for node in (self.producers[0], self.decoder):
+            others = [n for n in engines if n is not node]
+            wait_ready(node, max(1.0, deadline - time.monotonic()), watch=others)
         if self.connector == "mooncake":  # NIXL has no bootstrap server
             seen = wait_engine_id(self.bootstrap_url, deadline)
             if seen != self.engine_id:  # the proxy names the one the bootstrap server lists
                 self.proxy.argv = [seen if a == self.engine_id else a for a in self.proxy.argv]
                 self.engine_id = seen
         self.proxy.start()
-        self.proxy.wait_ready(max(5.0, min(30.0, deadline - time.monotonic())))
-        check_alive()
+        wait_ready(self.proxy, max(5.0, min(30.0, deadline - time.monotonic())), watch=engines)
+        check_alive(engines, f"deployment {self.name}")
         return time.monotonic() - self.started_at
 
     def stop(self, grace_s: float = 10.0) -> list[int]:
         """The proxy first (no new requests reach the engines), then every engine launcher at
         once (each one's grace period runs alongside the others'). Returns pids still alive."""
         import threading
-
-        from dspark_dev.serve_demo import live_group_members
 
         self.proxy.stop(grace_s=grace_s)
         threads = [
@@ -318,7 +308,7 @@ def pd_deployment(
     MooncakeConnector over TCP, or NixlConnector (UCX, :func:`ucx_env`; PP=1 producer only).
     Nothing starts here."""
     from dspark_dev import pp_launch
-    from dspark_dev.serve_demo import Server, serve_argv
+    from dspark_dev.serve_demo import serve_argv
 
     if any(a == "--kv-cache-memory-bytes" for a in base_args):
         raise ValueError("base_args must not set --kv-cache-memory-bytes (each role gets its own)")

@@ -44,7 +44,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
+from dspark_dev.proc import live_group_members
+from dspark_dev.serve import Server, check_alive, free_port, wait_ready
+from dspark_dev.serve_demo import serve_argv
 
 LAYOUT_ENV = "DSPARK_GPU_PP_LAYOUT"
 SHARED = "shared"
@@ -198,16 +200,11 @@ class Deployment:
         return [f"{n.name} (exit {n.exited()})" for n in self.nodes if n.exited() is not None]
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Wait for node 0's ``/health``; a headless node that exits first fails the wait at
-        once. Returns the seconds since :meth:`start`."""
-        deadline = time.monotonic() + timeout_s
-        for node in self.nodes[1:]:
-            if node.exited() is not None:
-                raise RuntimeError(f"{self.name}: {node.name} exited with {node.exited()}")
-        self.head.wait_ready(max(1.0, deadline - time.monotonic()))
-        dead = self.dead_nodes()
-        if dead:
-            raise RuntimeError(f"{self.name}: ready but {', '.join(dead)}")
+        """:func:`dspark_dev.serve.wait_ready` on node 0 with the headless nodes watched (one that
+        exits fails the wait at once, named with its log tail). Returns the seconds since
+        :meth:`start`."""
+        wait_ready(self.head, timeout_s, watch=self.nodes[1:])
+        check_alive(self.nodes[1:], f"deployment {self.name}")
         return time.monotonic() - self.started_at
 
     def logs(self, n: int = 10**7) -> str:

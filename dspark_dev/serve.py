@@ -2,8 +2,10 @@
 
 * :func:`free_port`, :func:`free_port_block` (a base with free ports above it, for ``VLLM_PORT``);
 * :func:`http_json`, :func:`http_text`;
-* :class:`Server`: ``python -m vllm.entrypoints.cli.main serve``, waits for ``/health`` while
-  checking the process is alive, and always kills its process group on exit;
+* :class:`Server`: one launcher (``vllm serve`` or any command serving ``/health``) in its own
+  process group, its output in a log file, always stopped with its whole group;
+* :func:`wait_ready`: the one readiness wait of every launcher (a deadline in seconds, a progress
+  line on long waits, an error naming the process with the tail of its log);
 * :func:`save_artifact`: where failing cases leave logs (``DSPARK_GPU_ARTIFACTS``).
 """
 
@@ -19,12 +21,12 @@ import sys
 import tempfile
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark_dev import cpu_env
 from dspark_dev.engine import child_env
 from dspark_dev.proc import dump_group_stacks, kill_group, start_in_session
 
@@ -41,6 +43,10 @@ GPU_CHILD_ENV = {
     "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "90",  # a stuck step becomes an engine error
     "VLLM_ENGINE_READY_TIMEOUT_S": "330",  # compile + graph capture of several engines at once
 }
+
+# vLLM's CPU platform from the CUDA-less wheel: the one CPU environment (dspark_dev/cpu_env.py),
+# with the engine extras (small KV cache, step timeout); a CPU :class:`Server`'s base.
+CPU_ENV = {**cpu_env.CPU_ENV, **cpu_env.CPU_ENGINE_EXTRA}
 
 
 class CaseFailure(AssertionError):
@@ -168,94 +174,168 @@ def http_text(url: str, timeout: float = 10.0) -> str:
         return r.read().decode()
 
 
-def wait_for_health(
-    proc: subprocess.Popen,
-    url: str,
-    deadline: float,
-    *,
-    poll_s: float = 1.0,
-    progress: Callable[[float], None] | None = None,
-    progress_every_s: float = 15.0,
-) -> str:
-    """Poll ``url/health`` until it answers 200 (the one copy for every ``vllm serve`` helper).
+class ServerNotReady(CaseFailure, RuntimeError):
+    """A launcher exited before its server was ready, or the server was not ready in time; the
+    message names the process and ends with the tail of its log. A :class:`CaseFailure` for the
+    test tiers, a ``RuntimeError`` for the tools that catch those."""
 
-    Returns "ready"; "exited" when ``proc`` ends first; "late" when the monotonic ``deadline``
-    passes, after asking every process of ``proc``'s group for its Python stacks (they go into
-    the server's log: :mod:`vllm_dspark_pp.stack_dumps`). ``progress(elapsed_s)`` is called every
-    ``progress_every_s`` while waiting.
+
+def _health_answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return False
+
+
+def _log_excerpt(server: Server) -> str:
+    return f"last lines of its log ({server.log_path}):\n{tail(server.log_text())}"
+
+
+def check_alive(launchers: Sequence[Server], waiting_for: str) -> None:
+    """Raise :class:`ServerNotReady` naming the first of ``launchers`` that has exited (its exit
+    code and the tail of its log); ``waiting_for`` names what was awaited."""
+    for launcher in launchers:
+        code = launcher.exited()
+        if code is not None:
+            raise ServerNotReady(
+                f"{launcher.name} exited with code {code} before {waiting_for} was ready; "
+                + _log_excerpt(launcher)
+            )
+
+
+def wait_ready(
+    server: Server,
+    timeout_s: float,
+    *,
+    watch: Sequence[Server] = (),
+    progress_every_s: float = 15.0,
+    poll_s: float = 0.5,
+) -> float:
+    """Wait until ``server`` answers ``/health`` with 200; the one readiness wait of every
+    launcher (:class:`Server`, ``pp_launch.Deployment``, ``pd_launch.PDDeployment``).
+
+    Only a ``/health`` served by a process of the server's own process group counts (two servers
+    handed one port: the other one's answer is not ours). ``watch``: other launchers of the same
+    deployment (headless PP stages, the other PD role) that must stay alive meanwhile. A line on
+    stdout every ``progress_every_s`` while it waits. ``/health`` is asked at least once, even
+    when ``timeout_s`` is not positive.
+
+    Returns the seconds waited. Raises :class:`ServerNotReady` naming the process and quoting the
+    tail of its log when ``server`` or a watched launcher exits first, or when ``timeout_s``
+    passes; in that case every process of the server's group is first asked for its Python
+    stacks, which land in its log (:mod:`vllm_dspark_pp.stack_dumps`).
     """
+    if server.proc is None:
+        raise ValueError(f"{server.name} was never started")
+    if server.port is None:
+        raise ValueError(f"{server.name} serves no API (headless): wait on its deployment's head")
     t0 = time.monotonic()
     next_note = t0 + progress_every_s
-    port = urllib.parse.urlsplit(url).port
     foreign_noted = False
     while True:
-        if proc.poll() is not None:
-            return "exited"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                ours = None if port is None else port_served_by(port, proc.pid)
-                if r.status == 200 and ours is not False:
-                    return "ready"
-                if r.status == 200 and not foreign_noted:  # not ours: keep waiting for ours
-                    foreign_noted = True
-                    print(
-                        f"[serve] {url}/health answers, but no process of group {proc.pid} "
-                        "listens on that port (another server holds it); waiting for ours",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-        except (urllib.error.URLError, OSError, TimeoutError):
-            pass
+        check_alive([server, *watch], server.name)
+        if _health_answers(server.url):
+            if port_served_by(server.port, server.proc.pid) is not False:
+                return time.monotonic() - t0
+            if not foreign_noted:  # another server answers on our port: keep waiting for ours
+                foreign_noted = True
+                print(
+                    f"[serve] {server.url}/health answers, but no process of group "
+                    f"{server.proc.pid} listens on that port (another server holds it); "
+                    "waiting for ours",
+                    file=sys.stderr,
+                    flush=True,
+                )
         now = time.monotonic()
-        if now > deadline:
-            dump_group_stacks(proc.pid)
-            return "late"
-        if progress is not None and now >= next_note:
-            progress(now - t0)
+        if now - t0 > timeout_s:
+            dump_group_stacks(server.proc.pid)
+            raise ServerNotReady(
+                f"{server.name} not ready after {timeout_s:.0f} s (its processes printed their "
+                f"Python stacks into its log); " + _log_excerpt(server)
+            )
+        if now >= next_note:
+            print(
+                f"[serve] {time.strftime('%H:%M:%S')} waiting for {server.name} "
+                f"({now - t0:.0f} s of {timeout_s:.0f} s: loading models and warming up)",
+                flush=True,
+            )
             next_note = now + progress_every_s
         time.sleep(poll_s)
 
 
+@dataclass
 class Server:
-    """``vllm serve`` in its own process group; use as a context manager (always killed)."""
+    """One launcher (a ``vllm serve``, or any command that serves ``/health``) in its own
+    process group, its output in ``log_path``; a context manager that always stops it.
 
-    def __init__(
-        self,
+    ``env`` goes on top of the base environment: ``base_env`` when given, else the CPU platform's
+    (:data:`CPU_ENV`) when ``cpu``, else nothing (the caller's environment as it is); the
+    checkout's root is put first on ``PYTHONPATH`` (:func:`dspark_dev.engine.child_env`).
+    ``port`` None: a headless launcher (no API server). :meth:`stop` SIGTERMs the group, SIGKILLs
+    it after ``grace_s`` and returns only when no member still runs.
+    """
+
+    argv: list[str]
+    log_path: Path
+    env: dict = field(default_factory=dict)
+    port: int | None = None
+    name: str = "vllm serve"
+    cpu: bool = True
+    base_env: dict | None = None
+    grace_s: float = 15.0
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def vllm(
+        cls,
         name: str,
         model: str,
         args: list[str],
+        *,
         env: dict | None = None,
         port: int | None = None,
         base_env: dict | None = None,
-    ):
-        self.name = name
-        self.model = model
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = args
-        self._logdir = tempfile.mkdtemp(prefix=f"dspark-srv-{name}-")
-        # own vLLM cache (torch.compile artifacts): servers started together must not race
-        extra = {"VLLM_CACHE_ROOT": os.path.join(self._logdir, "vllm_cache"), **(env or {})}
-        self.env = child_env(GPU_CHILD_ENV if base_env is None else base_env, extra)
-        self.proc: subprocess.Popen | None = None
-        self.log_path = os.path.join(self._logdir, "server.log")
-        self._log = None
+    ) -> Server:
+        """``python -m vllm.entrypoints.cli.main serve MODEL`` on loopback (no ``--host`` and
+        ``--port`` when ``args`` hold ``--headless``) with ``base_env`` (default
+        :data:`GPU_CHILD_ENV`), its log and its own vLLM cache (``VLLM_CACHE_ROOT``: servers
+        started together must not race on torch.compile artifacts) in a fresh temporary folder;
+        ``env`` goes on top. Not started."""
+        port = port or free_port()
+        folder = Path(tempfile.mkdtemp(prefix=f"dspark-srv-{name}-"))
+        api = [] if "--headless" in args else ["--host", "127.0.0.1", "--port", str(port)]
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *api, *args]
+        return cls(
+            argv,
+            folder / "server.log",
+            env={"VLLM_CACHE_ROOT": str(folder / "vllm_cache"), **(env or {})},
+            port=port,
+            name=name,
+            cpu=False,
+            base_env=GPU_CHILD_ENV if base_env is None else base_env,
+            grace_s=8.0,
+        )
 
-    def command(self) -> list[str]:
-        # a headless launcher (another node's PP stages) serves no API
-        api = [] if "--headless" in self.args else ["--host", "127.0.0.1", "--port", str(self.port)]
-        cli = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model]
-        return [*cli, *api, *self.args]
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Server:
-        self._log = open(self.log_path, "wb")
-        self.proc = start_in_session(
-            self.command(),
-            env=self.env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        base = self.base_env if self.base_env is not None else (CPU_ENV if self.cpu else {})
+        env = child_env(base, self.env)  # this checkout first on PYTHONPATH
+        self.log_path = Path(self.log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = start_in_session(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """:func:`wait_ready` on this server; returns the seconds waited."""
+        return wait_ready(self, timeout_s)
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
 
     def log_text(self) -> str:
         try:
@@ -263,29 +343,27 @@ class Server:
         except OSError:
             return ""
 
-    def wait_ready(self, deadline: float) -> None:
-        """Poll /health until it answers 200; fail at once if the process dies."""
-        state = wait_for_health(self.proc, self.url, deadline)
-        if state == "exited":
-            raise CaseFailure(
-                f"server {self.name} exited (rc={self.proc.returncode}) during start-up\n"
-                f"{tail(self.log_text())}"
-            )
-        if state == "late":
-            raise CaseFailure(
-                f"server {self.name} not ready before its deadline (its processes printed their "
-                f"Python stacks into its log)\n{tail(self.log_text())}"
-            )
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            kill_group(self.proc, grace_s=8.0)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_text()[-n:]
 
     def save_log(self, prefix: str = "server") -> str | None:
         return save_artifact(f"{prefix}_{self.name}.log", self.log_text())
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float | None = None) -> bool:
+        """SIGTERM the group, SIGKILL it after ``grace_s`` (default :attr:`grace_s`); True if the
+        SIGTERM sufficed. Returns only when no member of the group runs any more (or after 10 s
+        more)."""
+        if self.proc is None:
+            return True
+        return kill_group(self.proc, grace_s=self.grace_s if grace_s is None else grace_s)
 
     def __enter__(self) -> Server:
         return self.start()

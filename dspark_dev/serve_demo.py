@@ -2,33 +2,24 @@
 
 Used by ``python -m dspark_dev demo`` (what ``tools/quickstart.sh`` runs) and by the CPU end-to-end
 tests (tests/e2e/test_quickstart.py, tests/e2e/test_multi_node.py), which start the same
-``vllm serve`` processes through :class:`Server`.
-
-:class:`Server` starts one ``vllm serve`` command in its own session (process group) with its
-output in a log file, waits for ``/health`` with a deadline and a progress line, and stops the
-whole group: SIGTERM, a grace period, then SIGKILL, then it waits until no member of the group
-still runs. Nothing it starts outlives it.
+``vllm serve`` command lines (:func:`serve_argv`) as :class:`dspark_dev.serve.Server` launchers
+(its own process group, a readiness wait with a deadline and a progress line, the whole group
+stopped: nothing it starts outlives it).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_dev import cpu_env as _cpu_env
-from dspark_dev.engine import child_env
 from dspark_dev.metrics import spec_metrics_from_prometheus
-from dspark_dev.proc import kill_group, live_group_members, start_in_session
-from dspark_dev.serve import free_port, http_json, wait_for_health
+from dspark_dev.proc import live_group_members
+from dspark_dev.serve import Server, free_port, http_json
 
 __all__ = [
-    "Server",
     "free_port",
     "live_group_members",
     "serve_argv",
@@ -37,10 +28,6 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PAIR = REPO_ROOT / "models" / "tiny-pair"
-
-# vLLM's CPU platform from the CUDA-less wheel: the one CPU environment (dspark_dev/cpu_env.py),
-# with the engine extras (small KV cache, step timeout).
-CPU_ENV = {**_cpu_env.CPU_ENV, **_cpu_env.CPU_ENGINE_EXTRA}
 
 # float32 (CPU parity), eager (no torch.compile warm-up on CPU), small KV cache.
 CPU_SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]
@@ -82,75 +69,6 @@ def serve_argv(
     else:
         argv += ["--host", "127.0.0.1", "--port", str(port)]
     return argv + list(extra or [])
-
-
-@dataclass
-class Server:
-    """One ``vllm serve`` process tree in its own process group."""
-
-    argv: list[str]
-    log_path: Path
-    env: dict = field(default_factory=dict)
-    port: int | None = None
-    name: str = "vllm serve"
-    cpu: bool = True  # False: leave the platform to vLLM (GPU machines); CPU_ENV is not applied
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Server:
-        env = dict(os.environ)
-        if self.cpu:
-            env.update(CPU_ENV)
-        env = child_env(env, self.env)  # this checkout first on PYTHONPATH
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = start_in_session(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def exited(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout_s: float, progress_every_s: float = 15.0) -> None:
-        """Poll ``/health`` until 200; raise if the server exits or the deadline passes."""
-        state = wait_for_health(
-            self.proc,
-            self.url,
-            time.monotonic() + timeout_s,
-            poll_s=0.5,
-            progress=lambda s: say(
-                f"waiting for {self.name} ({s:.0f} s, loading models and warming up)"
-            ),
-            progress_every_s=progress_every_s,
-        )
-        if state == "exited":
-            raise RuntimeError(f"{self.name} exited with code {self.exited()} before it was ready")
-        if state == "late":
-            raise TimeoutError(
-                f"{self.name} not ready after {timeout_s:.0f} s (its processes printed their "
-                f"Python stacks into {self.log_path})"
-            )
-
-    def wait_exit(self, timeout_s: float) -> int | None:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, grace_s: float = 15.0) -> bool:
-        """SIGTERM the group, SIGKILL it after ``grace_s``; True if the SIGTERM sufficed.
-        Returns only when no member of the group runs any more (or after 10 s more)."""
-        if self.proc is None:
-            return True
-        return kill_group(self.proc, grace_s=grace_s)
 
 
 def post_json(url: str, body: dict, timeout_s: float) -> dict:

@@ -32,12 +32,9 @@ from pathlib import Path
 from support import engines, tiny_pair
 from support.served_load import group_rss_mib, wait_idle
 
-from dspark_dev.serve_demo import (
-    Server,
-    free_port,
-    live_group_members,
-    serve_argv,
-)
+from dspark_dev.proc import live_group_members
+from dspark_dev.serve import Server, free_port
+from dspark_dev.serve_demo import serve_argv
 
 
 def main(argv=None) -> int:
@@ -130,7 +127,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if "VLLM_TARGET_DEVICE" not in os.environ:
-        from dspark_dev.serve_demo import CPU_ENV
+        from dspark_dev.serve import CPU_ENV
 
         os.environ.update(CPU_ENV)
     raise SystemExit(main())

@@ -218,7 +218,7 @@ def qwen3_draft_bytes_per_rank(
     the Markov token table and the draft-to-target map are whole on every rank. The fused K/V
     copy of the full drafter holds this rank's K/V rows. At TP=1 equal to the family's
     ``draft_load_bytes``."""
-    from vllm_dspark_pp.producer.qwen3 import _get, draft_param_bytes
+    from vllm_dspark_pp.producer.memory import _get, draft_param_bytes
 
     comp = draft_param_bytes(hf, role="kv_both", dtype_bytes=dtype_bytes)["components"]
     nq = int(_get(hf, "num_attention_heads"))

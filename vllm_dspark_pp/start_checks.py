@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dspark_pp.producer.families import DSparkConfigError, draft_architectures, family_for
+from vllm_dspark_pp.producer.drafter import DSparkConfigError
+from vllm_dspark_pp.producer.families import draft_architectures, family_for
 
 __all__ = ["DSparkConfigError", "check_dspark"]
 

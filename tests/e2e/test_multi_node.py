@@ -38,7 +38,8 @@ import pytest
 from support import engines, tiny_pair
 
 from dspark_dev import pp_launch, serve_demo
-from dspark_dev.serve_demo import Server, free_port, serve_argv
+from dspark_dev.serve import Server, free_port
+from dspark_dev.serve_demo import serve_argv
 from vllm_dspark_pp.protocol import handshake
 
 pytestmark = pytest.mark.e2e

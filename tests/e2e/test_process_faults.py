@@ -35,7 +35,8 @@ import pytest
 from support import engines, reliability, tiny_pair
 
 from dspark_dev import pp_launch
-from dspark_dev.serve_demo import Server, free_port, serve_argv
+from dspark_dev.serve import Server, free_port
+from dspark_dev.serve_demo import serve_argv
 
 pytestmark = pytest.mark.e2e
 

@@ -37,7 +37,9 @@ from support.reliability import (
 )
 
 from dspark_dev import serve_demo
-from dspark_dev.serve_demo import Server, free_port, live_group_members, serve_argv
+from dspark_dev.proc import live_group_members
+from dspark_dev.serve import Server, free_port
+from dspark_dev.serve_demo import serve_argv
 
 pytestmark = pytest.mark.e2e
 

@@ -47,8 +47,8 @@ from support import served_load, tiny_pair
 
 from dspark_dev import pp_launch
 from dspark_dev.parity import compare_tokens
-from dspark_dev.serve import GPU_CHILD_ENV, free_port, http_json
-from dspark_dev.serve_demo import Server, serve_argv, spec_metrics
+from dspark_dev.serve import GPU_CHILD_ENV, Server, free_port, http_json
+from dspark_dev.serve_demo import serve_argv, spec_metrics
 
 pytestmark = pytest.mark.gpu
 

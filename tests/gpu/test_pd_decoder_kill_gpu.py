@@ -114,9 +114,9 @@ def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
         d0.start()
         ready_by = min(deadline, time.monotonic() + READY_S)
         step = "wait for the producer"
-        p.wait_ready(ready_by)
+        p.wait_ready(ready_by - time.monotonic())
         step = "wait for the decoder"
-        d0.wait_ready(ready_by)
+        d0.wait_ready(ready_by - time.monotonic())
         eid = pair.engine_id(ready_by)
         step = "reference PD requests"
         rec["ref_tokens"] = pair.pd_greedy(p, pr["ref"], eid)
@@ -185,7 +185,7 @@ def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
         rec["producer_expired_lines"] = pd_fault.expired_requests(p.log_text())
         step = "restarted decoder: ready, then the reference requests"
         t1 = time.monotonic()
-        d1.wait_ready(deadline)
+        d1.wait_ready(deadline - time.monotonic())
         rec["restart"] = {"ready_s_after_kill": round(time.monotonic() - t_kill, 1)}
         hits0 = pair.counters(d1)["vllm:external_prefix_cache_hits_total"]
         t2 = time.monotonic()

@@ -108,7 +108,7 @@ def _restart(pair: Pair, prompts, ref_tokens, old_id: str, deadline: float) -> d
     try:
         p1 = pair.new_producer()
         p1.start()
-        p1.wait_ready(deadline)
+        p1.wait_ready(deadline - time.monotonic())
         ready_s = round(time.monotonic() - t0, 1)
         eid1 = pair.engine_id(deadline)
         hits0 = pair.counters()["vllm:external_prefix_cache_hits_total"]
@@ -137,9 +137,9 @@ def _scenario(name: str, spec: dict | None, env: dict, deadline: float) -> dict:
         pair.decoder.start()
         ready_by = min(deadline, time.monotonic() + READY_S)
         step = "wait for the producer"
-        p0.wait_ready(ready_by)
+        p0.wait_ready(ready_by - time.monotonic())
         step = "wait for the decoder"
-        pair.decoder.wait_ready(ready_by)
+        pair.decoder.wait_ready(ready_by - time.monotonic())
         eid = pair.engine_id(ready_by)
         step = "reference PD requests"
         rec["ref_tokens"] = pair.pd_greedy(p0, pr["ref"], eid)

@@ -41,7 +41,7 @@ from gpu_common import DRYRUN_CPU, GRAPH_COMPILATION_CONFIG, PAIR_DTYPE, Jobs, r
 from support import tiny_pair
 
 from dspark_dev import pp_launch, serve_demo
-from dspark_dev.serve import GPU_CHILD_ENV
+from dspark_dev.serve import GPU_CHILD_ENV, Server, free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -87,9 +87,9 @@ def _env(corrupt: bool = False) -> dict:
     return env
 
 
-def _pp1(name: str, spec: dict | None, graphs: bool) -> serve_demo.Server:
-    port = serve_demo.free_port()
-    return serve_demo.Server(
+def _pp1(name: str, spec: dict | None, graphs: bool) -> Server:
+    port = free_port()
+    return Server(
         serve_demo.serve_argv(tiny_pair.TARGET, pp=1, spec=spec, port=port, base=_args(graphs)),
         LOG_DIR / f"{name}.log",
         env={**_env(), "VLLM_CACHE_ROOT": str(LOG_DIR / f"{name}_cache")},

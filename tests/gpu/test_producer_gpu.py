@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from support.gpu import run_llm
 
-from vllm_dspark_pp.producer import qwen3
+from vllm_dspark_pp.producer import memory
 from vllm_dspark_pp.producer.load import builds_in_log
 
 pytestmark = pytest.mark.gpu
@@ -118,7 +118,7 @@ def test_materialize_context_kv_writes_full_drafter_kv(tiny, tmp_path):
         builds[role] = builds_in_log(out["log"])
     assert builds["kv_both"] == [] and len(builds["kv_producer"]) == 1, builds
     # the producer's drafter holds each weight once (no fused K/V copy): plan's rule, exactly
-    rule = qwen3.draft_load_bytes(
+    rule = memory.draft_load_bytes(
         json.loads(Path(tiny.draft, "config.json").read_text()), 2, True, True
     )
     assert builds["kv_producer"][0]["held_bytes"] == rule["context_only"], (builds, rule)

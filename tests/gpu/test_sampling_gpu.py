@@ -73,8 +73,7 @@ from support.reliability import (
 
 from dspark_dev import pp_launch
 from dspark_dev.engine import child_env, run_engine
-from dspark_dev.serve import GPU_CHILD_ENV, free_port
-from dspark_dev.serve_demo import Server
+from dspark_dev.serve import GPU_CHILD_ENV, Server, free_port
 
 pytestmark = pytest.mark.gpu
 

@@ -79,7 +79,7 @@ def nixl_server(
     if spec:
         args += ["--speculative-config", json.dumps(spec)]
     args += ["--kv-transfer-config", json.dumps(kv), *extra_args]
-    return Server(name, model, args, env=nixl_env())
+    return Server.vllm(name, model, args, env=nixl_env())
 
 
 def corrupt_draft(draft_dir: str, out_dir: str, seed: int = 7) -> str:
@@ -232,7 +232,7 @@ def run_nixl_pd(
             s.start()
         res["step"] = "wait for /health"
         with ThreadPoolExecutor(max_workers=len(servers)) as ex:
-            list(ex.map(lambda s: s.wait_ready(deadline), servers.values()))
+            list(ex.map(lambda s: s.wait_ready(deadline - time.monotonic()), servers.values()))
         res["t"]["ready_s"] = round(time.monotonic() - t0, 1)
         print(
             f"[nixl {label}] {len(servers)} servers ready after {res['t']['ready_s']} s", flush=True

@@ -84,7 +84,7 @@ class Pair:
                "VLLM_PORT": str(free_port_block())}  # fmt: skip
         if self.decoders:
             env["VLLM_CACHE_ROOT"] = self.decoders[0].env["VLLM_CACHE_ROOT"]
-        d = Server(
+        d = Server.vllm(
             f"{self.name}-decoder" + (f"{n}" if n else ""),
             tiny_pair.TARGET,
             [*self.setup.common, *self._spec_args(), *kv_args(self.setup, "kv_consumer")],
@@ -102,7 +102,7 @@ class Pair:
                "VLLM_PORT": str(free_port_block())}  # fmt: skip
         if self.producers:  # the restart reuses the first one's compile cache
             env["VLLM_CACHE_ROOT"] = self.producers[0].env["VLLM_CACHE_ROOT"]
-        p = Server(
+        p = Server.vllm(
             f"{self.name}-producer{n}",
             tiny_pair.TARGET,
             [*self.setup.common, *self._spec_args(),

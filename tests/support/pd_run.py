@@ -28,11 +28,13 @@ from dspark_dev.pd_proxy import PDProxy, query_engine_id
 from dspark_dev.serve import (
     Server,
     Timings,
+    check_alive,
     free_port,
     free_port_block,
     greedy_completion_body,
     http_json,
     http_text,
+    wait_ready,
 )
 from support.gpu import GPUCaseFailure
 
@@ -81,7 +83,7 @@ def run_pd(
         a PP producer of several launchers, a headless node with its own (args, env)
         (dspark_dev/pp_launch.py composes them)."""
         kv = json.dumps(mooncake_kv_config("kv_producer", engine_id))
-        return Server(
+        return Server.vllm(
             name,
             model,
             [*common_args, *pre_spec, "--kv-transfer-config", kv, *args],
@@ -102,7 +104,7 @@ def run_pd(
         """One launcher of the decoder: node 0 (``dec``: API server) or, for a decoder of
         several ranks (TP > 1 on one GPU: one launcher per rank), a headless node."""
         kv = json.dumps(mooncake_kv_config("kv_consumer"))
-        return Server(
+        return Server.vllm(
             name,
             model,
             [*common_args, *spec, "--kv-transfer-config", kv, *args],
@@ -124,14 +126,7 @@ def run_pd(
     def producer_logs() -> str:
         return "\n".join(x.log_text() for x in (pre, *followers))
 
-    def check_followers() -> None:
-        dead = [
-            f"{f.name} (exit {f.proc.poll()})"
-            for f in (*followers, *dec_followers)
-            if f.proc.poll() is not None
-        ]
-        if dead:
-            raise GPUCaseFailure(f"headless launchers exited: {', '.join(dead)}")
+    headless = [*followers, *dec_followers]
 
     ok = False
     try:
@@ -143,12 +138,11 @@ def run_pd(
         for f in dec_followers:
             f.start()
         step = "wait for the prefiller's /health"
-        pre.wait_ready(deadline)
-        check_followers()
+        wait_ready(pre, deadline - time.monotonic(), watch=headless)
         t.mark("prefill ready")
         step = "wait for the decoder's /health"
-        dec.wait_ready(deadline)
-        check_followers()
+        wait_ready(dec, deadline - time.monotonic(), watch=headless)
+        check_alive(headless, "the deployment")
         t.mark("decode ready")
         bootstrap = f"http://127.0.0.1:{bport}"
         step = f"ask the prefiller's Mooncake bootstrap {bootstrap}/query for its engine id"

@@ -38,7 +38,7 @@ def check_producer_draft_load(load: dict) -> str:
     rule for the context-only role (240.0 MiB here; the drafter before the fix held the fused
     K/V copy too, 1.333x it). Returns the line to print."""
     from benchmarks import real_shapes
-    from vllm_dspark_pp.producer.qwen3 import draft_load_bytes
+    from vllm_dspark_pp.producer.memory import draft_load_bytes
 
     assert load.get("draft_class") == "Qwen3DSparkContextKVForCausalLM", load
     draft = real_shapes.draft_config(real_shapes.SHAPES["qwen3-8b"])

@@ -11,7 +11,7 @@ What counts as a name (see :func:`named_paths` and :func:`named_modules`):
   ``{a,b}`` alternatives are expanded, a trailing ``::name`` or ``:line`` is dropped, and paths
   with placeholders (``*``, ``$``, ``<``, ``X`` alone as a segment) are skipped;
 * a dotted module name under ``vllm_dspark_pp``, ``dspark_dev`` or ``support`` (tests/support),
-  or a path that ends in one (``dspark_dev/serve.wait_for_health``): its longest module prefix
+  or a path that ends in one (``dspark_dev/serve.wait_ready``): its longest module prefix
   must exist, and what follows (one attribute) must be defined there.
 
 Not checked: what a command writes (the path after ``--out``, ``--png``, ``--md``, ``--json``,
@@ -191,7 +191,7 @@ def test_the_checks_catch_a_stale_path_and_module(tmp_path):
         "`vllm_dspark_pp.protocol.graph_batch.no_such_name`, `dspark_dev.gone`, "
         "`vllm_dspark_pp.protocol.handler.dspark_pp_handler_class`, "
         "tools/{quickstart,run_tests}.sh, "
-        "dspark_dev/serve.wait_for_health and dspark_dev/serve.no_such_function; "
+        "dspark_dev/serve.wait_ready and dspark_dev/serve.no_such_function; "
         "`vllm_dspark_pp.producer` and `vllm_dspark_pp.producer.gone`."
     )
     missing = {shown for shown, path in named_paths(page, text) if path_problem(path)}

@@ -42,7 +42,7 @@ def test_server_command_and_environment(monkeypatch):
         pd_nixl.nixl_kv_config("kv_consumer"),
         ["--no-enable-prefix-caching"],
     )
-    cmd = s.command()
+    cmd = s.argv
     assert cmd[cmd.index("--speculative-config") + 1] == json.dumps(spec)
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
     assert "--no-enable-prefix-caching" in cmd
@@ -50,7 +50,7 @@ def test_server_command_and_environment(monkeypatch):
     assert int(s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
     assert s.env["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp" and s.env["UCX_NET_DEVICES"] == "lo"
     plain = pd_nixl.nixl_server("pre", "/m", [], None, pd_nixl.nixl_kv_config("kv_producer"))
-    assert "--speculative-config" not in plain.command()
+    assert "--speculative-config" not in plain.argv
     assert plain.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     monkeypatch.setenv("DSPARK_NIXL_UCX_NET_DEVICES", "")
     monkeypatch.setenv("DSPARK_NIXL_UCX_TLS", "tcp,cuda_copy")

@@ -4,11 +4,15 @@ Layers (top to bottom): ``cli`` > ``patches`` > the features (``protocol``, ``pr
 ``connectors``, ``sync_drafts``, ``deployment_plan``) > ``version`` / ``cpu_ops``. The development
 package ``dspark_dev`` (at the repository root, not in the wheel) may import the runtime, never the
 other way round. Every import counts, including those inside functions; there is no exemption.
+Imports by name count too: ``importlib.import_module("a.b")`` with a literal name, and the
+``"vllm_dspark_pp.a.b:attribute"`` names that a registry resolves later (the draft families of
+``producer/families.py``, as vLLM's model registry does).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from support.wheel import wheel_packages
@@ -16,6 +20,8 @@ from support.wheel import wheel_packages
 PKG = Path(__file__).resolve().parents[2] / "vllm_dspark_pp"
 FEATURES = ("protocol", "producer", "connectors", "sync_drafts", "deployment_plan", "start_checks")
 FORBIDDEN_AT_RUNTIME = ("tests", "support", "tools", "benchmarks", "dspark_dev")
+#: A lazily resolved ``"module:attribute"`` name of a module of the package.
+LAZY_NAME = re.compile(r"^(vllm_dspark_pp(?:\.\w+)*):\w+$")
 
 
 def _modules() -> dict[str, Path]:
@@ -29,11 +35,30 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _named_import(node: ast.AST) -> str | None:
+    """The module a call ``import_module("a.b")`` / ``importlib.import_module("a.b")`` names with
+    a literal, or a ``"vllm_dspark_pp.a.b:attribute"`` string names (None: neither)."""
+    if isinstance(node, ast.Call) and node.args:
+        func, arg = node.func, node.args[0]
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if called == "import_module" and isinstance(arg, ast.Constant):
+            if isinstance(arg.value, str) and not arg.value.startswith("."):
+                return arg.value
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        m = LAZY_NAME.match(node.value)
+        if m:
+            return m.group(1)
+    return None
+
+
 def _imports(path: Path, name: str) -> set[str]:
     tree = ast.parse(path.read_text())
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
+        named = _named_import(node)
+        if named is not None:
+            found.add(named)
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -120,23 +145,54 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_family_modules_import_only_the_shared_base_and_the_registry():
-    """A draft family is one module over ``producer/drafter.py`` that registers itself in
-    ``producer/families.py``; the registry imports nothing of the project (every layer reads
-    it), and the shared base no family module."""
-    from vllm_dspark_pp.producer.families import NOT_FAMILIES
+def test_imports_by_name_are_followed(tmp_path):
+    """The graph sees a literal ``import_module`` and a registry's ``"module:attribute"`` names
+    (a planted module of each kind), so a lazy import cannot hide a cycle or a layer breach."""
+    code = (
+        "import importlib\n"
+        "from importlib import import_module\n"
+        "def f(name):\n"
+        "    importlib.import_module('vllm_dspark_pp.a')\n"
+        "    import_module('vllm_dspark_pp.b')\n"
+        "    importlib.import_module(name)\n"
+        "    return ('vllm_dspark_pp.c.d:Klass', 'not.a:name', 'vllm_dspark_pp.e', 'x:y:z')\n"
+    )
+    planted = tmp_path / "planted.py"
+    planted.write_text(code)
+    lazy = {m for m in _imports(planted, "planted") if m.startswith("vllm_dspark_pp")}
+    assert lazy == {"vllm_dspark_pp.a", "vllm_dspark_pp.b", "vllm_dspark_pp.c.d"}
+
+
+def test_family_modules_import_only_the_shared_modules_and_nothing_imports_the_registry_back():
+    """A draft family is one module of top-level classes over ``producer/drafter.py`` (the
+    shared base) and ``producer/memory.py`` (the memory rules), named by the registry
+    ``producer/families.py``. The registry imports nothing of the project when it is imported
+    and names (lazily) only family modules and those two; neither they nor any family module
+    import the registry, so no lazy import closes a circle through it."""
+    from vllm_dspark_pp.producer import families
 
     graph = _graph()
     producer = "vllm_dspark_pp.producer"
-    modules = {p.stem for p in (PKG / "producer").glob("*.py")} - {"__init__", *NOT_FAMILIES}
-    assert modules, "no family module found"
-    for fam in modules:
-        targets = {t for t in graph[f"{producer}.{fam}"] if ".producer." in t}
-        assert targets <= {f"{producer}.drafter", f"{producer}.families"}, (fam, targets)
-    assert not {t for t in graph[f"{producer}.drafter"] if ".producer." in t} - {
-        f"{producer}.families"
+    shared = {f"{producer}.drafter", f"{producer}.memory"}
+    named = {
+        ref.partition(":")[0]
+        for f in families.FAMILIES
+        for ref in (f.context_kv, f.memory, *f.checks)
+        if ref is not None
     }
-    assert not {t for t in graph[f"{producer}.families"] if t.startswith("vllm_dspark_pp")}
+    family_modules = named - shared
+    assert family_modules, "the registry names no family module"
+    for fam in family_modules:
+        targets = {t for t in graph[fam] if ".producer." in t}
+        assert targets <= shared, (fam, targets)
+    assert graph[f"{producer}.families"] == named
+    tree = ast.parse((PKG / "producer" / "families.py").read_text())
+    top_imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [n for n in top_imports if "vllm_dspark_pp" in ast.unparse(n)]
+    for module in shared:
+        assert not {t for t in graph[module] if ".producer." in t} - shared, module
+    back = [m for m, targets in graph.items() if f"{producer}.families" in targets]
+    assert not set(back) & (named | shared), back
 
 
 def test_the_package_defines_no_triton_kernel():

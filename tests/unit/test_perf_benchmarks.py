@@ -187,7 +187,7 @@ def test_real_shape_builds_vllm_engine_config(tmp_path):
 
 def test_plan_draft_bytes_exclude_shared_embedding_and_count_the_full_drafters_kv_copy(tmp_path):
     from vllm_dspark_pp.deployment_plan import _checkpoint_ships
-    from vllm_dspark_pp.producer.qwen3 import draft_load_bytes, draft_param_bytes
+    from vllm_dspark_pp.producer.memory import draft_load_bytes, draft_param_bytes
 
     hf = real_shapes.draft_config(real_shapes.SHAPES["qwen3-8b"])
     comp = draft_param_bytes(hf, "kv_both", 2)["components"]

@@ -269,7 +269,7 @@ def test_merge_cli_and_plot_load_merge_same_shape(tmp_path):
 
 def test_memory_table_compares_the_allocator_with_plan():
     from benchmarks import real_shapes
-    from vllm_dspark_pp.producer.qwen3 import draft_load_bytes
+    from vllm_dspark_pp.producer.memory import draft_load_bytes
 
     res = perf.merge_results([_first_run(), _second_run()])
     res["shape_config"] = real_shapes.SHAPES["qwen3-8b"].__dict__

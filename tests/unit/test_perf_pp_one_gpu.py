@@ -454,6 +454,7 @@ def test_a_nixl_deployment_starts_its_proxy_without_asking_a_bootstrap_server(mo
         raise AssertionError("NIXL has no bootstrap server to ask")
 
     monkeypatch.setattr(pd_launch, "wait_engine_id", never)
+    monkeypatch.setattr(pd_launch, "wait_ready", _fake_wait)
     proxy = _Node("proxy")
     dep = pd_launch.PDDeployment(
         "pd", [_Node("producer")], _Node("decoder", port=2), proxy, "nixl:no-bootstrap", "e",
@@ -464,8 +465,11 @@ def test_a_nixl_deployment_starts_its_proxy_without_asking_a_bootstrap_server(mo
 
 
 class _Node:
+    """A launcher as dspark_dev.serve's readiness checks see it."""
+
     def __init__(self, name, exit_code=None, port=1):
         self.name, self.code, self.port, self.started, self.argv = name, exit_code, port, 0, []
+        self.log_path = f"{name}.log"
 
     url = property(lambda self: f"http://127.0.0.1:{self.port}")
 
@@ -475,15 +479,24 @@ class _Node:
     def exited(self):
         return self.code
 
-    def wait_ready(self, timeout_s):
-        if self.code is not None:
-            raise RuntimeError(f"{self.name} exited with code {self.code} before it was ready")
+    def log_text(self):
+        return f"{self.name}: last log line"
+
+
+def _fake_wait(server, timeout_s, *, watch=()):
+    """``serve.wait_ready`` without HTTP: the real liveness check of the server and the
+    watched launchers, then ready."""
+    from dspark_dev.serve import check_alive
+
+    check_alive([server, *watch], server.name)
+    return 0.0
 
 
 def _pd(monkeypatch, seen="eng-1", decoder_exit=None):
     from dspark_dev import pd_launch
 
     monkeypatch.setattr(pd_launch, "wait_engine_id", lambda url, deadline: seen)
+    monkeypatch.setattr(pd_launch, "wait_ready", _fake_wait)
     proxy = _Node("proxy")
     proxy.argv = ["python", "-m", "dspark_dev.pd_proxy", "--engine-id", "eng-1"]
     dep = pd_launch.PDDeployment(
@@ -502,7 +515,8 @@ def test_pd_deployment_starts_the_proxy_only_when_both_engines_answer(monkeypatc
     dep.wait_ready(5.0)  # the proxy names the engine the bootstrap server lists
     assert proxy.argv[-1] == "eng-registered" and dep.engine_id == "eng-registered"
     dep, proxy = _pd(monkeypatch, decoder_exit=1)
-    with pytest.raises(RuntimeError, match="decoder.*exit"):
+    died = "(?s)decoder exited with code 1.*decoder: last log line"  # named, with its log tail
+    with pytest.raises(RuntimeError, match=died):
         dep.wait_ready(5.0)
     assert proxy.started == 0
 

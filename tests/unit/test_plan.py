@@ -249,7 +249,7 @@ def test_plan_tp2_text_has_the_per_rank_table(plans):
 def test_plan_tp2_producer_holds_the_context_only_drafter_per_rank(plans, tiny_models):
     plan = _json(plans["mooncake_producer_pp2_tp2_json"])
     last = plan["stages"][-1]
-    from vllm_dspark_pp.producer.qwen3 import draft_param_bytes
+    from vllm_dspark_pp.producer.memory import draft_param_bytes
 
     hf = json.loads((Path(tiny_models.draft) / "config.json").read_text())
     c = draft_param_bytes(hf, role="kv_both", dtype_bytes=_dtype_bytes(plan))["components"]
@@ -298,7 +298,7 @@ def test_stage_weight_bytes_places_embedding_layers_and_head():
 
 
 def test_draft_bytes_per_rank_at_tp1_is_the_familys_rule_and_splits_at_tp2(tiny_models):
-    from vllm_dspark_pp.producer.qwen3 import draft_load_bytes, draft_param_bytes
+    from vllm_dspark_pp.producer.memory import draft_load_bytes, draft_param_bytes
 
     hf = json.loads((Path(tiny_models.draft) / "config.json").read_text())
     own_embed, own_head = _checkpoint_ships(tiny_models.draft)

@@ -88,42 +88,17 @@ def test_without_the_variable_sigusr1_keeps_its_default_meaning(tmp_path):
         err.close()
 
 
-def test_a_server_not_ready_by_its_deadline_leaves_its_stacks_in_its_log():
-    from dspark_dev.serve import CaseFailure, Server
+def test_a_server_not_ready_by_its_deadline_leaves_its_stacks_in_its_log(tmp_path):
+    from dspark_dev.serve import Server, ServerNotReady, free_port
 
-    class NeverReady(Server):  # the dump installed, /health never answered
-        def command(self) -> list[str]:
-            return [sys.executable, "-c", SERVER_CHILD]
-
-    with NeverReady("never-ready", "unused", [], base_env={}) as srv:
+    srv = Server(  # the dump installed, /health never answered
+        [sys.executable, "-c", SERVER_CHILD], tmp_path / "never-ready.log", port=free_port(),
+        name="never-ready", cpu=False, grace_s=1.0,
+    )  # fmt: skip
+    with srv:
         deadline = time.monotonic() + 20
         while "ready" not in srv.log_text().splitlines() and time.monotonic() < deadline:
             time.sleep(0.1)
-        with pytest.raises(CaseFailure) as info:
-            srv.wait_ready(time.monotonic())
-        assert "printed their Python stacks into its log" in str(info.value)
-        assert "waiting_for_a_peer_that_never_answers" in srv.log_text()
-
-
-def test_the_demo_server_shares_the_wait_and_its_stack_dump(tmp_path):
-    from dspark_dev.serve import free_port
-    from dspark_dev.serve_demo import Server
-
-    log = tmp_path / "demo.log"
-    srv = Server(
-        [sys.executable, "-c", SERVER_CHILD], log, port=free_port(), name="demo", cpu=False
-    )
-    srv.start()
-    try:
-        deadline = time.monotonic() + 20
-        while "ready" not in srv.log_tail(10**6).splitlines() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        with pytest.raises(TimeoutError, match="printed their Python stacks"):
+        with pytest.raises(ServerNotReady, match="printed their Python stacks into its log"):
             srv.wait_ready(0.0)
-        assert "waiting_for_a_peer_that_never_answers" in log.read_text()
-    finally:
-        srv.stop(grace_s=1.0)
-    done = Server([sys.executable, "-c", "pass"], tmp_path / "x.log", port=free_port(), cpu=False)
-    done.start().wait_exit(20)
-    with pytest.raises(RuntimeError, match="exited with code 0"):
-        done.wait_ready(30.0)
+        assert "waiting_for_a_peer_that_never_answers" in srv.log_text()

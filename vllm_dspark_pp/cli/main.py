@@ -18,7 +18,7 @@ import pkgutil
 import sys
 
 # the checkout commands (NAME of each module in dspark_dev/commands) -> their help line here
-# (tests/unit/test_cli_checkout.py checks the names)
+# (tests/unit/cli/test_cli_checkout.py checks the names)
 CHECKOUT_COMMANDS = {
     "demo": "Serve the bundled trained pair with DSpark on a PP target (CPU), ask one question.",
     "eval": "Evaluation gates: `eval gsm8k --config tests/evals/gsm8k/configs/<name>.yaml`.",

@@ -167,7 +167,8 @@ def markdown_index() -> str:
         "",
         "Generated from the patch registry (`vllm-dspark-pp patches --markdown > "
         "docs/patches.md`);",
-        "`tests/unit/test_patch_registry.py` fails when this file and the registry disagree.",
+        "`tests/unit/patches/test_patch_registry.py` fails when this file and the registry "
+        "disagree.",
         "Every patch is version-gated: the plugin refuses to run on any vLLM but the supported",
         "release (see `vllm_dspark_pp/version.py`).",
         "",

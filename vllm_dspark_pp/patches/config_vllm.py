@@ -22,7 +22,7 @@ UPSTREAM: vLLM PR #56957 (DSpark prefill-only producers under PP).
 RETIRE WHEN: upstream vLLM builds the context-only drafter itself and validates the connector.
 
 TESTED BY: tests/unit/producer/test_config_patch.py, tests/unit/producer/test_roles.py,
-tests/unit/test_bad_configs.py, tests/unit/test_skip_patches.py
+tests/unit/test_bad_configs.py, tests/unit/patches/test_skip_patches.py
 """
 
 from __future__ import annotations

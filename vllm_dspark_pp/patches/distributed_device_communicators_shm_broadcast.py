@@ -22,9 +22,9 @@ UPSTREAM: none yet (a bounded, cancellable remote read in ``MessageQueue``).
 
 RETIRE WHEN: vLLM's remote reader checks ``shutting_down`` while it waits.
 
-TESTED BY: tests/unit/test_mq_remote_wait.py (a real ZMQ remote reader shut down while it waits;
-data, timeout and local readers unchanged), tests/e2e/test_process_faults.py (two launchers,
-hand run: the server exits within seconds only with this patch)
+TESTED BY: tests/unit/patches/test_mq_remote_wait.py (a real ZMQ remote reader shut down while
+it waits; data, timeout and local readers unchanged), tests/e2e/test_process_faults.py (two
+launchers, hand run: the server exits within seconds only with this patch)
 """
 
 from __future__ import annotations

@@ -17,9 +17,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.models.deepseek_v4 import attention as dsv4_attention
+from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
+from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
-from vllm_dspark_pp.producer import drafter, families
+from vllm_dspark_pp.producer import drafter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,6 +37,8 @@ logger = init_logger("vllm.dspark_pp.producer.deepseek_v4")
 #: vLLM 0.34.0's CUDA implementations (the registry's platform pick on NVIDIA).
 DSV4_NVIDIA_MODULE = "vllm.models.deepseek_v4.nvidia.dspark"
 FAMILY = "DeepSeek-V4 DSpark"
+#: vLLM's registry entry, which picks the platform's implementation.
+_REGISTRY_MODULE = "vllm.models.deepseek_v4"
 
 
 def _n_layers(config: Any) -> int:
@@ -42,98 +52,107 @@ dsv4_skipped_weight_names = drafter.mtp_skipped_weight_names
 _dsv4_param_name = drafter.mtp_context_param_name
 
 
+# --------------------------------------------------------------------------- vLLM's drafter
+#: The module of vLLM's DeepSeek-V4 DSpark drafter the classes below borrow from: this platform's
+#: where it has one, else the CUDA one (:func:`.drafter.mtp_vllm_module`).
+_VLLM: Any = drafter.mtp_vllm_module(_REGISTRY_MODULE, DSV4_NVIDIA_MODULE)
+_select_attn_cls: Any = drafter.mtp_select_attn_cls(_VLLM)
+_BASE_MODEL: Any = _VLLM.DSparkDeepseekV4Model
+_BASE_TOP: Any = _VLLM.DSparkDeepseekV4ForCausalLM
+
+
 # --------------------------------------------------------------------------- DeepSeek-V4
-@drafter.built_once
-def dsv4_context_kv_class(module_name: str | None = None) -> type:
-    """The DeepSeek-V4 context-only top-level class (``module_name``: vLLM's drafter module,
-    default: the registry's platform pick)."""
-    import torch
-    from torch import nn
-    from vllm.distributed import get_tensor_model_parallel_world_size
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.models.deepseek_v4 import attention as dsv4_attention
-    from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
-    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+class DeepseekV4ContextKVAttention(nn.Module, AttentionLayerBase):
+    """What ``_insert_context_kv`` reads of a DeepseekV4Attention draft layer.
 
-    base = drafter.mtp_platform(FAMILY, "vllm.models.deepseek_v4", module_name)
-    select_attn_cls = base[2]
+    Mirrors the attribute values of the attention class vLLM selects for this config
+    (``_select_dsv4_attn_cls``): its backend classes, padded query heads and KV-cache
+    layout decide the SWA cache dtype, hence the KV-cache spec.
+    """
 
-    class DeepseekV4ContextKVAttention(nn.Module, AttentionLayerBase):
-        """What ``_insert_context_kv`` reads of a DeepseekV4Attention draft layer.
-
-        Mirrors the attribute values of the attention class vLLM selects for this config
-        (``_select_dsv4_attn_cls``): its backend classes, padded query heads and KV-cache
-        layout decide the SWA cache dtype, hence the KV-cache spec.
-        """
-
-        def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
-            super().__init__()
-            config = vllm_config.model_config.hf_config
-            cache_config = vllm_config.cache_config
-            assert cache_config is not None, "DeepseekV4 attention requires cache_config"
-            full_cls = select_attn_cls(vllm_config)
-            self.full_attention_class = full_cls.__name__
-            self.backend_cls = full_cls.backend_cls
-            self.prefix = prefix
-            self.n_heads = config.num_attention_heads
-            self.n_local_heads = self.n_heads // get_tensor_model_parallel_world_size()
-            self.head_dim = config.head_dim
-            self.rope_head_dim = config.qk_rope_head_dim
-            self.window_size = config.sliding_window
-            # Draft layers sit past num_hidden_layers: never compressed (attention.py).
-            self.compress_ratio = 1
-            self.eps = config.rms_norm_eps
-            self.scale = self.head_dim**-0.5
-            self.padded_heads = full_cls.get_padded_num_q_heads(self.n_local_heads)
-            self.kv_norm = RMSNorm(self.head_dim, self.eps)
-            self.rotary_emb = build_deepseek_v4_rope(
-                config,
-                head_dim=self.head_dim,
-                rope_head_dim=self.rope_head_dim,
-                max_position_embeddings=config.max_position_embeddings,
-                compress_ratio=self.compress_ratio,
+    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        cache_config = vllm_config.cache_config
+        assert cache_config is not None, "DeepseekV4 attention requires cache_config"
+        full_cls = _select_attn_cls(vllm_config)
+        self.full_attention_class = full_cls.__name__
+        self.backend_cls = full_cls.backend_cls
+        self.prefix = prefix
+        self.n_heads = config.num_attention_heads
+        self.n_local_heads = self.n_heads // get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.rope_head_dim = config.qk_rope_head_dim
+        self.window_size = config.sliding_window
+        # Draft layers sit past num_hidden_layers: never compressed (attention.py).
+        self.compress_ratio = 1
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.padded_heads = full_cls.get_padded_num_q_heads(self.n_local_heads)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        self.rotary_emb = build_deepseek_v4_rope(
+            config,
+            head_dim=self.head_dim,
+            rope_head_dim=self.rope_head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+            compress_ratio=self.compress_ratio,
+        )
+        # Same resolution (and the same cache_config write-back) as the full layer.
+        self.kv_cache_dtype, self.kv_cache_torch_dtype = (
+            dsv4_attention._resolve_dsv4_kv_cache_dtype(
+                bool(full_cls.use_fp8_ds_mla_layout),
+                cache_config.cache_dtype,
+                cache_config,
             )
-            # Same resolution (and the same cache_config write-back) as the full layer.
-            self.kv_cache_dtype, self.kv_cache_torch_dtype = (
-                dsv4_attention._resolve_dsv4_kv_cache_dtype(
-                    bool(full_cls.use_fp8_ds_mla_layout),
-                    cache_config.cache_dtype,
-                    cache_config,
-                )
-            )
-            self.swa_cache_layer = DeepseekV4SWACache(
-                head_dim=self.head_dim,
-                window_size=self.window_size,
-                dtype=self.kv_cache_torch_dtype,
-                prefix=f"{prefix}.swa_cache",
-                cache_config=cache_config,
-                backend_cls=full_cls.swa_backend_cls,
-            )
-            if self.kv_cache_torch_dtype == torch.float8_e4m3fn:
-                drafter.register_fp8_scales(self)
-            drafter.register_cache_layer(self, vllm_config, prefix)
+        )
+        self.swa_cache_layer = DeepseekV4SWACache(
+            head_dim=self.head_dim,
+            window_size=self.window_size,
+            dtype=self.kv_cache_torch_dtype,
+            prefix=f"{prefix}.swa_cache",
+            cache_config=cache_config,
+            backend_cls=full_cls.swa_backend_cls,
+        )
+        if self.kv_cache_torch_dtype == torch.float8_e4m3fn:
+            drafter.register_fp8_scales(self)
+        drafter.register_cache_layer(self, vllm_config, prefix)
 
-        # vLLM 0.34.0's own AttentionLayerBase methods of DeepseekV4Attention (spec: None
-        # for compress ratio 1, the SWA cache is its own layer).
-        bind_kv_cache = dsv4_attention.DeepseekV4Attention.bind_kv_cache
-        get_attn_backend = dsv4_attention.DeepseekV4Attention.get_attn_backend
-        get_kv_cache_spec = dsv4_attention.DeepseekV4Attention.get_kv_cache_spec
+    # vLLM 0.34.0's own AttentionLayerBase methods of DeepseekV4Attention (spec: None
+    # for compress ratio 1, the SWA cache is its own layer).
+    bind_kv_cache = dsv4_attention.DeepseekV4Attention.bind_kv_cache
+    get_attn_backend = dsv4_attention.DeepseekV4Attention.get_attn_backend
+    get_kv_cache_spec = dsv4_attention.DeepseekV4Attention.get_kv_cache_spec
 
-        forward = drafter.refusing("draft attention forward")
-
-    return drafter.mtp_context_drafter(
-        FAMILY, "DSparkDeepseekV4", base, DeepseekV4ContextKVAttention, _n_layers
-    )
+    forward = drafter.refusing("draft attention forward")
 
 
-#: Its drafter ships inside the target checkpoint: the target must be a DeepSeek-V4 one.
-families.register(
-    families.DraftFamily(
-        FAMILY,
-        ("DSparkDraftModel",),
-        __name__,
-        dsv4_context_kv_class,
-        start_checks=(drafter.check_target_carries_the_draft,),
-    )
-)
+class DSparkDeepseekV4ContextKVLayer(drafter.MtpContextLayer):
+    """A DeepSeek-V4 DSpark draft layer holding only its attention."""
+
+    attn_cls = DeepseekV4ContextKVAttention
+
+
+class DSparkDeepseekV4ContextKVModel(drafter.MtpContextModel):
+    """The DeepSeek-V4 DSpark context model: main_proj/main_norm, context_wkv_proj, its layers."""
+
+    layer_cls = DSparkDeepseekV4ContextKVLayer
+    n_layers = staticmethod(_n_layers)
+
+    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4/nvidia/dspark.py).
+    combine_hidden_states = _BASE_MODEL.combine_hidden_states
+    precompute_and_store_context_kv = _BASE_MODEL.precompute_and_store_context_kv
+
+
+class DSparkDeepseekV4ContextKVForCausalLM(drafter.MtpContextDrafter):
+    """Top level of the DeepSeek-V4 DSpark context-KV-only drafter."""
+
+    family = FAMILY
+    model_cls = DSparkDeepseekV4ContextKVModel
+
+    combine_hidden_states = _BASE_TOP.combine_hidden_states
+    get_draft_kv_cache_layer_names = _BASE_TOP.get_draft_kv_cache_layer_names
+    precompute_and_store_context_kv = _BASE_TOP.precompute_and_store_context_kv
+
+    @classmethod
+    def check_platform(cls) -> None:
+        drafter.check_mtp_platform(FAMILY, _REGISTRY_MODULE)

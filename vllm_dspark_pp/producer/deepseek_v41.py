@@ -11,14 +11,26 @@ DeepSeek-V4.1 DSpark (``DSparkV41DraftModel`` -> ``vllm/models/deepseek_v41/nvid
     LM head, query/output projections, MoE, norms, hyper-connections, Markov and confidence heads.
 
 Memory: the context-only drafter holds ``main_proj``, ``main_norm``, ``context_wkv_proj`` and
-the ``kv_norm`` weights (:func:`v41_draft_bytes`, what ``vllm-dspark-pp plan`` prints per role).
+the ``kv_norm`` weights (``memory.v41_draft_bytes``, what ``vllm-dspark-pp plan`` prints per role).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
-from vllm_dspark_pp.producer import drafter, families
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.models.deepseek_v41 import attention as v41_attention
+from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
+from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+from vllm_dspark_pp.producer import drafter
+from vllm_dspark_pp.producer.memory import v41_layer_count
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,182 +38,128 @@ if TYPE_CHECKING:
 #: vLLM 0.34.0's CUDA implementation (the registry's pick on every platform but ROCm).
 V41_NVIDIA_MODULE = "vllm.models.deepseek_v41.nvidia.dspark"
 FAMILY = "DeepSeek-V4.1 DSpark"
+#: vLLM's registry entry, which picks the platform's implementation.
+_REGISTRY_MODULE = "vllm.models.deepseek_v41"
+
+#: The module of vLLM's DeepSeek-V4.1 DSpark drafter the classes below borrow from: this
+#: platform's where it has one, else the CUDA one (:func:`.drafter.mtp_vllm_module`).
+_VLLM: Any = drafter.mtp_vllm_module(_REGISTRY_MODULE, V41_NVIDIA_MODULE)
+_select_attn_cls: Any = drafter.mtp_select_attn_cls(_VLLM)
+_BASE_MODEL: Any = _VLLM.DSparkDeepseekV4Model
+_BASE_TOP: Any = _VLLM.DSparkDeepseekV4ForCausalLM
 
 
-def _n_layers(config: Any) -> int:
-    # as DSparkDeepseekV4Model (v4.1) counts them
-    return (
-        getattr(config, "n_mtp_layers", None)
-        or getattr(config, "num_nextn_predict_layers", None)
-        or 3
-    )
+class DeepseekV41ContextKVAttention(nn.Module, AttentionLayerBase):
+    """What ``_insert_context_kv`` (v4.1 dspark.py) reads of a draft layer's attention, at
+    the values of the class vLLM selects (``_select_dsv4_attn_cls``), computed as
+    attention.py:344-640 computes them for a draft layer (never a KV source)."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        cache_config = vllm_config.cache_config
+        assert cache_config is not None, "DeepseekV4 attention requires cache_config"
+        full_cls = _select_attn_cls(vllm_config)
+        self.full_attention_class = full_cls.__name__
+        self.backend_cls = full_cls.backend_cls
+        self.prefix = prefix
+        layer_id = extract_layer_index(prefix)
+        ratios = getattr(config, "compress_ratios", None)
+        self.compress_ratio = (
+            int(ratios[layer_id]) if ratios is not None and layer_id < len(ratios) else 0
+        )
+        self.is_kv_source = False  # draft layers sit past num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_local_heads = self.n_heads // get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.rope_head_dim = config.qk_rope_head_dim
+        self.window_size = config.sliding_window
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.padded_heads = full_cls.get_padded_num_q_heads(self.n_local_heads)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        self.rotary_emb = build_deepseek_v4_rope(
+            config,
+            head_dim=self.head_dim,
+            rope_head_dim=self.rope_head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+            compress_ratio=self.compress_ratio,
+        )
+        # The class's own answers (properties that read nothing of the instance).
+        packed = full_cls.packed_kv_cache_dtype.fget(self)
+        self.kv_cache_dtype, self.kv_cache_torch_dtype = v41_attention._resolve_dsv4_kv_cache_dtype(
+            bool(full_cls.use_fp8_ds_mla_layout),
+            cache_config.cache_dtype,
+            cache_config,
+            packed,
+        )
+        self.kv_mxfp8 = v41_attention._use_v41_mxfp8_kv_record()
+        self.swa_bytes_per_token = 528 if self.kv_mxfp8 else 584
+        self.compressed_bytes_per_token = (
+            288 if self.kv_cache_dtype == "nvfp4_ds_mla" else self.swa_bytes_per_token
+        )
+        self.kv_page_alignment = 512 if self.kv_mxfp8 else 576
+        bounded_replay = cache_config.swa_bounded_replay and not (
+            vllm_config.parallel_config.prefill_context_parallel_size > 1
+            and not cache_config.enable_prefix_caching
+        )
+        self.swa_cache_layer = DeepseekV4SWACache(
+            head_dim=self.head_dim,
+            window_size=self.window_size,
+            dtype=self.kv_cache_torch_dtype,
+            prefix=f"{prefix}.swa_cache",
+            cache_config=cache_config,
+            backend_cls=full_cls.swa_backend_cls,
+            block_size=32,
+            packed_bytes_per_token=self.swa_bytes_per_token,
+            packed_page_alignment=self.kv_page_alignment,
+            packed_block_stride_alignment=(
+                math.lcm(self.swa_bytes_per_token, self.compressed_bytes_per_token)
+                if self.kv_mxfp8
+                else None
+            ),
+            bounded_replay=bounded_replay,
+        )
+        if self.kv_cache_torch_dtype == torch.float8_e4m3fn:
+            drafter.register_fp8_scales(self)
+        drafter.register_cache_layer(self, vllm_config, prefix)
+
+    # vLLM 0.34.0's own AttentionLayerBase methods of the V4.1 attention (spec: None for a
+    # layer that is no KV source; the SWA cache is its own layer).
+    bind_kv_cache = v41_attention.DeepseekV4Attention.bind_kv_cache
+    get_attn_backend = v41_attention.DeepseekV4Attention.get_attn_backend
+    get_kv_cache_spec = v41_attention.DeepseekV4Attention.get_kv_cache_spec
+
+    forward = drafter.refusing("draft attention forward")
 
 
-@drafter.built_once
-def v41_context_kv_class(module_name: str | None = None) -> type:
-    """The DeepSeek-V4.1 context-only top-level class (``module_name``: vLLM's drafter module,
-    default: the registry's platform pick)."""
-    import math
+class DSparkDeepseekV41ContextKVLayer(drafter.MtpContextLayer):
+    """A DeepSeek-V4.1 DSpark draft layer holding only its attention."""
 
-    import torch
-    from torch import nn
-    from vllm.distributed import get_tensor_model_parallel_world_size
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.models.deepseek_v41 import attention as v41_attention
-    from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
-    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
-
-    base = drafter.mtp_platform(FAMILY, "vllm.models.deepseek_v41", module_name)
-    select_attn_cls = base[2]
-    full_attention = v41_attention.DeepseekV4Attention
-
-    class DeepseekV41ContextKVAttention(nn.Module, AttentionLayerBase):
-        """What ``_insert_context_kv`` (v4.1 dspark.py) reads of a draft layer's attention, at
-        the values of the class vLLM selects (``_select_dsv4_attn_cls``), computed as
-        attention.py:344-640 computes them for a draft layer (never a KV source)."""
-
-        def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
-            super().__init__()
-            config = vllm_config.model_config.hf_config
-            cache_config = vllm_config.cache_config
-            assert cache_config is not None, "DeepseekV4 attention requires cache_config"
-            full_cls = select_attn_cls(vllm_config)
-            self.full_attention_class = full_cls.__name__
-            self.backend_cls = full_cls.backend_cls
-            self.prefix = prefix
-            layer_id = extract_layer_index(prefix)
-            ratios = getattr(config, "compress_ratios", None)
-            self.compress_ratio = (
-                int(ratios[layer_id]) if ratios is not None and layer_id < len(ratios) else 0
-            )
-            self.is_kv_source = False  # draft layers sit past num_hidden_layers
-            self.n_heads = config.num_attention_heads
-            self.n_local_heads = self.n_heads // get_tensor_model_parallel_world_size()
-            self.head_dim = config.head_dim
-            self.rope_head_dim = config.qk_rope_head_dim
-            self.window_size = config.sliding_window
-            self.eps = config.rms_norm_eps
-            self.scale = self.head_dim**-0.5
-            self.padded_heads = full_cls.get_padded_num_q_heads(self.n_local_heads)
-            self.kv_norm = RMSNorm(self.head_dim, self.eps)
-            self.rotary_emb = build_deepseek_v4_rope(
-                config,
-                head_dim=self.head_dim,
-                rope_head_dim=self.rope_head_dim,
-                max_position_embeddings=config.max_position_embeddings,
-                compress_ratio=self.compress_ratio,
-            )
-            # The class's own answers (properties that read nothing of the instance).
-            packed = full_cls.packed_kv_cache_dtype.fget(self)
-            self.kv_cache_dtype, self.kv_cache_torch_dtype = (
-                v41_attention._resolve_dsv4_kv_cache_dtype(
-                    bool(full_cls.use_fp8_ds_mla_layout),
-                    cache_config.cache_dtype,
-                    cache_config,
-                    packed,
-                )
-            )
-            self.kv_mxfp8 = v41_attention._use_v41_mxfp8_kv_record()
-            self.swa_bytes_per_token = 528 if self.kv_mxfp8 else 584
-            self.compressed_bytes_per_token = (
-                288 if self.kv_cache_dtype == "nvfp4_ds_mla" else self.swa_bytes_per_token
-            )
-            self.kv_page_alignment = 512 if self.kv_mxfp8 else 576
-            bounded_replay = cache_config.swa_bounded_replay and not (
-                vllm_config.parallel_config.prefill_context_parallel_size > 1
-                and not cache_config.enable_prefix_caching
-            )
-            self.swa_cache_layer = DeepseekV4SWACache(
-                head_dim=self.head_dim,
-                window_size=self.window_size,
-                dtype=self.kv_cache_torch_dtype,
-                prefix=f"{prefix}.swa_cache",
-                cache_config=cache_config,
-                backend_cls=full_cls.swa_backend_cls,
-                block_size=32,
-                packed_bytes_per_token=self.swa_bytes_per_token,
-                packed_page_alignment=self.kv_page_alignment,
-                packed_block_stride_alignment=(
-                    math.lcm(self.swa_bytes_per_token, self.compressed_bytes_per_token)
-                    if self.kv_mxfp8
-                    else None
-                ),
-                bounded_replay=bounded_replay,
-            )
-            if self.kv_cache_torch_dtype == torch.float8_e4m3fn:
-                drafter.register_fp8_scales(self)
-            drafter.register_cache_layer(self, vllm_config, prefix)
-
-        # vLLM 0.34.0's own AttentionLayerBase methods of the V4.1 attention (spec: None for a
-        # layer that is no KV source; the SWA cache is its own layer).
-        bind_kv_cache = full_attention.bind_kv_cache
-        get_attn_backend = full_attention.get_attn_backend
-        get_kv_cache_spec = full_attention.get_kv_cache_spec
-
-        forward = drafter.refusing("draft attention forward")
-
-    return drafter.mtp_context_drafter(
-        FAMILY, "DSparkDeepseekV41", base, DeepseekV41ContextKVAttention, _n_layers
-    )
+    attn_cls = DeepseekV41ContextKVAttention
 
 
-def v41_draft_bytes(
-    config: Any, dtype_bytes: int, own_embed: bool, own_head: bool
-) -> dict[str, int]:
-    """Weight bytes of the DeepSeek-V4.1 drafter per role (``plan``; unquantized weights).
+class DSparkDeepseekV41ContextKVModel(drafter.MtpContextModel):
+    """The DeepSeek-V4.1 DSpark context model: main_proj/main_norm, context_wkv_proj, its layers."""
 
-    ``context_only``: main_proj + main_norm + context_wkv_proj + the kv_norms.
-    ``full``: that plus every layer's attention (wq_a+wkv fused, q_norm, wq_b, wo_a, wo_b, the
-    sink in fp32), its MoE (routed and shared experts, gate and bias), its two norms and its
-    hyper-connection parameters (fp32), the final norm, the Markov and confidence heads; and
-    the ``context_wkv_proj`` copy vLLM makes of the wkv rows (``fused_kv_copy``).
-    ``shared_with_target``: the embedding and LM head vLLM aliases (the drafter ships none).
-    """
-    h, hd, n = config.hidden_size, config.head_dim, _n_layers(config)
-    heads, q_rank = config.num_attention_heads, config.q_lora_rank
-    groups, o_rank = config.o_groups, config.o_lora_rank
-    taps = len(config.dspark_target_layer_ids)
-    experts = getattr(config, "dspark_n_routed_experts", 0) or config.n_routed_experts
-    inter, shared = config.moe_intermediate_size, config.n_shared_experts or 0
-    hc = config.hc_mult
-    mix = (2 + hc) * hc
-    markov = config.dspark_markov_rank
-    context_wkv = n * hd * h
-    context_only = h * taps * h + h + context_wkv + n * hd
-    per_layer = (
-        (q_rank + hd) * h  # fused_wqa_wkv
-        + q_rank
-        + heads * hd * q_rank  # wq_b
-        + groups * o_rank * (heads * hd // groups)  # wo_a
-        + h * groups * o_rank  # wo_b
-        + hd  # kv_norm
-        + experts * 3 * inter * h
-        + shared * 3 * inter * h
-        + experts * h
-        + 2 * h  # attn_norm, ffn_norm
-    )
-    fp32_per_layer = heads + experts + 2 * (mix * hc * h + mix + 3)  # sink, bias, hc params
-    heads_bytes = h + 2 * config.vocab_size * markov + (h + markov)  # norm, Markov, confidence
-    full = (
-        h * taps * h + h + context_wkv + n * per_layer + heads_bytes
-    ) * dtype_bytes + n * fp32_per_layer * 4
-    return {
-        "full": full,
-        "context_only": context_only * dtype_bytes,
-        "fused_kv_copy": context_wkv * dtype_bytes,
-        "shared_with_target": 2 * config.vocab_size * h * dtype_bytes,
-    }
+    layer_cls = DSparkDeepseekV41ContextKVLayer
+    n_layers = staticmethod(v41_layer_count)
+
+    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v41/nvidia/dspark.py).
+    combine_hidden_states = _BASE_MODEL.combine_hidden_states
+    precompute_and_store_context_kv = _BASE_MODEL.precompute_and_store_context_kv
 
 
-families.register(
-    families.DraftFamily(
-        FAMILY,
-        ("DSparkV41DraftModel",),
-        __name__,
-        v41_context_kv_class,
-        draft_memory=v41_draft_bytes,
-        start_checks=(drafter.check_target_carries_the_draft,),
-    )
-)
+class DSparkDeepseekV41ContextKVForCausalLM(drafter.MtpContextDrafter):
+    """Top level of the DeepSeek-V4.1 DSpark context-KV-only drafter."""
+
+    family = FAMILY
+    model_cls = DSparkDeepseekV41ContextKVModel
+
+    combine_hidden_states = _BASE_TOP.combine_hidden_states
+    get_draft_kv_cache_layer_names = _BASE_TOP.get_draft_kv_cache_layer_names
+    precompute_and_store_context_kv = _BASE_TOP.precompute_and_store_context_kv
+
+    @classmethod
+    def check_platform(cls) -> None:
+        drafter.check_mtp_platform(FAMILY, _REGISTRY_MODULE)

@@ -6,26 +6,27 @@ builds only what writes that KV, under the full drafter's layer names and KV-cac
 only those weights, and refuses everything that drafts (:class:`RefuseDrafting`).
 
 What every family shares lives here: the top level (:class:`ContextKVDrafter`: construction,
-the filtered weight load and its log line, the refusals), the decoder layer that only holds its
-attention (:func:`layer_holding`), the KV-cache layer's registration (:func:`register_cache_layer`),
-the once-per-process class cache (:func:`built_once`) and the pick of vLLM's platform module.
-Each family module (:mod:`.qwen3`, :mod:`.deepseek_v4`, :mod:`.kimi_k3`) defines only what its
-context path needs and registers itself in :mod:`.families`; :mod:`.load` builds the class the
-registry names through vLLM's own DSpark loading path.
+the filtered weight load and its log line, the refusals, the platform check), the decoder layer
+that only holds its attention (:class:`AttentionOnlyLayer`), the context model's refusals
+(:class:`ContextPath`), the KV-cache layer's registration (:func:`register_cache_layer`), the
+pick of vLLM's platform module, and the DeepSeek mtp drafters' layer, context model and top level
+(:class:`MtpContextLayer`, :class:`MtpContextModel`, :class:`MtpContextDrafter`). Each family
+module (:mod:`.qwen3`, :mod:`.deepseek_v4`, :mod:`.deepseek_v41`, :mod:`.kimi_k3`) defines its
+classes at its top level, over these bases and vLLM's own context-KV methods, and
+:mod:`.families` names its top-level class; :mod:`.load` builds that class through vLLM's own
+DSpark loading path.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import re
-import threading
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from torch import nn
 from vllm.logger import init_logger
-
-from vllm_dspark_pp.producer.families import DSparkConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +37,11 @@ logger = init_logger("vllm.dspark_pp.producer.drafter")
 
 class ContextOnlyDrafterError(RuntimeError):
     """A context-KV-only drafter was asked to draft tokens."""
+
+
+class DSparkConfigError(ValueError):
+    """A DSpark speculative config that cannot work; the message names the fix (raised by the
+    start checks, the generic ones in ``start_checks.py`` and the families' here)."""
 
 
 def _refuse(what: str) -> ContextOnlyDrafterError:
@@ -58,20 +64,27 @@ def refusing(what: str):
     return refused
 
 
-def layer_holding(attn_cls: type, name: str) -> type:
-    """A decoder-layer module named ``name`` whose only child is ``self_attn = attn_cls(**kwargs)``
-    (the layer shape every family's checkpoint names expect) and whose forward is refused."""
-    from torch import nn
+class AttentionOnlyLayer(nn.Module):
+    """A decoder layer whose only child is ``self_attn = attn_cls(**kwargs)`` (the layer shape
+    every family's checkpoint names expect), its forward refused; a family's layer is a subclass
+    that names ``attn_cls``."""
 
-    def __init__(self: Any, **kwargs: Any) -> None:
-        nn.Module.__init__(self)
-        self.self_attn = attn_cls(**kwargs)
+    attn_cls: ClassVar[type]
 
-    return type(
-        name,
-        (nn.Module,),
-        {"__init__": __init__, "forward": refusing("draft decoder layer forward")},
-    )
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.self_attn = self.attn_cls(**kwargs)
+
+    forward = refusing("draft decoder layer forward")
+
+
+class ContextPath:
+    """Mixed in before ``nn.Module`` by a family's context model, whose body takes vLLM's own
+    context-KV methods from the full drafter's model class unchanged (they read only attributes
+    the context model provides): the backbone's forward and token embedding, refused."""
+
+    forward = refusing("draft backbone forward")
+    embed_input_ids = refusing("draft token embedding")
 
 
 class RefuseDrafting:
@@ -181,14 +194,12 @@ def is_context_kv_only(model: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- vLLM's drafters
-def platform_module(registry_module: str, top_class: str, module_name: str | None) -> Any:
-    """The module that holds vLLM's full drafter ``top_class`` on this platform: ``module_name``
-    when given, else where ``registry_module``'s ``top_class`` is defined (vLLM's registry entry
-    resolves the platform implementation, e.g. deepseek_v4/__init__.py)."""
-    if module_name is None:
-        top = importlib.import_module(registry_module)
-        module_name = getattr(top, top_class).__module__
-    return importlib.import_module(module_name)
+def platform_module(registry_module: str, top_class: str) -> Any:
+    """The module that holds vLLM's full drafter ``top_class`` on this platform: where
+    ``registry_module``'s ``top_class`` is defined (vLLM's registry entry resolves the platform
+    implementation, e.g. deepseek_v4/__init__.py)."""
+    top = importlib.import_module(registry_module)
+    return importlib.import_module(getattr(top, top_class).__module__)
 
 
 def refuse_platform(family: str, module: Any, missing: str) -> NotImplementedError:
@@ -198,17 +209,6 @@ def refuse_platform(family: str, module: Any, missing: str) -> NotImplementedErr
         "this family only on CUDA/ROCm, and the context-only build follows the CUDA one). "
         "Run this producer on NVIDIA GPUs or with kv_role='kv_both'."
     )
-
-
-def context_path(base: type, *names: str) -> Any:
-    """The base of a family's context model: vLLM's own context-KV methods ``names`` of ``base``
-    (the full drafter's model class), used unchanged because they read only attributes the
-    context model provides, with the backbone's forward and token embedding refused.
-    ``class M(context_path(base, ...), nn.Module)``."""
-    body: dict[str, Any] = {name: getattr(base, name) for name in names}
-    body["forward"] = refusing("draft backbone forward")
-    body["embed_input_ids"] = refusing("draft token embedding")
-    return type(f"{base.__name__}ContextPath", (), body)
 
 
 def register_cache_layer(layer: Any, vllm_config: VllmConfig, prefix: str) -> None:
@@ -221,23 +221,6 @@ def register_cache_layer(layer: Any, vllm_config: VllmConfig, prefix: str) -> No
         raise ValueError(f"Duplicate layer name: {prefix}")
     registry[prefix] = layer
     layer.kv_cache = torch.tensor([])
-
-
-def built_once(build: Callable[[str | None], type]) -> Callable[[str | None], type]:
-    """``build(module_name)`` defines a family's classes against vLLM's drafter module
-    (``None``: the family's default); the function returned builds them once per process and
-    module, so every caller gets the same class."""
-    cache: dict[str | None, type] = {}
-    lock = threading.Lock()
-
-    @functools.wraps(build)
-    def get(module_name: str | None = None) -> type:
-        with lock:
-            if module_name not in cache:
-                cache[module_name] = build(module_name)
-            return cache[module_name]
-
-    return get
 
 
 # --------------------------------------------------------------------------- the top level
@@ -259,6 +242,11 @@ class ContextKVDrafter(RefuseDrafting):
     is_context_kv_weight: Callable[[str], bool]
     model: Any
     config: Any
+
+    @classmethod
+    def check_platform(cls) -> None:
+        """Raise (naming the fix) where this platform's vLLM cannot back the class; every
+        platform can unless a family says otherwise."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         from vllm.model_executor.models.utils import maybe_prefix
@@ -347,7 +335,6 @@ def build_mtp_context_model(
     """Give ``model`` (an ``nn.Module`` under construction) the context path of a DeepSeek mtp
     drafter: ``main_proj``, ``main_norm``, ``n_layers`` layers ``make_layer(vllm_config,
     prefix)`` numbered after the target's, and ``context_wkv_proj``, as vLLM builds them."""
-    from torch import nn
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
@@ -388,23 +375,41 @@ def build_mtp_context_model(
     model.confidence_head = None
 
 
-def mtp_platform(family: str, registry_module: str, module_name: str | None) -> tuple[Any, ...]:
-    """vLLM's DeepSeek mtp drafter on this platform (``registry_module``: ``vllm.models.
-    deepseek_v4`` or ``..._v41``; ``module_name``: as :func:`platform_module`): its model class,
-    its top-level class and the model module's ``_select_dsv4_attn_cls``; refused where the
-    platform's module lacks them (:func:`refuse_platform`)."""
-    import sys
-
-    dspark = platform_module(registry_module, "DSparkDeepseekV4ForCausalLM", module_name)
-    base_model: Any = getattr(dspark, "DSparkDeepseekV4Model", None)
-    if base_model is None:
-        raise refuse_platform(family, dspark, "DSparkDeepseekV4Model")
-    base_top = dspark.DSparkDeepseekV4ForCausalLM
+def _mtp_missing(dspark: Any) -> tuple[Any, str] | None:
+    """(module, name) of what a platform's DeepSeek mtp drafter module lacks for the context-only
+    build (its model class, or the model module's ``_select_dsv4_attn_cls``); None: nothing."""
+    if getattr(dspark, "DSparkDeepseekV4Model", None) is None:
+        return dspark, "DSparkDeepseekV4Model"
     model_module = sys.modules[dspark.DeepseekV4DecoderLayer.__module__]
-    select_attn_cls: Any = getattr(model_module, "_select_dsv4_attn_cls", None)
-    if select_attn_cls is None:
-        raise refuse_platform(family, model_module, "_select_dsv4_attn_cls")
-    return base_model, base_top, select_attn_cls
+    if getattr(model_module, "_select_dsv4_attn_cls", None) is None:
+        return model_module, "_select_dsv4_attn_cls"
+    return None
+
+
+def _mtp_pick(registry_module: str) -> Any:
+    return platform_module(registry_module, "DSparkDeepseekV4ForCausalLM")
+
+
+def mtp_vllm_module(registry_module: str, cuda_module: str) -> Any:
+    """The module of vLLM's DeepSeek mtp drafter a family's classes borrow from: this platform's
+    (``registry_module``'s pick: ``vllm.models.deepseek_v4`` or ``..._v41``) where it has the
+    drafter, else the CUDA one (``cuda_module``; on the CPU platform, whose module is a stub, the
+    classes are defined all the same and :func:`check_mtp_platform` refuses to serve them)."""
+    pick = _mtp_pick(registry_module)
+    return pick if _mtp_missing(pick) is None else importlib.import_module(cuda_module)
+
+
+def mtp_select_attn_cls(dspark: Any) -> Any:
+    """``_select_dsv4_attn_cls`` of the model module behind a DeepSeek mtp drafter module."""
+    return sys.modules[dspark.DeepseekV4DecoderLayer.__module__]._select_dsv4_attn_cls
+
+
+def check_mtp_platform(family: str, registry_module: str) -> None:
+    """Refuse (:func:`refuse_platform`) where this platform's pick of vLLM's DeepSeek mtp drafter
+    cannot back the context-only build."""
+    missing = _mtp_missing(_mtp_pick(registry_module))
+    if missing is not None:
+        raise refuse_platform(family, *missing)
 
 
 def register_fp8_scales(layer: Any) -> None:
@@ -417,73 +422,59 @@ def register_fp8_scales(layer: Any) -> None:
         layer.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
 
 
-def mtp_context_drafter(
-    family: str,
-    name: str,
-    base: tuple[Any, ...],
-    attn_cls: type,
-    n_layers: Callable[[Any], int],
-) -> type:
-    """The top level of a DeepSeek mtp family's context-KV-only drafter: decoder layers holding
-    only ``attn = attn_cls(vllm_config, prefix)``, the context model (vLLM's own context-KV
-    methods of ``base``'s model class, :func:`build_mtp_context_model` with ``n_layers(draft hf
-    config)`` layers) and the top level with vLLM's own top-level methods (``base``: what
-    :func:`mtp_platform` returned). Classes named ``<name>ContextKVLayer`` / ``...Model`` /
-    ``...ForCausalLM``."""
-    from torch import nn
+class MtpContextLayer(nn.Module):
+    """A DeepSeek mtp draft layer holding only ``attn = attn_cls(vllm_config, prefix)``; a
+    family's layer is a subclass that names ``attn_cls``."""
 
-    base_model, base_top, _ = base
+    attn_cls: ClassVar[type]
 
-    def named(cls: type, suffix: str) -> type:
-        cls.__name__ = cls.__qualname__ = f"{name}ContextKV{suffix}"
-        return cls
+    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.attn = self.attn_cls(vllm_config, prefix=f"{prefix}.attn")
 
-    class Layer(nn.Module):
-        def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
-            super().__init__()
-            self.attn = attn_cls(vllm_config, prefix=f"{prefix}.attn")
+    forward = refusing("draft decoder layer forward")
 
-        forward = refusing("draft decoder layer forward")
 
-    named(Layer, "Layer")
-    # vLLM 0.34.0's context-KV code, unchanged (deepseek_v4*/nvidia/dspark.py).
-    path: Any = context_path(base_model, "combine_hidden_states", "precompute_and_store_context_kv")
+class MtpContextModel(ContextPath, nn.Module):
+    """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache
+    (:func:`build_mtp_context_model`). A family's model is a subclass that names ``layer_cls``
+    and ``n_layers`` (the draft layer count of its hf config) and takes vLLM's own
+    ``combine_hidden_states`` and ``precompute_and_store_context_kv`` of the full drafter's
+    model class."""
 
-    class Model(path, nn.Module):
-        """main_proj/main_norm + context_wkv_proj + per-layer kv_norm/rope/SWA cache."""
+    layer_cls: ClassVar[type]
 
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__()
-            spec = vllm_config.speculative_config
-            assert spec is not None
-            count = n_layers(spec.draft_model_config.hf_config)
-            build_mtp_context_model(self, vllm_config, prefix, count, Layer)
+    @staticmethod
+    def n_layers(config: Any) -> int:
+        raise NotImplementedError
 
-    named(Model, "Model")
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        spec = vllm_config.speculative_config
+        assert spec is not None
+        count = self.n_layers(spec.draft_model_config.hf_config)
+        build_mtp_context_model(self, vllm_config, prefix, count, self.layer_cls)
 
-    class Top(ContextKVDrafter, nn.Module):
-        model_cls = Model
-        is_context_kv_weight = staticmethod(is_mtp_context_weight)
-        skipped_note = "embeddings, heads, MoE, query/output projections, hyper-connections"
 
-        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self.quant_config = vllm_config.quant_config
+class MtpContextDrafter(ContextKVDrafter, nn.Module):
+    """The top level of a DeepSeek mtp family's context-KV-only drafter. A family's top level is
+    a subclass that names ``family`` and ``model_cls`` and takes vLLM's own
+    ``combine_hidden_states``, ``get_draft_kv_cache_layer_names`` and
+    ``precompute_and_store_context_kv`` of the full drafter's top-level class."""
 
-        @staticmethod
-        def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
-            return {}  # numbered from the draft config's num_hidden_layers (the target's own)
+    is_context_kv_weight = staticmethod(is_mtp_context_weight)
+    skipped_note = "embeddings, heads, MoE, query/output projections, hyper-connections"
 
-        combine_hidden_states = base_top.combine_hidden_states
-        get_draft_kv_cache_layer_names = base_top.get_draft_kv_cache_layer_names
-        precompute_and_store_context_kv = base_top.precompute_and_store_context_kv
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.quant_config = vllm_config.quant_config
 
-        def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
-            return load_mtp_context_weights(self, weights)
+    @staticmethod
+    def model_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
+        return {}  # numbered from the draft config's num_hidden_layers (the target's own)
 
-    Top.family = family
-    Top.__doc__ = f"Top level of the {family} context-KV-only drafter."
-    return named(Top, "ForCausalLM")
+    def load_context_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_mtp_context_weights(self, weights)
 
 
 def load_mtp_context_weights(model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:

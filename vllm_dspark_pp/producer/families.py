@@ -1,104 +1,140 @@
 """The one registry of DSpark draft families.
 
-A family is everything the plugin knows about one kind of DSpark drafter, in one place:
+A family is everything the plugin knows about one kind of DSpark drafter, in one row of
+:data:`FAMILIES`:
 
 * the architecture names vLLM reports for its drafts (``draft_model_config.architectures``);
-* the builder of its context-KV-only drafter (the PD prefill-only producer's drafter), or
-  ``None``: the family is refused on a prefill-only producer, with the supported list;
-* its memory rule (``plan``'s draft bytes per role), or ``None``: ``plan`` says it has none;
-* its start checks: run on every DSpark config of the family while vLLM builds its
-  ``VllmConfig`` (``start_checks.check_dspark``), each raising
-  :class:`DSparkConfigError` with the fix.
+* its context-KV-only drafter (the PD prefill-only producer's drafter), a top-level class named
+  ``"module:Class"`` and imported only when a producer builds it, or ``None``: the family is
+  refused on a prefill-only producer, with the supported list;
+* its memory rule (``plan``'s draft bytes per role), ``"module:function"``, or ``None``: ``plan``
+  says it has none;
+* its start checks, ``"module:function"`` each: run on every DSpark config of the family while
+  vLLM builds its ``VllmConfig`` (``start_checks.check_dspark``), each raising
+  ``drafter.DSparkConfigError`` with the fix.
 
-Adding a family is one module in ``vllm_dspark_pp/producer/`` that calls :func:`register` when
-imported; :func:`families` imports every module of the package except :data:`NOT_FAMILIES`, so
-nothing else lists it (``tests/unit/producer/test_families.py`` checks that each such module
-registers a family, and pins the registry's contents). This module imports nothing else of the
-project, so every layer may read it.
+As in vLLM's model registry, the names are strings resolved on first use, so reading the
+registry imports no family module (``plan`` and the start checks never import a drafter's
+model code). This module imports nothing else of the project, so every layer may read it, and
+nothing it names imports it back (``tests/unit/test_layering.py`` follows the names).
+Adding a family is its module, its row here and its tests (docs/contributing.md).
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 
-class DSparkConfigError(ValueError):
-    """A DSpark speculative config that cannot work; the message names the fix (raised by the
-    start checks, generic ones in ``start_checks.py`` and each family's; defined here, at the
-    bottom, so that family modules raise it without importing upward)."""
-
-
-#: Modules of ``vllm_dspark_pp.producer`` that are not draft families.
-NOT_FAMILIES = ("drafter", "families", "load", "roles")
+def resolve(name: str) -> Any:
+    """The object a ``"package.module:attribute"`` name names (the module imported now)."""
+    module, sep, attr = name.partition(":")
+    if not sep or not attr:
+        raise ValueError(f"{name!r} is not a 'module:attribute' name")
+    return getattr(importlib.import_module(module), attr)
 
 
 @dataclass(frozen=True)
 class DraftFamily:
     name: str
     architectures: tuple[str, ...]
-    #: The module that registered the family (``__name__`` of the family module).
-    module: str
-    #: The context-KV-only drafter's top-level class, built on first call; ``None``: refused on
-    #: a prefill-only producer.
-    context_kv_class: Callable[..., type] | None = None
-    #: ``(draft hf_config, dtype_bytes, own_embed, own_head) -> bytes`` with the keys ``full``,
-    #: ``context_only``, ``fused_kv_copy`` (what the full drafter derives from its weights after
-    #: loading, a copy included in ``full``; the context-only drafter holds none) and
-    #: ``shared_with_target``; ``None``: plan prints no figure.
-    draft_memory: Callable[[Any, int, bool, bool], dict[str, int]] | None = None
-    #: Each takes the ``VllmConfig`` and raises ``DSparkConfigError`` naming the fix.
-    start_checks: tuple[Callable[[Any], None], ...] = ()
+    #: ``"module:Class"`` of the context-KV-only drafter's top level; ``None``: refused on a
+    #: prefill-only producer.
+    context_kv: str | None = None
+    #: ``"module:function"`` of the memory rule, ``(draft hf_config, dtype_bytes, own_embed,
+    #: own_head) -> bytes`` with the keys ``full``, ``context_only``, ``fused_kv_copy`` (what the
+    #: full drafter derives from its weights after loading, a copy included in ``full``; the
+    #: context-only drafter holds none) and ``shared_with_target``; ``None``: plan prints no
+    #: figure.
+    memory: str | None = None
+    #: ``"module:function"`` each; the function takes the ``VllmConfig`` and raises
+    #: ``DSparkConfigError`` naming the fix.
+    checks: tuple[str, ...] = ()
 
     @property
     def has_context_kv_build(self) -> bool:
-        return self.context_kv_class is not None
+        return self.context_kv is not None
+
+    def context_kv_class(self) -> type:
+        """The context-KV-only drafter's top-level class (its module imported now)."""
+        if self.context_kv is None:
+            raise NotImplementedError(f"{self.name} has no context-KV-only drafter")
+        return resolve(self.context_kv)
+
+    @property
+    def draft_memory(self) -> Callable[[Any, int, bool, bool], dict[str, int]] | None:
+        return None if self.memory is None else resolve(self.memory)
+
+    @property
+    def start_checks(self) -> tuple[Callable[[Any], None], ...]:
+        return tuple(resolve(c) for c in self.checks)
 
     def label(self) -> str:
         return f"{self.name} ({', '.join(self.architectures)})"
 
 
-_lock = threading.RLock()
-_registry: dict[str, DraftFamily] = {}
-_loaded = False
+#: Every DSpark draft family vLLM 0.34.0 serves. Those without a context-KV-only build decode as
+#: usual (aggregated, or on a PD decoder); a prefill-only producer refuses them at start.
+FAMILIES: tuple[DraftFamily, ...] = (
+    DraftFamily(
+        "Qwen3 DSpark",
+        ("Qwen3DSparkModel",),
+        "vllm_dspark_pp.producer.qwen3:Qwen3DSparkContextKVForCausalLM",
+        # measured, docs/results/performance.md
+        memory="vllm_dspark_pp.producer.memory:draft_load_bytes",
+    ),
+    DraftFamily(
+        "DeepSeek-V4 DSpark",
+        ("DSparkDraftModel",),
+        "vllm_dspark_pp.producer.deepseek_v4:DSparkDeepseekV4ContextKVForCausalLM",
+        # its drafter ships inside the target checkpoint: the target must be a DeepSeek-V4 one
+        checks=("vllm_dspark_pp.producer.drafter:check_target_carries_the_draft",),
+    ),
+    DraftFamily(
+        "Kimi-K3 DSpark",
+        ("K3DSparkModel",),
+        "vllm_dspark_pp.producer.kimi_k3:K3DSparkContextKVForCausalLM",
+    ),
+    DraftFamily(
+        "DeepSeek-V4.1 DSpark",
+        ("DSparkV41DraftModel",),
+        "vllm_dspark_pp.producer.deepseek_v41:DSparkDeepseekV41ContextKVForCausalLM",
+        memory="vllm_dspark_pp.producer.memory:v41_draft_bytes",
+        checks=("vllm_dspark_pp.producer.drafter:check_target_carries_the_draft",),
+    ),
+    # No context-KV-only build yet: giving one a build is its module plus a class name here.
+    DraftFamily("MiniMax-M3 DSpark", ("DSparkMiniMaxDraftModel",)),
+    DraftFamily("Gemma4 DSpark", ("Gemma4DSparkModel",)),
+    # a Qwen3-Omni draft also lists Qwen3DSparkModel: the refusal wins (family_for)
+    DraftFamily("Qwen3-Omni DSpark", ("Qwen3OmniDSparkModel",)),
+    DraftFamily("Muse Spark DSpark", ("MuseSparkDSparkModel",)),
+    DraftFamily("Mistral Large 4 DSpark", ("MistralLarge4DSparkModel",)),
+)
 
 
-def register(family: DraftFamily) -> DraftFamily:
-    """Add ``family``; registering the same family again (a module re-imported) is a no-op, an
-    architecture claimed by two families is an error."""
-    with _lock:
-        others = [f for f in _registry.values() if f.name != family.name]
+def by_architecture(table: Iterable[DraftFamily]) -> dict[str, DraftFamily]:
+    """Architecture name -> family; an architecture claimed by two families is an error."""
+    out: dict[str, DraftFamily] = {}
+    for family in table:
         for arch in family.architectures:
-            owner = next((f for f in others if arch in f.architectures), None)
+            owner = out.get(arch)
             if owner is not None:
                 raise ValueError(
-                    f"draft architecture {arch!r} of {family.name} ({family.module}) is already "
-                    f"registered by {owner.name} ({owner.module})"
+                    f"draft architecture {arch!r} of {family.name} is already claimed by "
+                    f"{owner.name}"
                 )
-        _registry[family.name] = family
-    return family
+            out[arch] = family
+    return out
 
 
-def _load_family_modules() -> None:
-    global _loaded
-    with _lock:
-        if _loaded:
-            return
-        package = importlib.import_module(__name__.rpartition(".")[0])
-        for mod in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-            if mod.name not in NOT_FAMILIES:
-                importlib.import_module(f"{package.__name__}.{mod.name}")
-        _loaded = True
+_BY_ARCH = by_architecture(FAMILIES)  # a second claim fails at import
 
 
 def families() -> list[DraftFamily]:
-    """Every registered family, the family modules imported first (in registration order)."""
-    _load_family_modules()
-    return list(_registry.values())
+    """Every family, in the order of :data:`FAMILIES`."""
+    return list(FAMILIES)
 
 
 def family_for(architectures: Iterable[str]) -> DraftFamily | None:
@@ -108,8 +144,7 @@ def family_for(architectures: Iterable[str]) -> DraftFamily | None:
     :func:`draft_architectures`), except that a family without a context-KV-only build wins over
     one with it: a Qwen3-Omni draft also lists the Qwen3 architecture and must be refused on a
     producer, not built as Qwen3."""
-    by_arch = {a: f for f in families() for a in f.architectures}
-    found = [by_arch[a] for a in architectures if a in by_arch]
+    found = [_BY_ARCH[a] for a in architectures if a in _BY_ARCH]
     refused = [f for f in found if not f.has_context_kv_build]
     if refused:
         return refused[0]
@@ -156,8 +191,11 @@ def check_draft_supported(spec_config: Any) -> None:
 
 
 def context_kv_class_for(spec_config: Any) -> type:
-    """The context-KV-only top-level class of this draft's family (refused if it has none)."""
+    """The context-KV-only top-level class of this draft's family, imported now; refused if the
+    family has none, or if this platform cannot build it (the class's ``check_platform``)."""
     check_draft_supported(spec_config)
     family = family_for(draft_architectures(spec_config))
-    assert family is not None and family.context_kv_class is not None
-    return family.context_kv_class()
+    assert family is not None
+    cls: Any = family.context_kv_class()
+    cls.check_platform()
+    return cls

@@ -325,7 +325,7 @@ def test_launchers_refuse_a_pp1_config_before_starting_anything(monkeypatch):
     cfg = gsm8k.load_config(os.path.join(HERE, "configs", "tiny-pp1-dspark.yaml"))
     with pytest.raises(ValueError, match="pipeline_parallel_size >= 2"):
         gsm8k.run_launchers(cfg, ["q"], log_dir="/nonexistent", device="cpu")
-    # CPU launchers: only the config's env (dspark_dev.serve_demo adds the CPU settings)
+    # CPU launchers: only the config's env (dspark_dev.serve.Server adds the CPU settings)
     assert gsm8k.launcher_env(cfg, "cpu") == {k: str(v) for k, v in cfg.env.items()}
 
 

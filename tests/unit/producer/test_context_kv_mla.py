@@ -52,8 +52,8 @@ def _spec(*archs):
 
 def test_architecture_routing():
     route = families.context_kv_class_for
-    assert route(_spec("Qwen3DSparkModel")) is qwen3.qwen3_context_kv_class()
-    assert route(_spec("K3DSparkModel")) is kimi_k3.k3_context_kv_class()
+    assert route(_spec("Qwen3DSparkModel")) is qwen3.Qwen3DSparkContextKVForCausalLM
+    assert route(_spec("K3DSparkModel")) is kimi_k3.K3DSparkContextKVForCausalLM
     assert route(_spec("K3DSparkModel")).__name__ == ("K3DSparkContextKVForCausalLM")
 
 
@@ -155,7 +155,7 @@ def k3_pair(producer_cfg):
     fcfg = tiny.shim_vllm_config(producer_cfg, target_hf=target, draft_hf=draft)
     ccfg = tiny.shim_vllm_config(producer_cfg, target_hf=target, draft_hf=draft)
     full = _build(fcfg, K3DSparkForCausalLM)
-    ctx = _build(ccfg, kimi_k3.k3_context_kv_class())
+    ctx = _build(ccfg, kimi_k3.K3DSparkContextKVForCausalLM)
     return full, fcfg, ctx, ccfg
 
 
@@ -279,7 +279,7 @@ def test_k3_context_only_refuses_decode_context_parallel(producer_cfg):
     cfg.parallel_config = copy.copy(cfg.parallel_config)
     cfg.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
-        _build(cfg, kimi_k3.k3_context_kv_class())
+        _build(cfg, kimi_k3.K3DSparkContextKVForCausalLM)
 
 
 def test_k3_loads_only_context_weights_equal_to_the_full_drafter(k3_pair, k3_checkpoint):
@@ -408,7 +408,7 @@ DSV4_PARAMS = [
 def dsv4_ctx(producer_cfg):
     ds = tiny.tiny_dsv4_config()
     cfg = tiny.shim_vllm_config(producer_cfg, target_hf=ds, draft_hf=ds)
-    cls = deepseek_v4.dsv4_context_kv_class(deepseek_v4.DSV4_NVIDIA_MODULE)
+    cls = deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM
     return _build(cfg, cls), cfg
 
 
@@ -556,7 +556,7 @@ def dsv4_full_and_ctx(producer_cfg):
             full = _build(fcfg, DSparkDeepseekV4ForCausalLM)
         finally:
             ps._EP = saved_ep
-    ctx = _build(ccfg, deepseek_v4.dsv4_context_kv_class(deepseek_v4.DSV4_NVIDIA_MODULE))
+    ctx = _build(ccfg, deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM)
     return full, fcfg, ctx, ccfg
 
 
@@ -668,12 +668,12 @@ def test_nan_norm_draft_config_makes_the_context_states_nan(producer_cfg, fam):
         if fam == "k3":
             draft = tiny.tiny_k3_config()
             target = producer_cfg.model_config.hf_config
-            cls = kimi_k3.k3_context_kv_class()
+            cls = kimi_k3.K3DSparkContextKVForCausalLM
             shapes = tiny.k3_checkpoint_shapes(tiny.tiny_k3_config())
             width = draft.target_hidden_size * draft.num_target_layers
         else:
             draft = target = tiny.tiny_dsv4_config()
-            cls = deepseek_v4.dsv4_context_kv_class(deepseek_v4.DSV4_NVIDIA_MODULE)
+            cls = deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM
             shapes = tiny.dsv4_checkpoint_shapes(tiny.tiny_dsv4_config())
             width = draft.hidden_size * 2
         draft.rms_norm_eps = eps

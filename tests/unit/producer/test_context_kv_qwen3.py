@@ -8,7 +8,7 @@ import pytest
 import torch
 from vllm.config import KVTransferConfig
 
-from vllm_dspark_pp.producer import drafter, qwen3
+from vllm_dspark_pp.producer import drafter, memory, qwen3
 
 CONTEXT_PARAMS = [
     "model.fc.weight",
@@ -42,7 +42,7 @@ def pair(producer_cfg):
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, full_cfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ctx_cfg = _build(producer_cfg, qwen3.qwen3_context_kv_class())
+    ctx, ctx_cfg = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     return full, full_cfg, ctx, ctx_cfg
 
 
@@ -141,7 +141,7 @@ def test_loads_only_kv_rows_and_they_match_the_full_drafter(producer_cfg, checkp
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, _ = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, _ = _build(producer_cfg, qwen3.qwen3_context_kv_class())
+    ctx, _ = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     # Compared before post-processing: on CPU it repacks linear weights out of `.weight`.
     loaded = ctx.load_weights(iter(checkpoint.items()))
     assert sorted(loaded) == CONTEXT_PARAMS
@@ -160,7 +160,7 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ccfg = _build(producer_cfg, qwen3.qwen3_context_kv_class())
+    ctx, ccfg = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     _loaded(ctx, checkpoint, ccfg)
     _loaded(full, checkpoint, fcfg)
 
@@ -206,7 +206,7 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
 
     full, _, ctx, _ = pair
     hf = json.load(open(f"{tiny_pair.draft}/config.json"))
-    sizes = qwen3.draft_param_bytes(hf, "kv_producer", dtype_bytes=4)
+    sizes = memory.draft_param_bytes(hf, "kv_producer", dtype_bytes=4)
     # The analytic count includes the draft-owned embedding and LM head; the built full model
     # allocates both (they are replaced by the target's when vLLM shares them).
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
@@ -214,7 +214,7 @@ def test_draft_param_bytes_matches_the_built_modules(pair, tiny_pair):
     assert sizes["context_only_bytes"] == ctx_bytes
     assert sizes["full_bytes"] == full_bytes
     assert sizes["builds"] == "context_only" and sizes["built_bytes"] == ctx_bytes
-    both = qwen3.draft_param_bytes(hf, "kv_both", dtype_bytes=4)
+    both = memory.draft_param_bytes(hf, "kv_both", dtype_bytes=4)
     assert both["builds"] == "full"
 
 
@@ -271,7 +271,7 @@ def test_context_only_drafter_holds_one_kv_copy(
     drafter before the fix) and must hold exactly ``fused_kv_copy`` more."""
     import json
 
-    cls = qwen3.qwen3_context_kv_class()
+    cls = qwen3.Qwen3DSparkContextKVForCausalLM
     if keep_copy:
         monkeypatch.setattr(cls.model_cls, "keep_one_kv_copy", lambda self: None)
     ctx, ccfg = _build(producer_cfg, cls)
@@ -280,7 +280,7 @@ def test_context_only_drafter_holds_one_kv_copy(
     assert m._fused_kv_weight is not None  # the GPU path: vLLM built its fused buffer
 
     hf = json.load(open(f"{tiny_pair.draft}/config.json"))
-    rule = qwen3.draft_load_bytes(hf, 4, own_embed=True, own_head=True)
+    rule = memory.draft_load_bytes(hf, 4, own_embed=True, own_head=True)
     assert rule["fused_kv_copy"] > 0
     held = drafter.held_weight_bytes(ctx)
     expected = rule["context_only"] + (rule["fused_kv_copy"] if keep_copy else 0)
@@ -302,7 +302,7 @@ def test_context_kv_with_the_gpu_layout_equals_full_drafter_and_reads_the_parame
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ccfg = _build(producer_cfg, qwen3.qwen3_context_kv_class())
+    ctx, ccfg = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     gpu_weight_layout(ctx, checkpoint, ccfg)
     gpu_weight_layout(full, checkpoint, fcfg)
 

@@ -19,7 +19,7 @@ import torch
 from support import tiny_dsv41 as v41
 
 from dspark_dev import tiny_mla_drafts as tiny
-from vllm_dspark_pp.producer import deepseek_v41, drafter, families
+from vllm_dspark_pp.producer import deepseek_v41, drafter, families, memory
 
 CONTEXT_PARAMS = [
     "model.context_wkv_proj.weight",
@@ -53,9 +53,7 @@ def drafters(cfg, monkeypatch):
         c.cache_config = copy.copy(cfg.cache_config)
         c.compilation_config = copy.copy(cfg.compilation_config)
     full = v41.build_drafter(fcfg, DSparkDeepseekV4ForCausalLM, monkeypatch)
-    ctx = v41.build_drafter(
-        ccfg, deepseek_v41.v41_context_kv_class(deepseek_v41.V41_NVIDIA_MODULE), monkeypatch
-    )
+    ctx = v41.build_drafter(ccfg, deepseek_v41.DSparkDeepseekV41ContextKVForCausalLM, monkeypatch)
     return full, fcfg, ctx, ccfg
 
 
@@ -68,7 +66,7 @@ def _spec(*archs):
 def test_the_registry_routes_v41_drafts_to_this_build():
     # vLLM's registry resolves V4.1 DSpark to the CUDA module on every platform but ROCm
     route = families.context_kv_class_for(_spec(v41.DRAFT_ARCH))
-    assert route is deepseek_v41.v41_context_kv_class()
+    assert route is deepseek_v41.DSparkDeepseekV41ContextKVForCausalLM
     from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM as full
 
     assert route.precompute_and_store_context_kv is full.precompute_and_store_context_kv
@@ -209,7 +207,7 @@ def test_memory_rule_counts_the_built_drafters(drafters, cfg):
     """``plan``'s figures are the bytes of what is built (fp32 here: every parameter 4 bytes)."""
     full, _, ctx, _ = drafters
     hf = cfg.speculative_config.draft_model_config.hf_config
-    rule = deepseek_v41.v41_draft_bytes(hf, 4, False, False)
+    rule = memory.v41_draft_bytes(hf, 4, False, False)
 
     def held(model):
         return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -219,7 +217,7 @@ def test_memory_rule_counts_the_built_drafters(drafters, cfg):
     # rows into context_wkv_proj (counted in 'full', the 'fused_kv_copy')
     assert rule["full"] + rule["shared_with_target"] == held(full)
     assert rule["fused_kv_copy"] == full.model.context_wkv_proj.weight.numel() * 4
-    assert families.family_for([v41.DRAFT_ARCH]).draft_memory is deepseek_v41.v41_draft_bytes
+    assert families.family_for([v41.DRAFT_ARCH]).draft_memory is memory.v41_draft_bytes
 
 
 def test_plan_prints_the_v41_figures_per_role(cfg):
@@ -232,7 +230,7 @@ def test_plan_prints_the_v41_figures_per_role(cfg):
         cfg.speculative_config, KVTransferConfig(kv_connector="MooncakeConnector",
                                                  kv_role="kv_producer"), 2
     )  # fmt: skip
-    rule = deepseek_v41.v41_draft_bytes(hf, 2, False, False)
+    rule = memory.v41_draft_bytes(hf, 2, False, False)
     mib = 1024 * 1024
     assert f"context-KV-only {rule['context_only'] / mib:.2f} MiB" in b["draft bytes"]
     assert f"full drafter {rule['full'] / mib:.2f} MiB" in b["draft bytes"]

@@ -1,19 +1,20 @@
 """The draft-family registry (vllm_dspark_pp/producer/families.py).
 
-:data:`EXPECTED` is the one table of families in the tests: adding a family is its module plus a
-row here plus its own tests (docs/contributing.md). Every other family-dependent test reads the
-registry.
+:data:`EXPECTED` is the one table of families in the tests: adding a family is its module, its
+row in the registry, a row here and its own tests (docs/contributing.md). Every other
+family-dependent test reads the registry.
 """
 
 from __future__ import annotations
 
-import pkgutil
+import subprocess
+import sys
 import types
 
 import pytest
 
-from vllm_dspark_pp import deployment_plan, producer
-from vllm_dspark_pp.producer import families
+from vllm_dspark_pp import deployment_plan
+from vllm_dspark_pp.producer import drafter, families
 
 #: name -> (architectures, has a context-KV-only build, has a memory rule, has start checks)
 EXPECTED = {
@@ -44,22 +45,57 @@ def test_the_registry_holds_these_families():
     assert found == EXPECTED
 
 
-def test_every_producer_module_but_the_infrastructure_registers_a_family():
-    """A family module is found by being in the package: each one must register itself, and
-    every family names the module that registered it."""
-    modules = {
-        f"{producer.__name__}.{m.name}"
-        for m in pkgutil.iter_modules(producer.__path__)
-        if m.name not in families.NOT_FAMILIES
-    }
-    registering = {f.module for f in families.families()}
-    assert registering == modules
+@pytest.mark.parametrize("family", families.families(), ids=lambda f: f.name)
+def test_every_name_the_registry_holds_resolves(family):
+    """Each ``"module:attribute"`` name imports, and names what the row says: the family's
+    context-KV-only top level (a top-level class of its module, of this family), its memory
+    rule and its start checks (functions)."""
+    if family.has_context_kv_build:
+        cls = family.context_kv_class()
+        module, _, name = family.context_kv.partition(":")
+        assert (cls.__module__, cls.__qualname__) == (module, name)
+        assert issubclass(cls, drafter.ContextKVDrafter) and cls.family == family.name
+    else:
+        with pytest.raises(NotImplementedError, match="no context-KV-only drafter"):
+            family.context_kv_class()
+    for rule in (family.draft_memory, *family.start_checks):
+        assert rule is None or callable(rule)
+
+
+def test_a_name_that_is_not_module_and_attribute_is_refused():
+    with pytest.raises(ValueError, match="not a 'module:attribute' name"):
+        families.resolve("vllm_dspark_pp.producer.qwen3")
+    with pytest.raises(AttributeError):
+        families.resolve("vllm_dspark_pp.producer.memory:no_such_rule")
+
+
+def test_reading_the_registry_imports_no_family_module():
+    """``plan`` and the start checks read the registry in every process; the drafters' model code
+    (and vLLM's) is imported only when a producer builds its drafter."""
+    code = (
+        "import sys\n"
+        "from vllm_dspark_pp.producer import families\n"
+        "[(f.label(), f.draft_memory, f.start_checks) for f in families.families()]\n"
+        "families.unsupported_draft_problem(None)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('vllm_dspark_pp.producer.', "
+        "'vllm.models', 'vllm.model_executor.models'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == str(
+        [
+            "vllm_dspark_pp.producer.drafter",
+            "vllm_dspark_pp.producer.families",
+            "vllm_dspark_pp.producer.memory",
+        ]
+    )
 
 
 def test_an_architecture_belongs_to_one_family():
-    clash = families.DraftFamily("Another K3", ("K3DSparkModel",), __name__)
-    with pytest.raises(ValueError, match="'K3DSparkModel' of Another K3.*already registered by "):
-        families.register(clash)
+    clash = families.DraftFamily("Another K3", ("K3DSparkModel",))
+    with pytest.raises(ValueError, match="'K3DSparkModel' of Another K3 is already claimed by "):
+        families.by_architecture([*families.families(), clash])
     assert "Another K3" not in {f.name for f in families.families()}
 
 
@@ -111,5 +147,4 @@ def test_plan_sizes_a_draft_by_its_family_memory_rule():
     out = deployment_plan._draft_bytes_by_role(spec, None, 2)
     sized = [f.name for f in families.families() if f.draft_memory is not None]
     assert out == {"draft bytes": f"computed for {' and '.join(sized)} drafts only"}
-    # registration order follows import order, which the rest of the suite decides
-    assert sorted(sized) == ["DeepSeek-V4.1 DSpark", "Qwen3 DSpark"]
+    assert sized == ["Qwen3 DSpark", "DeepSeek-V4.1 DSpark"]  # the registry's order

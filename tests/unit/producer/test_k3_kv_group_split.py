@@ -53,7 +53,7 @@ def _specs_of(pair, drafter: str, monkeypatch, connector: str | None = None):
     kv = KVTransferConfig(kv_connector=connector, kv_role="kv_producer") if connector else None
     cfg = _engine_config(pair, kv)
     cfg.compilation_config.static_forward_context = {}
-    cls = K3DSparkForCausalLM if drafter == "full" else kimi_k3.k3_context_kv_class()
+    cls = K3DSparkForCausalLM if drafter == "full" else kimi_k3.K3DSparkContextKVForCausalLM
     # Construction on CPU: the target creates an aux CUDA stream (only used to overlap a GEMM
     # at run time) and, by default, a CUTLASS GEMM-AR kernel (not in the CPU build).
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")

@@ -193,7 +193,7 @@ def pd(mc, tmp_path_factory, plugin, dist_env):
     from vllm_dspark_pp.producer import deepseek_v4
 
     pair = t.make_tiny_dsv4_pair(tmp_path_factory.mktemp("mc-dsv4-pd"), gpu=True)
-    ctx_cls = deepseek_v4.dsv4_context_kv_class(deepseek_v4.DSV4_NVIDIA_MODULE)
+    ctx_cls = deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM
     out = {}
     with pytest.MonkeyPatch.context() as m:
         for name, role, cls in (

@@ -222,7 +222,7 @@ def layer_names(configs, dist_env):
 
     _, tcfg = _build(configs.decoder, Qwen3ForCausalLM)
     _, fcfg = _build(configs.decoder, Qwen3DSparkForCausalLM)
-    _, ccfg = _build(configs.producer, qwen3.qwen3_context_kv_class())
+    _, ccfg = _build(configs.producer, qwen3.Qwen3DSparkContextKVForCausalLM)
     keys = lambda c: sorted(c.compilation_config.static_forward_context)  # noqa: E731
     return types.SimpleNamespace(target=keys(tcfg), full=keys(fcfg), context=keys(ccfg))
 

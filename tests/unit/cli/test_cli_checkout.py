@@ -16,7 +16,7 @@ from support.wheel import wheel_packages
 from dspark_dev import __main__ as dev_main
 from vllm_dspark_pp.cli import main as cli_main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # runs vllm-dspark-pp's main() on argv and fails if it imported development code
 RUN_CLI = (
     "import sys, vllm_dspark_pp.cli.main as m; "

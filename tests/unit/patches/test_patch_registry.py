@@ -9,7 +9,7 @@ import pytest
 
 from vllm_dspark_pp.patches import FIELDS, markdown_index, registry
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PATCHES = registry()
 
 
