@@ -109,6 +109,8 @@ DSPARK_GPU_TP_PP_STOCK_READY_S | BUDGET - 150 | run_groups.sh tp_pp: its
     DSPARK_GPU_PP_STOCK_READY_S.
 DSPARK_GPU_TP_PP_JOBS | unset | TP x PP one-GPU test jobs (`a,b`, `all`); empty: its default jobs.
 DSPARK_GPU_TP_PP_DTYPE | bfloat16 | dtype of the TP x PP one-GPU test (float32 in a CPU dry run).
+DSPARK_GPU_DSV4K3_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the DSV4/K3 PP
+    test writes its JSON record dsv4k3_pp.json.
 DSPARK_GPU_TP_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the TP x PP test
     writes its result record.
 DSPARK_GPU_PD_PP_JOBS | unset | PD-with-PP-producer test jobs (`a,b`, `all`); empty: group

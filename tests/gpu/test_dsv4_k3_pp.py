@@ -48,7 +48,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from gpu_common import GRAPH_COMPILATION_CONFIG, Jobs, make_prompts, require_cuda
+from gpu_common import (
+    GRAPH_COMPILATION_CONFIG,
+    Jobs,
+    cuda_status,
+    make_prompts,
+    record_command,
+    record_commit,
+    record_date,
+    require_cuda,
+)
 from support import mla_pairs
 
 from dspark_dev import pp_launch
@@ -78,6 +87,66 @@ LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="
 
 
 K3_PROBE_DIR = Path(__file__).resolve().parents[1] / "support" / "k3_probe"
+REPO = Path(__file__).resolve().parents[2]
+#: the run's JSON record (written when the module's jobs shut down): every job that ran, what it
+#: gave or how it failed, and every check's verdict, so docs/results pages quote this file
+RECORD: dict = {"jobs": {}, "verdicts": {}}
+RECORD_ENV = "DSPARK_GPU_DSV4K3_PP_OUT"  # run_groups.sh: OUTDIR/dsv4k3_pp
+
+
+def _job_summary(res) -> dict:
+    if isinstance(res, dict):  # a served PP=2 deployment (_served)
+        out = {k: res.get(k) for k in ("ready_s", "handshake", "backends", "leftover_pids")}
+        out["num_tokens"] = sum(len(t) for t in res.get("tokens", []))
+        out["counters"] = _sum(res["per_wave"]) if "per_wave" in res else None
+        out["probe"] = res.get("probe", [])[:24]
+        return out
+    return {  # an LLMResult (the PP=1 references)
+        "startup_s": res.startup_s,
+        "num_tokens": sum(len(t) for t in res.tokens),
+        "counters": res.metrics(),
+    }
+
+
+def _job(jobs: Jobs, name: str):
+    """``jobs.result(name)``, with what it gave (or its failure) kept for the record."""
+    try:
+        res = jobs.result(name, timeout=1200)
+    except pytest.skip.Exception:
+        raise
+    except Exception as e:
+        RECORD["jobs"][name] = {"error": f"{type(e).__name__}: {e}"[:4000]}
+        raise
+    RECORD["jobs"].setdefault(name, _job_summary(res))
+    return res
+
+
+def _verdict(check: str, ok: bool, detail: str) -> None:
+    """A check's outcome for the record (set before the test asserts it)."""
+    RECORD["verdicts"][check] = {"ok": bool(ok), "detail": detail[:4000]}
+
+
+def _write_record() -> Path:
+    out_dir = Path(os.environ.get(RECORD_ENV) or os.environ.get("DSPARK_GPU_ARTIFACTS") or LOG_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "test": "tests/gpu/test_dsv4_k3_pp.py",
+        "commit": record_commit(REPO),
+        "date": record_date(),
+        "gpu": cuda_status()[1],
+        "command": record_command(),
+        "weights": WEIGHTS,
+        "k": K,
+        "selected_jobs": os.environ.get("DSPARK_DSV4K3_PP_JOBS", ""),
+        "skipped_patches": os.environ.get("VLLM_DSPARK_PP_SKIP_PATCHES", ""),
+        **RECORD,
+    }
+    path = out_dir / "dsv4k3_pp.json"
+    path.write_text(json.dumps(record, indent=1, default=str))
+    print(f"DSV4/K3 PP record: {path}")
+    return path
+
+
 # Diagnosis variants of the Kimi-K3 PP=2 failure (2026-12-03), each PP=2 DSpark eager with one
 # change: extra launcher arguments, environment of both launchers, environment of one launcher
 # ({launcher: env}; launcher 0 runs the API server, the engine core and PP rank 0, launcher 1 PP
@@ -297,6 +366,7 @@ def mla_pp_jobs(tmp_path_factory):
                 )  # fmt: skip
     yield jobs
     jobs.shutdown()
+    _write_record()
 
 
 def _sum(per_wave):
@@ -313,18 +383,20 @@ def _sum(per_wave):
 def test_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam, mode):
     if fam in BROKEN:
         pytest.fail(BROKEN[fam])
-    base = mla_pp_jobs.result(f"{fam}_base", timeout=1200)
-    pp1 = mla_pp_jobs.result(f"{fam}_pp1", timeout=1200)
-    got = mla_pp_jobs.result(f"{fam}_pp2_{mode}", timeout=1200)
+    base = _job(mla_pp_jobs, f"{fam}_base")
+    pp1 = _job(mla_pp_jobs, f"{fam}_pp1")
+    got = _job(mla_pp_jobs, f"{fam}_pp2_{mode}")
     rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
     mine, ref = _sum(got["per_wave"]), pp1.metrics()
     ok, desc = counters_close(mine, ref)
     print(f"[{fam} PP=2 {mode}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
     print(f"[{fam} PP=2 {mode}] vs PP=1 DSpark graphs: {desc}")
     print(f"[{fam} PP=2 {mode}] handshake {got['handshake']}, exchange over {got['backends']}")
+    wired = got["handshake"] and got["backends"] == ["nccl", "nccl"]
+    _verdict(f"{fam}_pp2_{mode}", rep.ok and ok and wired, f"{rep.describe()}; {desc}")
     assert rep.ok, rep.describe()
     assert ok, desc
-    assert got["handshake"] and got["backends"] == ["nccl", "nccl"], got["backends"]
+    assert wired, got["backends"]
     assert not got["leftover_pids"], got["leftover_pids"]
     if TRAINED:  # the reference accepts like a trained pair: the 2-point rule compares something
         problems = mla_pairs.trained_acceptance_problems(ref, K)
@@ -342,10 +414,11 @@ def test_k3_pp2_without_dspark(mla_pp_jobs, control):
     PP rank 0; these say whether PP=2 Kimi-K3 runs at all in vLLM 0.34.0 and with the plugin."""
     if "k3" in BROKEN:
         pytest.fail(BROKEN["k3"])
-    base = mla_pp_jobs.result("k3_base", timeout=1200)
-    got = mla_pp_jobs.result(f"k3_pp2_{control}", timeout=1200)
+    base = _job(mla_pp_jobs, "k3_base")
+    got = _job(mla_pp_jobs, f"k3_pp2_{control}")
     rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
     print(f"[k3 PP=2 {control}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
+    _verdict(f"k3_pp2_{control}", rep.ok, rep.describe())
     assert rep.ok, rep.describe()
     assert not got["leftover_pids"], got["leftover_pids"]
 
@@ -357,14 +430,15 @@ def test_k3_pp2_diagnosis(mla_pp_jobs, diag):
     kernel in the traceback (the launchers' logs, DSPARK_GPU_PP_LOGS)."""
     if "k3" in BROKEN:
         pytest.fail(BROKEN["k3"])
-    base = mla_pp_jobs.result("k3_base", timeout=1200)
-    pp1 = mla_pp_jobs.result("k3_pp1", timeout=1200)
-    got = mla_pp_jobs.result(f"k3_pp2_{diag}", timeout=1200)
+    base = _job(mla_pp_jobs, "k3_base")
+    pp1 = _job(mla_pp_jobs, "k3_pp1")
+    got = _job(mla_pp_jobs, f"k3_pp2_{diag}")
     rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
     ok, desc = counters_close(_sum(got["per_wave"]), pp1.metrics())
     print(f"[k3 PP=2 {diag}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
     print(f"[k3 PP=2 {diag}] vs PP=1 DSpark graphs: {desc}")
     print(f"[k3 PP=2 {diag}] probe lines:" + "".join(f"\n  {x}" for x in got["probe"]))
+    _verdict(f"k3_pp2_{diag}", rep.ok and ok, f"{rep.describe()}; {desc}")
     assert rep.ok, rep.describe()
     assert ok, desc
     if TRAINED:

@@ -158,8 +158,9 @@ for g in "$@"; do
       run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
     ;;
   dsv4k3_pp)
-    mkdir -p "$ART/dsv4k3_pp"
-    DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
+    mkdir -p "$ART/dsv4k3_pp" "$OUTDIR/dsv4k3_pp"
+    DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_DSV4K3_PP_OUT="$OUTDIR/dsv4k3_pp" \
+      DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
       run_group "$g" tests/gpu/test_dsv4_k3_pp.py --timeout=$((BUDGET - 20)) &
     ;;
   router)
