@@ -215,11 +215,20 @@ def mode_name(eager: bool) -> str:
 
 
 def _served(
-    fam, pair, waves, eager: bool, *, control: str | None = None, diag: str | None = None
+    fam,
+    pair,
+    waves,
+    eager: bool,
+    *,
+    control: str | None = None,
+    diag: str | None = None,
+    tp: int = 1,
 ) -> dict:
-    """PP=2 served by two launchers; ``control`` "nospec" (the plugin, no DSpark) or "stock"
-    (plugin left out, no DSpark): the Kimi-K3 PP=2 failure of 2026-12-03 needs them to say
-    whether it is the plugin's or vLLM's. ``diag``: one of ``K3_DIAG`` (eager DSpark)."""
+    """PP=2 served by two launchers (``tp`` x 2 with ``tp`` > 1: one launcher per rank, custom
+    all-reduce off on the one GPU, dspark_dev/pp_launch.py); ``control`` "nospec" (the plugin,
+    no DSpark) or "stock" (plugin left out, no DSpark): the Kimi-K3 PP=2 failure of 2026-12-03
+    needed them to say whether it was the plugin's or vLLM's. ``diag``: one of ``K3_DIAG``
+    (eager DSpark)."""
     mode = ["--enforce-eager"] if eager else [
         "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)
     ]  # fmt: skip
@@ -238,13 +247,14 @@ def _served(
         *DUMMY_LOAD, "--gpu-memory-utilization", "0.05",
         "--kv-cache-memory-bytes", str(256 << 20), *mode,
     ]  # fmt: skip
-    name = f"{fam}_pp2_" + ("_".join(x for x in (control, diag) if x) or mode_name(eager))
+    shape = f"tp{tp}pp2" if tp > 1 else "pp2"
+    name = f"{fam}_{shape}_" + ("_".join(x for x in (control, diag) if x) or mode_name(eager))
     env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT", **extra_env}
     if control == "stock":
         env["VLLM_PLUGINS"] = "no-such-plugin"
     spec = None if control else pair.speculative_config(K)
     dep = pp_launch.deployment(
-        name, pair.target, pp=2, spec=spec, log_dir=LOG_DIR,
+        name, pair.target, pp=2, tp=tp, spec=spec, log_dir=LOG_DIR,
         device="gpu", base_args=base, env=env, env_per_rank=env_per_rank,
     )  # fmt: skip
     out: dict = {"name": name}
@@ -260,7 +270,7 @@ def _served(
     finally:
         out["leftover_pids"] = dep.stop()
         logs = [n.log_tail(10**8) for n in dep.nodes]
-        out["handshake"] = any("PP handshake: 2 ranks agree" in x for x in logs)
+        out["handshake"] = any(f"PP handshake: {2 * tp} ranks agree" in x for x in logs)
         out["backends"] = [
             x.split("DSpark PP exchange:")[1].splitlines()[0].rsplit(" ", 1)[-1]
             if "DSpark PP exchange:" in x
@@ -345,6 +355,13 @@ def mla_pp_jobs(tmp_path_factory):
         for eager in (False, True):
             name = f"{fam}_pp2_{'eager' if eager else 'graphs'}"
             jobs.submit(name, _served, fam, pair, waves, eager)
+        # TP=2 x PP=2 with CUDA graphs (issue 41 item 3, issue 40): four launchers on the GPU;
+        # only when named, beside the PP=2 jobs it would slow down
+        name = f"{fam}_tp2pp2_graphs"
+        if only is not None and name in only.split(","):
+            jobs.submit(name, _served, fam, pair, waves, False, tp=2)
+        else:
+            jobs.skip(name, f"opt-in: name {name} in DSPARK_DSV4K3_PP_JOBS")
         if fam == "k3" and TRAINED:
             # vLLM 0.34.0's Kimi-K3 PP>1 race (docs/results/gpu.md): only the synchronous-kernel
             # variant served K3 PP=2 correctly, so it runs too
@@ -405,6 +422,29 @@ def test_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam, mode):
             f"{mla_pairs.acceptance_length(ref):.3f}, PP=2 {mla_pairs.acceptance_length(mine):.3f}"
         )
         assert not problems, f"[{fam}] PP=1 DSpark reference: {'; '.join(problems)} ({ref})"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tp2_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam):
+    """TP=2 x PP=2 DSpark with CUDA graphs, four launchers (one rank each): greedy equal to PP=1
+    without speculation, counters within 2 points of PP=1 DSpark, one handshake over 4 ranks,
+    the exchange over NCCL on every rank."""
+    if fam in BROKEN:
+        pytest.fail(BROKEN[fam])
+    base = _job(mla_pp_jobs, f"{fam}_base")
+    pp1 = _job(mla_pp_jobs, f"{fam}_pp1")
+    got = _job(mla_pp_jobs, f"{fam}_tp2pp2_graphs")
+    rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
+    ok, desc = counters_close(_sum(got["per_wave"]), pp1.metrics())
+    wired = got["handshake"] and got["backends"] == ["nccl"] * 4
+    print(f"[{fam} TP=2 x PP=2 graphs] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
+    print(f"[{fam} TP=2 x PP=2 graphs] vs PP=1 DSpark graphs: {desc}")
+    print(f"[{fam} TP=2 x PP=2 graphs] handshake {got['handshake']}, exchange {got['backends']}")
+    _verdict(f"{fam}_tp2pp2_graphs", rep.ok and ok and wired, f"{rep.describe()}; {desc}")
+    assert rep.ok, rep.describe()
+    assert ok, desc
+    assert wired, got["backends"]
+    assert not got["leftover_pids"], got["leftover_pids"]
 
 
 @pytest.mark.parametrize("control", ["nospec", "stock", *(f"stock_{d}" for d in STOCK_DIAG)])
