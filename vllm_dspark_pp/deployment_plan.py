@@ -4,7 +4,9 @@ Built from config.json files only (no weights, no GPU) through vLLM's own ``Engi
 ``VllmConfig``, so every validation vLLM runs at start-up runs here too. Pure functions of the
 resulting config compute the per-stage layout over TP x PP (each stage's layers, its global ranks,
 the target weight bytes one TP rank of it holds, and on the drafting stage the drafter bytes one TP
-rank holds); :mod:`vllm_dspark_pp.cli.plan` prints it.
+rank holds); :mod:`vllm_dspark_pp.cli.plan` prints it. At PP > 1 with a DSpark draft the plan also
+prices each stage with :mod:`vllm_dspark_pp.stage_balance`'s cost model and recommends a
+``VLLM_PP_LAYER_PARTITION`` that offloads layers from the drafting stage (an estimate).
 
 Per-rank bytes. Target weights: from the tensor sizes in the target folder's ``*.safetensors``
 headers (only the headers are read; a folder with config.json alone gets no figure), each tensor
@@ -27,6 +29,14 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from vllm_dspark_pp.stage_balance import (
+    CostModelError,
+    StageBalance,
+    format_stage_balance,
+    partition_ranges,
+    stage_balance,
+)
 
 
 @dataclass
@@ -63,6 +73,8 @@ class Plan:
     messages: list[str] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # the stage costs and the recommended VLLM_PP_LAYER_PARTITION (PP > 1 with a DSpark draft)
+    layer_partition: StageBalance | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -290,8 +302,12 @@ def make_plan(
     tensor_parallel_size: int = 1,
     kv_transfer_config: dict | None = None,
     extra_engine_args: dict | None = None,
+    draft_cost_layers: float | None = None,
 ) -> Plan:
-    """Build vLLM's config for this deployment and describe it. Raises on vLLM's own rejection."""
+    """Build vLLM's config for this deployment and describe it. Raises on vLLM's own rejection.
+
+    ``draft_cost_layers``: the drafter's measured cost in target layers, for the stage balance
+    (replaces the cost model's figure for the drafter)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
@@ -316,7 +332,9 @@ def make_plan(
         args = replace(args, enable_prefix_caching=False)
         vllm_config = args.create_engine_config()
         cpu_rewrote_prefix_caching = True
-    plan = describe(vllm_config, target, requested_async, current_platform.device_name)
+    plan = describe(
+        vllm_config, target, requested_async, current_platform.device_name, draft_cost_layers
+    )
     if cpu_rewrote_prefix_caching:
         plan.not_checked.append(CPU_MLA_PREFIX_CACHING)
     return plan
@@ -336,7 +354,13 @@ CPU_MLA_PREFIX_CACHING = (
 )
 
 
-def describe(vllm_config, target: str, requested_async=None, platform: str = "?") -> Plan:
+def describe(
+    vllm_config,
+    target: str,
+    requested_async=None,
+    platform: str = "?",
+    draft_cost_layers: float | None = None,
+) -> Plan:
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     spec = vllm_config.speculative_config
@@ -363,16 +387,17 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
         stage.global_ranks = ranks
     hf_text = mc.hf_text_config
     tensors = checkpoint_tensors(mc.model)
-    if tensors:
-        nq = int(getattr(hf_text, "num_attention_heads", 1) or 1)
-        weights = stage_weight_bytes(
-            tensors,
-            [s.layers for s in stages],
-            tp,
-            int(getattr(hf_text, "num_key_value_heads", None) or nq),
-            dtype_bytes,
-            bool(getattr(hf_text, "tie_word_embeddings", False)),
-        )
+    nq = int(getattr(hf_text, "num_attention_heads", 1) or 1)
+
+    def weights_for(ranges: list[tuple[int, int]]) -> list[int] | None:
+        if not tensors:
+            return None
+        nkv = int(getattr(hf_text, "num_key_value_heads", None) or nq)
+        tied = bool(getattr(hf_text, "tie_word_embeddings", False))
+        return stage_weight_bytes(tensors, ranges, tp, nkv, dtype_bytes, tied)
+
+    weights = weights_for([s.layers for s in stages])
+    if weights is not None:
         for stage, w in zip(stages, weights, strict=True):
             stage.weight_bytes_per_rank = w
     kvt = vllm_config.kv_transfer_config
@@ -400,6 +425,12 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
 
         if (note := nixl_plan_note(spec, kvt)) is not None:
             plan.extra["nixl"] = note
+    if plan.method == "dspark" and plan.draft is not None and plan.pp_size > 1:
+        _add_stage_balance(plan, vllm_config, draft_cost_layers, weights_for)
+    elif draft_cost_layers is not None:
+        plan.extra["stage balance"] = (
+            "not computed (it needs PP > 1 and a DSpark draft): --draft-cost-layers unused"
+        )
     for check in PLUGIN_CHECKS:
         errors = check(vllm_config)
         if errors:
@@ -408,6 +439,43 @@ def describe(vllm_config, target: str, requested_async=None, platform: str = "?"
     if platform == "cpu":
         plan.not_checked = _gpu_only_checks(vllm_config, requested_async)
     return plan
+
+
+def _add_stage_balance(
+    plan: Plan,
+    vllm_config,
+    draft_cost_layers: float | None,
+    weights_for: Callable[[list[tuple[int, int]]], list[int] | None],
+) -> None:
+    """Price the stages of this PP deployment and recommend a ``VLLM_PP_LAYER_PARTITION``
+    (:mod:`vllm_dspark_pp.stage_balance`). A split already set in the environment is the one
+    in effect (vLLM built the stages above from it): it is priced, never replaced. Where the
+    model's split differs from vLLM's default, each stage's target weights under both (one TP
+    rank, ``weights_for`` of the stage ranges) show what the split moves in memory."""
+    from vllm import envs as vllm_envs
+
+    from vllm_dspark_pp.producer.roles import is_dspark_prefill_only
+
+    if plan.num_layers < plan.pp_size:
+        return  # rejected: a stage without layers
+    spec, kvt = vllm_config.speculative_config, vllm_config.kv_transfer_config
+    try:
+        plan.layer_partition = stage_balance(
+            vllm_config.model_config.hf_text_config,
+            spec.draft_model_config.hf_config,
+            int(spec.num_speculative_tokens),
+            plan.pp_size,
+            env_partition=vllm_envs.VLLM_PP_LAYER_PARTITION,
+            draft_cost_layers=draft_cost_layers,
+            context_only=kvt is not None and is_dspark_prefill_only(spec, kvt),
+        )
+    except CostModelError as exc:
+        plan.extra["stage balance"] = f"not estimated: {exc}"
+        return
+    sb = plan.layer_partition
+    if sb.improves:
+        sb.default_weight_bytes_per_rank = weights_for(partition_ranges(sb.default.partition))
+        sb.best_weight_bytes_per_rank = weights_for(partition_ranges(sb.best.partition))
 
 
 def _checkpoint_ships(draft_dir: str) -> tuple[bool, bool]:
@@ -519,6 +587,9 @@ def format_plan(plan: Plan) -> str:
     lines += _per_rank_lines(plan)
     for key, value in plan.extra.items():
         lines.append(f"{key}: {value}")
+    if plan.layer_partition is not None:
+        lines.append("")
+        lines += format_stage_balance(plan.layer_partition)
     if plan.not_checked:
         lines.append("")
         lines.append("not checked on this machine (GPU-only):")

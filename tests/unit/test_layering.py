@@ -1,12 +1,12 @@
 """The package's layers: imports only point down, no cycles, no test or dev code at run time.
 
 Layers (top to bottom): ``cli`` > ``patches`` > the features (``protocol``, ``producer``,
-``connectors``, ``sync_drafts``, ``deployment_plan``) > ``version`` / ``cpu_ops``. The development
-package ``dspark_dev`` (at the repository root, not in the wheel) may import the runtime, never the
-other way round. Every import counts, including those inside functions; there is no exemption.
-Imports by name count too: ``importlib.import_module("a.b")`` with a literal name, and the
-``"vllm_dspark_pp.a.b:attribute"`` names that a registry resolves later (the draft families of
-``producer/families.py``, as vLLM's model registry does).
+``connectors``, ``sync_drafts``, ``deployment_plan``, ``stage_balance``) > ``version`` /
+``cpu_ops``. The development package ``dspark_dev`` (at the repository root, not in the wheel)
+may import the runtime, never the other way round. Every import counts, including those inside
+functions; there is no exemption. Imports by name count too: ``importlib.import_module("a.b")``
+with a literal name, and the ``"vllm_dspark_pp.a.b:attribute"`` names that a registry resolves
+later (the draft families of ``producer/families.py``, as vLLM's model registry does).
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from pathlib import Path
 from support.wheel import wheel_packages
 
 PKG = Path(__file__).resolve().parents[2] / "vllm_dspark_pp"
-FEATURES = ("protocol", "producer", "connectors", "sync_drafts", "deployment_plan", "start_checks")
+FEATURES = (
+    "protocol",
+    "producer",
+    "connectors",
+    "sync_drafts",
+    "deployment_plan",
+    "stage_balance",
+    "start_checks",
+)
 FORBIDDEN_AT_RUNTIME = ("tests", "support", "tools", "benchmarks", "dspark_dev")
 #: A lazily resolved ``"module:attribute"`` name of a module of the package.
 LAZY_NAME = re.compile(r"^(vllm_dspark_pp(?:\.\w+)*):\w+$")

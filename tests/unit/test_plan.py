@@ -3,12 +3,14 @@
 The plans are independent (each call builds fresh configs; the plugin's register() is idempotent),
 so the module runs them all in one process (``support.cli_batch``, vLLM imported once); the
 TP=3 rejection goes through the real ``python -m vllm_dspark_pp.cli.main`` entry point, exit
-status included.
+status included, and so does the plan with ``VLLM_PP_LAYER_PARTITION`` set (an environment of
+its own). The stage balance's cost model and split are tested in test_stage_balance.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +27,16 @@ from vllm_dspark_pp.deployment_plan import (
     tap_stage,
     tp_share,
 )
+from vllm_dspark_pp.stage_balance import stage_balance
 
 
-def _plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _plan(*args: str, timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "vllm_dspark_pp.cli.main", "plan", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -86,6 +90,17 @@ def _batched_plans(target: str, draft: str) -> dict[str, list[str]]:
             "--kv-transfer-config",
             _kv("NixlConnector", "kv_producer"),
         ],
+        "pp2_measured_draft_json": [
+            target,
+            *spec,
+            "-pp",
+            "2",
+            "--draft-cost-layers",
+            "0",
+            "--json",
+        ],
+        "pp1_measured_draft": [target, *spec, "--draft-cost-layers", "2"],
+        "negative_draft_cost": [target, *spec, "-pp", "2", "--draft-cost-layers", "-1"],
     }
 
 
@@ -316,3 +331,84 @@ def test_draft_bytes_per_rank_at_tp1_is_the_familys_rule_and_splits_at_tp2(tiny_
     c4 = draft_param_bytes(four, role="kv_both", dtype_bytes=4)["components"]
     got = qwen3_draft_bytes_per_rank(four, 4, own_embed, own_head, 2)["context_only"]
     assert got == c4["fc"] + c4["hidden_norm"] + c4["layers.kv_proj"] // 2 + c4["layers.k_norm"]
+
+
+# ------------------------------------------------------------------ stage balance (issue 44 item 3)
+def _configs(tiny_models) -> tuple[dict, dict]:
+    """The tiny target's and draft's config.json."""
+    target, draft = (
+        json.loads((Path(d) / "config.json").read_text())
+        for d in (tiny_models.target, tiny_models.draft)
+    )
+    return target, draft
+
+
+def test_plan_json_recommends_a_layer_partition_from_the_cost_model(plans, tiny_models):
+    plan = _json(plans["pp2_json"])
+    lp = plan["layer_partition"]
+    want = stage_balance(*_configs(tiny_models), 4, 2)  # the same model on the config.json files
+    assert lp["default"]["partition"] == [3, 3] and lp["best"]["partition"] == [5, 1]
+    assert lp["best"] == want.to_dict()["best"] and lp["default"] == want.to_dict()["default"]
+    assert lp["improves"] is True and lp["export"] == "VLLM_PP_LAYER_PARTITION=5,1"
+    assert lp["best"]["bottleneck"] < lp["default"]["bottleneck"]
+    assert lp["draft_cost_source"] == "cost model" and lp["env_partition"] is None
+    assert lp["draft_cost_layers"] == pytest.approx(want.draft_cost_layers)
+    # only recommended: the stages vLLM would build are still its default split
+    assert [s["layers"] for s in plan["stages"]] == [[0, 3], [3, 6]]
+    # the memory the split moves: target weights per rank under both splits
+    assert lp["default_weight_bytes_per_rank"] == [
+        s["weight_bytes_per_rank"] for s in plan["stages"]
+    ]
+    assert lp["best_weight_bytes_per_rank"][0] > lp["default_weight_bytes_per_rank"][0]
+
+
+def test_plan_text_prints_the_line_to_export_with_the_stage_costs(plans, tiny_models):
+    out = plans["pp3_text"].stdout
+    want = stage_balance(*_configs(tiny_models), 4, 3)
+    assert want.improves
+    assert "stage balance: an ESTIMATE from a cost model, not a measurement" in out
+    part = ",".join(map(str, want.best.partition))
+    assert f"to use it:   export VLLM_PP_LAYER_PARTITION={part}" in out, out
+    default = " | ".join(f"{c:.2f}" for c in want.default.stage_costs)
+    assert f"vLLM's default             2,2,2          {default}" in out, out
+    assert "measure before relying on it" in out
+
+
+def test_plan_takes_a_measured_drafter_and_keeps_the_default_when_nothing_beats_it(plans):
+    lp = _json(plans["pp2_measured_draft_json"])["layer_partition"]
+    assert lp["draft_cost_layers"] == 0.0 and lp["draft_cost_source"].startswith("measured")
+    # 3 | 3 + LM head 0.89 is below 4 | 2.89: the default split stays
+    assert lp["improves"] is False and lp["export"] is None
+    assert lp["best"] == lp["default"] and lp["default"]["partition"] == [3, 3]
+
+
+def test_plan_refuses_a_negative_draft_cost(plans):
+    proc = plans["negative_draft_cost"]
+    assert proc.returncode == 2
+    assert "a number of target layers >= 0" in proc.stderr
+
+
+def test_plan_at_pp1_computes_no_stage_balance(plans):
+    proc = plans["pp1_measured_draft"]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "stage balance: not computed (it needs PP > 1 and a DSpark draft)" in proc.stdout
+    assert "VLLM_PP_LAYER_PARTITION=" not in proc.stdout
+
+
+def test_plan_respects_a_partition_set_in_the_environment(tiny_models):
+    # the real entry point, in a process of its own with the variable set (vLLM reads it there)
+    proc = _plan(
+        tiny_models.target,
+        "--speculative-config",
+        _spec(tiny_models.draft),
+        "-pp",
+        "2",
+        env={"VLLM_PP_LAYER_PARTITION": "2,4"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "    0  [  0,   2)" in out and "    1  [  2,   6)" in out  # vLLM built the stages so
+    assert "VLLM_PP_LAYER_PARTITION=2,4 is set in this environment and is in effect" in out
+    assert "the cost model picks 5,1" in out
+    assert "export VLLM_PP_LAYER_PARTITION" not in out
+    assert "in effect (environment)    2,4" in out, out

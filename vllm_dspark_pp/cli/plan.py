@@ -14,8 +14,22 @@ NAME = "plan"
 HELP = (
     "Build vLLM's configs for a target + --speculative-config + -pp/-tp (+ --kv-transfer-config) "
     "from config.json files only and print the TP x PP deployment plan (each stage's layers and "
-    "global ranks, per-TP-rank target weight and drafter bytes) and whether it is accepted."
+    "global ranks, per-TP-rank target weight and drafter bytes) and whether it is accepted; at "
+    "PP > 1 with a DSpark draft, the estimated stage costs and a recommended "
+    "VLLM_PP_LAYER_PARTITION."
 )
+
+
+def _draft_cost_layers(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of target layers >= 0")
+    return value
 
 
 def add_arguments(p) -> None:
@@ -32,6 +46,14 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument(
         "--no-async-scheduling", dest="async_scheduling", action="store_false", default=None
+    )
+    p.add_argument(
+        "--draft-cost-layers",
+        type=_draft_cost_layers,
+        default=None,
+        metavar="X",
+        help="the drafter's measured cost in target layers (e.g. the draft step's time over one "
+        "target layer's time at PP=1); replaces the cost model's drafter in the stage balance",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -85,6 +107,7 @@ def run(args) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             kv_transfer_config=args.kv_transfer_config,
             extra_engine_args=extra,
+            draft_cost_layers=args.draft_cost_layers,
         )
     except Exception as exc:  # vLLM's own rejection: show its message, not a traceback
         msg = _readable(exc)
