@@ -7,6 +7,7 @@ results, the workload selection, and the MPS daemon's start, probe and stop agai
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -377,3 +378,52 @@ def test_dry_run_with_mps_composes_the_stage_envs_and_starts_nothing(capsys, fak
     assert "CUDA_MPS_PIPE_DIRECTORY" not in nodes["pp1_dspark"]["env"]  # PP=1 outside MPS
     assert "nvidia-cuda-mps-control -d" in out and "echo quit |" in out
     assert not fake_control.exists()  # the dry run ran no daemon
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(
+    os.environ.get("DSPARK_SERVE_INTERLEAVE_HAND") != "1",
+    reason="hand run (about 60 s, vLLM's bench client in process): DSPARK_SERVE_INTERLEAVE_HAND=1",
+)
+def test_interleaved_run_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
+    """``--configs pp1_dspark,pp2_dspark --interleave --repeats 3 --workload decode`` with
+    tests/support/fake_vllm_serve.py in place of every ``vllm serve`` (the PP=2 node 1 headless):
+    start together, readiness, the AL switch on both, every run through ``vllm bench serve`` in
+    rotation, the JSON's repeats, statistics and ratios."""
+    import json
+
+    import dspark_dev.serve_demo as serve_demo
+    from dspark_dev import pp_launch
+
+    fake = Path(__file__).resolve().parents[1] / "support" / "fake_vllm_serve.py"
+    real = serve_demo.serve_argv
+
+    def stand_in(target, **kw):
+        argv = real(target, **kw)
+        return [sys.executable, str(fake), *argv[argv.index("serve") + 1 :]]
+
+    monkeypatch.setattr(serve_demo, "serve_argv", stand_in)
+    monkeypatch.setattr(pp_launch, "serve_argv", stand_in)
+    out = tmp_path / "out"
+    rc = serve.main([*PAIR, "--interleave", "--repeats", "3", "--workload", "decode",
+                     "--output-len", "32", "--concurrency", "1,4", "--acceptance-lengths", "3.99",
+                     "--min-run-s", "1", "--budget-s", "300", "--out", str(out)])  # fmt: skip
+    res = json.loads((out / "serve_pp_one_gpu_pp1_dspark-pp2_dspark_decode_x3.json").read_text())
+    assert rc == 0, res["skipped"]
+    assert res["meta"]["workload"] == {"name": "decode", "input_len": 128, "output_len": 32}
+    assert res["meta"]["interleave"]["baseline"] == "pp1_dspark"
+    assert [(p["config"], p["repeat"], p["slot"]) for p in res["points"][:6]] == [
+        ("pp1_dspark", 0, 0), ("pp2_dspark", 0, 1), ("pp1_dspark", 1, 2),
+        ("pp2_dspark", 1, 3), ("pp1_dspark", 2, 4), ("pp2_dspark", 2, 5),
+    ]  # fmt: skip
+    assert len(res["points"]) == 12 and not res["skipped"]
+    for entry in res["interleaved"]:
+        assert entry["equal_prompts"]
+        for cfg in PAIR[1].split(","):
+            reps = entry["configs"][cfg]["repeats"]
+            assert len(reps) == 3 and all(r["output_throughput"] > 0 for r in reps)
+            assert all(r["median_ttft_ms"] and r["p99_itl_ms"] for r in reps)
+            assert all(r["measured_acceptance_length"] == pytest.approx(4.0) for r in reps)
+        ratio = entry["ratios"]["pp2_dspark/pp1_dspark"]
+        assert ratio["rotations"] == 3 and len(ratio["output_throughput"]["per_rotation"]) == 3
