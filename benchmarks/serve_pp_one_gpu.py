@@ -12,6 +12,9 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
     ... --configs pp2      (PP=2 no-spec + PP=2 DSpark, two launchers each)
     ... --configs stock    (PP=2 no-spec with the plugin left out, and with it, same lease)
     ... --configs pd --budget-s 520   (PD vs aggregated, AL 3.99; three engines on the GPU)
+    ... --configs pp1_dspark,pp2_dspark --interleave --repeats 3 --concurrency 8,16,32 \\
+        --acceptance-lengths 3.99 --workload decode [--mps 50,50] --budget-s 540
+                                      (PP=1 vs PP=2 DSpark in rotation, ratios from one call)
     python3 -m benchmarks.plot_pp_one_gpu RUN*/serve_pp_one_gpu_*.json \\
         --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
         --copy-to docs/results
@@ -85,6 +88,43 @@ never sees a prompt twice (no prefix-cache hits); the server's spec-decode count
 (``/metrics`` deltas, dspark_dev/metrics.py) beside vLLM's result JSON (its scalar fields;
 per-request lists are not saved). For PP=2 the launchers' logs give the transport: NCCL's init
 lines (ranks, nodes, ``NET/Socket``) and the plugin's exchange line.
+
+Workloads (``--workload``, recorded in the JSON's ``meta.workload``): ``mixed``, 1024 prompt /
+256 output tokens (every served run before issue 44), and ``decode``, 128 / 1024 (decode-heavy:
+where PP's per-step exchange and the last stage's draft bubble weigh most). ``--input-len`` /
+``--output-len`` override either part.
+
+Interleaved comparison (``--interleave --repeats N``, N >= 3; issue 44 item 1): sweeps measured
+one configuration after another, compared across calls, gave ratios that moved more between
+calls than the effects they measured. With ``--interleave`` every server starts together and
+each point (AL, C) measures the configurations in rotation, A B A B ... (``--rotation
+alternate``: A B B A ...), N runs each, all with the same prompt count; repeat r of every
+configuration gets the same prompts (seed of (AL index, C, r)), and no server sees a prompt
+twice. The prompt count is the larger of the usual one and what makes the fastest
+configuration's run last ``--min-run-s`` (default 60 s; whole waves of C, from its last measured
+TPOT, else ``--guess-tpot-ms``); when the point's share of the budget does not hold N runs of
+every configuration at that length, every run of the point is shortened alike (whole waves) and
+the point's ``trimmed`` says how; a point where not even one wave per run fits is skipped with the
+reason. Besides every run in ``points`` (with ``repeat`` and ``slot``, its place in the rotation),
+``interleaved`` holds per point: each configuration's repeats (output tok/s; TTFT, TPOT and ITL
+p50 (vLLM's ``median_*_ms``) and p99 (``p99_*_ms``); the run's duration; the measured acceptance
+length), their mean, min, max and relative spread ((max - min) / mean), and each configuration
+against the first one named in ``--configs`` (the baseline), from this call only: the ratio of
+the means and the per-rotation ratios (repeat r over repeat r, measured next to each other) with
+their range. A point cut at the deadline keeps its rotations that completed; ratios pair only
+repeats both sides measured.
+
+CUDA MPS (``--mps P0,P1``; issue 44 item 2; **not yet run on a GPU**): benchmarks/mps.py starts an
+MPS control daemon for this command (pipe and log folders in a fresh /tmp folder, never the GPU's
+compute mode, never a reset), probes it with one small CUDA client, gives PP stage R's launcher
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P_R`` and the daemon's folders (through
+dspark_dev/pp_launch.deployment's ``env_per_rank``), and stops it when the command ends, also on
+an error or SIGTERM. PP=1 servers stay outside MPS. When MPS cannot start (binary missing,
+refused, the probe cannot attach) the log says ``MPS NOT USED`` with the reason, the run goes on
+without it, and ``meta.mps`` records what happened.
+
+The result files carry the options in their name: ``<configs>[_<workload>][_x<N>][_mps<P0-P1>]``
+(``_decode`` only for the non-default workload).
 
 Budget: the servers' start and the sweeps share ``--budget-s``. Before each point the driver
 estimates its cost from the server's last measured TPOT (or ``--guess-tpot-ms``) and the time
