@@ -186,8 +186,8 @@ class _Calls:
         monkeypatch.setattr(serve.Runner, "measure", measure)
 
 
-def _run(tmp_path, args, budget_s=10_000.0):
-    a = serve.parse_args([*PAIR, "--interleave", "--repeats", "3", *args])
+def _run(tmp_path, args, budget_s=10_000.0, configs=PAIR[1]):
+    a = serve.parse_args(["--configs", configs, "--interleave", "--repeats", "3", *args])
     res = serve.Results(tmp_path / "r.json", {"meta": {}, "servers": {}, "points": [],
                                               "skipped": []})  # fmt: skip
     rc = serve.run_interleaved(
@@ -222,6 +222,20 @@ def test_the_loop_rotates_configurations_with_equal_prompts_per_point(tmp_path, 
     tp = summary[0]["ratios"]["pp2_dspark/pp1_dspark"]["output_throughput"]
     assert tp["ratio_of_means"] == pytest.approx(0.9)
     assert tp["per_rotation"] == pytest.approx([0.9, 90 / 104, 90 / 96])
+
+
+def test_no_spec_against_dspark_rotates_in_every_als_point(tmp_path, monkeypatch):
+    calls = _Calls(monkeypatch, {"pp2_nospec": [50.0] * 3, "pp2_dspark": [100.0, 90.0, 110.0]})
+    a = ["--acceptance-lengths", "3.99,6.1", "--concurrency", "16"]
+    rc, data = _run(tmp_path, a, configs="pp2_nospec,pp2_dspark")
+    assert rc == 0 and calls.al_set == [("pp2_dspark", 3.99), ("pp2_dspark", 6.1)]
+    nospec = [m for m in calls.measured if m[0] == "pp2_nospec"]
+    assert [m[1] for m in nospec] == [None] * 6  # no AL of its own, measured at every AL's point
+    assert len({m[6] for m in nospec}) == 6  # its server never sees one AL's prompts again
+    by_point = {(e["acceptance_length"], e["concurrency"]): e for e in data["interleaved"]}
+    assert set(by_point) == {(3.99, 16), (6.1, 16)}
+    tp = by_point[(6.1, 16)]["ratios"]["pp2_dspark/pp2_nospec"]["output_throughput"]
+    assert tp["ratio_of_means"] == pytest.approx(2.0) and tp["max"] == pytest.approx(2.2)
 
 
 def test_a_short_budget_shortens_every_run_of_a_point_alike(tmp_path, monkeypatch):
