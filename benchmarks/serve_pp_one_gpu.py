@@ -1600,7 +1600,7 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
     for entry in res.data.get("interleaved", []):
         for key, r in entry["ratios"].items():
             tp = r["output_throughput"]
-            if tp["ratio_of_means"] is not None:
+            if tp["ratio_of_means"] is not None and tp["per_rotation"]:
                 log(f"AL {entry['acceptance_length']} C={entry['concurrency']} {key}: output "
                     f"tok/s {tp['ratio_of_means']:.3f} (rotations {tp['min']:.3f}-"
                     f"{tp['max']:.3f}, {r['rotations']} pairs)")  # fmt: skip
