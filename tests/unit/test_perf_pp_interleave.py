@@ -368,6 +368,24 @@ def test_the_driver_stops_the_daemon_when_the_run_fails(tmp_path, fake_control, 
     assert "MPS daemon started" in log and "MPS daemon: quit sent" in log
 
 
+def test_a_sigterm_during_the_run_still_stops_the_daemon(tmp_path, fake_control, monkeypatch):
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def killed(a, *rest):
+        os.kill(os.getpid(), signal.SIGTERM)  # what a command's time limit sends
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not end the run")
+
+    monkeypatch.setattr(serve, "_main", killed)
+    with pytest.raises(SystemExit) as e:
+        serve.main([*PAIR, "--mps", "50,50", "--out", str(tmp_path / "out")])
+    assert e.value.code == 128 + signal.SIGTERM
+    assert fake_control.read_text().splitlines()[-1] == "stdin=quit"
+    assert signal.getsignal(signal.SIGTERM) == before  # the driver's handler is gone again
+
+
 def test_the_driver_runs_without_mps_when_it_cannot_start(tmp_path, fake_control, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_FAIL", "permission denied")
     seen = {}
