@@ -12,6 +12,9 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
     ... --configs pp2      (PP=2 no-spec + PP=2 DSpark, two launchers each)
     ... --configs stock    (PP=2 no-spec with the plugin left out, and with it, same lease)
     ... --configs pd --budget-s 520   (PD vs aggregated, AL 3.99; three engines on the GPU)
+    ... --configs pp1_dspark,pp2_dspark --interleave --repeats 3 --concurrency 8,16,32 \\
+        --acceptance-lengths 3.99 --workload decode [--mps 50,50] --budget-s 540
+                                      (PP=1 vs PP=2 DSpark in rotation, ratios from one call)
     python3 -m benchmarks.plot_pp_one_gpu RUN*/serve_pp_one_gpu_*.json \\
         --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
         --copy-to docs/results
@@ -86,6 +89,43 @@ never sees a prompt twice (no prefix-cache hits); the server's spec-decode count
 per-request lists are not saved). For PP=2 the launchers' logs give the transport: NCCL's init
 lines (ranks, nodes, ``NET/Socket``) and the plugin's exchange line.
 
+Workloads (``--workload``, recorded in the JSON's ``meta.workload``): ``mixed``, 1024 prompt /
+256 output tokens (every served run before issue 44), and ``decode``, 128 / 1024 (decode-heavy:
+where PP's per-step exchange and the last stage's draft bubble weigh most). ``--input-len`` /
+``--output-len`` override either part.
+
+Interleaved comparison (``--interleave --repeats N``, N >= 3; issue 44 item 1): sweeps measured
+one configuration after another, compared across calls, gave ratios that moved more between
+calls than the effects they measured. With ``--interleave`` every server starts together and
+each point (AL, C) measures the configurations in rotation, A B A B ... (``--rotation
+alternate``: A B B A ...), N runs each, all with the same prompt count; repeat r of every
+configuration gets the same prompts (seed of (AL index, C, r)), and no server sees a prompt
+twice. The prompt count is the larger of the usual one and what makes the fastest
+configuration's run last ``--min-run-s`` (default 60 s; whole waves of C, from its last measured
+TPOT, else ``--guess-tpot-ms``); when the point's share of the budget does not hold N runs of
+every configuration at that length, every run of the point is shortened alike (whole waves) and
+the point's ``trimmed`` says how; a point where not even one wave per run fits is skipped with the
+reason. Besides every run in ``points`` (with ``repeat`` and ``slot``, its place in the rotation),
+``interleaved`` holds per point: each configuration's repeats (output tok/s; TTFT, TPOT and ITL
+p50 (vLLM's ``median_*_ms``) and p99 (``p99_*_ms``); the run's duration; the measured acceptance
+length), their mean, min, max and relative spread ((max - min) / mean), and each configuration
+against the first one named in ``--configs`` (the baseline), from this call only: the ratio of
+the means and the per-rotation ratios (repeat r over repeat r, measured next to each other) with
+their range. A point cut at the deadline keeps its rotations that completed; ratios pair only
+repeats both sides measured.
+
+CUDA MPS (``--mps P0,P1``; issue 44 item 2; **not yet run on a GPU**): benchmarks/mps.py starts an
+MPS control daemon for this command (pipe and log folders in a fresh /tmp folder, never the GPU's
+compute mode, never a reset), probes it with one small CUDA client, gives PP stage R's launcher
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P_R`` and the daemon's folders (through
+dspark_dev/pp_launch.deployment's ``env_per_rank``), and stops it when the command ends, also on
+an error or SIGTERM. PP=1 servers stay outside MPS. When MPS cannot start (binary missing,
+refused, the probe cannot attach) the log says ``MPS NOT USED`` with the reason, the run goes on
+without it, and ``meta.mps`` records what happened.
+
+The result files carry the options in their name: ``<configs>[_<workload>][_x<N>][_mps<P0-P1>]``
+(``_decode`` only for the non-default workload).
+
 Budget: the servers' start and the sweeps share ``--budget-s``. Before each point the driver
 estimates its cost from the server's last measured TPOT (or ``--guess-tpot-ms``) and the time
 left for the sweeps still to come: it cuts the point's prompts (whole waves of C, at least one)
@@ -109,6 +149,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -213,10 +254,18 @@ def parse_ints(text: str) -> list[int]:
     return vals
 
 
-def point_seed(al_index: int, concurrency: int) -> int:
+def point_seed(al_index: int, concurrency: int, repeat: int = 0) -> int:
     """The random dataset's seed of a point: equal across configurations (same prompts for
-    no-spec and DSpark at the same C), distinct across one server's points."""
-    return 1000 + 100 * al_index + concurrency
+    no-spec and DSpark at the same C and repeat), distinct across one server's points and
+    repeats (no prefix-cache hits)."""
+    return 1000 + 100 * al_index + concurrency + 100_000 * repeat
+
+
+#: ``--workload``: (input tokens, output tokens) of the random dataset. ``mixed`` is the 1024/256
+#: every earlier served run used; ``decode`` is decode-heavy (short prompts, long answers: the
+#: regime where PP's per-step exchange and the draft bubble weigh most).
+WORKLOADS = {"mixed": (1024, 256), "decode": (128, 1024)}
+DEFAULT_WORKLOAD = "mixed"
 
 
 def default_prompts(concurrency: int, per_c: int, minimum: int) -> int:
@@ -290,6 +339,159 @@ def time_for_point(time_left_s: float, this_cost_s: float, later_costs_s: list[f
     if total <= 0:
         return time_left_s
     return max(0.0, time_left_s * this_cost_s / total) if total > time_left_s else time_left_s
+
+
+# --------------------------------------------------------------------------- interleaved repeats
+def rotation_order(names: list[str], repeats: int, order: str = "fixed") -> list[tuple[int, str]]:
+    """(repeat, configuration) in the order one point measures them: ``fixed`` A B A B ...,
+    ``alternate`` A B B A A B ... (each configuration first as often as the other, give or
+    take one rotation)."""
+    out = []
+    for r in range(repeats):
+        seq = list(names) if order == "fixed" or r % 2 == 0 else list(reversed(names))
+        out += [(r, n) for n in seq]
+    return out
+
+
+def steady_prompts(c: int, run_s: float, wave_s: float, minimum: int) -> int:
+    """Prompts at concurrency ``c`` (whole waves of ``c``) for a run of at least ``run_s`` when
+    a wave takes ``wave_s``, and at least ``minimum`` prompts."""
+    waves = max(1, math.ceil(minimum / c), math.ceil(run_s / wave_s) if wave_s > 0 else 1)
+    return waves * c
+
+
+def interleaved_cost_s(c: int, prompts: int, models: list[CostModel], repeats: int) -> float:
+    """Estimated seconds of one interleaved point: ``repeats`` runs of every configuration."""
+    return repeats * sum(m.point_cost_s(c, prompts) for m in models)
+
+
+def wanted_prompts(c: int, models: list[CostModel], min_run_s: float, minimum: int) -> int:
+    """The point's prompt count before the budget: long enough that the fastest configuration's
+    run lasts ``min_run_s`` (so every configuration's does)."""
+    return steady_prompts(c, min_run_s, min(m.wave_s(c) for m in models), minimum)
+
+
+def plan_interleaved_point(
+    c: int, models: list[CostModel], repeats: int, want: int, time_for_s: float
+) -> tuple[int, str | None]:
+    """Prompts per run at ``c`` (the same for every configuration and repeat) within
+    ``time_for_s``: ``want``, fewer whole waves (at least one), or 0 (skip) with the reason."""
+    if interleaved_cost_s(c, want, models, repeats) <= time_for_s:
+        return want, None
+    fixed = repeats * sum(m.calib * m.point_s for m in models)
+    per_wave = repeats * sum(m.wave_s(c) for m in models)
+    waves = want // c
+    fit = min(waves, int((time_for_s - fixed) // per_wave)) if per_wave > 0 else waves
+    runs = f"{repeats} x {len(models)} runs"
+    if fit < 1:
+        return 0, (
+            f"budget: one wave of {c} per run ({runs}) needs about {fixed + per_wave:.0f} s, "
+            f"{time_for_s:.0f} s left for this point"
+        )
+    run_s = fit * min(m.wave_s(c) for m in models)
+    return fit * c, (
+        f"budget: {fit} of {waves} waves per run ({fit * c} of {want} prompts, {runs}; the "
+        f"fastest configuration's run about {run_s:.0f} s instead of the minimum asked)"
+    )
+
+
+#: What each repeat records from vLLM's ``vllm bench serve`` result (its keys with
+#: ``--percentile-metrics ttft,tpot,itl,... --metric-percentiles 50,...,99``: ``median_*`` and
+#: ``p50_*`` are the same value; ``duration`` is the run's seconds).
+REPEAT_METRICS = (
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "duration",
+)
+
+
+def repeat_record(point: dict) -> dict:
+    """One repeat of an interleaved point: its place in the rotation and vLLM's figures."""
+    bench = point.get("bench") or {}
+    out = {"repeat": point["repeat"], "slot": point.get("slot")}
+    out["num_prompts"] = point["num_prompts"]
+    out.update({k: bench.get(k) for k in REPEAT_METRICS})
+    out["measured_acceptance_length"] = point.get("measured_acceptance_length")
+    return out
+
+
+def spread_stats(values: list[float]) -> dict | None:
+    """Mean, min, max and relative spread ((max - min) / mean) of the repeats."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None
+    mean = sum(vals) / len(vals)
+    return {
+        "n": len(vals),
+        "mean": mean,
+        "min": min(vals),
+        "max": max(vals),
+        "spread": (max(vals) - min(vals)) / mean if mean else None,
+    }
+
+
+def interleave_summary(points: list[dict], names: list[str], repeats: int) -> list[dict]:
+    """Per (AL, C) of an interleaved run: every configuration's repeats and their statistics,
+    and each configuration against the first of ``names`` (the baseline), from this call's
+    points only: the ratio of the means and the per-rotation ratios (repeat r of one over
+    repeat r of the other: the two runs measured next to each other)."""
+    keyed: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for p in points:
+        if p.get("repeat") is None:
+            continue
+        key = (p.get("point_al"), p["concurrency"])
+        keyed.setdefault(key, {}).setdefault(p["config"], {})[p["repeat"]] = p
+    out = []
+    base = names[0]
+    for (al, c), by_cfg in keyed.items():
+        every = [p for reps in by_cfg.values() for p in reps.values()]
+        counts = sorted({p["num_prompts"] for p in every})
+        entry: dict = {
+            "acceptance_length": al,
+            "concurrency": c,
+            "num_prompts": counts,
+            "equal_prompts": len(counts) == 1,
+            "wanted_prompts": sorted({p.get("full_prompts") or 0 for p in every}),
+            "trimmed": next((p["trimmed"] for p in every if p.get("trimmed")), None),
+            "repeats_asked": repeats,
+            "configs": {},
+            "ratios": {},
+        }
+        for name in names:
+            reps = by_cfg.get(name, {})
+            recs = [repeat_record(reps[r]) for r in sorted(reps)]
+            entry["configs"][name] = {
+                "repeats": recs,
+                "stats": {m: spread_stats([x[m] for x in recs]) for m in REPEAT_METRICS},
+            }
+        for name in names[1:]:
+            mine, theirs = by_cfg.get(name, {}), by_cfg.get(base, {})
+            both = sorted(set(mine) & set(theirs))
+            ratios: dict = {"rotations": len(both)}
+            for m in REPEAT_METRICS[:-1]:
+                per = [
+                    mine[r]["bench"][m] / theirs[r]["bench"][m]
+                    for r in both
+                    if mine[r]["bench"].get(m) and theirs[r]["bench"].get(m)
+                ]
+                s_mine = entry["configs"][name]["stats"][m]
+                s_base = entry["configs"][base]["stats"][m]
+                ratios[m] = {
+                    "ratio_of_means": s_mine["mean"] / s_base["mean"]
+                    if s_mine and s_base and s_base["mean"]
+                    else None,
+                    "per_rotation": per,
+                    "min": min(per, default=None),
+                    "max": max(per, default=None),
+                }
+            entry["ratios"][f"{name}/{base}"] = ratios
+        out.append(entry)
+    return out
 
 
 # --------------------------------------------------------------------------- commands
@@ -547,6 +749,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         gpu_layout=a.gpu_layout,
         base_args=base,
         env=env,
+        env_per_rank=getattr(a, "mps_env_per_rank", None),
     )
 
 
@@ -754,8 +957,35 @@ def parse_args(argv=None):
         "configurations run)",
     )  # fmt: skip
     ap.add_argument("--concurrency", default="1,4,16,32,64")
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument(
+        "--workload", choices=sorted(WORKLOADS), default=DEFAULT_WORKLOAD,
+        help="random dataset shape: " + ", ".join(
+            f"{k} = {i} in / {o} out" for k, (i, o) in WORKLOADS.items()
+        ) + " (--input-len / --output-len override its parts)",
+    )  # fmt: skip
+    ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument(
+        "--interleave", action="store_true",
+        help="per (AL, C): every configuration --repeats times in rotation, one prompt count "
+        "for all (implies --start together)",
+    )  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1, help="with --interleave: at least 3")
+    ap.add_argument(
+        "--rotation", choices=("fixed", "alternate"), default="fixed",
+        help="with --interleave: A B A B ... (fixed) or A B B A ... (alternate)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--min-run-s", type=float, default=60.0,
+        help="with --interleave: prompts for a run of at least this long (the fastest "
+        "configuration's, estimated); the budget may shorten it, which the JSON says",
+    )  # fmt: skip
+    ap.add_argument(
+        "--mps", default=None, metavar="P0,P1",
+        help="run the PP>1 launchers under a CUDA MPS daemon started for this command, stage R "
+        "with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P_R (benchmarks/mps.py; not run on a GPU yet); "
+        "PP=1 servers stay outside MPS",
+    )  # fmt: skip
     ap.add_argument("--prompts-per-c", type=int, default=4)
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -781,7 +1011,10 @@ def parse_args(argv=None):
     ap.add_argument("--start", choices=("together", "sequential"), default="together")
     ap.add_argument("--gpu-layout", choices=("shared", "per-stage"), default="shared")
     ap.add_argument("--guess-tpot-ms", type=float, default=6.0, help="until one is measured")
-    ap.add_argument("--guess-prefill-ms", type=float, default=40.0, help="per prompt")
+    ap.add_argument(
+        "--guess-prefill-ms", type=float, default=None,
+        help="per prompt (default 40 ms per 1024 prompt tokens)",
+    )  # fmt: skip
     ap.add_argument("--guess-point-s", type=float, default=4.0, help="fixed cost of a point")
     ap.add_argument(
         "--step-times", action=argparse.BooleanOptionalAction, default=True,
@@ -808,7 +1041,38 @@ def parse_args(argv=None):
     if bad:
         raise SystemExit(f"--env {bad[0]!r}: use KEY=VALUE")
     a.extra_env = dict(e.split("=", 1) for e in a.env)
-    a.tag = run_tag(a.configs)
+    wl_in, wl_out = WORKLOADS[a.workload]
+    a.input_len = wl_in if a.input_len is None else a.input_len
+    a.output_len = wl_out if a.output_len is None else a.output_len
+    if a.guess_prefill_ms is None:
+        a.guess_prefill_ms = 40.0 * a.input_len / 1024
+    if a.interleave:
+        if a.repeats < 3:
+            raise SystemExit(f"--interleave --repeats {a.repeats}: at least 3")
+        if len(a.cfgs) < 2:
+            raise SystemExit("--interleave: at least two configurations to compare")
+        if a.start != "together":
+            raise SystemExit("--interleave: every server starts together (--start together)")
+    elif a.repeats != 1:
+        raise SystemExit("--repeats: only with --interleave (one call, the runs in rotation)")
+    a.mps_shares = None
+    if a.mps is not None:
+        from benchmarks.mps import parse_percentages
+
+        a.mps_shares = parse_percentages(a.mps)
+        if any(c.pd for c in a.cfgs):
+            raise SystemExit("--mps: PD configurations are not wired for MPS")
+        odd = [c.name for c in a.cfgs if c.pp > 1 and c.pp != len(a.mps_shares)]
+        if odd:
+            raise SystemExit(f"--mps {a.mps}: one percentage per PP stage ({', '.join(odd)})")
+        if a.cpu:
+            raise SystemExit("--mps: GPU only")
+    a.tag = "_".join(
+        [run_tag(a.configs)]
+        + ([a.workload] if a.workload != DEFAULT_WORKLOAD else [])
+        + ([f"x{a.repeats}"] if a.interleave else [])
+        + (["mps" + "-".join(map(str, a.mps_shares))] if a.mps_shares else [])
+    )
     check_args(any(c.adaptive for c in a.cfgs), a.cpu, a.extra_env)
     return a
 
@@ -858,6 +1122,39 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + a.budget_s
     paths, tok = prepare_models(a, work)
     hook_root = str(make_hook_dist(work / "hooks"))
+    mps, previous = None, None
+    if a.mps_shares:
+        from benchmarks import mps as mps_mod
+
+        # a dry run names the folders and creates nothing
+        mps = mps_mod.MpsDaemon(Path("/tmp/dspark-mps-DRY-RUN") if a.dry_run else None)
+    try:
+        if mps is not None and not a.dry_run:
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the finally must run
+            if mps.start():
+                log(f"MPS daemon started ({mps.root}); PP stages' thread shares {a.mps}")
+            else:
+                log(f"MPS NOT USED: {mps.problem}")
+        if mps is not None and (a.dry_run or mps.used):
+            a.mps_env_per_rank = mps_mod.stage_env(a.mps_shares, mps.pipe_dir, mps.log_dir)
+        return _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps)
+    finally:
+        if mps is not None and not a.dry_run:
+            log(f"MPS daemon: {mps.stop() or 'not running'}")
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            res_path = out / f"{RESULT_PREFIX}_{a.tag}.json"
+            if res_path.exists():  # the run's record says what MPS did, also after a failure
+                data = json.loads(res_path.read_text())
+                data.setdefault("meta", {})["mps"] = mps.record(a.mps_shares)
+                Results(res_path, data).save()
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
     deps = {
         cfg.name: build_deployment(cfg, a, paths, hook_root, work / "logs", a.als[0])
         for cfg in a.cfgs
@@ -865,7 +1162,7 @@ def main(argv=None) -> int:
     sweeps = plan_sweeps(a)
     if a.dry_run:
         try:
-            return dry_run(a, deps, sweeps, paths, tok)
+            return dry_run(a, deps, sweeps, paths, tok, mps)
         finally:
             shutil.rmtree(work, ignore_errors=True)  # the shape folders, tokenizer, hook
     problem = preflight()
@@ -884,9 +1181,23 @@ def main(argv=None) -> int:
             "k": a.k,
             "acceptance_lengths": a.als,
             "concurrency": a.cs,
+            "workload": {
+                "name": a.workload,
+                "input_len": a.input_len,
+                "output_len": a.output_len,
+            },  # fmt: skip
             "input_len": a.input_len,
             "output_len": a.output_len,
             "prompts": {"per_c": a.prompts_per_c, "min": a.min_prompts},
+            "interleave": {
+                "repeats": a.repeats,
+                "rotation": a.rotation,
+                "min_run_s": a.min_run_s,
+                "baseline": a.cfgs[0].name,
+            }
+            if a.interleave
+            else None,  # fmt: skip
+            "mps": mps.record(a.mps_shares) if mps is not None else None,
             "kv_gib_per_deployment": a.kv_gib,
             "pd_kv_gib_per_side": a.pd_kv_gib if any(c.pd_kv for c in a.cfgs) else None,
             "pd_decoder_share": a.pd_decoder_share if any(c.pd for c in a.cfgs) else None,
@@ -909,8 +1220,11 @@ def main(argv=None) -> int:
         "skipped": [],
     }
     res.save()
-    log(f"configs {', '.join(deps)}; shape {paths.shape}; budget {a.budget_s:.0f} s")
+    log(f"configs {', '.join(deps)}; shape {paths.shape}; workload {a.workload} "
+        f"({a.input_len} in / {a.output_len} out); budget {a.budget_s:.0f} s")  # fmt: skip
     try:
+        if a.interleave:
+            return run_interleaved(a, deps, paths, res, log, deadline)
         return run(a, deps, sweeps, paths, res, log, deadline)
     finally:
         log("stopping the servers (errors logged after this line are the shutdown's)")
@@ -934,10 +1248,15 @@ def main(argv=None) -> int:
             f"{res.path}")  # fmt: skip
 
 
-def dry_run(a, deps, sweeps, paths, tok) -> int:
+def dry_run(a, deps, sweeps, paths, tok, mps=None) -> int:
     print(f"# dry run: {', '.join(deps)} ({a.start} start), shape {paths.shape}")
+    print(f"# workload {a.workload}: {a.input_len} in / {a.output_len} out")
     if tok:
         print(f"# tokenizer: {json.dumps(tok)}")
+    if mps is not None:
+        print(f"# mps {a.mps}: the PP>1 launchers under one daemon; PP=1 servers outside it")
+        for cmd in mps.commands():
+            print(f"# mps: {cmd}")
     for dep in deps.values():
         print(f"deployment {dep.name}:")
         print("\n".join(describe(dep)))
@@ -949,6 +1268,8 @@ def dry_run(a, deps, sweeps, paths, tok) -> int:
             "# pd: the proxy starts once producer and decoder answer /health and the producer's "
             "bootstrap /query lists its engine; /metrics and /collective_rpc go to the decoder"
         )
+    if a.interleave:
+        return dry_run_interleaved(a, paths)
     for cfg, ali, al in sweeps:
         url = "URL(" + cfg.name + (" proxy" if cfg.pd else "") + ")"
         ctl = "URL(" + cfg.name + " decoder)" if cfg.pd else url
@@ -965,161 +1286,325 @@ def dry_run(a, deps, sweeps, paths, tok) -> int:
     return 0
 
 
-def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
-    started: set[str] = set()
+class Runner:
+    """Starts, checks and measures the deployments of one command; :func:`run` (one sweep per
+    configuration and AL) and :func:`run_interleaved` (the configurations in rotation per point)
+    drive it."""
 
-    def start(names):
+    def __init__(self, a, deps, paths, res: Results, log: Log, deadline: float):
+        self.a, self.deps, self.paths, self.res, self.log = a, deps, paths, res, log
+        self.deadline = deadline
+        self.started: set[str] = set()
+        self.tpot: dict[str, float] = {}
+        self.calib: dict[str, float] = {}
+        self.bench_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-res-"))
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic() - STOP_RESERVE_S
+
+    def start(self, names) -> None:
         for name in names:
-            if name not in started:
-                deps[name].start()
-                started.add(name)
-                res.data["servers"][name] = {"launchers": len(deps[name].nodes)}
-                log(f"starting {name} ({len(deps[name].nodes)} launcher(s))")
-                log.raw(describe(deps[name]))
+            if name not in self.started:
+                self.deps[name].start()
+                self.started.add(name)
+                self.res.data["servers"][name] = {"launchers": len(self.deps[name].nodes)}
+                self.log(f"starting {name} ({len(self.deps[name].nodes)} launcher(s))")
+                self.log.raw(describe(self.deps[name]))
 
-    def ready(name) -> bool:
-        srv = res.data["servers"][name]
+    def ready(self, name) -> bool:
+        srv = self.res.data["servers"][name]
         if "outcome" in srv:
             return srv["outcome"] == "ok"
-        wait = min(a.ready_s, deadline - time.monotonic() - STOP_RESERVE_S)
+        wait = min(self.a.ready_s, self.time_left())
         try:
-            srv["ready_s"] = round(deps[name].wait_ready(max(1.0, wait)), 1)
+            srv["ready_s"] = round(self.deps[name].wait_ready(max(1.0, wait)), 1)
             srv["outcome"] = "ok"
-            log(f"{name} ready after {srv['ready_s']} s")
+            self.log(f"{name} ready after {srv['ready_s']} s")
         except (RuntimeError, TimeoutError) as e:
             srv["outcome"] = f"not ready: {e}"
-            log(f"FAILED: {name}: {e}")
-            for node in deps[name].nodes:  # the cause on the console, not only in the log file
+            self.log(f"FAILED: {name}: {e}")
+            for node in self.deps[name].nodes:  # the cause on the console, not only the log file
                 tail = node.log_tail(6000).splitlines()[-25:]
                 print(f"----- {node.name}: last lines of {node.log_path} -----", flush=True)
                 print("\n".join(tail), flush=True)
-        res.save()
+        self.res.save()
         return srv["outcome"] == "ok"
 
-    def skip(cfg, al, c, why):
-        res.add("skipped", {"config": cfg.name, "acceptance_length": al, "concurrency": c,
-                            "why": why[:300]})  # fmt: skip
+    def skip(self, cfg, al, c, why, **extra) -> None:
+        self.res.add("skipped", {"config": cfg.name, "acceptance_length": al, "concurrency": c,
+                                 "why": why[:300], **extra})  # fmt: skip
 
-    if a.start == "together":
-        start(deps)
-    tpot: dict[str, float] = {}
-    calib: dict[str, float] = {}
-    bench_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-res-"))
-    from dspark_dev.metrics import counter_delta
-    from dspark_dev.serve_demo import spec_metrics
+    def set_al(self, cfg, al) -> str | None:
+        """Switch ``cfg``'s server to acceptance length ``al``; None when applied, else why."""
+        what = f"{cfg.name} AL {al}"
+        try:
+            resp = http_post(control_url(self.deps[cfg.name]) + "/collective_rpc", rpc_body(al))
+        except OSError as e:
+            resp = {"error": str(e)}
+        if not rpc_applied(resp):
+            self.log(f"FAILED: {what}: the acceptance length was not applied: {resp}")
+            return f"AL not applied: {resp}"
+        applied = [r for r in resp["results"] if isinstance(r, dict) and r.get("applied")]
+        self.res.data["servers"][cfg.name].setdefault("acceptance_switch", {})[repr(al)] = {
+            "workers": len(resp["results"]),
+            "applied": len(applied),
+            "unconditional_rates": applied[0].get("unconditional_rates"),
+        }
+        self.res.save()
+        self.log(f"{what}: synthetic acceptance length set on {len(applied)} of "
+                 f"{len(resp['results'])} workers (the sampling stage)")  # fmt: skip
+        return None
 
-    for si, (cfg, ali, al) in enumerate(sweeps):
-        start([cfg.name])
-        dep = deps[cfg.name]
-        what = f"{cfg.name}" + ("" if al is None else f" AL {al}")
-        if not ready(cfg.name):
-            for c in a.cs:
-                skip(cfg, al, c, "server not ready")
-            continue
+    def lost(self, cfg) -> bool:
+        dead = self.deps[cfg.name].dead_nodes()
+        if dead:
+            self.res.data["servers"][cfg.name]["outcome"] = f"lost: {', '.join(dead)}"
+            self.log(f"FAILED: {cfg.name}: lost {', '.join(dead)}")
+            self.res.save()
+        return bool(dead)
+
+    def model(self, cfg) -> CostModel:
+        a = self.a
+        return CostModel(
+            tpot_ms=self.tpot.get(cfg.name, a.guess_tpot_ms),
+            output_len=a.output_len,
+            prefill_ms=a.guess_prefill_ms,
+            point_s=a.guess_point_s,
+            calib=self.calib.get(cfg.name, 1.0),
+        )
+
+    def measure(
+        self, cfg, al, ali, c, n, *, why, n_full, repeat=None, extra=None
+    ) -> tuple[dict | None, bool]:
+        """One ``vllm bench serve`` of ``n`` prompts at ``c`` on ``cfg``'s server; returns (the
+        recorded point or None, whether this server should measure no more)."""
+        a, dep = self.a, self.deps[cfg.name]
         ctl = control_url(dep)
+        what = f"{cfg.name}" + ("" if al is None else f" AL {al}")
+        rep = "" if repeat is None else f"_r{repeat}"
+        seed = point_seed(ali or 0, c, repeat or 0)
+        argv = bench_argv(
+            url=dep.url, model=self.paths.target,
+            label=cfg.name, concurrency=c, prompts=n, seed=seed,
+            input_len=a.input_len, output_len=a.output_len, result_dir=str(self.bench_dir),
+            result_name=f"{cfg.name}_al{al}_c{c}{rep}.json",
+        )  # fmt: skip
+        if a.step_times:
+            step_rpc(ctl, "enable")
+        from dspark_dev.metrics import counter_delta
+        from dspark_dev.serve_demo import spec_metrics
+
+        before = spec_metrics(ctl, settle_s=0.0)
+        pd_before = pd_snapshot(dep) if cfg.pd else None
+        model = self.model(cfg)
+        t0 = time.monotonic()
+        result, err = run_bench_in_process(argv, max(5.0, self.time_left()), dep.stop)
+        wall = time.monotonic() - t0
+        if result is None or not result.get("completed"):
+            self.skip(cfg, al, c, f"bench failed: {err}",
+                      **({} if repeat is None else {"repeat": repeat}))  # fmt: skip
+            self.log(f"FAILED {what} C={c}: {err}")
+            return None, bool(dep.dead_nodes() or err.startswith("cut"))
+        delta = counter_delta(before, spec_metrics(ctl, settle_s=3.0))
+        summary = bench_summary(result)
+        point = {
+            "config": cfg.name, "pp": cfg.pp, "spec": cfg.spec, "plugin": cfg.plugin,
+            "pd": cfg.pd,
+            "acceptance_length": al, "concurrency": c, "num_prompts": n,
+            "full_prompts": n_full, "trimmed": why, "seed": seed,
+            "wall_s": round(wall, 2), "bench": summary, "spec_metrics": delta,
+            "measured_acceptance_length": measured_acceptance_length(delta),
+            "bench_command": "vllm bench serve " + " ".join(argv),
+        }  # fmt: skip
+        if repeat is not None:
+            point["repeat"] = repeat
+        point.update(extra or {})
+        if cfg.pd:
+            point["pd"] = pd_delta(pd_before, pd_snapshot(dep))
+            point["pd"]["hops"] = pd_hops(
+                dep, (pd_before.get("proxy") or {}).get("hops_recorded", 0)
+            )
+        if a.step_times:
+            point["step_times"] = step_rpc(ctl, "collect")
+        self.res.add("points", point)
+        if summary.get("median_tpot_ms"):
+            self.tpot[cfg.name] = float(summary["median_tpot_ms"])
+            # how far off the estimate was, with the measured TPOT (bounded: one odd point
+            # must not starve or flood the rest)
+            est = replace(model, tpot_ms=self.tpot[cfg.name], calib=1.0).point_cost_s(c, n)
+            self.calib[cfg.name] = min(3.0, max(0.5, wall / est)) if est > 0 else 1.0
+        mal = point["measured_acceptance_length"]
+        self.log(
+            f"{what} C={c}{'' if repeat is None else f' repeat {repeat}'}: "
+            f"{summary.get('output_throughput', 0):.1f} tok/s, "
+            f"TTFT p50 {summary.get('p50_ttft_ms', 0):.1f} ms, "
+            f"TPOT p50 {summary.get('p50_tpot_ms', 0):.2f} ms, "
+            f"AL {'-' if mal is None else f'{mal:.2f}'}, {n} prompts"
+            f"{'' if why is None else ' (' + why + ')'}, {wall:.0f} s"
+        )
+        return point, False
+
+    def outcome(self) -> int:
+        data = self.res.data
+        ok = bool(data["points"]) and all(
+            s.get("outcome") == "ok" for s in data["servers"].values()
+        )
+        return 0 if ok else 1
+
+
+def dry_run_interleaved(a, paths) -> int:
+    """The rotation of every point, with the prompt count wanted before the budget (from the
+    guessed TPOT: the run itself re-plans each point with the TPOT it measured)."""
+    names = [c.name for c in a.cfgs]
+    models = [
+        CostModel(a.guess_tpot_ms, a.output_len, a.guess_prefill_ms, a.guess_point_s) for _ in names
+    ]
+    current = None
+    for ali, al, c in interleaved_points(a):
+        if al is not None and al != current:
+            current = al
+            for cfg in a.cfgs:
+                if cfg.spec:
+                    print(f"POST URL({cfg.name})/collective_rpc {json.dumps(rpc_body(al))}")
+        base = default_prompts(c, a.prompts_per_c, a.min_prompts)
+        n = wanted_prompts(c, models, a.min_run_s, base)
+        print(f"# point AL {al} C={c}: {a.repeats} rotations ({a.rotation}), {n} prompts per "
+              f"run before the budget (--min-run-s {a.min_run_s:.0f})")  # fmt: skip
+        for slot, (r, name) in enumerate(rotation_order(names, a.repeats, a.rotation)):
+            cfg = CONFIGS[name]
+            argv = bench_argv(
+                url=f"URL({name})", model=paths.target, label=name, concurrency=c, prompts=n,
+                seed=point_seed(ali or 0, c, r), input_len=a.input_len,
+                output_len=a.output_len, result_dir="DIR",
+                result_name=f"{name}_al{al if cfg.spec else None}_c{c}_r{r}.json",
+            )  # fmt: skip
+            print(f"# slot {slot} repeat {r} {name}")
+            print("vllm bench serve " + " ".join(argv))
+    return 0
+
+
+def run(a, deps, sweeps, paths, res: Results, log: Log, deadline: float) -> int:
+    """One sweep over ``a.cs`` per (configuration, AL), in ``sweeps`` order."""
+    rn = Runner(a, deps, paths, res, log, deadline)
+    if a.start == "together":
+        rn.start(deps)
+    for si, (cfg, ali, al) in enumerate(sweeps):
+        rn.start([cfg.name])
+        if not rn.ready(cfg.name):
+            for c in a.cs:
+                rn.skip(cfg, al, c, "server not ready")
+            continue
         if al is not None:
-            try:
-                resp = http_post(ctl + "/collective_rpc", rpc_body(al))
-            except OSError as e:
-                resp = {"error": str(e)}
-            if not rpc_applied(resp):
-                log(f"FAILED: {what}: the acceptance length was not applied: {resp}")
+            why_not = rn.set_al(cfg, al)
+            if why_not:
                 for c in a.cs:
-                    skip(cfg, al, c, f"AL not applied: {resp}")
+                    rn.skip(cfg, al, c, why_not)
                 continue
-            applied = [r for r in resp["results"] if isinstance(r, dict) and r.get("applied")]
-            res.data["servers"][cfg.name].setdefault("acceptance_switch", {})[repr(al)] = {
-                "workers": len(resp["results"]),
-                "applied": len(applied),
-                "unconditional_rates": applied[0].get("unconditional_rates"),
-            }
-            res.save()
-            log(f"{what}: synthetic acceptance length set on {len(applied)} of "
-                f"{len(resp['results'])} workers (the sampling stage)")  # fmt: skip
         sweeps_left = len(sweeps) - si
+        what = f"{cfg.name}" + ("" if al is None else f" AL {al}")
         for ci, c in enumerate(a.cs):
-            dead = dep.dead_nodes()
-            if dead:
-                res.data["servers"][cfg.name]["outcome"] = f"lost: {', '.join(dead)}"
-                log(f"FAILED: {cfg.name}: lost {', '.join(dead)}")
-                res.save()
+            if rn.lost(cfg):
                 break
             n_full = default_prompts(c, a.prompts_per_c, a.min_prompts)
-            model = CostModel(
-                tpot_ms=tpot.get(cfg.name, a.guess_tpot_ms),
-                output_len=a.output_len,
-                prefill_ms=a.guess_prefill_ms,
-                point_s=a.guess_point_s,
-                calib=calib.get(cfg.name, 1.0),
-            )
             n, why = plan_point(
-                c, a.cs[ci + 1 :], sweeps_left - 1, a.cs,
-                deadline - time.monotonic() - STOP_RESERVE_S, model,
+                c, a.cs[ci + 1 :], sweeps_left - 1, a.cs, rn.time_left(), rn.model(cfg),
                 lambda cc: default_prompts(cc, a.prompts_per_c, a.min_prompts),
             )  # fmt: skip
             if n == 0:
-                skip(cfg, al, c, why)
+                rn.skip(cfg, al, c, why)
                 log(f"SKIP {what} C={c}: {why}")
                 continue
-            name = f"{cfg.name}_al{al}_c{c}.json"
-            argv = bench_argv(
-                url=dep.url, model=paths.target,
-                label=cfg.name, concurrency=c, prompts=n, seed=point_seed(ali or 0, c),
-                input_len=a.input_len, output_len=a.output_len, result_dir=str(bench_dir),
-                result_name=name,
+            _point, stop = rn.measure(cfg, al, ali, c, n, why=why, n_full=n_full)
+            if stop:
+                break
+    return rn.outcome()
+
+
+def interleaved_points(a) -> list[tuple[int | None, float | None, int]]:
+    """(AL index, AL, C) of an interleaved run in order: every AL (None when no configuration
+    speculates), then every C."""
+    if any(c.spec for c in a.cfgs):
+        return [(i, al, c) for i, al in enumerate(a.als) for c in a.cs]
+    return [(None, None, c) for c in a.cs]
+
+
+def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> int:
+    """Per (AL, C): every configuration ``a.repeats`` times in rotation, the same prompt count
+    for all of them (``plan_interleaved_point``), then the point's summary
+    (:func:`interleave_summary`, rewritten into ``res.data["interleaved"]`` after every run)."""
+    rn = Runner(a, deps, paths, res, log, deadline)
+    rn.start(deps)  # --interleave implies --start together
+    names = [c.name for c in a.cfgs]
+    live = [cfg for cfg in a.cfgs if rn.ready(cfg.name)]
+    gone = {cfg.name for cfg in a.cfgs} - {cfg.name for cfg in live}
+    if gone:
+        for cfg in a.cfgs:
+            if cfg.name in gone:
+                for c in a.cs:
+                    rn.skip(cfg, None, c, "server not ready")
+        log(f"FAILED: not ready: {', '.join(sorted(gone))}; no interleaved comparison")
+        return 1
+    plan = interleaved_points(a)
+    current_al: float | None = None
+    al_failed: dict[float, list[str]] = {}  # AL -> the servers that did not apply it
+    for pi, (ali, al, c) in enumerate(plan):
+        if al is not None and al != current_al:
+            current_al = al
+            bad = [cfg.name for cfg in live if cfg.spec and rn.set_al(cfg, al)]
+            if bad:
+                al_failed[al] = bad
+        if al in al_failed:
+            for cfg in live:
+                rn.skip(cfg, al, c, f"AL not applied on {', '.join(al_failed[al])}")
+            continue
+        if any(rn.lost(cfg) for cfg in live):
+            log("FAILED: a server was lost; the interleaved comparison ends here")
+            break
+        models = [rn.model(cfg) for cfg in live]
+
+        def want(cc: int, models=models) -> int:
+            base = default_prompts(cc, a.prompts_per_c, a.min_prompts)
+            return wanted_prompts(cc, models, a.min_run_s, base)
+
+        def cost(cc: int, models=models, want=want) -> float:
+            return interleaved_cost_s(cc, want(cc), models, a.repeats)
+
+        n_want = want(c)
+        share = time_for_point(rn.time_left(), cost(c), [cost(cc) for *_x, cc in plan[pi + 1 :]])
+        n, why = plan_interleaved_point(c, models, a.repeats, n_want, share)
+        if n == 0:
+            for cfg in live:
+                rn.skip(cfg, al, c, why)
+            log(f"SKIP AL {al} C={c}: {why}")
+            continue
+        log(f"point AL {al} C={c}: {n} prompts per run, {a.repeats} rotations of "
+            f"{', '.join(names)}{'' if why is None else ' (' + why + ')'}")  # fmt: skip
+        cut = False
+        for slot, (r, name) in enumerate(rotation_order(names, a.repeats, a.rotation)):
+            cfg = CONFIGS[name]
+            # the point's AL index seeds every configuration alike (no-spec too: its server
+            # must not see one AL's prompts again at the next)
+            _point, stop = rn.measure(
+                cfg, al if cfg.spec else None, ali, c, n, why=why,
+                n_full=n_want, repeat=r,
+                extra={"slot": slot, "point_al": al, "interleaved": True},
             )  # fmt: skip
-            if a.step_times:
-                step_rpc(ctl, "enable")
-            before = spec_metrics(ctl, settle_s=0.0)
-            pd_before = pd_snapshot(dep) if cfg.pd else None
-            t0 = time.monotonic()
-            result, err = run_bench_in_process(
-                argv, max(5.0, deadline - time.monotonic() - STOP_RESERVE_S), dep.stop
-            )
-            wall = time.monotonic() - t0
-            if result is None or not result.get("completed"):
-                skip(cfg, al, c, f"bench failed: {err}")
-                log(f"FAILED {what} C={c}: {err}")
-                if dep.dead_nodes() or err.startswith("cut"):
-                    break
-                continue
-            delta = counter_delta(before, spec_metrics(ctl, settle_s=3.0))
-            summary = bench_summary(result)
-            point = {
-                "config": cfg.name, "pp": cfg.pp, "spec": cfg.spec, "plugin": cfg.plugin,
-                "pd": cfg.pd,
-                "acceptance_length": al, "concurrency": c, "num_prompts": n,
-                "full_prompts": n_full, "trimmed": why, "seed": point_seed(ali or 0, c),
-                "wall_s": round(wall, 2), "bench": summary, "spec_metrics": delta,
-                "measured_acceptance_length": measured_acceptance_length(delta),
-                "bench_command": "vllm bench serve " + " ".join(argv),
-            }  # fmt: skip
-            if cfg.pd:
-                point["pd"] = pd_delta(pd_before, pd_snapshot(dep))
-                point["pd"]["hops"] = pd_hops(
-                    dep, (pd_before.get("proxy") or {}).get("hops_recorded", 0)
-                )
-            if a.step_times:
-                point["step_times"] = step_rpc(ctl, "collect")
-            res.add("points", point)
-            if summary.get("median_tpot_ms"):
-                tpot[cfg.name] = float(summary["median_tpot_ms"])
-                # how far off the estimate was, with the measured TPOT (bounded: one odd point
-                # must not starve or flood the rest)
-                est = replace(model, tpot_ms=tpot[cfg.name], calib=1.0).point_cost_s(c, n)
-                calib[cfg.name] = min(3.0, max(0.5, wall / est)) if est > 0 else 1.0
-            mal = point["measured_acceptance_length"]
-            log(
-                f"{what} C={c}: {summary.get('output_throughput', 0):.1f} tok/s, "
-                f"TTFT p50 {summary.get('p50_ttft_ms', 0):.1f} ms, "
-                f"TPOT p50 {summary.get('p50_tpot_ms', 0):.2f} ms, "
-                f"AL {'-' if mal is None else f'{mal:.2f}'}, {n} prompts"
-                f"{'' if why is None else ' (' + why + ')'}, {wall:.0f} s"
-            )
-    ok = bool(res.data["points"]) and all(
-        s.get("outcome") == "ok" for s in res.data["servers"].values()
-    )
-    return 0 if ok else 1
+            res.data["interleaved"] = interleave_summary(res.data["points"], names, a.repeats)
+            res.save()
+            if stop:
+                cut = True
+                break
+        if cut:
+            log("a run was cut or a server lost; the interleaved comparison ends here")
+            break
+    for entry in res.data.get("interleaved", []):
+        for key, r in entry["ratios"].items():
+            tp = r["output_throughput"]
+            if tp["ratio_of_means"] is not None and tp["per_rotation"]:
+                log(f"AL {entry['acceptance_length']} C={entry['concurrency']} {key}: output "
+                    f"tok/s {tp['ratio_of_means']:.3f} (rotations {tp['min']:.3f}-"
+                    f"{tp['max']:.3f}, {r['rotations']} pairs)")  # fmt: skip
+    return rn.outcome()
 
 
 if __name__ == "__main__":

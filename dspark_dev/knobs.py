@@ -67,6 +67,8 @@ DSPARK_RELIABILITY_EXEC_TIMEOUT_S | 300 | Process-fault cases: VLLM_EXECUTE_MODE
     given to the launchers.
 DSPARK_RELIABILITY_ENV | unset | Process-fault cases: extra `K=V K=V` variables for every launcher.
 DSPARK_PD_SERVE_HAND | unset | `1`: run the served PD benchmark test by hand (about 30 s).
+DSPARK_SERVE_INTERLEAVE_HAND | unset | `1`: run the served benchmark's interleaved comparison
+    against stand-in servers by hand (about 60 s).
 DSPARK_GSM8K_LAUNCHERS | unset | `1`: run the GSM8K gate over `vllm serve` launchers too (about 3
     min on 2 cores).
 DSPARK_DSV4_CPU_CHECKS | unset | `1`: run the DeepSeek-V4 CPU reference checks (about 10 s, imports

@@ -1,6 +1,8 @@
 """A stand-in for ``vllm serve`` (stdlib, no model): what benchmarks/serve_pp_one_gpu.py's ``pd``
 group talks to, so its orchestration runs end to end on a CPU machine without MooncakeConnector
-(tests/unit/test_perf_pp_one_gpu.py, hand run). It answers ``/health``, ``/metrics`` (spec-decode
+(tests/unit/test_perf_pp_one_gpu.py, hand run), and the launchers of its PP and interleaved runs
+(tests/unit/test_perf_pp_interleave.py, hand run: a ``--headless`` launcher only waits).
+It answers ``/health``, ``/metrics`` (spec-decode
 counters as a DSpark engine at AL 4 would count them; the decoder's external prefix-cache hits),
 ``/collective_rpc`` (the benchmark hook's commands), ``/v1/completions`` (JSON, or a streamed
 answer of ``max_tokens`` tokens, four per event), and for a ``kv_producer`` a bootstrap
@@ -49,6 +51,10 @@ def main(argv: list[str]) -> None:
     def opt(flag, default=None):
         return argv[argv.index(flag) + 1] if flag in argv else default
 
+    if "--headless" in argv:  # a PP stage's launcher other than node 0: no API, runs until stopped
+        print("stand-in vllm serve: headless", flush=True)
+        while True:
+            time.sleep(60)
     port = int(opt("--port"))
     kv = json.loads(opt("--kv-transfer-config", "{}"))
     role = kv.get("kv_role", "aggregated")
