@@ -395,30 +395,39 @@ def _sum(per_wave):
     return out
 
 
+def _check_served(jobs: Jobs, fam: str, job: str, label: str, ranks: int) -> tuple[dict, dict]:
+    """A served DSpark job against the references: greedy equal to PP=1 without speculation,
+    counters within 2 points of PP=1 DSpark, one handshake over ``ranks`` ranks and the exchange
+    over NCCL on each, no process left; returns (its counters, the reference's)."""
+    base = _job(jobs, f"{fam}_base")
+    pp1 = _job(jobs, f"{fam}_pp1")
+    got = _job(jobs, job)
+    rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
+    mine, ref = _sum(got["per_wave"]), pp1.metrics()
+    ok, desc = counters_close(mine, ref)
+    wired = got["handshake"] and got["backends"] == ["nccl"] * ranks
+    print(f"[{label}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
+    print(f"[{label}] vs PP=1 DSpark graphs: {desc}")
+    print(f"[{label}] handshake {got['handshake']}, exchange over {got['backends']}")
+    _verdict(job, rep.ok and ok and wired, f"{rep.describe()}; {desc}")
+    assert rep.ok, rep.describe()
+    assert ok, desc
+    assert wired, got["backends"]
+    assert not got["leftover_pids"], got["leftover_pids"]
+    return mine, ref
+
+
 @pytest.mark.parametrize("mode", ["graphs", "eager"])
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam, mode):
     if fam in BROKEN:
         pytest.fail(BROKEN[fam])
-    base = _job(mla_pp_jobs, f"{fam}_base")
-    pp1 = _job(mla_pp_jobs, f"{fam}_pp1")
-    got = _job(mla_pp_jobs, f"{fam}_pp2_{mode}")
-    rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
-    mine, ref = _sum(got["per_wave"]), pp1.metrics()
-    ok, desc = counters_close(mine, ref)
-    print(f"[{fam} PP=2 {mode}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
-    print(f"[{fam} PP=2 {mode}] vs PP=1 DSpark graphs: {desc}")
-    print(f"[{fam} PP=2 {mode}] handshake {got['handshake']}, exchange over {got['backends']}")
-    wired = got["handshake"] and got["backends"] == ["nccl", "nccl"]
-    _verdict(f"{fam}_pp2_{mode}", rep.ok and ok and wired, f"{rep.describe()}; {desc}")
-    assert rep.ok, rep.describe()
-    assert ok, desc
-    assert wired, got["backends"]
-    assert not got["leftover_pids"], got["leftover_pids"]
+    label = f"{fam} PP=2 {mode}"
+    mine, ref = _check_served(mla_pp_jobs, fam, f"{fam}_pp2_{mode}", label, ranks=2)
     if TRAINED:  # the reference accepts like a trained pair: the 2-point rule compares something
         problems = mla_pairs.trained_acceptance_problems(ref, K)
         print(
-            f"[{fam} PP=2 {mode}] trained: PP=1 DSpark acceptance length "
+            f"[{label}] trained: PP=1 DSpark acceptance length "
             f"{mla_pairs.acceptance_length(ref):.3f}, PP=2 {mla_pairs.acceptance_length(mine):.3f}"
         )
         assert not problems, f"[{fam}] PP=1 DSpark reference: {'; '.join(problems)} ({ref})"
@@ -426,25 +435,11 @@ def test_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam, mode):
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_tp2_pp2_greedy_parity_and_acceptance(mla_pp_jobs, fam):
-    """TP=2 x PP=2 DSpark with CUDA graphs, four launchers (one rank each): greedy equal to PP=1
-    without speculation, counters within 2 points of PP=1 DSpark, one handshake over 4 ranks,
-    the exchange over NCCL on every rank."""
+    """TP=2 x PP=2 DSpark with CUDA graphs, four launchers (one rank each): the checks of
+    ``_check_served`` with one handshake over 4 ranks."""
     if fam in BROKEN:
         pytest.fail(BROKEN[fam])
-    base = _job(mla_pp_jobs, f"{fam}_base")
-    pp1 = _job(mla_pp_jobs, f"{fam}_pp1")
-    got = _job(mla_pp_jobs, f"{fam}_tp2pp2_graphs")
-    rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
-    ok, desc = counters_close(_sum(got["per_wave"]), pp1.metrics())
-    wired = got["handshake"] and got["backends"] == ["nccl"] * 4
-    print(f"[{fam} TP=2 x PP=2 graphs] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
-    print(f"[{fam} TP=2 x PP=2 graphs] vs PP=1 DSpark graphs: {desc}")
-    print(f"[{fam} TP=2 x PP=2 graphs] handshake {got['handshake']}, exchange {got['backends']}")
-    _verdict(f"{fam}_tp2pp2_graphs", rep.ok and ok and wired, f"{rep.describe()}; {desc}")
-    assert rep.ok, rep.describe()
-    assert ok, desc
-    assert wired, got["backends"]
-    assert not got["leftover_pids"], got["leftover_pids"]
+    _check_served(mla_pp_jobs, fam, f"{fam}_tp2pp2_graphs", f"{fam} TP=2 x PP=2 graphs", ranks=4)
 
 
 @pytest.mark.parametrize("control", ["nospec", "stock", *(f"stock_{d}" for d in STOCK_DIAG)])
