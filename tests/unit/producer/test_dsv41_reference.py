@@ -283,3 +283,37 @@ def _view(draft):
     t = draft._target[0]
     return _TargetView(t.embed.weight, draft.mask_embedding, draft.dcfg.noise_token_id,
                        t.head.weight)  # fmt: skip
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["window-only", "ratio-1"])
+def test_rope_of_each_layer_is_the_vllm_layers(vllm_target, ref, layer):
+    """The reference's RoPE (and inverse) per layer against the rotary embedding vLLM's V4.1
+    attention built for that layer (``rope_theta`` at ratio 0, ``compress_rope_theta`` above)."""
+    attn = ref[0].layers[layer].attn
+    rot = vllm_target.get_language_model().model.layers[layer].attn.rotary_emb
+    g = torch.Generator().manual_seed(layer)
+    pos = torch.randint(0, 200, (T,), generator=g)
+    q = torch.randn(T, 3, attn.cfg.head_dim, generator=g)
+    k = torch.randn(T, 1, attn.cfg.head_dim, generator=g)
+    q_v, k_v = rot.forward_native(pos, q.clone(), k.clone())
+    torch.testing.assert_close(attn.rope(q[None], pos)[0], q_v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn.rope(k[:, 0][None], pos)[0], k_v[:, 0], rtol=1e-5, atol=1e-5)
+    inv_v, _ = rot.forward_native(pos, q.clone(), None, inverse=True)
+    torch.testing.assert_close(attn.rope(q[None], pos, inverse=True)[0], inv_v, rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+    other = ref[0].layers[1 - layer].attn  # control: the other layer's theta does not match
+    assert not torch.allclose(other.rope(q[None], pos)[0], q_v, atol=1e-3)
+
+
+def test_vllm_drafts_the_exported_block_by_default(ref, plugin, dist_env):
+    """vLLM's DSpark config takes ``num_speculative_tokens`` from the exported
+    ``dspark_block_size`` when the speculative config names none, with V4.1's drafter."""
+    from dspark_dev import tiny_dsv4_cpu
+
+    pair = v41.t.TinyPair(str(ref[3]), str(ref[3]), "dsv41-ref")
+    cfg = tiny_dsv4_cpu.engine_config(
+        pair, speculative_config={"method": "dspark", "model": pair.draft}, dtype="float32"
+    )
+    spec = cfg.speculative_config
+    assert spec.draft_model_config.architectures == [v41.DRAFT_ARCH]
+    assert spec.num_speculative_tokens == ref[0].cfg.dspark_block_size == 4
