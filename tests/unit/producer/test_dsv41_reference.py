@@ -96,7 +96,7 @@ def test_a_dropped_tensor_is_reported(vcfg, ref, monkeypatch):
     assert f"load_weights did not load {wk}" in problems
 
 
-# ------------------------------------------------------------------ vLLM's forward, kernels stood in
+# ------------------------------------------------------------- vLLM's forward, kernels stood in
 def _rms(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
@@ -120,8 +120,10 @@ def _shifted(x, residual, post, comb, fn, scale, base, rms_eps, pre_eps, sk_eps,
     from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
 
     residual = mhc_post_torch(x, residual, post, comb)
-    post, comb, inp, nxt = _pre(residual, fn, scale, base, rms_eps, pre_eps, sk_eps, alpha, iters,
-                                pre_mix=pre_mix, norm_weight=norm_weight, norm_eps=norm_eps)  # fmt: skip
+    post, comb, inp, nxt = _pre(
+        residual, fn, scale, base, rms_eps, pre_eps, sk_eps, alpha, iters,
+        pre_mix=pre_mix, norm_weight=norm_weight, norm_eps=norm_eps,
+    )  # fmt: skip
     return residual, post, comb, inp, nxt, residual.mean(dim=1) if capture_aux else None
 
 
@@ -317,3 +319,29 @@ def test_vllm_drafts_the_exported_block_by_default(ref, plugin, dist_env):
     spec = cfg.speculative_config
     assert spec.draft_model_config.architectures == [v41.DRAFT_ARCH]
     assert spec.num_speculative_tokens == ref[0].cfg.dspark_block_size == 4
+
+
+BUNDLED = REPO / "models" / "dsv41-pair" / "dsv41"
+
+
+@pytest.mark.skipif(not BUNDLED.is_dir(), reason="models/dsv41-pair not bundled in this checkout")
+@pytest.mark.parametrize("drafter", [False, True], ids=["target", "drafter"])
+def test_bundled_pair_fills_every_vllm_parameter(plugin, dist_env, drafter, monkeypatch):
+    """The bundled trained pair (bfloat16) loads into vLLM's V4.1 target and drafter on CPU."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM
+
+    from dspark_dev.training import dsv41_check as C
+
+    pair = v41.t.TinyPair(str(BUNDLED), str(BUNDLED), "dsv41-pair")
+    cfg = v41.engine_config(pair, pp=1)
+    assert cfg.speculative_config.draft_model_config.architectures == [v41.DRAFT_ARCH]
+    if drafter:
+        model = v41.build_drafter(cfg, DSparkDeepseekV4ForCausalLM, monkeypatch)
+    else:
+        model = v41.build_stage(cfg, 0, 1, monkeypatch)
+    sd = load_file(str(BUNDLED / "model.safetensors"))
+    n_layers = cfg.model_config.hf_config.num_hidden_layers
+    with set_current_vllm_config(cfg):
+        assert C.load_problems(model, sd, drafter=drafter, n_layers=n_layers) == []
