@@ -82,13 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--family",
-        choices=["qwen3", "k3", "dsv4"],
+        choices=["qwen3", "k3", "dsv4", "dsv41"],
         default="qwen3",
         help="qwen3: the Qwen3 pair (models.py); k3: the Kimi-K3 pair (k3_models.py: "
         "KimiLinearForCausalLM target + K3DSparkModel drafter, bfloat16 checkpoints); dsv4: the "
         "DeepSeek-V4 pair (dsv4_train.py: tiny_mla_targets.dsv4_fields sizes, see "
         "--dsv4-geometry; the draft as mtp.<i>.* in the target's bfloat16 checkpoint; of the "
-        "size flags only --block-size, --markov-rank and --draft-layers apply)",
+        "size flags only --block-size, --markov-rank and --draft-layers apply); dsv41: the "
+        "DeepSeek-V4.1 pair (dsv41_train.py: V4's training geometry with V4.1's layer topology, "
+        "docs/dsv41-pure-torch.md; the same size flags apply)",
     )
     p.add_argument(
         "--dsv4-geometry",
@@ -313,6 +315,22 @@ def build_configs(args, vocab: int):
             functools.partial(DSV4TrainTarget, seed=args.seed),
             functools.partial(DSV4TrainDraft, seed=args.seed + 1),
         )
+    if args.family == "dsv41":
+        import functools
+
+        from dspark_dev.training.dsv41_train import (
+            DSV41TrainDraft,
+            DSV41TrainTarget,
+            build_dsv41_configs,
+        )
+
+        tc, dc = build_dsv41_configs(vocab, args.block_size, args.markov_rank, args.draft_layers)
+        return (
+            tc,
+            dc,
+            functools.partial(DSV41TrainTarget, seed=args.seed),
+            functools.partial(DSV41TrainDraft, seed=args.seed + 1),
+        )
     if args.family == "k3":
         from dspark_dev.training.k3_models import (
             K3DraftConfig,
@@ -372,6 +390,8 @@ def _write(args, target, draft, extra, device, t_start) -> None:
     write = write_k3_pair if args.family == "k3" else write_pair
     if args.family == "dsv4":
         from dspark_dev.training.dsv4_train import write_dsv4_pair as write
+    if args.family == "dsv41":
+        from dspark_dev.training.dsv41_train import write_dsv41_pair as write
     paths = write(args.out, target, draft, args.tokenizer, extra)
     with open(os.path.join(args.out, "training_summary.json"), "w") as f:
         json.dump({k: v for k, v in extra.items() if not k.endswith("history")}, f, indent=2)
@@ -544,7 +564,7 @@ def main(args) -> int:
     d_loss, d_parts = eval_draft()
 
     # ---- write (before the acceptance simulation, so a failure there loses no weights) ----
-    if args.family in ("k3", "dsv4"):
+    if args.family in ("k3", "dsv4", "dsv41"):
         # the checkpoint is bfloat16: the simulation below must use the shipped values
         from dspark_dev.training.export import round_to_bf16_
 
