@@ -46,6 +46,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,9 +257,11 @@ class Deployment:
         return "\n".join(f"--- {x.name} ---\n{x.log_tail(n)}" for x in self.nodes)
 
     def stop(self, grace_s: float = 10.0) -> list[int]:
-        """Stop every launcher's process group; returns pids that still run (none expected)."""
-        for node in self.nodes:
-            node.stop(grace_s=grace_s)
+        """Stop every launcher's process group, all at once (a headless launcher took about 4.5 s
+        to exit on SIGTERM on the CPU, so one after the other cost 14 s for four); returns pids
+        that still run (none expected)."""
+        with ThreadPoolExecutor(max_workers=len(self.nodes) or 1) as pool:
+            list(pool.map(lambda node: node.stop(grace_s=grace_s), self.nodes))
         procs = [node.proc for node in self.nodes if node.proc is not None]
         return [pid for proc in procs for pid in live_group_members(proc.pid)]
 
