@@ -28,8 +28,11 @@ sampled requests (``wave_sampling`` of :mod:`dspark_dev.engine_worker`).
 ``distributed_executor_backend="mp"``, small KV cache, ``disable_log_stats=False``). The child is
 ``dspark_dev.engine_worker`` run by ``dspark_dev.engine.run_engine`` (the one
 runner, shared with the GPU tier): own process group, SIGKILLed when ``timeout_s`` passes
-(start-up, warm-up and shutdown included) and after every case anyway. Set
-``DSPARK_E2E_LOG_DIR`` to keep every case's full log.
+(start-up, warm-up and generation included) and after every case anyway; a case returns as soon
+as its result is written, and vLLM's shutdown (3-4 s, nothing checks it) finishes in the
+background before the group is killed (``return_at_shutdown`` of ``run_engine``). Set
+``DSPARK_E2E_LOG_DIR`` to keep every case's full log (shutdown included: then each case waits for
+it).
 """
 
 from __future__ import annotations
@@ -109,8 +112,13 @@ def run_generate(
         "async_scheduling": bool(async_scheduling),
         "abort": abort,
     }
-    run = run_engine(spec, timeout_s=timeout_s, env=child_env({**CPU_ENV, **CPU_E2E_EXTRA}, env))
     keep = os.environ.get("DSPARK_E2E_LOG_DIR")
+    run = run_engine(
+        spec,
+        timeout_s=timeout_s,
+        env=child_env({**CPU_ENV, **CPU_E2E_EXTRA}, env),
+        return_at_shutdown=not keep,  # a kept log runs to the end of vLLM's shutdown
+    )
     if keep:  # debugging aid: keep every case's full log
         os.makedirs(keep, exist_ok=True)
         Path(keep, f"case-{int(time.time() * 1000)}.log").write_text(run.log_text)

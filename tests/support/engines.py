@@ -116,6 +116,14 @@ def run_random(tiny, timeout_s, *, pp, spec, extra=None, **kw):
     return run_generate(cfg, RANDOM_PROMPTS, timeout_s, env=plugin_env(), **kw)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The engines whose vLLM shutdown ran on in the background (``support.e2e.run_generate``)
+    have ended, their process groups killed, before pytest reports."""
+    from dspark_dev.engine import wait_for_shutdowns
+
+    wait_for_shutdowns()
+
+
 @pytest.fixture(scope="session")
 def e2e_timeout_s() -> float:
     """The hard per-case wall-clock limit (``DSPARK_E2E_TIMEOUT_S``, default 300 s; a case takes
