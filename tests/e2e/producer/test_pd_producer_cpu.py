@@ -80,10 +80,25 @@ def _pd_prompts() -> list[list[int]]:
 
 PROMPTS = _pd_prompts()
 SAMPLING = {"max_tokens": 64, "ignore_eos": False}  # every answer ends at EOS before 64 tokens
+
+
+def _nan_prompts() -> list[list[int]]:
+    """The NaN-norm control's prompts: the next eight held-out prompts of 34-35 tokens. Its store
+    and the PP=2 producer's are read by one decoder (two waves), so the two sets differ, and no
+    two prompts share their first block (no prefix-cache hit stands in for the store)."""
+    pool = tiny_pair.heldout_prompts(NUM_PROMPTS + 6, min_tokens=BLOCK_SIZE + 2)
+    out = [p for p in pool if p not in PROMPTS][:NUM_PROMPTS]
+    assert len(out) == NUM_PROMPTS
+    assert len({tuple(p[:BLOCK_SIZE]) for p in PROMPTS + out}) == 2 * NUM_PROMPTS
+    return out
+
+
+NAN_PROMPTS = _nan_prompts()
 # The NaN-norm control's decoder: its drafts are all but never accepted, so each of its steps adds
 # about one token (427 drafts for the 64-token answers, 2026-12-02); 16 tokens a prompt give it
 # about 120 drafts of 7 tokens, plenty to tell its acceptance from the aggregated 99.5 %.
 NAN_MAX_TOKENS = 16
+NAN_WAVE = {"prompts": NAN_PROMPTS, "sampling": {"max_tokens": NAN_MAX_TOKENS}}
 CONNECTOR = "DSparkDraftKVFileConnector"
 # The drafter's layers are numbered after the target's: target 0-3, draft 4-5.
 NUM_TARGET_LAYERS = tiny_pair.num_target_layers()
@@ -140,7 +155,7 @@ def _corrupt_draft_layers(src: Path, dst: Path) -> None:
             st.save_file({"kv_cache": noise}, str(f))
 
 
-def _aggregated(timeout_s: float, async_scheduling: bool = False):
+def _aggregated(timeout_s: float, async_scheduling: bool = False, **kw):
     """The aggregated run (PP=1, no connector, full drafter) on the held-out prompts."""
     return run_generate(
         dict(BASE),
@@ -148,19 +163,21 @@ def _aggregated(timeout_s: float, async_scheduling: bool = False):
         timeout_s=timeout_s,
         sampling=SAMPLING,
         async_scheduling=async_scheduling,
+        **kw,
     )
 
 
 @pytest.fixture(scope="module")
 def pd_stores(tmp_path_factory, e2e_timeout_s):
-    """The aggregated reference (synchronous scheduling) and the two producers' KV stores."""
+    """The aggregated reference (synchronous scheduling; its second wave: the NaN-norm control's
+    prompts, :data:`NAN_MAX_TOKENS` tokens each) and the two producers' KV stores."""
     ok, why = tiny_pair.available()
     assert ok, why
     tmp = tmp_path_factory.mktemp("pd")
     ref_store, prod_store = tmp / "ref", tmp / "prod"
     ref_store.mkdir()
     prod_store.mkdir()
-    agg = _aggregated(e2e_timeout_s)
+    agg = _aggregated(e2e_timeout_s, extra_waves=[NAN_WAVE])
     ref = run_generate(
         dict(BASE, kv_transfer_config=_kv("kv_both", ref_store)),
         PROMPTS,
@@ -184,6 +201,38 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
         "prod_store": prod_store,
         "tmp": tmp,
     }
+
+
+@pytest.fixture(scope="module")
+def nan_norm_producer(pd_stores, e2e_timeout_s):
+    """The NaN-norm control's producer: PP=1, its draft's ``rms_norm_eps = -1e30``
+    (``draft_controls.nan_norm_draft``; its target untouched), on :data:`NAN_PROMPTS`."""
+    from support.draft_controls import nan_norm_draft
+
+    tmp = pd_stores["tmp"]
+    store = tmp / "nan-norm"
+    store.mkdir()
+    spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
+    prod = run_generate(
+        dict(BASE, speculative_config=spec, kv_transfer_config=_kv("kv_producer", store)),
+        NAN_PROMPTS,
+        timeout_s=e2e_timeout_s,
+        sampling={"max_tokens": 1},
+        env=ENV,
+    )
+    return {"prod": prod, "store": store}
+
+
+@pytest.fixture(scope="module")
+def sync_decoder(pd_stores, nan_norm_producer, e2e_timeout_s):
+    """One synchronous decoder for both stores, which hold disjoint prompts (a copy of each in one
+    directory): its first wave reads the PP=2 producer's store (:data:`PROMPTS`), its second the
+    NaN-norm producer's (:data:`NAN_PROMPTS`, :data:`NAN_MAX_TOKENS` tokens each)."""
+    both = pd_stores["tmp"] / "both"
+    shutil.copytree(pd_stores["prod_store"], both)
+    for d in nan_norm_producer["store"].iterdir():
+        shutil.copytree(d, both / d.name)  # raises if a request folder were in both stores
+    return _decode(both, e2e_timeout_s, extra_waves=[NAN_WAVE])
 
 
 BASE = {
@@ -259,7 +308,9 @@ def test_pp2_producer_writes_the_full_drafters_kv_with_a_context_only_drafter(pd
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, e2e_timeout_s):
+def test_decoder_drafts_and_accepts_like_the_aggregated_engine(
+    request, pd_stores, mode, e2e_timeout_s
+):
     """The PP=1 decoder loads the PP=2 producer's store and must equal the aggregated run in
     tokens, number of drafts, draft tokens, accepted tokens and accepted tokens per position, in
     either scheduling mode (the reference runs synchronously: a request's drafts and acceptances
@@ -267,9 +318,13 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, 
     test_aggregated_async_run_equals_the_sync_reference, opt-in, compares the two aggregated
     runs). Two prompts resume with one token left to compute: stock vLLM 0.34.0 pads that step
     with placeholder drafts nobody proposed under async scheduling (one wasted, never-accepted
-    draft per such prompt; issue 13)."""
+    draft per such prompt; issue 13). The synchronous decoder is the NaN-norm control's too
+    (``sync_decoder``: this is its first wave)."""
     agg = pd_stores["agg"]
-    dec = _decode(pd_stores["prod_store"], e2e_timeout_s, async_scheduling=mode == "async")
+    if mode == "sync":
+        dec = request.getfixturevalue("sync_decoder")
+    else:
+        dec = _decode(pd_stores["prod_store"], e2e_timeout_s, async_scheduling=True)
     print(f"decoder ({mode}): {dec.metrics}\naggregated (sync): {agg.metrics}")
     assert dec.config["async_scheduling"] is (mode == "async")
     assert dec.tokens == agg.tokens
@@ -291,39 +346,29 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(pd_stores, mode, 
         )
 
 
-def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(pd_stores, e2e_timeout_s):
+def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(
+    pd_stores, nan_norm_producer, sync_decoder
+):
     """The GPU PD control's mechanism (tests/gpu/test_dsv4_k3_engine.py), end to end on CPU: a
     producer whose draft config has ``rms_norm_eps = -1e30`` (``draft_controls.nan_norm_draft``;
     its target untouched) writes a NaN draft context KV; the decoder, with the real draft, reads
     it, stays lossless, and accepts fewer drafts than the aggregated engine. If the decoder
-    ignored or recomputed the stored draft KV, its acceptance would equal the aggregated one."""
+    ignored or recomputed the stored draft KV, its acceptance would equal the aggregated one.
+    Both runs' second waves: the control's own prompts, the first :data:`NAN_MAX_TOKENS` tokens
+    of each answer."""
     import torch
-    from support.draft_controls import nan_norm_draft
 
-    tmp = pd_stores["tmp"]
-    nan_store = tmp / "nan-norm"
-    nan_store.mkdir()
-    spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
-    prod = run_generate(
-        dict(BASE, speculative_config=spec, kv_transfer_config=_kv("kv_producer", nan_store)),
-        PROMPTS,
-        timeout_s=e2e_timeout_s,
-        sampling={"max_tokens": 1},
-        env=ENV,
-    )
+    prod = nan_norm_producer["prod"]
     assert len(builds_in_log(prod.log_text)) == 1, "the producer builds the context-only drafter"
-    kv = _load_store(nan_store)
+    kv = _load_store(nan_norm_producer["store"])
+    assert len({k[0] for k in kv}) == len(NAN_PROMPTS)
     for (req, layer), t in kv.items():
         finite = bool(torch.isfinite(t).all())
         assert finite is (layer in TARGET_LAYERS), f"{req}/{layer}: finite={finite}"
 
-    agg = pd_stores["agg"]
-    dec = _decode(nan_store, e2e_timeout_s, sampling=dict(SAMPLING, max_tokens=NAN_MAX_TOKENS))
+    agg, dec = pd_stores["agg"].waves[1], sync_decoder.waves[1]
     rate = lambda m: m["num_accepted_tokens"] / m["num_draft_tokens"]  # noqa: E731
-    print(f"decoder on the NaN-norm producer's store: {dec.metrics}\naggregated: {agg.metrics}")
-    # greedy: the first NAN_MAX_TOKENS tokens of the aggregated answers (all are longer)
-    assert all(len(t) > NAN_MAX_TOKENS for t in agg.tokens), [len(t) for t in agg.tokens]
-    assert dec.tokens == [t[:NAN_MAX_TOKENS] for t in agg.tokens], (
-        "greedy output must stay lossless whatever the draft KV"
-    )
-    assert rate(dec.metrics) < rate(agg.metrics) - 0.02, (dec.metrics, agg.metrics)
+    print(f"decoder on the NaN-norm store: {dec['metrics']}\naggregated: {agg['metrics']}")
+    assert agg["tokens"] and [len(t) for t in agg["tokens"]] == [NAN_MAX_TOKENS] * len(NAN_PROMPTS)
+    assert dec["tokens"] == agg["tokens"], "greedy output must stay lossless whatever the draft KV"
+    assert rate(dec["metrics"]) < rate(agg["metrics"]) - 0.02, (dec["metrics"], agg["metrics"])
