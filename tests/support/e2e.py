@@ -20,6 +20,11 @@
     res.waves             # every wave's raw result (tokens, metrics, step_lengths, ...), first
                           # wave included
 
+Independent cases a fixture needs together run two at a time (``run_together``; the knob
+``DSPARK_E2E_PARALLEL``, default 2, 1 = one at a time): a case's start-up imports vLLM in three
+processes one after the other, keeping one core of the two busy, so two cases overlap there
+(two pair runs: 72-80 s together against 100-112 s one after the other, 2026-12-05, load 3-7).
+
 An extra wave's ``sampling`` is merged over ``sampling`` (a dict: for all its requests; a list:
 one dict per request), so one engine start serves a greedy wave and then, say, many seeded
 sampled requests (``wave_sampling`` of :mod:`dspark_dev.engine_worker`).
@@ -39,8 +44,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from dspark_dev.engine import child_env, run_engine
 from support.env import CPU_E2E_EXTRA, CPU_ENV
@@ -55,6 +64,7 @@ DEFAULT_LLM_KWARGS = {
     "disable_log_stats": False,
 }
 DEFAULT_TIMEOUT_S = 90.0
+PARALLEL_ENV = "DSPARK_E2E_PARALLEL"
 
 
 class E2EFailure(AssertionError):
@@ -157,3 +167,39 @@ def run_generate(
         log_tail=run.log_text[-3000:],
         log_text=run.log_text,
     )
+
+
+def parallel_cases() -> int:
+    """How many engine cases :func:`run_together` runs at once (``DSPARK_E2E_PARALLEL``, default
+    2)."""
+    return max(1, int(os.environ.get(PARALLEL_ENV, "2")))
+
+
+def run_together(cases: dict[str, Callable[[], Result]]) -> dict[str, Result | BaseException]:
+    """Run independent engine cases (name -> a call of :func:`run_generate`), at most
+    :func:`parallel_cases` at a time, and return each one's result or the failure it raised (the
+    caller raises it where that case is used). Only cases whose results do not depend on timing
+    belong here: nothing else runs beside them, but each takes longer."""
+    out: dict[str, Result | BaseException] = {}
+    workers = min(parallel_cases(), len(cases))
+    if workers <= 1:
+        for name, case in cases.items():
+            try:
+                out[name] = case()
+            except (Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - raised by the caller
+                out[name] = exc
+        return out
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="e2e-case") as pool:
+        futures = {name: pool.submit(case) for name, case in cases.items()}
+    for name, future in futures.items():
+        exc = future.exception()
+        out[name] = exc if exc is not None else future.result()
+    return out
+
+
+def result_of(results: dict[str, Result | BaseException], name: str) -> Result:
+    """``results[name]`` of :func:`run_together`, raising the failure of that case."""
+    res = results[name]
+    if isinstance(res, BaseException):
+        raise res
+    return res

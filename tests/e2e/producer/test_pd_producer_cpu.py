@@ -55,7 +55,7 @@ from pathlib import Path
 
 import pytest
 from support import tiny_pair
-from support.e2e import run_generate
+from support.e2e import result_of, run_generate, run_together
 
 from vllm_dspark_pp.producer.load import builds_in_log
 
@@ -170,69 +170,81 @@ def _aggregated(timeout_s: float, async_scheduling: bool = False, **kw):
 @pytest.fixture(scope="module")
 def pd_stores(tmp_path_factory, e2e_timeout_s):
     """The aggregated reference (synchronous scheduling; its second wave: the NaN-norm control's
-    prompts, :data:`NAN_MAX_TOKENS` tokens each) and the two producers' KV stores."""
+    prompts, :data:`NAN_MAX_TOKENS` tokens each) and the three producers' KV stores: the PP=1
+    ``kv_both`` reference, the PP=2 producer under test and the NaN-norm control's (PP=1, its
+    draft's ``rms_norm_eps = -1e30``: ``draft_controls.nan_norm_draft``, its target untouched, on
+    :data:`NAN_PROMPTS`). The four engines are independent: two run at a time
+    (``support.e2e.run_together``)."""
+    from support.draft_controls import nan_norm_draft
+
     ok, why = tiny_pair.available()
     assert ok, why
     tmp = tmp_path_factory.mktemp("pd")
-    ref_store, prod_store = tmp / "ref", tmp / "prod"
-    ref_store.mkdir()
-    prod_store.mkdir()
-    agg = _aggregated(e2e_timeout_s, extra_waves=[NAN_WAVE])
-    ref = run_generate(
-        dict(BASE, kv_transfer_config=_kv("kv_both", ref_store)),
-        PROMPTS,
-        timeout_s=e2e_timeout_s,
-        sampling={"max_tokens": 1},
-        env=ENV,
+    stores = {name: tmp / name for name in ("ref", "prod", "nan-norm")}
+    for store in stores.values():
+        store.mkdir()
+    nan_spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
+    one_token = {"timeout_s": e2e_timeout_s, "sampling": {"max_tokens": 1}, "env": ENV}
+    runs = run_together(
+        {
+            "agg": lambda: _aggregated(e2e_timeout_s, extra_waves=[NAN_WAVE]),
+            "ref": lambda: run_generate(
+                dict(BASE, kv_transfer_config=_kv("kv_both", stores["ref"])), PROMPTS, **one_token
+            ),
+            "prod": lambda: run_generate(
+                dict(
+                    BASE,
+                    kv_transfer_config=_kv("kv_producer", stores["prod"]),
+                    pipeline_parallel_size=2,
+                ),
+                PROMPTS,
+                **one_token,
+            ),
+            "nan_prod": lambda: run_generate(
+                dict(
+                    BASE,
+                    speculative_config=nan_spec,
+                    kv_transfer_config=_kv("kv_producer", stores["nan-norm"]),
+                ),
+                NAN_PROMPTS,
+                **one_token,
+            ),
+        }
     )
+    ref = result_of(runs, "ref")
     assert builds_in_log(ref.log_text) == [], "kv_both must keep the full drafter"
-    prod = run_generate(
-        dict(BASE, kv_transfer_config=_kv("kv_producer", prod_store), pipeline_parallel_size=2),
-        PROMPTS,
-        timeout_s=e2e_timeout_s,
-        sampling={"max_tokens": 1},
-        env=ENV,
-    )
     return {
-        "agg": agg,
+        "agg": result_of(runs, "agg"),
         "ref": ref,
-        "prod": prod,
-        "ref_store": ref_store,
-        "prod_store": prod_store,
+        "prod": result_of(runs, "prod"),
+        "ref_store": stores["ref"],
+        "prod_store": stores["prod"],
+        "nan_prod": runs["nan_prod"],  # raised by the NaN-norm control's tests only
+        "nan_store": stores["nan-norm"],
         "tmp": tmp,
     }
 
 
 @pytest.fixture(scope="module")
-def nan_norm_producer(pd_stores, e2e_timeout_s):
-    """The NaN-norm control's producer: PP=1, its draft's ``rms_norm_eps = -1e30``
-    (``draft_controls.nan_norm_draft``; its target untouched), on :data:`NAN_PROMPTS`."""
-    from support.draft_controls import nan_norm_draft
-
-    tmp = pd_stores["tmp"]
-    store = tmp / "nan-norm"
-    store.mkdir()
-    spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
-    prod = run_generate(
-        dict(BASE, speculative_config=spec, kv_transfer_config=_kv("kv_producer", store)),
-        NAN_PROMPTS,
-        timeout_s=e2e_timeout_s,
-        sampling={"max_tokens": 1},
-        env=ENV,
-    )
-    return {"prod": prod, "store": store}
-
-
-@pytest.fixture(scope="module")
-def sync_decoder(pd_stores, nan_norm_producer, e2e_timeout_s):
-    """One synchronous decoder for both stores, which hold disjoint prompts (a copy of each in one
-    directory): its first wave reads the PP=2 producer's store (:data:`PROMPTS`), its second the
-    NaN-norm producer's (:data:`NAN_PROMPTS`, :data:`NAN_MAX_TOKENS` tokens each)."""
+def decoders(pd_stores, e2e_timeout_s):
+    """The PP=1 decoders, two at a time: the asynchronous one on the PP=2 producer's store; the
+    synchronous one on a copy of that store and the NaN-norm producer's in one directory (they
+    hold disjoint prompts), first wave :data:`PROMPTS`, second :data:`NAN_PROMPTS`
+    (:data:`NAN_MAX_TOKENS` tokens each). Without the NaN-norm store, the synchronous decoder
+    reads the PP=2 producer's alone (its control then fails on the producer's error)."""
     both = pd_stores["tmp"] / "both"
     shutil.copytree(pd_stores["prod_store"], both)
-    for d in nan_norm_producer["store"].iterdir():
-        shutil.copytree(d, both / d.name)  # raises if a request folder were in both stores
-    return _decode(both, e2e_timeout_s, extra_waves=[NAN_WAVE])
+    waves = []
+    if not isinstance(pd_stores["nan_prod"], BaseException):
+        for d in pd_stores["nan_store"].iterdir():
+            shutil.copytree(d, both / d.name)  # raises if a request folder were in both stores
+        waves = [NAN_WAVE]
+    return run_together(
+        {
+            "sync": lambda: _decode(both, e2e_timeout_s, extra_waves=waves),
+            "async": lambda: _decode(pd_stores["prod_store"], e2e_timeout_s, async_scheduling=True),
+        }
+    )
 
 
 BASE = {
@@ -309,7 +321,7 @@ def test_pp2_producer_writes_the_full_drafters_kv_with_a_context_only_drafter(pd
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_decoder_drafts_and_accepts_like_the_aggregated_engine(
-    request, pd_stores, mode, e2e_timeout_s
+    pd_stores, decoders, mode, e2e_timeout_s
 ):
     """The PP=1 decoder loads the PP=2 producer's store and must equal the aggregated run in
     tokens, number of drafts, draft tokens, accepted tokens and accepted tokens per position, in
@@ -319,12 +331,9 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(
     runs). Two prompts resume with one token left to compute: stock vLLM 0.34.0 pads that step
     with placeholder drafts nobody proposed under async scheduling (one wasted, never-accepted
     draft per such prompt; issue 13). The synchronous decoder is the NaN-norm control's too
-    (``sync_decoder``: this is its first wave)."""
+    (``decoders``: this is its first wave)."""
     agg = pd_stores["agg"]
-    if mode == "sync":
-        dec = request.getfixturevalue("sync_decoder")
-    else:
-        dec = _decode(pd_stores["prod_store"], e2e_timeout_s, async_scheduling=True)
+    dec = result_of(decoders, mode)
     print(f"decoder ({mode}): {dec.metrics}\naggregated (sync): {agg.metrics}")
     assert dec.config["async_scheduling"] is (mode == "async")
     assert dec.tokens == agg.tokens
@@ -346,9 +355,7 @@ def test_decoder_drafts_and_accepts_like_the_aggregated_engine(
         )
 
 
-def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(
-    pd_stores, nan_norm_producer, sync_decoder
-):
+def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(pd_stores, decoders):
     """The GPU PD control's mechanism (tests/gpu/test_dsv4_k3_engine.py), end to end on CPU: a
     producer whose draft config has ``rms_norm_eps = -1e30`` (``draft_controls.nan_norm_draft``;
     its target untouched) writes a NaN draft context KV; the decoder, with the real draft, reads
@@ -358,15 +365,15 @@ def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(
     of each answer."""
     import torch
 
-    prod = nan_norm_producer["prod"]
+    prod = result_of(pd_stores, "nan_prod")
     assert len(builds_in_log(prod.log_text)) == 1, "the producer builds the context-only drafter"
-    kv = _load_store(nan_norm_producer["store"])
+    kv = _load_store(pd_stores["nan_store"])
     assert len({k[0] for k in kv}) == len(NAN_PROMPTS)
     for (req, layer), t in kv.items():
         finite = bool(torch.isfinite(t).all())
         assert finite is (layer in TARGET_LAYERS), f"{req}/{layer}: finite={finite}"
 
-    agg, dec = pd_stores["agg"].waves[1], sync_decoder.waves[1]
+    agg, dec = pd_stores["agg"].waves[1], result_of(decoders, "sync").waves[1]
     rate = lambda m: m["num_accepted_tokens"] / m["num_draft_tokens"]  # noqa: E731
     print(f"decoder on the NaN-norm store: {dec['metrics']}\naggregated: {agg['metrics']}")
     assert agg["tokens"] and [len(t) for t in agg["tokens"]] == [NAN_MAX_TOKENS] * len(NAN_PROMPTS)
