@@ -43,6 +43,8 @@ DSPARK_PP_REQUIRE_E2E | unset | `1`: an e2e test that would skip fails instead (
 DSPARK_E2E_FULL | unset | `1`: also run the e2e variants marked `e2e_full`, redundant in the
     default (CI) run.
 DSPARK_E2E_TIMEOUT_S | 300 | Hard wall-clock limit of one e2e engine case, in seconds.
+DSPARK_E2E_PARALLEL | 2 | How many independent e2e engine cases a fixture runs at once
+    (tests/support/e2e.py run_together); `1`: one at a time.
 DSPARK_E2E_LOG_DIR | unset | Keep every e2e case's full log in this folder (debugging aid).
 DSPARK_E2E_PLUGINS | unset | `none`: run the e2e engines without the plugin
     (VLLM_PLUGINS=no-such-plugin), to show a failure on stock vLLM.

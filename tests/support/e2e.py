@@ -20,6 +20,11 @@
     res.waves             # every wave's raw result (tokens, metrics, step_lengths, ...), first
                           # wave included
 
+Independent cases a fixture needs together run two at a time (``run_together``; the knob
+``DSPARK_E2E_PARALLEL``, default 2, 1 = one at a time): a case's start-up imports vLLM in three
+processes one after the other, keeping one core of the two busy, so two cases overlap there
+(two pair runs: 72-80 s together against 100-112 s one after the other, 2026-12-05, load 3-7).
+
 An extra wave's ``sampling`` is merged over ``sampling`` (a dict: for all its requests; a list:
 one dict per request), so one engine start serves a greedy wave and then, say, many seeded
 sampled requests (``wave_sampling`` of :mod:`dspark_dev.engine_worker`).
@@ -28,16 +33,23 @@ sampled requests (``wave_sampling`` of :mod:`dspark_dev.engine_worker`).
 ``distributed_executor_backend="mp"``, small KV cache, ``disable_log_stats=False``). The child is
 ``dspark_dev.engine_worker`` run by ``dspark_dev.engine.run_engine`` (the one
 runner, shared with the GPU tier): own process group, SIGKILLed when ``timeout_s`` passes
-(start-up, warm-up and shutdown included) and after every case anyway. Set
-``DSPARK_E2E_LOG_DIR`` to keep every case's full log.
+(start-up, warm-up and generation included) and after every case anyway; a case returns as soon
+as its result is written, and vLLM's shutdown (3-4 s, nothing checks it) finishes in the
+background before the group is killed (``return_at_shutdown`` of ``run_engine``). Set
+``DSPARK_E2E_LOG_DIR`` to keep every case's full log (shutdown included: then each case waits for
+it).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from dspark_dev.engine import child_env, run_engine
 from support.env import CPU_E2E_EXTRA, CPU_ENV
@@ -52,6 +64,7 @@ DEFAULT_LLM_KWARGS = {
     "disable_log_stats": False,
 }
 DEFAULT_TIMEOUT_S = 90.0
+PARALLEL_ENV = "DSPARK_E2E_PARALLEL"
 
 
 class E2EFailure(AssertionError):
@@ -109,8 +122,13 @@ def run_generate(
         "async_scheduling": bool(async_scheduling),
         "abort": abort,
     }
-    run = run_engine(spec, timeout_s=timeout_s, env=child_env({**CPU_ENV, **CPU_E2E_EXTRA}, env))
     keep = os.environ.get("DSPARK_E2E_LOG_DIR")
+    run = run_engine(
+        spec,
+        timeout_s=timeout_s,
+        env=child_env({**CPU_ENV, **CPU_E2E_EXTRA}, env),
+        return_at_shutdown=not keep,  # a kept log runs to the end of vLLM's shutdown
+    )
     if keep:  # debugging aid: keep every case's full log
         os.makedirs(keep, exist_ok=True)
         Path(keep, f"case-{int(time.time() * 1000)}.log").write_text(run.log_text)
@@ -149,3 +167,39 @@ def run_generate(
         log_tail=run.log_text[-3000:],
         log_text=run.log_text,
     )
+
+
+def parallel_cases() -> int:
+    """How many engine cases :func:`run_together` runs at once (``DSPARK_E2E_PARALLEL``, default
+    2)."""
+    return max(1, int(os.environ.get(PARALLEL_ENV, "2")))
+
+
+def run_together(cases: dict[str, Callable[[], Result]]) -> dict[str, Result | BaseException]:
+    """Run independent engine cases (name -> a call of :func:`run_generate`), at most
+    :func:`parallel_cases` at a time, and return each one's result or the failure it raised (the
+    caller raises it where that case is used). Only cases whose results do not depend on timing
+    belong here: nothing else runs beside them, but each takes longer."""
+    out: dict[str, Result | BaseException] = {}
+    workers = min(parallel_cases(), len(cases))
+    if workers <= 1:
+        for name, case in cases.items():
+            try:
+                out[name] = case()
+            except (Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - raised by the caller
+                out[name] = exc
+        return out
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="e2e-case") as pool:
+        futures = {name: pool.submit(case) for name, case in cases.items()}
+    for name, future in futures.items():
+        exc = future.exception()
+        out[name] = exc if exc is not None else future.result()
+    return out
+
+
+def result_of(results: dict[str, Result | BaseException], name: str) -> Result:
+    """``results[name]`` of :func:`run_together`, raising the failure of that case."""
+    res = results[name]
+    if isinstance(res, BaseException):
+        raise res
+    return res

@@ -20,6 +20,11 @@ temperature-1 requests; tests/e2e/test_sampling.py compares their tokens across 
 Random-weight pair (``tiny_models``, k=4), :data:`RANDOM_PROMPTS`: ``random_reference`` (PP=1
 no-spec, chunked prefill with a 32-token budget), ``random_pp1`` (PP=1 DSpark, same budget),
 ``random_pp2_unchunked`` (PP=2 DSpark, chunked prefill off, sync).
+
+Each run is computed once (:class:`SharedRuns`), together with the runs of its group
+(:data:`GROUPS`) that the session's tests will ask for, two at a time
+(``support.e2e.run_together``): in a full session the two PP=1 trained-pair runs side by side,
+the three PP runs and the three random-pair runs two at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 import pytest
 
 from support import tiny_pair
-from support.e2e import run_generate
+from support.e2e import Result, result_of, run_generate, run_together
 from support.reliability import seeded_sampling_wave
 
 # ------------------------------------------------------------------ trained pair
@@ -116,6 +121,14 @@ def run_random(tiny, timeout_s, *, pp, spec, extra=None, **kw):
     return run_generate(cfg, RANDOM_PROMPTS, timeout_s, env=plugin_env(), **kw)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The engines whose vLLM shutdown ran on in the background (``support.e2e.run_generate``)
+    have ended, their process groups killed, before pytest reports."""
+    from dspark_dev.engine import wait_for_shutdowns
+
+    wait_for_shutdowns()
+
+
 @pytest.fixture(scope="session")
 def e2e_timeout_s() -> float:
     """The hard per-case wall-clock limit (``DSPARK_E2E_TIMEOUT_S``, default 300 s; a case takes
@@ -123,9 +136,89 @@ def e2e_timeout_s() -> float:
     return float(os.environ.get("DSPARK_E2E_TIMEOUT_S", "300"))
 
 
+def _cases(name: str, request) -> dict:
+    """The cases of ``name``'s group (:data:`GROUPS`), as calls of :func:`run_generate`."""
+    t = request.getfixturevalue("e2e_timeout_s")
+    if name.startswith("random_"):
+        tiny = request.getfixturevalue("tiny_models")  # resolved here, never in a case's thread
+        return {
+            "random_reference": lambda: run_random(
+                tiny, t, pp=1, spec=False, extra=CHUNKED,
+                sampling={"max_tokens": RANDOM_MAX_TOKENS, "logprobs": 2},
+            ),
+            "random_pp1": lambda: run_random(tiny, t, pp=1, spec=True, extra=CHUNKED),
+            "random_pp2_unchunked": lambda: run_random(tiny, t, pp=2, spec=True, extra=UNCHUNKED),
+        }  # fmt: skip
+    return {
+        "pair_reference": lambda: run_pair(
+            t, pp=1, spec=False, sampling={**PAIR_SAMPLING, "logprobs": 2}
+        ),
+        "pair_pp1": lambda: run_pair(t, pp=1, spec=True, extra_waves=[seeded_wave()]),
+        "pair_pp2_sync": lambda: run_pair(t, pp=2, spec=True, extra_waves=[seeded_wave()]),
+        "pair_pp3_sync": lambda: run_pair(t, pp=3, spec=True),
+        "pair_pp2_async": lambda: run_pair(
+            t, pp=2, spec=True, async_scheduling=True, extra_waves=[seeded_wave()]
+        ),
+    }
+
+
+# The shared runs that start together, two at a time (support.e2e.run_together), when the first of
+# a group is asked for: those of its runs the session will ask for too (:func:`_asked_for`).
+GROUPS = (
+    ("pair_reference", "pair_pp1"),
+    ("pair_pp2_sync", "pair_pp3_sync", "pair_pp2_async"),
+    ("random_reference", "random_pp1", "random_pp2_unchunked"),
+)
+# Runs a test asks for through request.getfixturevalue (not in its item's fixturenames): the end
+# of that test's node id.
+ASKED_BY = {
+    "pair_pp2_sync": "test_pp_parity.py::test_pp_dspark_sync_scheduling_is_lossless[2]",
+    "pair_pp3_sync": "test_pp_parity.py::test_pp_dspark_sync_scheduling_is_lossless[3]",
+}
+
+
+def _asked_for(session, name: str) -> bool:
+    """Whether a test of this session that is not skipped asks for the run ``name`` (a test that
+    asks for it only through request.getfixturevalue and is missing from :data:`ASKED_BY` just
+    gets it later, on its own)."""
+    for item in session.items:
+        if item.get_closest_marker("skip"):
+            continue
+        asked_by = ASKED_BY.get(name)
+        if name in getattr(item, "fixturenames", ()) or (
+            asked_by is not None and item.nodeid.endswith(asked_by)
+        ):
+            return True
+    return False
+
+
+class SharedRuns:
+    """The session's shared engine runs: each computed once, with the rest of its group."""
+
+    def __init__(self) -> None:
+        self.results: dict = {}
+
+    def get(self, name: str, request) -> Result:
+        if name not in self.results:
+            group = next(g for g in GROUPS if name in g)
+            wanted = [
+                n
+                for n in group
+                if n not in self.results and (n == name or _asked_for(request.session, n))
+            ]
+            cases = _cases(name, request)
+            self.results.update(run_together({n: cases[n] for n in wanted}))
+        return result_of(self.results, name)
+
+
 @pytest.fixture(scope="session")
-def pair_reference(e2e_timeout_s):
-    ref = run_pair(e2e_timeout_s, pp=1, spec=False, sampling={**PAIR_SAMPLING, "logprobs": 2})
+def shared_runs() -> SharedRuns:
+    return SharedRuns()
+
+
+@pytest.fixture(scope="session")
+def pair_reference(shared_runs, request):
+    ref = shared_runs.get("pair_reference", request)
     # Every answer ran to its EOS inside the limit (the corpus' answers end with '#### n' + EOS).
     assert ref.finish_reasons == ["stop"] * PAIR_NUM_PROMPTS, ref.finish_reasons
     assert all(10 <= len(t) < PAIR_MAX_TOKENS for t in ref.tokens), [len(t) for t in ref.tokens]
@@ -133,34 +226,29 @@ def pair_reference(e2e_timeout_s):
 
 
 @pytest.fixture(scope="session")
-def pair_pp1(e2e_timeout_s):
-    return run_pair(e2e_timeout_s, pp=1, spec=True, extra_waves=[seeded_wave()])
+def pair_pp1(shared_runs, request):
+    return shared_runs.get("pair_pp1", request)
 
 
 @pytest.fixture(scope="session")
-def pair_pp2_sync(e2e_timeout_s):
-    return run_pair(e2e_timeout_s, pp=2, spec=True, extra_waves=[seeded_wave()])
+def pair_pp2_sync(shared_runs, request):
+    return shared_runs.get("pair_pp2_sync", request)
 
 
 @pytest.fixture(scope="session")
-def pair_pp3_sync(e2e_timeout_s):
-    return run_pair(e2e_timeout_s, pp=3, spec=True)
+def pair_pp3_sync(shared_runs, request):
+    return shared_runs.get("pair_pp3_sync", request)
 
 
 @pytest.fixture(scope="session")
-def pair_pp2_async(e2e_timeout_s):
-    return run_pair(
-        e2e_timeout_s, pp=2, spec=True, async_scheduling=True, extra_waves=[seeded_wave()]
-    )
+def pair_pp2_async(shared_runs, request):
+    return shared_runs.get("pair_pp2_async", request)
 
 
 @pytest.fixture(scope="session")
-def random_reference(tiny_models, e2e_timeout_s):
+def random_reference(shared_runs, request):
     """Random pair, PP=1, no speculation (top-2 logprobs to diagnose any mismatch)."""
-    ref = run_random(
-        tiny_models, e2e_timeout_s, pp=1, spec=False, extra=CHUNKED,
-        sampling={"max_tokens": RANDOM_MAX_TOKENS, "logprobs": 2},
-    )  # fmt: skip
+    ref = shared_runs.get("random_reference", request)
     assert [len(t) for t in ref.tokens] == [RANDOM_MAX_TOKENS] * len(RANDOM_PROMPTS)
     # The tiny target must not be degenerate, or parity would prove little.
     assert all(len(set(t)) >= 6 for t in ref.tokens), ref.tokens
@@ -168,10 +256,10 @@ def random_reference(tiny_models, e2e_timeout_s):
 
 
 @pytest.fixture(scope="session")
-def random_pp1(tiny_models, e2e_timeout_s):
-    return run_random(tiny_models, e2e_timeout_s, pp=1, spec=True, extra=CHUNKED)
+def random_pp1(shared_runs, request):
+    return shared_runs.get("random_pp1", request)
 
 
 @pytest.fixture(scope="session")
-def random_pp2_unchunked(tiny_models, e2e_timeout_s):
-    return run_random(tiny_models, e2e_timeout_s, pp=2, spec=True, extra=UNCHUNKED)
+def random_pp2_unchunked(shared_runs, request):
+    return shared_runs.get("random_pp2_unchunked", request)

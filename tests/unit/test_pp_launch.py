@@ -4,6 +4,8 @@ GPU 0, its own NCCL host id, sockets over loopback) and the one-GPU-per-stage la
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dspark_dev import pp_launch
@@ -85,6 +87,31 @@ def test_bad_layout_and_pp1_are_refused_with_the_fix(tmp_path, monkeypatch):
         pp_launch.deployment("x", "/m/t", pp=2, spec=None, log_dir=tmp_path, device="gpu")
     with pytest.raises(ValueError, match="pp >= 2"):
         pp_launch.deployment("x", "/m/t", pp=1, spec=None, log_dir=tmp_path)
+
+
+def test_each_launchers_own_cache_starts_with_the_model_infos_and_nothing_else(
+    tmp_path, monkeypatch
+):
+    """The launchers' own cache roots get a copy of this environment's model-info cache (vLLM
+    would otherwise inspect both architectures in a fresh process per launcher) but none of its
+    compile caches; without a model-info cache, nothing is copied."""
+    root = tmp_path / "vllm_cache"
+    (root / "modelinfos").mkdir(parents=True)
+    (root / "modelinfos" / "m-Qwen3ForCausalLM.json").write_text('{"hash": "h"}')
+    (root / "torch_compile_cache").mkdir()
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    assert pp_launch.model_info_cache() == root / "modelinfos"
+    dep = pp_launch.deployment("c", "/m/t", pp=2, spec=None, log_dir=tmp_path / "logs")
+    for n in dep.nodes:
+        own = Path(n.env["VLLM_CACHE_ROOT"])
+        assert own != root and sorted(p.name for p in own.iterdir()) == ["modelinfos"]
+        assert (own / "modelinfos" / "m-Qwen3ForCausalLM.json").read_text() == '{"hash": "h"}'
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "empty"))
+    dep = pp_launch.deployment("e", "/m/t", pp=2, spec=None, log_dir=tmp_path / "logs")
+    assert not any(Path(n.env["VLLM_CACHE_ROOT"]).exists() for n in dep.nodes)
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert pp_launch.model_info_cache() == tmp_path / "xdg" / "vllm" / "modelinfos"
 
 
 # --------------------------------------------------------------------------- TP x PP (issue 40)
