@@ -321,11 +321,14 @@ def mla_pp_jobs(tmp_path_factory):
     )
     for fam in FAMILIES:
         if TRAINED:
-            if fam == "k3":  # the dummy failure's diagnosis; "blocking" runs (below)
+            if fam == "k3":  # the dummy failure's diagnosis; "blocking" runs (below), and a
+                # variant named in DSPARK_DSV4K3_PP_JOBS (the fix's control, sync scheduling)
                 for name in (
                     *(f"k3_pp2_{c}" for c in ("nospec", "stock", *K3_DIAG) if c != "blocking"),
                     *(f"k3_pp2_stock_{d}" for d in STOCK_DIAG),
                 ):
+                    if name[len("k3_pp2_") :] in K3_DIAG and only and name in only.split(","):
+                        continue
                     jobs.skip(
                         name, "dummy-weight diagnosis: not run with DSPARK_DSV4K3_WEIGHTS=trained"
                     )
@@ -364,8 +367,12 @@ def mla_pp_jobs(tmp_path_factory):
             jobs.skip(name, f"opt-in: name {name} in DSPARK_DSV4K3_PP_JOBS")
         if fam == "k3" and TRAINED:
             # vLLM 0.34.0's Kimi-K3 PP>1 race (docs/results/gpu.md): only the synchronous-kernel
-            # variant served K3 PP=2 correctly, so it runs too
+            # variant served K3 PP=2 correctly, so it runs too; named variants run on the trained
+            # pair too (streams_skipped: the fix's control; sync: sync scheduling)
             jobs.submit("k3_pp2_blocking", _served, fam, pair, waves, True, diag="blocking")
+            for diag in sorted(K3_DIAG):
+                if diag != "blocking" and only and f"k3_pp2_{diag}" in only.split(","):
+                    jobs.submit(f"k3_pp2_{diag}", _served, fam, pair, waves, True, diag=diag)
         elif fam == "k3":  # the controls of the K3 PP=2 failure (docs/results/gpu.md)
             for control in ("nospec", "stock"):
                 jobs.submit(f"k3_pp2_{control}", _served, fam, pair, waves, False, control=control)
