@@ -14,11 +14,45 @@ with PP=2 and PP=3 is tests/e2e/test_pp_parity.py.
 from __future__ import annotations
 
 import pytest
-from support.engines import RANDOM_MAX_TOKENS, run_random
+from support.engines import RANDOM_MAX_TOKENS, run_random, shared_case
 
 pytestmark = pytest.mark.e2e
 
 ABORTED = 2
+
+
+def _run(tiny_models, timeout_s: float, mode: str):
+    spec = {
+        "method": "dspark",
+        "model": str(tiny_models.draft),
+        "num_speculative_tokens": 3,
+    }
+    if mode == "async":
+        spec["dspark_pp_fixed_graph_batch"] = 4
+    return run_random(
+        tiny_models,
+        timeout_s,
+        pp=2,
+        spec=False,
+        extra={
+            "speculative_config": spec,
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": 32,
+        },
+        async_scheduling=mode == "async",
+        abort={"index": ABORTED, "after_tokens": 5},
+    )
+
+
+# The default case starts with the session's other shared runs (tests/support/engines.py).
+@shared_case(
+    "random_pp2_abort_async",
+    cost_s=30,
+    asked_by="test_protocol_e2e.py::test_pp2_dspark_with_an_abort_is_lossless[async-fixed-batch]",
+)
+def _abort_async(request):
+    tiny, t = request.getfixturevalue("tiny_models"), request.getfixturevalue("e2e_timeout_s")
+    return lambda: _run(tiny, t, "async")
 
 
 @pytest.mark.parametrize(
@@ -37,27 +71,13 @@ ABORTED = 2
         ),
     ],
 )
-def test_pp2_dspark_with_an_abort_is_lossless(tiny_models, e2e_timeout_s, random_reference, mode):
-    spec = {
-        "method": "dspark",
-        "model": str(tiny_models.draft),
-        "num_speculative_tokens": 3,
-    }
+def test_pp2_dspark_with_an_abort_is_lossless(
+    request, shared_runs, tiny_models, e2e_timeout_s, random_reference, mode
+):
     if mode == "async":
-        spec["dspark_pp_fixed_graph_batch"] = 4
-    res = run_random(
-        tiny_models,
-        e2e_timeout_s,
-        pp=2,
-        spec=False,
-        extra={
-            "speculative_config": spec,
-            "enable_chunked_prefill": True,
-            "max_num_batched_tokens": 32,
-        },
-        async_scheduling=mode == "async",
-        abort={"index": ABORTED, "after_tokens": 5},
-    )
+        res = shared_runs.get("random_pp2_abort_async", request)
+    else:
+        res = _run(tiny_models, e2e_timeout_s, mode)
     assert res.config["async_scheduling"] is (mode == "async")
     assert res.config["pipeline_parallel_size"] == 2
     assert res.config["num_speculative_tokens"] == 3

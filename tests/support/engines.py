@@ -21,15 +21,17 @@ Random-weight pair (``tiny_models``, k=4), :data:`RANDOM_PROMPTS`: ``random_refe
 no-spec, chunked prefill with a 32-token budget), ``random_pp1`` (PP=1 DSpark, same budget),
 ``random_pp2_unchunked`` (PP=2 DSpark, chunked prefill off, sync).
 
-Each run is computed once (:class:`SharedRuns`), together with the runs of its group
-(:data:`GROUPS`) that the session's tests will ask for, two at a time
-(``support.e2e.run_together``): in a full session the two PP=1 trained-pair runs side by side,
-the three PP runs and the three random-pair runs two at a time.
+Each run is computed once (:class:`SharedRuns`): the first one asked for starts every shared
+run the session's tests will ask for, two at a time, longest first (``support.e2e.run_together``):
+a full session's first e2e test that needs one waits for all of them (the eight above, the
+protocol e2e case and the producer-decodes case, which their modules register with
+:func:`shared_case`), and every later one finds its run done.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -136,55 +138,93 @@ def e2e_timeout_s() -> float:
     return float(os.environ.get("DSPARK_E2E_TIMEOUT_S", "300"))
 
 
-def _cases(name: str, request) -> dict:
-    """The cases of ``name``'s group (:data:`GROUPS`), as calls of :func:`run_generate`."""
-    t = request.getfixturevalue("e2e_timeout_s")
-    if name.startswith("random_"):
-        tiny = request.getfixturevalue("tiny_models")  # resolved here, never in a case's thread
-        return {
-            "random_reference": lambda: run_random(
-                tiny, t, pp=1, spec=False, extra=CHUNKED,
-                sampling={"max_tokens": RANDOM_MAX_TOKENS, "logprobs": 2},
-            ),
-            "random_pp1": lambda: run_random(tiny, t, pp=1, spec=True, extra=CHUNKED),
-            "random_pp2_unchunked": lambda: run_random(tiny, t, pp=2, spec=True, extra=UNCHUNKED),
-        }  # fmt: skip
-    return {
-        "pair_reference": lambda: run_pair(
-            t, pp=1, spec=False, sampling={**PAIR_SAMPLING, "logprobs": 2}
-        ),
-        "pair_pp1": lambda: run_pair(t, pp=1, spec=True, extra_waves=[seeded_wave()]),
-        "pair_pp2_sync": lambda: run_pair(t, pp=2, spec=True, extra_waves=[seeded_wave()]),
-        "pair_pp3_sync": lambda: run_pair(t, pp=3, spec=True),
-        "pair_pp2_async": lambda: run_pair(
-            t, pp=2, spec=True, async_scheduling=True, extra_waves=[seeded_wave()]
-        ),
-    }
-
-
-# The shared runs that start together, two at a time (support.e2e.run_together), when the first of
-# a group is asked for: those of its runs the session will ask for too (:func:`_asked_for`).
-GROUPS = (
-    ("pair_reference", "pair_pp1"),
-    ("pair_pp2_sync", "pair_pp3_sync", "pair_pp2_async"),
-    ("random_reference", "random_pp1", "random_pp2_unchunked"),
-)
-# Runs a test asks for through request.getfixturevalue (not in its item's fixturenames): the end
-# of that test's node id.
-ASKED_BY = {
+# The shared runs: name -> (its start-up cost in CI, seconds; build(request) -> the case, a call of
+# run_generate; what a build needs from fixtures it resolves itself, never in a case's thread).
+CASES: dict[str, tuple[float, Callable]] = {}
+# Runs a test asks for through SharedRuns.get or request.getfixturevalue (not in its item's
+# fixturenames): the end of that test's node id.
+ASKED_BY: dict[str, str] = {
     "pair_pp2_sync": "test_pp_parity.py::test_pp_dspark_sync_scheduling_is_lossless[2]",
     "pair_pp3_sync": "test_pp_parity.py::test_pp_dspark_sync_scheduling_is_lossless[3]",
 }
+
+
+def shared_case(name: str, *, cost_s: float, asked_by: str | None = None):
+    """Register ``build`` (request -> the case) as the shared run ``name`` (a test module may
+    register its own: it then runs beside the others; ``asked_by``: the node id end of the test
+    that asks for it through :meth:`SharedRuns.get`). ``cost_s`` orders the start (longest
+    first, so the last pair of cases is the shortest)."""
+
+    def register(build: Callable) -> Callable:
+        CASES[name] = (cost_s, build)  # a module imported again registers the same case again
+        if asked_by is not None:
+            ASKED_BY[name] = asked_by
+        return build
+
+    return register
+
+
+def _timeout(request) -> float:
+    return request.getfixturevalue("e2e_timeout_s")
+
+
+@shared_case("pair_pp3_sync", cost_s=50)
+def _pair_pp3_sync(request):
+    t = _timeout(request)
+    return lambda: run_pair(t, pp=3, spec=True)
+
+
+@shared_case("pair_pp2_async", cost_s=45)
+def _pair_pp2_async(request):
+    t = _timeout(request)
+    return lambda: run_pair(t, pp=2, spec=True, async_scheduling=True, extra_waves=[seeded_wave()])
+
+
+@shared_case("pair_pp2_sync", cost_s=44)
+def _pair_pp2_sync(request):
+    t = _timeout(request)
+    return lambda: run_pair(t, pp=2, spec=True, extra_waves=[seeded_wave()])
+
+
+@shared_case("pair_pp1", cost_s=37)
+def _pair_pp1(request):
+    t = _timeout(request)
+    return lambda: run_pair(t, pp=1, spec=True, extra_waves=[seeded_wave()])
+
+
+@shared_case("pair_reference", cost_s=37)
+def _pair_reference(request):
+    t = _timeout(request)
+    return lambda: run_pair(t, pp=1, spec=False, sampling={**PAIR_SAMPLING, "logprobs": 2})
+
+
+@shared_case("random_pp2_unchunked", cost_s=27)
+def _random_pp2_unchunked(request):
+    tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
+    return lambda: run_random(tiny, t, pp=2, spec=True, extra=UNCHUNKED)
+
+
+@shared_case("random_pp1", cost_s=25)
+def _random_pp1(request):
+    tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
+    return lambda: run_random(tiny, t, pp=1, spec=True, extra=CHUNKED)
+
+
+@shared_case("random_reference", cost_s=23)
+def _random_reference(request):
+    tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
+    sampling = {"max_tokens": RANDOM_MAX_TOKENS, "logprobs": 2}
+    return lambda: run_random(tiny, t, pp=1, spec=False, extra=CHUNKED, sampling=sampling)
 
 
 def _asked_for(session, name: str) -> bool:
     """Whether a test of this session that is not skipped asks for the run ``name`` (a test that
     asks for it only through request.getfixturevalue and is missing from :data:`ASKED_BY` just
     gets it later, on its own)."""
+    asked_by = ASKED_BY.get(name)
     for item in session.items:
         if item.get_closest_marker("skip"):
             continue
-        asked_by = ASKED_BY.get(name)
         if name in getattr(item, "fixturenames", ()) or (
             asked_by is not None and item.nodeid.endswith(asked_by)
         ):
@@ -193,21 +233,22 @@ def _asked_for(session, name: str) -> bool:
 
 
 class SharedRuns:
-    """The session's shared engine runs: each computed once, with the rest of its group."""
+    """The session's shared engine runs: each computed once. The first one asked for starts
+    every shared run the session's tests ask for, two at a time (``support.e2e.run_together``),
+    longest first."""
 
     def __init__(self) -> None:
         self.results: dict = {}
 
     def get(self, name: str, request) -> Result:
         if name not in self.results:
-            group = next(g for g in GROUPS if name in g)
+            order = sorted(CASES, key=lambda n: -CASES[n][0])
             wanted = [
                 n
-                for n in group
+                for n in order
                 if n not in self.results and (n == name or _asked_for(request.session, n))
             ]
-            cases = _cases(name, request)
-            self.results.update(run_together({n: cases[n] for n in wanted}))
+            self.results.update(run_together({n: CASES[n][1](request) for n in wanted}))
         return result_of(self.results, name)
 
 

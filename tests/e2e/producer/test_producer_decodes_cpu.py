@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from support.e2e import run_generate
-from support.engines import RANDOM_MAX_TOKENS, RANDOM_PROMPTS
+from support.engines import RANDOM_MAX_TOKENS, RANDOM_PROMPTS, shared_case
 
 pytestmark = pytest.mark.e2e
 
@@ -39,6 +39,39 @@ SYNC_COVERED_BY = (
 )
 
 
+def _run_producer(tiny, timeout_s: float, store: Path, async_scheduling: bool):
+    kv = {
+        "kv_connector": "DSparkDraftKVFileConnector",
+        "kv_connector_module_path": "dspark_pp_draft_kv_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    return run_generate(
+        {
+            "model": tiny.target,
+            "speculative_config": {"method": "dspark", "model": tiny.draft},
+            "kv_transfer_config": kv,
+        },
+        RANDOM_PROMPTS,
+        timeout_s=timeout_s,
+        sampling={"max_tokens": MAX_TOKENS, "ignore_eos": True},
+        async_scheduling=async_scheduling,
+        env={"PYTHONPATH": str(HERE)},
+    )
+
+
+# The default case starts with the session's other shared runs (tests/support/engines.py).
+@shared_case(
+    "producer_decodes_async",
+    cost_s=26,
+    asked_by="test_producer_decodes_cpu.py::test_producer_decodes_without_drafts[async]",
+)
+def _producer_async(request):
+    tiny, t = request.getfixturevalue("tiny_models"), request.getfixturevalue("e2e_timeout_s")
+    store = request.getfixturevalue("tmp_path_factory").mktemp("producer-decodes-store")
+    return lambda: _run_producer(tiny, t, store, True)
+
+
 @pytest.mark.parametrize(
     "async_scheduling",
     [
@@ -47,30 +80,16 @@ SYNC_COVERED_BY = (
     ],
 )
 def test_producer_decodes_without_drafts(
-    tiny_models, random_reference, tmp_path, e2e_timeout_s, async_scheduling
+    request, shared_runs, tiny_models, random_reference, tmp_path, e2e_timeout_s, async_scheduling
 ):
     """Against the shared PP=1 no-spec run of the random pair (same prompts, same length)."""
-    tiny, plain = tiny_models, random_reference
-    store = tmp_path / "store"
-    store.mkdir()
-    kv = {
-        "kv_connector": "DSparkDraftKVFileConnector",
-        "kv_connector_module_path": "dspark_pp_draft_kv_connector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(store)},
-    }
-    prod = run_generate(
-        {
-            "model": tiny.target,
-            "speculative_config": {"method": "dspark", "model": tiny.draft},
-            "kv_transfer_config": kv,
-        },
-        RANDOM_PROMPTS,
-        timeout_s=e2e_timeout_s,
-        sampling={"max_tokens": MAX_TOKENS, "ignore_eos": True},
-        async_scheduling=async_scheduling,
-        env={"PYTHONPATH": str(HERE)},
-    )
+    plain = random_reference
+    if async_scheduling:
+        prod = shared_runs.get("producer_decodes_async", request)
+    else:
+        store = tmp_path / "store"
+        store.mkdir()
+        prod = _run_producer(tiny_models, e2e_timeout_s, store, False)
     assert prod.config["async_scheduling"] is async_scheduling
     assert all(len(t) == MAX_TOKENS for t in prod.tokens)
     assert prod.tokens == plain.tokens
