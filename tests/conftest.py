@@ -13,7 +13,9 @@ through pytest's ``pythonpath``).
   reason naming ``DSPARK_E2E_FULL=1`` and the test that still covers its case, unless that
   variable is set. The skip is a collection-time mark, so none of its fixtures (engines) start.
 * **Fixtures.** ``tiny_models`` (session): the random-weight tiny Qwen3 target + DSpark draft
-  generated once per session (float32, seed 0). The shared engine runs are in tests/e2e/conftest.py.
+  generated once per session (float32, seed 0). The shared engine runs: support/engines.py; the
+  in-process vLLM configs and gloo world of the producer and connector unit tests:
+  support/vllm_configs.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ E2E_FULL_ENV = "DSPARK_E2E_FULL"
 E2E_FULL = os.environ.get(E2E_FULL_ENV) == "1"
 
 # Session-scoped engine runs shared by tests/e2e and tests/evals (one engine per configuration).
-pytest_plugins = ["support.engines"]
+pytest_plugins = ["support.engines", "support.vllm_configs"]
 
 
 def _cuda_device_count() -> int:

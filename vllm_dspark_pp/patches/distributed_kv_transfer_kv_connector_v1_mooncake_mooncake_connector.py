@@ -31,7 +31,7 @@ Models whose transfer groups share one block size (Qwen3, Kimi-K3) keep vLLM's v
 
 UPSTREAM: no vLLM issue or PR found for MooncakeConnector (searched 2026-12-03). NixlConnector
 needs no such patch: its worker takes the lcm of the transfer groups' block sizes (256), not the
-rewritten value (nixl/base_worker.py:698-708; tests/unit/producer/test_nixl_block_size.py).
+rewritten value (nixl/base_worker.py:698-708; tests/unit/connectors/test_nixl_block_size.py).
 Related work in vllm-ascend's own Mooncake connector: PR #14920 (derive the DSV4 Mooncake block
 size from the KV spec), PR #15646 (sync the Mooncake block size from the workers), issue #14479
 (the core.py min() rewrite overriding --block-size for DeepSeek-V4).
@@ -40,10 +40,10 @@ RETIRE WHEN: vLLM's Mooncake connector stops reading the rewritten ``cache_confi
 (or EngineCore stops rewriting it for heterogeneous groups); check
 ``MooncakeConnectorWorker.__init__`` and ``_initialize_kv_caches`` in the new release.
 
-TESTED BY: tests/unit/producer/test_mooncake_block_size.py (the real tiny DeepSeek-V4 target's
+TESTED BY: tests/unit/connectors/test_mooncake_block_size.py (the real tiny DeepSeek-V4 target's
 KV-cache plan on CPU: stock worker fails as on the H200, the patched scheduler and uniproc and
 multiproc workers agree on 256; single-block-size plans unchanged; shutdown of a half-built
-worker), tests/unit/producer/test_mooncake_dsv4_transfer.py (both PD sides of the tiny DeepSeek-V4
+worker), tests/unit/connectors/test_mooncake_dsv4_transfer.py (both PD sides of the tiny DeepSeek-V4
 target with DSpark drafters: workers built by vLLM's own ``__init__``, registration, scheduling
 and a pulled request page for page; the workers fail as on the H200 without this patch),
 tests/gpu/test_dsv4_k3_engine.py::test_pd_over_mooncake (GPU).

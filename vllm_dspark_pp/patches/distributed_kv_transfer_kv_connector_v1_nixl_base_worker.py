@@ -25,7 +25,7 @@ UPSTREAM: vLLM issue #48221 (DSpark with NIXL P/D); no upstream PR yet.
 RETIRE WHEN: vLLM's NIXL handshake names missing draft KV layers and DSpark prefill-only
 producers exist upstream (vLLM PR #56957).
 
-TESTED BY: tests/unit/producer/test_nixl_handshake.py (the comparison, the hint, and the patched
+TESTED BY: tests/unit/connectors/test_nixl_handshake.py (the comparison, the hint, and the patched
 ``_pair_regions`` / ``_nixl_handshake`` on a CPU worker stand-in), tests/gpu/test_pd_nixl.py
 """
 

@@ -1,67 +1,7 @@
-"""Fixtures for the producer unit tests (CPU, in process)."""
+"""The producer unit tests run on the CPU, in process. Their fixtures (the plugin, the tiny pair,
+``make_vllm_config``, the one-process gloo world) are tests/support/vllm_configs.py's, shared with
+tests/unit/connectors."""
 
-from __future__ import annotations
-
-import tempfile
-
-import pytest
 from support.env import set_cpu_env_defaults
 
 set_cpu_env_defaults()
-
-
-@pytest.fixture(scope="session")
-def plugin():
-    import vllm_dspark_pp
-
-    vllm_dspark_pp.register()
-    return vllm_dspark_pp
-
-
-@pytest.fixture(scope="session")
-def tiny_pair(tmp_path_factory):
-    from vllm_dspark_pp.tiny_models import make_tiny_models
-
-    return make_tiny_models(tmp_path_factory.mktemp("tiny-producer"))
-
-
-@pytest.fixture(scope="session")
-def make_vllm_config(plugin, tiny_pair):
-    """Build a real VllmConfig for the tiny pair through EngineArgs (no engine started)."""
-
-    def make(kv_transfer_config=None, pp: int = 1, **kwargs):
-        from vllm.engine.arg_utils import EngineArgs
-
-        args = EngineArgs(
-            model=tiny_pair.target,
-            speculative_config={"method": "dspark", "model": tiny_pair.draft},
-            kv_transfer_config=kv_transfer_config,
-            pipeline_parallel_size=pp,
-            dtype="float32",
-            max_model_len=256,
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            enforce_eager=True,
-            distributed_executor_backend="mp",
-            **kwargs,
-        )
-        return args.create_engine_config()
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def dist_env(make_vllm_config):
-    """A one-process gloo 'distributed' world with TP=PP=1, as vLLM layers need."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-
-    cfg = make_vllm_config()
-    path = tempfile.mktemp(prefix="dspark-pp-dist-")
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(1, 0, f"file://{path}", 0, "gloo")
-        ensure_model_parallel_initialized(1, 1)
-    return cfg
