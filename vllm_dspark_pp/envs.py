@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     VLLM_DSPARK_PP_ADAPTIVE_PP: bool = False
     VLLM_DSPARK_PP_SKIP_PATCHES: str = ""
     VLLM_DSPARK_PP_STACKS_ON_SIGUSR1: bool = False
+    VLLM_DSPARK_PP_DRAFT_DIGEST: int = 0
 
 PREFIX = "VLLM_DSPARK_PP_"
 HANDSHAKE_TIMEOUT_DEFAULT_S = 120.0
@@ -121,7 +122,28 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # on SIGUSR1 and goes on running (docs/bad-configs.md). Formerly DSPARK_PP_STACKS_ON_SIGUSR1
     # (still read, with a deprecation warning). (stack_dumps.py)
     "VLLM_DSPARK_PP_STACKS_ON_SIGUSR1": lambda: _raw("VLLM_DSPARK_PP_STACKS_ON_SIGUSR1") == "1",
+    # Diagnosis only: N > 0 makes every PP rank log a running digest of the draft payloads it
+    # posts (last stage) or receives (other stages) after every N-th one ("DSpark drafts digest:
+    # <rank>: <count> draft posts, digest 0x..."), so that all TP x PP ranks can be checked to
+    # have drafted and received the same drafts; each line syncs the exchange stream once.
+    # Empty or 0: off. (protocol/draft_digest.py)
+    "VLLM_DSPARK_PP_DRAFT_DIGEST": lambda: _draft_digest_every(_raw("VLLM_DSPARK_PP_DRAFT_DIGEST")),
 }
+
+
+def _draft_digest_every(raw: str | None) -> int:
+    if raw is None or raw.strip() == "":
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"VLLM_DSPARK_PP_DRAFT_DIGEST={raw!r} is not a whole number >= 0; use e.g. 16 "
+            "(a digest line every 16 draft posts) or 0 (off)"
+        )
+    return value
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,8 @@ the start-up handshake runs across the two launchers over that store.
 each launcher, launcher R holding global rank R (PP stage R // 2, TP rank R % 2); the same 32
 prompts in one request: tokens equal PP=1 without speculation, counters equal PP=1 DSpark's (the
 two-launcher PP=2 run equals it too, so TP=1 PP=2 is the same reference), every rank logged its
-place in the 4-rank world and every PP group its handshake.
+place in the 4-rank world and every PP group its handshake, and all four ranks logged the same
+digest of the drafts they posted (stage 1's two TP ranks) or received (stage 0's).
 
 **Ray** (``--distributed-executor-backend ray``): cannot run on the CPU platform of vLLM 0.34.0;
 the test says why and is skipped (see its docstring).
@@ -40,7 +41,7 @@ from support import engines, tiny_pair
 from dspark_dev import pp_launch, serve_demo
 from dspark_dev.serve import Server, free_port
 from dspark_dev.serve_demo import serve_argv
-from vllm_dspark_pp.protocol import handshake
+from vllm_dspark_pp.protocol import draft_digest, handshake
 
 pytestmark = pytest.mark.e2e
 
@@ -49,6 +50,8 @@ HANDSHAKE_TIMEOUT_S = 20.0  # VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S on the nodes of
 # ... of the no-plugin test: node 0 waits it plus the 5 s verdict grace for a node 1 that never
 # answers, so it is short (both nodes get it; node 1 runs without the plugin and ignores it)
 SILENT_TIMEOUT_S = 2.0
+DIGEST_ENV = "VLLM_DSPARK_PP_DRAFT_DIGEST"  # every rank logs its drafts digest every N posts
+DIGEST_EVERY = 8
 
 
 @contextlib.contextmanager
@@ -119,6 +122,7 @@ def test_four_launchers_tp2_pp2_dspark_parity(tmp_path, pair_reference, pair_pp1
         spec=tiny_pair.spec_config(),
         log_dir=tmp_path,
         extra=engines.pair_serve_args(),
+        env={DIGEST_ENV: str(DIGEST_EVERY)},
     )
     t0 = time.monotonic()
     try:
@@ -162,6 +166,14 @@ def test_four_launchers_tp2_pp2_dspark_parity(tmp_path, pair_reference, pair_pp1
     for rank, log in enumerate(logs):
         want = f"broadcasts from PP rank {2 + rank % 2} over gloo"
         assert want in log, f"launcher {rank}: no '{want}' line"
+    # every TP rank of the last stage drafted, and every rank of stage 0 received, the same
+    # drafts: all four ranks log the same running digest after the same number of draft posts
+    # (the control that the comparison can fail: tests/unit/protocol/test_draft_digest.py)
+    per_rank = draft_digest.parse_lines("\n".join(logs))
+    assert len(per_rank) == 4, sorted(per_rank)
+    assert draft_digest.disagreements(per_rank) == []
+    counts = sorted(set.intersection(*(set(v) for v in per_rank.values())))
+    print(f"drafts digest: 4 ranks agree after {counts[-1]} draft posts ({len(counts)} lines each)")
 
 
 def _expect_start_failure(node0, node1, limit_s: float) -> tuple[float, str]:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from vllm_dspark_pp import envs
+from vllm_dspark_pp.protocol.draft_digest import digest_from_env
 from vllm_dspark_pp.protocol.schedule import (
     ALIGN_BYTES,
     COUNTS,
@@ -164,6 +165,8 @@ class DSparkExchange:
         self.admitted_rec: list[AdmittedCounts | None] = [None] * max_num_reqs
         self.admitted_row = np.zeros(max_num_reqs, dtype=np.int64)
         self.set_admitted_counts(num_speculative_steps > 0 and admitted_counts_from_config())
+        # VLLM_DSPARK_PP_DRAFT_DIGEST: every rank's running digest of the draft payloads
+        self.draft_digest = digest_from_env(self) if num_speculative_steps > 0 else None
         _log_transport(self)
 
     def set_admitted_counts(self, enabled: bool) -> None:
@@ -341,6 +344,8 @@ class DSparkExchange:
             if not tensor.is_contiguous() or not is_aligned(tensor):
                 tensor = tensor.contiguous().clone()
             self._post(step, tensor, drafts_p)
+            if self.draft_digest is not None:
+                self.draft_digest.add(tensor)
             draft_tokens.record_stream(self.broadcast_stream)
             if self.exchange_spec.admitted_counts:
                 self._keep_admitted(tensor[:, k], self._step_idx_np)
@@ -371,6 +376,8 @@ class DSparkExchange:
             buffers = {p.name: alloc_payload(p, self.device) for p in sched.payloads}
             for p in sched.payloads:
                 self._post(step, buffers[p.name], p)
+            if DRAFTS in buffers and self.draft_digest is not None:
+                self.draft_digest.add(buffers[DRAFTS])  # the whole payload, as posted
             if DRAFTS in buffers and self.exchange_spec.admitted_counts:
                 k = self.exchange_spec.num_speculative_steps
                 self._keep_admitted(buffers[DRAFTS][:, k], input_batch.idx_mapping_np)

@@ -101,6 +101,10 @@ def exchange_worker(
                             gen_at[t] = gen[step.batch.idx_mapping_np].copy()
                             pr._check_received(case, rank, t, step, h.queue[-1], problems)
                     pr.keep_expected_admitted(case, t, step, gen, expected_admitted)
+                if h.draft_digest is not None:  # VLLM_DSPARK_PP_DRAFT_DIGEST set by the test
+                    result.setdefault("digests", []).append(
+                        (seed, h.draft_digest.count, h.draft_digest.value())
+                    )
         dist.barrier()
         result.update(ok=True, log=log, problems=problems, steps=steps)
     except Exception:
