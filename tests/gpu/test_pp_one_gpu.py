@@ -59,7 +59,7 @@ from dspark_dev.metrics import EMPTY, counter_sum
 from dspark_dev.parity import compare_tokens, counters_close
 from dspark_dev.proc import live_group_members
 from dspark_dev.serve import GPU_CHILD_ENV
-from vllm_dspark_pp.protocol import graph_batch, handshake
+from vllm_dspark_pp.protocol import draft_digest, graph_batch, handshake
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
 
@@ -200,6 +200,8 @@ def _evidence(dep, pp: int, tp: int = 1) -> dict:
         "nccl_comms": nccl_init,
         "nccl_socket": "NET/Socket" in text,
         "pinned": [int(x) for x in re.findall(r"(\d+) pinned dispatches so far", text)],
+        # VLLM_DSPARK_PP_DRAFT_DIGEST's lines (the TP x PP jobs set it): {rank: {posts: digest}}
+        "draft_digests": draft_digest.parse_lines(text),
     }
 
 

@@ -74,6 +74,7 @@ from test_pp_one_gpu import (
 
 from dspark_dev import pp_launch
 from dspark_dev.parity import compare_tokens, counters_close
+from vllm_dspark_pp.protocol import draft_digest
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
 
@@ -95,6 +96,9 @@ STOCK = {"stock_async": "tp2pp2_async", "stock_sync_eager": "tp2pp2_sync_eager"}
 REFS = ("ref", "pp1_async", "pp1_sync")
 ALL_JOBS = (*REFS, *SERVED, *STOCK)
 DEFAULT_JOBS = ("ref", "pp1_async", "tp2pp2_async", "tp2pp2_sync_eager")
+#: every rank logs a digest of the drafts it posts or receives every N draft posts
+#: (protocol/draft_digest.py): the direct evidence that all TP x PP ranks saw the same drafts
+DIGEST_ENV, DIGEST_EVERY = "VLLM_DSPARK_PP_DRAFT_DIGEST", 16
 REQUEST_TIMEOUT_S = 1200  # how long a test waits for its job (the group's --timeout ends it first)
 
 
@@ -203,6 +207,7 @@ def tp_pp_jobs():
         jobs.submit(
             name, _served, name, pp, flag, {}, waves, guard,
             abort=name == ABORT_JOB, tp=tp, eager=eager, dtype=DTYPE,
+            env={DIGEST_ENV: str(DIGEST_EVERY)},
         )  # fmt: skip
     for name, like in STOCK.items():
         tp, pp, flag, eager = SERVED[like]
@@ -313,6 +318,13 @@ def _plugin_problems(ev: dict, tp: int, pp: int) -> list[str]:
         problems.append(
             f"the exchange's backend per launcher {ev['exchange_backends']}, want {want} on each"
         )
+    # every TP rank of the last stage drafted, and every other rank received, the same drafts
+    # (the control that this comparison can fail: tests/unit/protocol/test_draft_digest.py)
+    digests = ev.get("draft_digests") or {}
+    if len(digests) != tp * pp:
+        problems.append(f"{len(digests)} ranks logged a drafts digest, want {tp * pp}")
+    else:
+        problems += draft_digest.disagreements(digests)
     return problems
 
 

@@ -25,6 +25,7 @@ showing that a check fails: ``subtle_same`` (the subtle control accepts like the
 ``pos6_zero`` (draft position 6 never accepts), ``nan_leaks`` (the NaN-norm control accepts 6 %),
 ``pp2_low`` (PP=2 accepts less than PP=1 at its last two positions), ``rank_silent`` (the last
 launcher of a deployment logged no rank line),
+``digest_differs`` (the last rank of a PP deployment logs another drafts digest),
 ``skip_starts`` (the split-skipped engine starts), ``nccl_stub_called`` (a launcher reached a
 stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange),
 ``pd_low`` (a PD decoder accepts less at its last two positions), ``nan_same`` (the NaN-norm PD
@@ -35,7 +36,8 @@ name, the handshake and ``over nccl`` lines, the context-KV-only drafter's build
 stage's launchers), one per decoder launcher (its rank line), the decoder's prompt tokens by
 source (all but one per prompt over the connector). A fake PP deployment has ``tp * pp``
 launchers whose logs say what real ones do: vLLM's rank line, NCCL communicators of the TP and PP
-sizes over sockets, the handshake and exchange lines (PP > 1); a client abort mid-stream
+sizes over sockets, the handshake and exchange lines (PP > 1), one drafts digest line per
+launcher when the deployment's env sets ``VLLM_DSPARK_PP_DRAFT_DIGEST``; a client abort mid-stream
 (test_pp_one_gpu.py ``_abort_mid_stream``) reads 4 chunks and leaves nothing running. The engine
 calls are written as JSON to ``DSPARK_FAKE_CALLS`` (default: none written).
 """
@@ -156,7 +158,7 @@ def pytest_configure(config):
         }
 
     class Node:
-        def __init__(self, rank=0, tp=1, pp=2):
+        def __init__(self, rank=0, tp=1, pp=2, env=None):
             self.text = ""
             if MUTATION != "rank_silent" or rank < tp * pp - 1:
                 self.text += (
@@ -168,6 +170,12 @@ def pytest_configure(config):
             self.text += "NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
             if pp > 1:
                 self.text += f"PP handshake: {pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
+            if pp > 1 and (env or {}).get("VLLM_DSPARK_PP_DRAFT_DIGEST"):
+                digest = 0x1234ABCD + (rank == tp * pp - 1 and MUTATION == "digest_differs")
+                self.text += (
+                    f"DSpark drafts digest: PP rank {rank // tp}, TP rank {rank % tp}, global "
+                    f"rank {rank}: 16 draft posts, digest {digest:#010x}\n"
+                )
 
         def log_tail(self, n):
             return self.text
@@ -178,7 +186,7 @@ def pytest_configure(config):
             self.k = (kw.get("spec") or {}).get("num_speculative_tokens", 0)
             tp, pp = kw.get("tp", 1), kw.get("pp", 2)
             # the served counters follow this deployment's k (dummy mode drafts 4, trained 7)
-            self.nodes = [Node(r, tp, pp) for r in range(tp * pp)]
+            self.nodes = [Node(r, tp, pp, kw.get("env")) for r in range(tp * pp)]
             self.url = f"fake://{name}/k{self.k}"
 
         def start(self):

@@ -118,6 +118,18 @@ def test_the_tp_pp_checks_fail_on_low_acceptance_and_a_silent_rank(tmp_path, mut
     assert bad == sorted(f"{check}[{n}]" for n in TP_PP_JOBS.split(",")[3:]), bad
 
 
+def test_the_tp_pp_ranks_check_fails_when_one_rank_saw_other_drafts(tmp_path):
+    """The control of the drafts-digest evidence: the last launcher of every PP deployment logs
+    another digest, and the every-rank check of each served PP > 1 job fails (TP=2 PP=1 has no
+    exchange, so no digest)."""
+    got, record = _tp_pp_run(tmp_path, TP_PP_JOBS, "digest_differs")
+    pp_jobs = [n for n in TP_PP_JOBS.split(",")[3:] if n != "tp2pp1_async"]
+    assert got["rc"] != 0 and got.get("failed") == len(pp_jobs), got["last"]
+    bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert bad == sorted(f"ranks[{n}]" for n in pp_jobs), bad
+    assert "after 16 draft posts" in record["verdicts"]["ranks[tp2pp2_async]"]["detail"]
+
+
 # issue 40 item 2: PD with a TP=2 x PP=2 producer (test_pd_pp_producer.py's opt-in jobs)
 PD_TP_GOOD = ["pd_tp2pp2_tp2", "pd_tp2pp2_tp1"]
 PD_TP_JOBS = ",".join(
