@@ -25,7 +25,8 @@ showing that a check fails: ``subtle_same`` (the subtle control accepts like the
 ``pos6_zero`` (draft position 6 never accepts), ``nan_leaks`` (the NaN-norm control accepts 6 %),
 ``pp2_low`` (PP=2 accepts less than PP=1 at its last two positions), ``rank_silent`` (the last
 launcher of a deployment logged no rank line),
-``digest_differs`` (the last rank of a PP deployment logs another drafts digest),
+``digest_differs`` (the last rank of a PP deployment logs another drafts digest; it and
+``rank_silent`` can be joined with ``+``),
 ``skip_starts`` (the split-skipped engine starts), ``nccl_stub_called`` (a launcher reached a
 stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange),
 ``pd_low`` (a PD decoder accepts less at its last two positions), ``nan_same`` (the NaN-norm PD
@@ -52,6 +53,8 @@ import pytest
 
 CALLS: list = []
 MUTATION = os.environ.get("DSPARK_FAKE_MUTATION", "")
+#: several mutations at once, "+"-joined (only the TP x PP rank evidence reads them this way)
+MUTATIONS = set(MUTATION.split("+"))
 GOOD = [36, 30, 25, 20, 15, 10, 4]
 SUBTLE = [30, 20, 12, 8, 5, 3, 2]
 
@@ -160,7 +163,7 @@ def pytest_configure(config):
     class Node:
         def __init__(self, rank=0, tp=1, pp=2, env=None):
             self.text = ""
-            if MUTATION != "rank_silent" or rank < tp * pp - 1:
+            if "rank_silent" not in MUTATIONS or rank < tp * pp - 1:
                 self.text += (
                     f"rank {rank} in world size {tp * pp} is assigned as DP rank 0, PP rank "
                     f"{rank // tp}, PCP rank 0, TP rank {rank % tp}, ETP rank 0\n"
@@ -171,7 +174,7 @@ def pytest_configure(config):
             if pp > 1:
                 self.text += f"PP handshake: {pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
             if pp > 1 and (env or {}).get("VLLM_DSPARK_PP_DRAFT_DIGEST"):
-                digest = 0x1234ABCD + (rank == tp * pp - 1 and MUTATION == "digest_differs")
+                digest = 0x1234ABCD + (rank == tp * pp - 1 and "digest_differs" in MUTATIONS)
                 self.text += (
                     f"DSpark drafts digest: PP rank {rank // tp}, TP rank {rank % tp}, global "
                     f"rank {rank}: 16 draft posts, digest {digest:#010x}\n"

@@ -108,26 +108,23 @@ def test_fake_engines_pass_the_tp_pp_group_and_its_record_is_written(tmp_path, j
     assert record["jobs"]["tp2pp2_async"]["counters"]["num_drafts"] > 0
 
 
-@pytest.mark.parametrize("mutation, check", [("pp2_low", "acceptance"), ("rank_silent", "ranks")])
+@pytest.mark.parametrize(
+    "mutation, check", [("pp2_low", "acceptance"), ("rank_silent+digest_differs", "ranks")]
+)
 def test_the_tp_pp_checks_fail_on_low_acceptance_and_a_silent_rank(tmp_path, mutation, check):
     """The controls: lower counters at the last two draft positions fail the acceptance check of
-    every served job; a launcher without vLLM's rank line fails the every-rank check."""
+    every served job; a launcher without vLLM's rank line fails the every-rank check, and so
+    does (in the same run, named in the same verdict) a last rank that logged another drafts
+    digest than the others (PP > 1 jobs only: TP=2 PP=1 has no exchange)."""
     got, record = _tp_pp_run(tmp_path, TP_PP_JOBS, mutation)
     assert got["rc"] != 0 and got.get("failed") == 6, got["last"]
     bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert bad == sorted(f"{check}[{n}]" for n in TP_PP_JOBS.split(",")[3:]), bad
-
-
-def test_the_tp_pp_ranks_check_fails_when_one_rank_saw_other_drafts(tmp_path):
-    """The control of the drafts-digest evidence: the last launcher of every PP deployment logs
-    another digest, and the every-rank check of each served PP > 1 job fails (TP=2 PP=1 has no
-    exchange, so no digest)."""
-    got, record = _tp_pp_run(tmp_path, TP_PP_JOBS, "digest_differs")
-    pp_jobs = [n for n in TP_PP_JOBS.split(",")[3:] if n != "tp2pp1_async"]
-    assert got["rc"] != 0 and got.get("failed") == len(pp_jobs), got["last"]
-    bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
-    assert bad == sorted(f"ranks[{n}]" for n in pp_jobs), bad
-    assert "after 16 draft posts" in record["verdicts"]["ranks[tp2pp2_async]"]["detail"]
+    if "digest_differs" in mutation:
+        for n in TP_PP_JOBS.split(",")[3:]:
+            detail = record["verdicts"][f"ranks[{n}]"]["detail"]
+            assert "rank lines per launcher" in detail, detail
+            assert ("after 16 draft posts" in detail) == (n != "tp2pp1_async"), detail
 
 
 # issue 40 item 2: PD with a TP=2 x PP=2 producer (test_pd_pp_producer.py's opt-in jobs)
