@@ -68,8 +68,7 @@ def test_a_start_that_exits_naming_the_refusal_is_refused():
         (True, [], ["INFO ready"], pp_refusal.SERVED),
         (True, [], [REFUSAL], pp_refusal.SERVED),
         # a launcher died of something else: no evidence that stock refuses
-        (False, ["node 1 (exit 1)"], ["RuntimeError: CUDA out of memory", ""],
-         pp_refusal.FAILED),
+        (False, ["node 1 (exit 1)"], ["RuntimeError: CUDA out of memory", ""], pp_refusal.FAILED),
         # the message alone, but nothing exited yet: the deadline came first
         (False, [], [REFUSAL], pp_refusal.UNDETERMINED),
     ],
