@@ -19,6 +19,7 @@ pytestmark = pytest.mark.quick
 REPO = Path(__file__).resolve().parents[2]
 DSV4K3 = ["tests/gpu/test_dsv4_k3_engine.py", "tests/gpu/test_dsv4_k3_pp.py"]
 PD_PP = ["tests/gpu/test_pd_pp_producer.py"]
+DSV41_PP = ["tests/gpu/test_dsv41_pp.py"]
 TP_PP = ["tests/gpu/test_tp_pp_one_gpu.py"]
 # every TP x PP job but the stock control (its fake would wait on a /health that never answers)
 TP_PP_JOBS = ",".join(
@@ -36,7 +37,7 @@ def _fake_run(modules: list[str], **env: str) -> dict[str, int]:
     }
     knobs = ("DSPARK_DSV4K3_WEIGHTS", "DSPARK_GPU_PD_PP_PAIR", "DSPARK_FAKE_MUTATION",
              "DSPARK_GPU_TP_PP_JOBS", "DSPARK_GPU_PD_PP_JOBS",
-             "DSPARK_GPU_PD_TP_PP_OUT")  # fmt: skip
+             "DSPARK_GPU_PD_TP_PP_OUT", "DSPARK_GPU_DSV41_PP_OUT")  # fmt: skip
     for knob in knobs:
         if not child_env.get(knob):
             child_env.pop(knob, None)
@@ -170,6 +171,54 @@ def test_the_pd_tp_pp_checks_fail_on_their_controls(tmp_path, mutation, bad):
     launchers that ran no exchange fail the every-rank check, controls that accept like the
     good run fail the NaN-norm and the subtle control checks."""
     got, record = _pd_tp_run(tmp_path, mutation)
+    assert got["rc"] != 0 and got.get("failed") == len(bad), got["last"]
+    failed = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert failed == sorted(bad), failed
+
+
+# issue 42: DeepSeek-V4.1 at PP=2 (group dsv41_pp, tests/gpu/test_dsv41_pp.py)
+DSV41_SERVED = ["pp2_graphs", "pp2_eager", "pp2_sync_eager"]
+
+
+def _dsv41_run(tmp_path, mutation: str = "") -> tuple[dict, dict]:
+    out = tmp_path / "out"
+    got = _fake_run(
+        DSV41_PP,
+        DSPARK_FAKE_MUTATION=mutation,
+        DSPARK_GPU_PP_LOGS=str(tmp_path / "logs"),
+        DSPARK_GPU_DSV41_PP_OUT=str(out),
+    )
+    return got, json.loads((out / "dsv41_pp.json").read_text())
+
+
+def test_fake_engines_pass_the_dsv41_pp_group_and_its_record_is_written(tmp_path):
+    """Every job of the group starts (PP=1 references, three PP=2 DSpark jobs, the stock control)
+    and every check passes on good counters; the record holds the stock refusal's line."""
+    got, record = _dsv41_run(tmp_path)
+    assert got["rc"] == 0 and got.get("passed") == 5 and not got["errors"], got["last"]
+    assert set(record["verdicts"]) == {"pp1", "stock_refuses", *DSV41_SERVED}, record["verdicts"]
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    stock = record["jobs"]["stock_pp2"]
+    assert stock["outcome"] == "REFUSED" and stock["mirrors"] == "pp2_eager"
+    assert "does not support dspark with pipeline parallelism" in stock["line"]
+    assert record["k"] == 7 and record["pair"] == "models/dsv41-pair/dsv41" and record["commit"]
+    assert record["jobs"]["pp2_sync_eager"]["args"] == ["--no-async-scheduling"]
+
+
+@pytest.mark.parametrize(
+    "mutation, bad",
+    [
+        ("stock_serves", ["stock_refuses"]),
+        ("pp2_low", DSV41_SERVED),
+        ("pp_one_stage", DSV41_SERVED),
+        ("pos6_zero", ["pp1"]),
+    ],
+)
+def test_the_dsv41_pp_checks_fail_on_their_controls(tmp_path, mutation, bad):
+    """Stock vLLM serving instead of refusing fails the control; PP=2 counters lower at the last
+    two positions, or a launcher without the handshake and exchange lines, fail every PP=2 job;
+    a draft position that never accepts fails the trained reference's bar."""
+    got, record = _dsv41_run(tmp_path, mutation)
     assert got["rc"] != 0 and got.get("failed") == len(bad), got["last"]
     failed = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert failed == sorted(bad), failed
