@@ -64,8 +64,9 @@ def _fake_run(modules: list[str], **env: str) -> dict[str, int]:
         (DSV4K3 + PD_PP, {}),  # dummy weights (k=4), the tiny pair's PD
         (DSV4K3 + PD_PP, {"DSPARK_DSV4K3_WEIGHTS": "trained", "DSPARK_GPU_PD_PP_PAIR": "dsv4"}),
         (PD_PP, {"DSPARK_GPU_PD_PP_PAIR": "k3"}),
+        (PD_PP, {"DSPARK_GPU_PD_PP_PAIR": "dsv41"}),
     ],
-    ids=["dummy", "trained-dsv4", "pd-pp-k3"],
+    ids=["dummy", "trained-dsv4", "pd-pp-k3", "pd-pp-dsv41"],
 )
 def test_fake_engines_pass_the_gpu_groups_wiring(modules, env):
     got = _fake_run(modules, **env)
@@ -222,3 +223,34 @@ def test_the_dsv41_pp_checks_fail_on_their_controls(tmp_path, mutation, bad):
     assert got["rc"] != 0 and got.get("failed") == len(bad), got["last"]
     failed = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert failed == sorted(bad), failed
+
+
+@pytest.mark.parametrize(
+    "mutation, failing",
+    [
+        ("pd_low", ["test_pd_acceptance_equals_aggregated",
+                    "test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated"]),
+        ("kv_recomputed", ["test_decoder_pulled_the_prompt_kv_over_mooncake",
+                           "test_pp1_producer_pd_is_context_kv_only_and_pulled_over_mooncake"]),
+        ("subtle_same", ["test_subtly_wrong_producer_draft_drops_the_decoder_acceptance"]),
+    ],
+)  # fmt: skip
+def test_the_pd_pp_dsv41_checks_fail_on_their_controls(mutation, failing):
+    """Group pd_pp_dsv41 (issue 42): its PP=1 producer job runs by default beside the PP=2 ones,
+    and lower decoder counters, a decoder that pulled no prompt KV, or a subtle control accepting
+    like the good run fail the PP=2 and the PP=1 producer's checks alike."""
+    child_env = {
+        **os.environ,
+        "DSPARK_FAKE_MODELS": str(REPO / "models"),
+        "DSPARK_GPU_PD_PP_PAIR": "dsv41",
+        "DSPARK_FAKE_MUTATION": mutation,
+        "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("", "tests", "tests/gpu")),
+    }
+    child_env.pop("DSPARK_GPU_PD_PP_JOBS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
+         "-p", "support.gpu_fake_engines", *PD_PP],
+        cwd=REPO, env=child_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    got = sorted(set(re.findall(r"^FAILED \S+::(\w+)", proc.stdout, re.M)))
+    assert proc.returncode != 0 and got == sorted(failing), proc.stdout[-3000:]
