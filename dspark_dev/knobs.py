@@ -111,6 +111,8 @@ DSPARK_GPU_LOAD_READY_S | BUDGET * 6 / 10 | run_groups.sh load: its DSPARK_GPU_P
 DSPARK_GPU_TP_PP_READY_S | BUDGET - 170 | run_groups.sh tp_pp: its DSPARK_GPU_PP_READY_S.
 DSPARK_GPU_TP_PP_STOCK_READY_S | BUDGET - 150 | run_groups.sh tp_pp: its
     DSPARK_GPU_PP_STOCK_READY_S.
+DSPARK_GPU_DSV41_PP_READY_S | BUDGET - 200 | run_groups.sh dsv41_pp: its DSPARK_GPU_PP_READY_S and
+    DSPARK_GPU_PP_STOCK_READY_S.
 DSPARK_GPU_TP_PP_JOBS | unset | TP x PP one-GPU test jobs (`a,b`, `all`); empty: its default jobs.
 DSPARK_GPU_TP_PP_DTYPE | bfloat16 | dtype of the TP x PP one-GPU test (float32 in a CPU dry run).
 DSPARK_GPU_DSV4K3_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the DSV4/K3 PP
