@@ -111,15 +111,20 @@ DSPARK_GPU_LOAD_READY_S | BUDGET * 6 / 10 | run_groups.sh load: its DSPARK_GPU_P
 DSPARK_GPU_TP_PP_READY_S | BUDGET - 170 | run_groups.sh tp_pp: its DSPARK_GPU_PP_READY_S.
 DSPARK_GPU_TP_PP_STOCK_READY_S | BUDGET - 150 | run_groups.sh tp_pp: its
     DSPARK_GPU_PP_STOCK_READY_S.
+DSPARK_GPU_DSV41_PP_READY_S | BUDGET - 200 | run_groups.sh dsv41_pp: its DSPARK_GPU_PP_READY_S and
+    DSPARK_GPU_PP_STOCK_READY_S.
 DSPARK_GPU_TP_PP_JOBS | unset | TP x PP one-GPU test jobs (`a,b`, `all`); empty: its default jobs.
 DSPARK_GPU_TP_PP_DTYPE | bfloat16 | dtype of the TP x PP one-GPU test (float32 in a CPU dry run).
 DSPARK_GPU_DSV4K3_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the DSV4/K3 PP
     test writes its JSON record dsv4k3_pp.json.
 DSPARK_GPU_TP_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the TP x PP test
     writes its result record.
+DSPARK_GPU_DSV41_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the V4.1 PP
+    test writes its JSON record dsv41_pp.json.
 DSPARK_GPU_PD_PP_JOBS | unset | PD-with-PP-producer test jobs (`a,b`, `all`); empty: group
     pd_pp's jobs.
-DSPARK_GPU_PD_PP_PAIR | tiny | Pair of the PD-with-PP-producer test: `tiny`, `dsv4` or `k3`.
+DSPARK_GPU_PD_PP_PAIR | tiny | Pair of the PD-with-PP-producer test: `tiny`, `dsv4`, `dsv41` or
+    `k3`.
 DSPARK_GPU_PD_PP_READY_S | 420 | PD-with-PP-producer test: seconds its servers may take to be
     ready.
 DSPARK_GPU_PD_TP_PP_JOBS | pair_baseline,pair_spec,pd_tp2pp2_tp2 | run_groups.sh pd_tp_pp: its
@@ -192,6 +197,8 @@ DSPARK_DSV4K3_TIMEOUT_S | 250 | DSV4/K3 engine test: seconds per engine job (run
     - 90).
 DSPARK_DSV4K3_PD_EAGER | unset | `1`: the DSV4/K3 PD servers run eager.
 DSPARK_DSV4K3_PP_JOBS | unset (all) | DSV4/K3 PP test: jobs to start (`a,b`).
+DSPARK_DSV41_PP_JOBS | unset (all) | DeepSeek-V4.1 PP test: jobs to start (`a,b`, `all`); empty:
+    every one (base, pp1, pp2_graphs, pp2_eager, pp2_sync_eager, stock_pp2).
 DSPARK_CHILD_DEVICE | cuda | Context-KV MLA GPU child: `cpu` dry-runs its own logic.
 # probes loaded into engines
 DSPARK_TEST_VERIFY_COST_SLOPE | 3.0 (test); unset (probe: off) | Adaptive probe: pins vLLM's

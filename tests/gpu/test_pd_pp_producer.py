@@ -1,5 +1,6 @@
 """PD with a PP=2 prefill-only producer over MooncakeConnector, on one GPU (issue 25, part 2;
-issue 26 "also at PP=2" for the trained DeepSeek-V4 and Kimi-K3 pairs).
+issue 26 "also at PP=2" for the trained DeepSeek-V4 and Kimi-K3 pairs; issue 42 for the trained
+DeepSeek-V4.1 pair, with a PP=1 producer too).
 
 Three launchers on GPU 0 by default (dspark_dev/pp_launch.py; ``DSPARK_GPU_PP_LAYOUT=
 per-stage`` puts producer stage R on GPU R and the decoder on GPU 2): the producer is ``vllm
@@ -11,7 +12,8 @@ PP=1 ``kv_consumer`` with the same DSpark config. Our proxy sends each request t
 Mooncake worker selects all remote PP ranks when its own PP size differs:
 mooncake_connector.py ``_select_remote_workers``).
 
-The pair, one knob: ``DSPARK_GPU_PD_PP_PAIR`` (``tiny``, the default; ``dsv4``; ``k3``).
+The pair, one knob: ``DSPARK_GPU_PD_PP_PAIR`` (``tiny``, the default; ``dsv4``; ``k3``;
+``dsv41``).
 
 * ``tiny``: the trained Qwen3 tiny pair (models/tiny-pair), 7 held-out prompts at once, async
   scheduling (the GPU default), CUDA graphs, ``PAIR_DTYPE``; the engines of issue 25's run.
@@ -28,6 +30,14 @@ The pair, one knob: ``DSPARK_GPU_PD_PP_PAIR`` (``tiny``, the default; ``dsv4``; 
   Kimi-K3 path races at PP > 1 with or without the plugin (docs/results/gpu.md, "Kimi-K3 PP=2: a
   race, and stock vLLM has it too"; only synchronous kernels served it correctly), so this is the
   one K3 PP=2 setting known to serve; the PP=1 decoder keeps CUDA graphs.
+* ``dsv41``: the trained tiny DeepSeek-V4.1 pair (models/dsv41-pair/dsv41, issue 42), with
+  ``dsv4``'s settings (both sides CUDA graphs; the V4.1 family's context-KV-only drafter on the
+  producer's last stage, vllm_dspark_pp/producer/deepseek_v41.py). vLLM has no CPU
+  implementation of V4.1, so this is its first PD run. Its group also runs ``pd_pp1``: the same
+  PD with a PP=1 producer (one launcher), the checks of the PP=2 job but the stage lines
+  (the PP=1 PD of the other pairs is test_dsv4_k3_engine.py's and test_pd_mooncake_gpu.py's).
+  The subtle control's strength was estimated on CPU for the K3 and V4 pairs only
+  (``draft_controls.SUBTLE_PERTURB``); for V4.1 the GPU run is its first reading.
 
 Checked, for every pair: every request went producer -> decoder; the producer built the
 context-KV-only drafter and drafted nothing, both stages ran (the PP handshake, the exchange
@@ -49,7 +59,8 @@ context KV), the decoder keeps the real draft: greedy output unchanged and accep
 functions.
 
 Jobs (``DSPARK_GPU_PD_PP_JOBS=a,b`` selects, ``all`` runs every one; empty: group pd_pp's
-``pair_baseline``, ``pair_spec``, ``pd_pp2``, ``pd_pp2_control``, ``pd_pp2_subtle``). Opt-in, the
+``pair_baseline``, ``pair_spec``, ``pd_pp2``, ``pd_pp2_control``, ``pd_pp2_subtle``, and for
+``dsv41`` also ``pd_pp1``). Opt-in, the
 tiny pair only, issue 40 item 2 (group ``pd_tp_pp``): PD with a TP=2 x PP=2 producer, four
 launchers ``-tp 2 -pp 2 --nnodes 4`` (one rank each, launcher R = global rank R, each its own
 ``NCCL_HOSTID`` on GPU 0 and ``--disable-custom-all-reduce``, as tests/gpu/test_tp_pp_one_gpu.py),
@@ -73,6 +84,7 @@ per-check verdicts) goes to ``$DSPARK_GPU_PD_TP_PP_OUT/pd_tp_pp.json`` (else
 
     source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT pd_pp            # tiny
     source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT pd_pp_dsv4 pd_pp_k3
+    source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT pd_pp_dsv41
     source /tmp/site/env.sh && DSPARK_GPU_COMMIT=<sha> bash tools/gpu/run_groups.sh $OUT pd_tp_pp
 
 On CPU the wiring runs with fake engines (tests/support/gpu_fake_engines.py):
@@ -115,11 +127,11 @@ pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its bud
 
 REPO = Path(__file__).resolve().parents[2]
 
-PAIRS = ("tiny", "dsv4", "k3")
+PAIRS = ("tiny", "dsv4", "k3", "dsv41")
 PAIR = os.environ.get("DSPARK_GPU_PD_PP_PAIR", "tiny").strip() or "tiny"
 if PAIR not in PAIRS:
     raise ValueError(f"DSPARK_GPU_PD_PP_PAIR={PAIR!r}: use one of {', '.join(PAIRS)}")
-MLA = PAIR != "tiny"  # a trained DeepSeek-V4 / Kimi-K3 pair
+MLA = PAIR != "tiny"  # a trained DeepSeek-V4 / Kimi-K3 / DeepSeek-V4.1 pair
 READY_S = float(os.environ.get("DSPARK_GPU_PD_PP_READY_S", "420"))
 COMMON = [
     "--dtype", PAIR_DTYPE, "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
@@ -152,6 +164,8 @@ NAN_CONTROL_MAX_PCT = 2.0
 #: dsv4 / k3: how far below the PD run the subtle control must fall (test_dsv4_k3_engine.py's rule)
 SUBTLE_MARGIN_POINTS = 5.0
 PP_JOBS = ("pd_pp2", "pd_pp2_control", "pd_pp2_subtle")
+#: PD with a PP=1 producer (one launcher): a default job of the dsv41 pair only (issue 42)
+PP1_JOB = "pd_pp1"
 #: issue 40 item 2, opt-in (the tiny pair only): PD with a TP=2 x PP=2 producer, one launcher per
 #: rank. name: (producer TP, producer PP, decoder TP, what the producer drafts with: the real
 #: draft, the NaN-norm control's or the subtle control's)
@@ -162,11 +176,11 @@ TP_JOBS = {
     "pd_tp2pp2_tp2_subtle": (2, 2, 2, "subtle"),
 }
 TP_GOOD = [n for n, v in TP_JOBS.items() if v[3] == "real"]
-PD_JOBS = (*PP_JOBS, *TP_JOBS)
+PD_JOBS = (*PP_JOBS, PP1_JOB, *TP_JOBS)
 JOBS_ENV = "DSPARK_GPU_PD_PP_JOBS"
 ALL_JOBS = ("pair_baseline", "pair_spec", *PD_JOBS)
 #: what an empty ``DSPARK_GPU_PD_PP_JOBS`` starts: group pd_pp's jobs (the TP x PP ones are opt-in)
-DEFAULT_JOBS = ("pair_baseline", "pair_spec", *PP_JOBS)
+DEFAULT_JOBS = ("pair_baseline", "pair_spec", *PP_JOBS, *((PP1_JOB,) if PAIR == "dsv41" else ()))
 
 
 ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
@@ -237,7 +251,7 @@ def _setup() -> Setup:
         spec_llm={"speculative_config": spec, "compilation_config": GRAPH_COMPILATION_CONFIG},
         sampling=MLA_SAMPLING,
         max_tokens=MLA_SAMPLING["max_tokens"],
-        # DeepSeek-V4: both sides in one mode, as at PP=1; Kimi-K3: the producer eager (above)
+        # DeepSeek-V4 / V4.1: both sides in one mode, as at PP=1; Kimi-K3: the producer eager
         common=MLA_COMMON if k3 else [*MLA_COMMON, *MLA_PD_MODE],
         producer_args=K3_PRODUCER_ARGS if k3 else [],
         producer_env=K3_PRODUCER_ENV if k3 else {},
@@ -247,11 +261,17 @@ def _setup() -> Setup:
 
 
 def _pd_with_pp2_producer(
-    setup: Setup, guard, prefill_spec=None, producer_tp: int = 1, decoder_tp: int = 1
+    setup: Setup,
+    guard,
+    prefill_spec=None,
+    producer_tp: int = 1,
+    decoder_tp: int = 1,
+    producer_pp: int = 2,
 ):
-    """PD with a ``producer_tp`` x PP=2 producer and a ``decoder_tp`` x PP=1 decoder, one launcher
-    per rank (dspark_dev/pd_launch.py ``engine_launchers``: the producer's ranks first, then the
-    decoder's, each launcher its own NCCL host on GPU 0, or its own GPU per-stage)."""
+    """PD with a ``producer_tp`` x ``producer_pp`` producer and a ``decoder_tp`` x PP=1 decoder,
+    one launcher per rank (dspark_dev/pd_launch.py ``engine_launchers``: the producer's ranks
+    first, then the decoder's, each launcher its own NCCL host on GPU 0, or its own GPU
+    per-stage); ``producer_pp=1`` with TP=1: one plain producer launcher (job ``pd_pp1``)."""
     from support.pd_run import run_pd
 
     from dspark_dev.pd_launch import engine_launchers
@@ -261,12 +281,12 @@ def _pd_with_pp2_producer(
     producer = [
         (args + setup.producer_args, {**env, **nccl, **setup.producer_env})
         for args, env in engine_launchers(
-            tp=producer_tp, pp=2, device="gpu", gpu_layout=gpu_layout, tag="pd"
+            tp=producer_tp, pp=producer_pp, device="gpu", gpu_layout=gpu_layout, tag="pd"
         )
     ]
     decoder = engine_launchers(
         tp=decoder_tp, pp=1, device="gpu", gpu_layout=gpu_layout, tag="pd",
-        first_index=producer_tp * 2,
+        first_index=producer_tp * producer_pp,
     )  # fmt: skip
     if decoder_tp > 1:
         decoder = [(args, {**env, **nccl}) for args, env in decoder]
@@ -316,6 +336,7 @@ def pd_jobs(tmp_path_factory):
     )  # fmt: skip
     jobs.submit("pd_pp2", _pd_with_pp2_producer, setup, guard)
     jobs.submit("pd_pp2_control", _pd_with_pp2_producer, setup, guard, bad_spec)
+    jobs.submit(PP1_JOB, _pd_with_pp2_producer, setup, guard, producer_pp=1)
     if MLA:  # the subtle control: the producer's draft reads its aux taps misordered
         from support.draft_controls import aux_perturbed_draft
 
@@ -325,8 +346,8 @@ def pd_jobs(tmp_path_factory):
     else:
         jobs.skip(
             "pd_pp2_subtle",
-            "the subtle control is issue 26's, for the trained DeepSeek-V4 / Kimi-K3 pairs "
-            "(DSPARK_GPU_PD_PP_PAIR=dsv4 or k3)",
+            "the subtle control is issue 26's, for the trained MLA pairs "
+            "(DSPARK_GPU_PD_PP_PAIR=dsv4, k3 or dsv41)",
         )
     _submit_tp_jobs(jobs, setup, guard, bad_spec, tmp_path_factory)
     yield jobs, guard
@@ -460,6 +481,53 @@ def test_no_pd_launcher_reaches_the_kit_nccl_stubs(pd_jobs):
             pass
     assert guard.so is not None, f"the recording NCCL stub was not built: {guard.problem}"
     assert not guard.calls(), guard.calls()
+
+
+# --- issue 42: PD with a PP=1 producer (job pd_pp1; the dsv41 pair's default) -----------------
+
+
+def test_pp1_producer_pd_is_context_kv_only_and_pulled_over_mooncake(pd_jobs):
+    """PD with a PP=1 producer (one launcher): every request went producer -> decoder, the
+    producer built the context-KV-only drafter and drafted nothing, the decoder pulled the prompt
+    KV over Mooncake without a failed transfer."""
+    r = _pd(pd_jobs, PP1_JOB)
+    st, kv = r["proxy"], r["decoder_kv"]
+    print(f"[{PAIR} PP=1 producer] proxy {st}; markers {r['prefill_log_markers']}; KV {kv}")
+    assert not st["errors"], st["errors"]
+    assert st["requests"] == st["prefill_ok"] == st["decode_ok"] == len(r["tokens"]), st
+    assert all(r["prefill_log_markers"].values()), r["prefill_log_markers"]
+    assert r["prefill_spec"]["num_draft_tokens"] == 0, r["prefill_spec"]
+    assert kv.get("vllm:external_prefix_cache_hits_total", 0) > 0, kv
+    failed = kv.get("vllm:mooncake_num_failed_transfers_total", 0) + kv.get(
+        "vllm:mooncake_num_failed_recvs_total", 0
+    )
+    assert failed == 0, kv
+
+
+def test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated(pd_jobs):
+    """The PP=1 producer's PD against the same references as ``pd_pp2``: greedy equal to no-spec
+    and aggregated DSpark (near-tie rule), the decoder's counters within 2 points of aggregated
+    (the ``PD acceptance:`` line, producer PP=1), aggregated accepting like a trained pair."""
+    jobs, _ = pd_jobs
+    base, agg_run = jobs.result("pair_baseline"), jobs.result("pair_spec")
+    r = _pd(pd_jobs, PP1_JOB)
+    rep = compare_tokens(base.tokens, r["tokens"], base.logprobs)
+    rep2 = compare_tokens(agg_run.tokens, r["tokens"], base.logprobs)
+    agg, dec = agg_run.metrics(), r["decoder_spec"]
+    ok, desc = counters_close(dec, agg)
+    print(f"PD (PP=1 producer) vs no-spec: {rep.describe()}\nvs aggregated: {rep2.describe()}")
+    print(
+        f"PD acceptance: decoder {acceptance_rate(dec):.1f}% "
+        f"({dec['num_accepted_tokens']}/{dec['num_draft_tokens']}) vs aggregated "
+        f"{acceptance_rate(agg):.1f}% ({agg['num_accepted_tokens']}/{agg['num_draft_tokens']}), "
+        f"producer PP=1, {_label()}, {datetime.date.today().isoformat()}"
+    )
+    print(desc)
+    assert rep.ok and rep2.ok, (rep.describe(), rep2.describe())
+    if MLA:
+        problems = mla_pairs.trained_acceptance_problems(agg, MLA_K)
+        assert not problems, f"[{PAIR}] aggregated DSpark: {'; '.join(problems)} ({agg})"
+    assert ok, desc
 
 
 # --- issue 40 item 2: PD with a TP=2 x PP=2 producer (opt-in jobs, group pd_tp_pp) -------------

@@ -12,6 +12,9 @@ no GPU has run yet; the default dummy mode (k=4) runs too (19 passed, 12 skipped
 
     PYTHONPATH=... python -m pytest -p support.gpu_fake_engines tests/gpu/test_tp_pp_one_gpu.py
 
+    DSPARK_FAKE_MODELS=$PWD/models PYTHONPATH=... python -m pytest -p support.gpu_fake_engines \\
+        tests/gpu/test_dsv41_pp.py
+
 Fakes: ``support.gpu.run_llm``, ``support.pd_run.run_pd``, ``dspark_dev.pp_launch.deployment`` /
 ``serve_waves``, ``dspark_dev.multi_gpu.NcclStubGuard`` (the kit's recording NCCL stub: built,
 nothing called; its ``env()`` is ``DSPARK_FAKE_NCCL_GUARD=1``, so the calls show which launchers
@@ -27,7 +30,9 @@ showing that a check fails: ``subtle_same`` (the subtle control accepts like the
 launcher of a deployment logged no rank line),
 ``digest_differs`` (the last rank of a PP deployment logs another drafts digest; it and
 ``rank_silent`` can be joined with ``+``),
-``skip_starts`` (the split-skipped engine starts), ``nccl_stub_called`` (a launcher reached a
+``skip_starts`` (the split-skipped engine starts), ``stock_serves`` (stock vLLM serves
+DeepSeek-V4.1 DSpark over PP instead of refusing it at start), ``pp_one_stage`` (only launcher 0 of
+a PP deployment logged the handshake and the exchange), ``nccl_stub_called`` (a launcher reached a
 stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange),
 ``pd_low`` (a PD decoder accepts less at its last two positions), ``nan_same`` (the NaN-norm PD
 control accepts like the good run), ``kv_recomputed`` (the PD decoder computed every prompt token
@@ -71,6 +76,25 @@ def _counters(per: list[int]) -> dict:
 def _good(k: int) -> list[int]:
     per = list(GOOD if MUTATION != "pos6_zero" else [*GOOD[:6], 0])
     return (per + [0] * k)[:k]
+
+
+V41 = "DeepseekV41ForCausalLM"
+#: vLLM 0.34.0's refusal of DSpark over PP for a decoder without aux relays (support.pp_refusal)
+STOCK_PP_REFUSAL = "does not support dspark with pipeline parallelism"
+
+
+def _stock_refuses(target: str, kw: dict) -> bool:
+    """Stock vLLM (plugin left out) asked for DSpark on a DeepSeek-V4.1 target over PP > 1
+    refuses at start, as vLLM 0.34.0 does (``stock_serves``: it serves instead)."""
+    if (kw.get("env") or {}).get("VLLM_PLUGINS") != "no-such-plugin" or not kw.get("spec"):
+        return False
+    if kw.get("pp", 2) < 2 or MUTATION == "stock_serves":
+        return False
+    try:
+        cfg = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return V41 in (cfg.get("architectures") or [])
 
 
 def _tokens(prompts) -> list[list[int]]:
@@ -171,7 +195,7 @@ def pytest_configure(config):
             for size in {s for s in (tp, pp) if s > 1}:
                 self.text += f"NCCL INFO comm 0x1 rank 0 nRanks {size} nNodes {size}\n"
             self.text += "NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
-            if pp > 1:
+            if pp > 1 and (MUTATION != "pp_one_stage" or rank == 0):
                 self.text += f"PP handshake: {pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
             if pp > 1 and (env or {}).get("VLLM_DSPARK_PP_DRAFT_DIGEST"):
                 digest = 0x1234ABCD + (rank == tp * pp - 1 and "digest_differs" in MUTATIONS)
@@ -191,15 +215,20 @@ def pytest_configure(config):
             # the served counters follow this deployment's k (dummy mode drafts 4, trained 7)
             self.nodes = [Node(r, tp, pp, kw.get("env")) for r in range(tp * pp)]
             self.url = f"fake://{name}/k{self.k}"
+            self.refused = _stock_refuses(target, kw)
+            if self.refused:  # the last stage loads the model and raises; its launcher exits
+                self.nodes[-1].text += f"ValueError: {V41} {STOCK_PP_REFUSAL}\n"
 
         def start(self):
             return self
 
         def wait_ready(self, timeout_s):
+            if self.refused:
+                raise RuntimeError(f"fake: {self.dead_nodes()[0]} exited before /health")
             return 1.0
 
         def dead_nodes(self):
-            return []
+            return [f"node {len(self.nodes) - 1} (exit 1)"] if self.refused else []
 
         def stop(self, grace_s=10.0):
             return []

@@ -1,10 +1,13 @@
-"""The trained tiny Kimi-K3 and DeepSeek-V4 pairs (issue 26) for the GPU group's trained mode
-(``DSPARK_DSV4K3_WEIGHTS=trained``: tests/gpu/test_dsv4_k3_engine.py, test_dsv4_k3_pp.py).
+"""The trained tiny Kimi-K3, DeepSeek-V4 (issue 26) and DeepSeek-V4.1 (issue 42) pairs for the GPU
+groups: the DSV4/K3 trained mode (``DSPARK_DSV4K3_WEIGHTS=trained``: tests/gpu/
+test_dsv4_k3_engine.py, test_dsv4_k3_pp.py), test_pd_pp_producer.py and tests/gpu/test_dsv41_pp.py.
 
 * Kimi-K3: ``models/k3-pair/{k3-target,k3-dspark}`` (``dspark_dev.training.export.write_k3_pair``,
   what ``train_tiny_pair --family k3`` writes), block size in the draft's ``block_size``.
 * DeepSeek-V4: ``models/dsv4-pair/dsv4``, one checkpoint with the target and its ``mtp.*`` draft
   (``dspark_dev.training.dsv4_train.write_dsv4_pair``), block size in ``dspark_block_size``.
+* DeepSeek-V4.1: ``models/dsv41-pair/dsv41``, laid out as DeepSeek-V4's (``train_tiny_pair
+  --family dsv41``); vLLM serves it on the GPU only (no CPU implementation of V4.1).
 
 Both are bfloat16 safetensors trained on the seeded GSM8K-style corpus of models/tiny-pair with
 its tokenizer (each directory carries a copy): :func:`heldout_waves` gives held-out prompts (never
@@ -26,6 +29,13 @@ MODELS = REPO_ROOT / "models"
 LAYOUT = {
     "k3": ("k3-pair", "k3-target", "k3-dspark", "block_size", "kimi-k3"),
     "dsv4": ("dsv4-pair", "dsv4", "dsv4", "dspark_block_size", "deepseek-v4"),
+    "dsv41": ("dsv41-pair", "dsv41", "dsv41", "dspark_block_size", "deepseek-v4.1"),
+}
+#: family -> what writes its bundle (named when it is missing)
+WRITER = {
+    "k3": "train_tiny_pair --family k3",
+    "dsv4": "dsv4_train",
+    "dsv41": "train_tiny_pair --family dsv41",
 }
 #: issue 26: what a trained pair must reach in vLLM
 MIN_ACCEPTANCE_LENGTH = 3.0
@@ -45,8 +55,8 @@ def trained_pair(fam: str, models: Path | None = None) -> tuple[TinyPair | None,
             missing.append(f"{p}/*.safetensors")
         if missing:
             return None, (
-                f"the trained {name} pair is not bundled: {', '.join(missing)} missing (issue 26; "
-                f"{'train_tiny_pair --family k3' if fam == 'k3' else 'dsv4_train'} writes it)"
+                f"the trained {name} pair is not bundled: {', '.join(missing)} missing "
+                f"({'issue 42' if fam == 'dsv41' else 'issue 26'}; {WRITER[fam]} writes it)"
             )
     return TinyPair(str(base / tdir), str(base / ddir), name), ""
 

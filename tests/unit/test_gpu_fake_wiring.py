@@ -19,6 +19,7 @@ pytestmark = pytest.mark.quick
 REPO = Path(__file__).resolve().parents[2]
 DSV4K3 = ["tests/gpu/test_dsv4_k3_engine.py", "tests/gpu/test_dsv4_k3_pp.py"]
 PD_PP = ["tests/gpu/test_pd_pp_producer.py"]
+DSV41_PP = ["tests/gpu/test_dsv41_pp.py"]
 TP_PP = ["tests/gpu/test_tp_pp_one_gpu.py"]
 # every TP x PP job but the stock control (its fake would wait on a /health that never answers)
 TP_PP_JOBS = ",".join(
@@ -36,7 +37,7 @@ def _fake_run(modules: list[str], **env: str) -> dict[str, int]:
     }
     knobs = ("DSPARK_DSV4K3_WEIGHTS", "DSPARK_GPU_PD_PP_PAIR", "DSPARK_FAKE_MUTATION",
              "DSPARK_GPU_TP_PP_JOBS", "DSPARK_GPU_PD_PP_JOBS",
-             "DSPARK_GPU_PD_TP_PP_OUT")  # fmt: skip
+             "DSPARK_GPU_PD_TP_PP_OUT", "DSPARK_GPU_DSV41_PP_OUT")  # fmt: skip
     for knob in knobs:
         if not child_env.get(knob):
             child_env.pop(knob, None)
@@ -63,8 +64,9 @@ def _fake_run(modules: list[str], **env: str) -> dict[str, int]:
         (DSV4K3 + PD_PP, {}),  # dummy weights (k=4), the tiny pair's PD
         (DSV4K3 + PD_PP, {"DSPARK_DSV4K3_WEIGHTS": "trained", "DSPARK_GPU_PD_PP_PAIR": "dsv4"}),
         (PD_PP, {"DSPARK_GPU_PD_PP_PAIR": "k3"}),
+        (PD_PP, {"DSPARK_GPU_PD_PP_PAIR": "dsv41"}),
     ],
-    ids=["dummy", "trained-dsv4", "pd-pp-k3"],
+    ids=["dummy", "trained-dsv4", "pd-pp-k3", "pd-pp-dsv41"],
 )
 def test_fake_engines_pass_the_gpu_groups_wiring(modules, env):
     got = _fake_run(modules, **env)
@@ -182,3 +184,82 @@ def test_the_pd_tp_pp_checks_fail_on_their_controls(tmp_path, mutation, bad):
     assert got["rc"] != 0 and got.get("failed") == len(bad), got["last"]
     failed = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert failed == sorted(bad), failed
+
+
+# issue 42: DeepSeek-V4.1 at PP=2 (group dsv41_pp, tests/gpu/test_dsv41_pp.py)
+DSV41_SERVED = ["pp2_graphs", "pp2_eager", "pp2_sync_eager"]
+
+
+def _dsv41_run(tmp_path, mutation: str = "") -> tuple[dict, dict]:
+    out = tmp_path / "out"
+    got = _fake_run(
+        DSV41_PP,
+        DSPARK_FAKE_MUTATION=mutation,
+        DSPARK_GPU_PP_LOGS=str(tmp_path / "logs"),
+        DSPARK_GPU_DSV41_PP_OUT=str(out),
+    )
+    return got, json.loads((out / "dsv41_pp.json").read_text())
+
+
+def test_fake_engines_pass_the_dsv41_pp_group_and_its_record_is_written(tmp_path):
+    """Every job of the group starts (PP=1 references, three PP=2 DSpark jobs, the stock control)
+    and every check passes on good counters; the record holds the stock refusal's line."""
+    got, record = _dsv41_run(tmp_path)
+    assert got["rc"] == 0 and got.get("passed") == 5 and not got["errors"], got["last"]
+    assert set(record["verdicts"]) == {"pp1", "stock_refuses", *DSV41_SERVED}, record["verdicts"]
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    stock = record["jobs"]["stock_pp2"]
+    assert stock["outcome"] == "REFUSED" and stock["mirrors"] == "pp2_eager"
+    assert "does not support dspark with pipeline parallelism" in stock["line"]
+    assert record["k"] == 7 and record["pair"] == "models/dsv41-pair/dsv41" and record["commit"]
+    assert record["jobs"]["pp2_sync_eager"]["args"] == ["--no-async-scheduling"]
+
+
+@pytest.mark.parametrize(
+    "mutation, bad",
+    [
+        ("stock_serves", ["stock_refuses"]),
+        ("pp2_low", DSV41_SERVED),
+        ("pp_one_stage", DSV41_SERVED),
+        ("pos6_zero", ["pp1"]),
+    ],
+)
+def test_the_dsv41_pp_checks_fail_on_their_controls(tmp_path, mutation, bad):
+    """Stock vLLM serving instead of refusing fails the control; PP=2 counters lower at the last
+    two positions, or a launcher without the handshake and exchange lines, fail every PP=2 job;
+    a draft position that never accepts fails the trained reference's bar."""
+    got, record = _dsv41_run(tmp_path, mutation)
+    assert got["rc"] != 0 and got.get("failed") == len(bad), got["last"]
+    failed = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert failed == sorted(bad), failed
+
+
+@pytest.mark.parametrize(
+    "mutation, failing",
+    [
+        ("pd_low", ["test_pd_acceptance_equals_aggregated",
+                    "test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated"]),
+        ("kv_recomputed", ["test_decoder_pulled_the_prompt_kv_over_mooncake",
+                           "test_pp1_producer_pd_is_context_kv_only_and_pulled_over_mooncake"]),
+        ("subtle_same", ["test_subtly_wrong_producer_draft_drops_the_decoder_acceptance"]),
+    ],
+)  # fmt: skip
+def test_the_pd_pp_dsv41_checks_fail_on_their_controls(mutation, failing):
+    """Group pd_pp_dsv41 (issue 42): its PP=1 producer job runs by default beside the PP=2 ones,
+    and lower decoder counters, a decoder that pulled no prompt KV, or a subtle control accepting
+    like the good run fail the PP=2 and the PP=1 producer's checks alike."""
+    child_env = {
+        **os.environ,
+        "DSPARK_FAKE_MODELS": str(REPO / "models"),
+        "DSPARK_GPU_PD_PP_PAIR": "dsv41",
+        "DSPARK_FAKE_MUTATION": mutation,
+        "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("", "tests", "tests/gpu")),
+    }
+    child_env.pop("DSPARK_GPU_PD_PP_JOBS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
+         "-p", "support.gpu_fake_engines", *PD_PP],
+        cwd=REPO, env=child_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    got = sorted(set(re.findall(r"^FAILED \S+::(\w+)", proc.stdout, re.M)))
+    assert proc.returncode != 0 and got == sorted(failing), proc.stdout[-3000:]

@@ -32,6 +32,7 @@ def test_every_group_is_documented_and_named_when_unknown():
     text = SCRIPT.read_text()
     labels = _case_labels()
     assert {"acceptance", "dsv4_check", "gsm8k_k3", "gsm8k_dsv4", "dsv4k3"} <= labels
+    assert {"dsv41_pp", "pd_pp_dsv41", "gsm8k_dsv41"} <= labels
     known = re.search(r"^KNOWN=\(([^)]*)\)", text, re.M).group(1)
     assert set(known.split()) == labels
     header = text[: text.index("set -uo pipefail")]
@@ -96,16 +97,58 @@ def test_issue26_groups_start_the_leases_commands(tmp_path):
 
 def test_pd_pp_groups_run_the_pp_producer_module_for_their_pair(tmp_path):
     keys = ("DSPARK_GPU_PD_PP_PAIR", "DSPARK_GPU_ARTIFACTS", "DSPARK_GPU_PD_PP_READY_S")
-    proc, calls = _fake_run(tmp_path, "pd_pp", "pd_pp_dsv4", "pd_pp_k3", env_keys=keys)
+    groups = ("pd_pp", "pd_pp_dsv4", "pd_pp_k3", "pd_pp_dsv41")
+    proc, calls = _fake_run(tmp_path, *groups, env_keys=keys)
     runs = [c for c in calls if "tests/gpu/test_pd_pp_producer.py" in c]
-    assert len(runs) == 3, calls
+    assert len(runs) == 4, calls
     env = [dict(x[4:].split("=", 1) for x in c if x.startswith("ENV:")) for c in runs]
-    assert sorted(e["DSPARK_GPU_PD_PP_PAIR"] for e in env) == ["", "dsv4", "k3"]
+    assert sorted(e["DSPARK_GPU_PD_PP_PAIR"] for e in env) == ["", "dsv4", "dsv41", "k3"]
     arts = {e["DSPARK_GPU_PD_PP_PAIR"]: e["DSPARK_GPU_ARTIFACTS"] for e in env}
     assert arts["dsv4"].endswith("/pd_pp_dsv4") and arts["k3"].endswith("/pd_pp_k3"), arts
+    assert arts["dsv41"].endswith("/pd_pp_dsv41"), arts
     assert all(e["DSPARK_GPU_PD_PP_READY_S"] == "420" for e in env), env
     rc = sorted((tmp_path / "out" / "rc.txt").read_text().splitlines())
-    assert rc == ["pd_pp rc=0", "pd_pp_dsv4 rc=0", "pd_pp_k3 rc=0"], rc
+    assert rc == sorted(f"{g} rc=0" for g in groups), rc
+
+
+@pytest.mark.parametrize("ready", [None, "300"], ids=["default-deadline", "knob"])
+def test_dsv41_pp_group_runs_its_module_with_its_deadlines_and_record_folder(
+    tmp_path, monkeypatch, ready
+):
+    """Group dsv41_pp (issue 42): tests/gpu/test_dsv41_pp.py with its launcher logs in the
+    artifacts, its record folder OUTDIR/dsv41_pp (made before it starts), the plugin's and the
+    stock control's start-up deadlines BUDGET - 200 unless DSPARK_GPU_DSV41_PP_READY_S says."""
+    keys = ("DSPARK_GPU_PP_LOGS", "DSPARK_GPU_DSV41_PP_OUT", "DSPARK_GPU_PP_READY_S",
+            "DSPARK_GPU_PP_STOCK_READY_S")  # fmt: skip
+    monkeypatch.delenv("DSPARK_GPU_DSV41_PP_READY_S", raising=False)
+    if ready is not None:
+        monkeypatch.setenv("DSPARK_GPU_DSV41_PP_READY_S", ready)
+    proc, calls = _fake_run(tmp_path, "dsv41_pp", env_keys=keys)
+    runs = [c for c in calls if "tests/gpu/test_dsv41_pp.py" in c]
+    assert len(runs) == 1, calls
+    assert runs[0][:2] == ["-m", "pytest"] and "--timeout=520" in runs[0], runs[0]
+    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
+    assert env["DSPARK_GPU_PP_LOGS"].endswith("/dsv41_pp"), env
+    assert env["DSPARK_GPU_DSV41_PP_OUT"] == str(tmp_path / "out" / "dsv41_pp"), env
+    want = ready or "340"
+    assert (env["DSPARK_GPU_PP_READY_S"], env["DSPARK_GPU_PP_STOCK_READY_S"]) == (want, want)
+    assert (tmp_path / "out" / "dsv41_pp").is_dir()
+    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["dsv41_pp rc=0"]
+
+
+def test_gsm8k_dsv41_group_runs_the_three_v41_configs(tmp_path):
+    """Group gsm8k_dsv41 (issue 42): the V4.1 pair's three YAMLs, PP=2 through the launchers."""
+    proc, calls = _fake_run(tmp_path, "gsm8k_dsv41")
+    evals = [c for c in calls if c[:4] == ["-m", "dspark_dev", "eval", "gsm8k"]]
+    configs = sorted(c[c.index("--config") + 1] for c in evals)
+    assert configs == [f"tests/evals/gsm8k/configs/dsv41-{a}.yaml" for a in sorted(ARMS)], configs
+    for c in evals:
+        config = c[c.index("--config") + 1]
+        assert (REPO / config).is_file(), config
+        assert ("--launchers" in c) is config.endswith("pp2-dspark.yaml"), c
+        assert c[c.index("--out-json") + 1].endswith(Path(config).stem + ".json"), c
+    rc = sorted((tmp_path / "out" / "rc.txt").read_text().splitlines())
+    assert rc == sorted(f"gsm8k_dsv41-{a} rc=0" for a in ARMS), rc
 
 
 def test_tp_pp_group_runs_its_module_with_its_deadlines_and_record_folder(tmp_path):

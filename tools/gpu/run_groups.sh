@@ -16,12 +16,17 @@
 #         pd_pp_dsv4 / pd_pp_k3 (issue 26 "also at PP=2": the same PD with a PP=2 producer for the
 #         trained DeepSeek-V4 / Kimi-K3 pair, DSPARK_GPU_PD_PP_PAIR=dsv4|k3, with the subtle
 #         control; a failing run's server logs in artifacts.tgz under the group's name),
+#         pd_pp_dsv41 (issue 42: the same for the trained DeepSeek-V4.1 pair, DSPARK_GPU_PD_PP_PAIR=
+#         dsv41, plus its PD with a PP=1 producer, job pd_pp1),
 #         pd_tp_pp (issue 40 item 2: PD with a TP=2 x PP=2 producer, four launchers, into a TP=2
 #         decoder, two launchers, all on GPU 0; test_pd_pp_producer.py's opt-in jobs, chosen by
 #         DSPARK_GPU_PD_TP_PP_JOBS (default pair_baseline,pair_spec,pd_tp2pp2_tp2; also
 #         pd_tp2pp2_tp1, pd_tp2pp2_tp2_control, pd_tp2pp2_tp2_subtle); its JSON record in
 #         OUTDIR/pd_tp_pp/pd_tp_pp.json, a failing run's server logs in artifacts.tgz),
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
+#         dsv41_pp (issue 42: the trained DeepSeek-V4.1 pair at PP=1 and PP=2 on one GPU, graphs,
+#         eager and sync eager, stock vLLM's refusal as the control; tests/gpu/test_dsv41_pp.py;
+#         jobs by DSPARK_DSV41_PP_JOBS; its JSON record in OUTDIR/dsv41_pp/dsv41_pp.json),
 #         router (issue 26: the DSV4 router at 256/384 experts; tests/gpu/test_dsv4_router_256.py),
 #         dsv4_router (issue 26: vLLM's DSV4 MoE layer at 256 experts, padded decode batches, eager
 #         and CUDA graphs, through dsv4_topk; tests/gpu/test_dsv4_router_gpu.py),
@@ -44,9 +49,10 @@
 #         tiny_pair_acceptance.py as acceptance_k3 and acceptance_dsv4, JSON in OUTDIR),
 #         dsv4_check (issue 26: the DeepSeek-V4 engine against the pure-torch reference, with
 #         DSpark; dspark_dev/training/dsv4_check.py, OUTDIR/dsv4_check.json),
-#         gsm8k_k3 / gsm8k_dsv4 (issue 26: the family's GSM8K YAMLs, PP=1 no-spec and DSpark
-#         offline, PP=2 DSpark through `eval gsm8k --launchers`, all three side by side; reports in
-#         OUTDIR/gsm8k; they exit 1 while their thresholds are null, and the reports fill them).
+#         gsm8k_k3 / gsm8k_dsv4 / gsm8k_dsv41 (issues 26, 42: the family's GSM8K YAMLs, PP=1 no-spec
+#         and DSpark offline, PP=2 DSpark through `eval gsm8k --launchers`, all three side by side;
+#         reports in OUTDIR/gsm8k; they exit 1 while their thresholds are null, and the reports fill
+#         them).
 # Writes OUTDIR/GROUP.log per group, OUTDIR/rc.txt (each group's exit status) and
 # OUTDIR/artifacts.tgz (logs of failing engines/servers); kills every GPU process left behind
 # (servers run in their own sessions and would outlive the command); prints the verdict lines last.
@@ -56,7 +62,8 @@
 # (default BUDGET - 200): the lost_stage groups' start-up deadline; DSPARK_GPU_ADAPTIVE_READY_S
 # (default BUDGET - 200): pp_adaptive's; DSPARK_GPU_TP_PP_READY_S (default BUDGET - 170) and
 # DSPARK_GPU_TP_PP_STOCK_READY_S (default BUDGET - 150): tp_pp's start-up deadlines (plugin, stock);
-# DSPARK_GPU_PD_TP_PP_JOBS and DSPARK_GPU_PD_TP_PP_READY_S (default BUDGET - 120): pd_tp_pp's.
+# DSPARK_GPU_PD_TP_PP_JOBS and DSPARK_GPU_PD_TP_PP_READY_S (default BUDGET - 120): pd_tp_pp's;
+# DSPARK_GPU_DSV41_PP_READY_S (default BUDGET - 200): dsv41_pp's (plugin and stock).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -64,9 +71,10 @@ OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
 STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
-KNOWN=(pd_mooncake dsv4k3 nixl pp tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 pd_tp_pp dsv4k3_pp router
-  dsv4_router producer_memory pp_adaptive lost_stage lost_stage_control lost_stage_stock load pd_kill
-  pd_decoder_kill sampling acceptance dsv4_check gsm8k_k3 gsm8k_dsv4)
+KNOWN=(pd_mooncake dsv4k3 nixl pp tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 pd_pp_dsv41 pd_tp_pp dsv4k3_pp
+  dsv41_pp router dsv4_router producer_memory pp_adaptive lost_stage lost_stage_control
+  lost_stage_stock load pd_kill pd_decoder_kill sampling acceptance dsv4_check gsm8k_k3 gsm8k_dsv4
+  gsm8k_dsv41)
 [ $# -gt 0 ] || {
   echo "run_groups.sh: name at least one group: ${KNOWN[*]}" >&2
   exit 2
@@ -142,7 +150,7 @@ for g in "$@"; do
     DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
     ;;
-  pd_pp_dsv4 | pd_pp_k3)
+  pd_pp_dsv4 | pd_pp_k3 | pd_pp_dsv41)
     # the same module and deadlines as pd_pp, the pair by its knob; its own artifacts folder, so
     # that two PD groups' server logs (same names) do not overwrite each other
     mkdir -p "$ART/$g"
@@ -162,6 +170,15 @@ for g in "$@"; do
     DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_DSV4K3_PP_OUT="$OUTDIR/dsv4k3_pp" \
       DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
       run_group "$g" tests/gpu/test_dsv4_k3_pp.py --timeout=$((BUDGET - 20)) &
+    ;;
+  dsv41_pp)
+    # five deployments at once (two PP=1 engines, three PP=2 pairs of launchers) and the stock
+    # control, whose refusal comes when a stage loads the model
+    mkdir -p "$ART/dsv41_pp" "$OUTDIR/dsv41_pp"
+    DSPARK_GPU_PP_LOGS="$ART/dsv41_pp" DSPARK_GPU_DSV41_PP_OUT="$OUTDIR/dsv41_pp" \
+      DSPARK_GPU_PP_READY_S=${DSPARK_GPU_DSV41_PP_READY_S:-$((BUDGET - 200))} \
+      DSPARK_GPU_PP_STOCK_READY_S=${DSPARK_GPU_DSV41_PP_READY_S:-$((BUDGET - 200))} \
+      run_group "$g" tests/gpu/test_dsv41_pp.py --timeout=$((BUDGET - 20)) &
     ;;
   router)
     run_group "$g" tests/gpu/test_dsv4_router_256.py --timeout=$((BUDGET - 20)) &
@@ -240,7 +257,7 @@ for g in "$@"; do
     run_cmd "$g" python3 -m dspark_dev.training.dsv4_check --spec --out /tmp/dsv4-check \
       --report "$OUTDIR/dsv4_check.json" --timeout $(((BUDGET - 60) / 3)) &
     ;;
-  gsm8k_k3 | gsm8k_dsv4)
+  gsm8k_k3 | gsm8k_dsv4 | gsm8k_dsv41)
     fam=${g#gsm8k_}
     mkdir -p "$OUTDIR/gsm8k" "$ART/$g"
     for arm in pp1-nospec pp1-dspark pp2-dspark; do

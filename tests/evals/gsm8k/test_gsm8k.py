@@ -116,14 +116,42 @@ def test_a_gated_config_with_a_null_threshold_fails_until_measured():
     assert "accuracy_min are null" in _fake(nospec, ["#### 0"], 0, 0)["failures"][0]
     manual = gsm8k.EvalConfig(name="m", data="x", ci="manual", llm=spec, accuracy_min=0.5)
     assert _fake(manual, ["#### 0", "#### 1"])["passed"]
-    # the trained tiny K3 and DeepSeek-V4 pairs' configs (not the real dsv4-flash-* ones)
-    trained = [c for c in CONFIGS if os.path.basename(c).startswith(("k3-", "dsv4-pp"))]
-    assert len(trained) == 6
+    # the trained tiny K3, DeepSeek-V4 and V4.1 pairs' configs (not the real dsv4-flash-* ones)
+    trained = [c for c in CONFIGS if os.path.basename(c).startswith(("k3-", "dsv4-pp", "dsv41-pp"))]
+    assert len(trained) == 9
     for path in trained:  # until a GPU run measures them (docs/results/gpu.md, next lease)
         cfg = gsm8k.load_config(path)
         assert cfg.ci == "gpu"
         if all(getattr(cfg, k) is None for k in gsm8k.needed_thresholds(cfg)):
             assert gsm8k.unmeasured(cfg), path
+
+
+#: architectures vLLM 0.34.0 has no CPU implementation of: a config serving one runs on the GPU
+#: tier only (``ci: gpu`` or ``manual``), never in CI's CPU run
+GPU_ONLY_ARCHITECTURES = frozenset({"DeepseekV41ForCausalLM"})
+
+
+def _architectures(model: str) -> list[str]:
+    import json
+
+    cfg = os.path.join(model, "config.json")
+    if not os.path.isfile(cfg):  # a hub id (the real-deployment configs): not bundled here
+        return []
+    with open(cfg) as f:
+        return list(json.load(f).get("architectures") or [])
+
+
+def test_configs_of_gpu_only_models_never_run_on_the_cpu_tier():
+    """The DeepSeek-V4.1 configs (issue 42) are ``ci: gpu``: CI's CPU run (``CPU_CONFIGS``) must
+    not start a model vLLM cannot run on CPU; tools/gpu/run_groups.sh gsm8k_dsv41 runs them."""
+    gpu_only = []
+    for path in CONFIGS:
+        cfg = gsm8k.load_config(path)
+        llm = gsm8k._resolve_llm_args(cfg.llm)
+        if GPU_ONLY_ARCHITECTURES & set(_architectures(llm.get("model") or "")):
+            gpu_only.append(cfg.name)
+            assert cfg.ci != "cpu" and path not in CPU_CONFIGS, path
+    assert sorted(gpu_only) == ["dsv41-pp1-dspark", "dsv41-pp1-nospec", "dsv41-pp2-dspark"]
 
 
 # The ``ci: cpu`` configurations are scored from the shared session engine runs
