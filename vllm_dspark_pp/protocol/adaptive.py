@@ -222,7 +222,8 @@ def pipeline_verify_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[i
 def _logger():
     from vllm.logger import init_logger
 
-    return init_logger("vllm_dspark_pp.adaptive")
+    # under "vllm": the only namespace vLLM's logging config prints at INFO
+    return init_logger("vllm.dspark_pp.adaptive")
 
 
 def _store() -> Any:
