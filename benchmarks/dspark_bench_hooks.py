@@ -43,7 +43,10 @@ first three": adaptive verification's best case. ``DSPARK_BENCH_SYNTHETIC_SCHEDU
 (the driver's ``--env``, every server alike) makes ``set_acceptance_length`` use a geometric
 profile of the same mean instead (one conditional rate ``p`` at every position; AL 3.99 at k=7:
 ``p`` about 0.79), where every extra verified position still pays off a little and the budget has
-a real trade-off to make against the step cost.
+a real trade-off to make against the step cost. ``DSPARK_BENCH_PROFILE_POSITIONS=K`` (set by
+the driver for its k sweep) spreads the mean over ``K`` positions whatever the server's own ``k``
+and keeps the first ``k`` rates: servers drafting 1..7 tokens then accept position ``i`` alike
+(the same geometric ``p``), and a shorter ``k`` has a lower mean acceptance length.
 
 Either way each step's draft confidences, as the draft produced them, are summed per position on
 the device (no host synchronisation while serving) and ``collect`` reports their mean per
@@ -106,6 +109,7 @@ from typing import Any
 FIRST_STEPS_KEPT = 6  # steps of each run reported one by one (``collect``)
 CONFIDENCES_ENV = "DSPARK_BENCH_CONFIDENCES"
 SCHEDULE_ENV = "DSPARK_BENCH_SYNTHETIC_SCHEDULE"
+PROFILE_ENV = "DSPARK_BENCH_PROFILE_POSITIONS"
 _STATE: dict[str, Any] = {
     "steps": [], "cur": None, "mem": {}, "installed": False, "rates": None, "conf": None,
     "xpend": [], "xctx": None, "recv_post": None, "recv_shapes": None, "shape_logged": set(),
@@ -423,6 +427,18 @@ def acceptance_schedule() -> str:
     return mode
 
 
+def profile_positions(n: int) -> int:
+    """``DSPARK_BENCH_PROFILE_POSITIONS``: how many positions the acceptance profile spans (unset:
+    the server's own ``n``); never fewer than ``n``."""
+    raw = os.environ.get(PROFILE_ENV, "").strip()
+    if not raw:
+        return n
+    positions = int(raw)
+    if positions < n:
+        raise ValueError(f"{PROFILE_ENV}={raw}: fewer positions than this server drafts ({n})")
+    return positions
+
+
 def geometric_rates(length: float, n: int) -> list[float]:
     """Unconditional per-position rates ``p, p^2, ..., p^n`` (every position accepted with the
     same conditional rate ``p``) whose mean acceptance length ``1 + sum`` is ``length``."""
@@ -452,10 +468,14 @@ def _set_acceptance_length(runner, length: float) -> dict:
     if rates_t is None:  # not the sampling PP stage, or not a synthetic engine
         return {"applied": False}
     n = int(rates_t.numel())
+    positions = profile_positions(n)
     if acceptance_schedule() == "geometric":
-        rates = geometric_rates(float(length), n)
+        rates = geometric_rates(float(length), positions)
     else:  # vLLM's own (minimum-variance) schedule
-        rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(n, None, float(length))
+        rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(
+            positions, None, float(length)
+        )
+    rates = list(rates)[:n]  # the profile's first n positions (all of them unless a k sweep)
     cond = unconditional_to_conditional_rates(rates)
     import torch
 
@@ -464,6 +484,7 @@ def _set_acceptance_length(runner, length: float) -> dict:
         "applied": True,
         "acceptance_length": length,
         "schedule": acceptance_schedule(),
+        "profile_positions": positions,
         "unconditional_rates": rates,
         "conditional_rates": cond,
     }

@@ -15,6 +15,9 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
     ... --configs pp1_dspark,pp2_dspark --interleave --repeats 3 --concurrency 8,16,32 \\
         --acceptance-lengths 3.99 --workload decode [--mps 50,50] --budget-s 540
                                       (PP=1 vs PP=2 DSpark in rotation, ratios from one call)
+    ... --configs ksweep_pp2 --interleave --repeats 3 --model-dir models/tiny-pair --kv-gib 1 \\
+        --env DSPARK_BENCH_SYNTHETIC_SCHEDULE=geometric --env DSPARK_BENCH_CONFIDENCES=draft
+                                      (fixed k = 1..7 and adaptive in rotation, PP=2)
     python3 -m benchmarks.plot_pp_one_gpu RUN*/serve_pp_one_gpu_*.json \\
         --md docs/results/perf_pp_one_gpu.md --png docs/results/perf_pp_one_gpu.png \\
         --copy-to docs/results
@@ -62,6 +65,19 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   Their groups: ``adaptive_pp1`` = pp1_dspark + pp1_dspark_adaptive, ``adaptive_pp2`` =
   pp2_dspark + pp2_dspark_adaptive (two: four DSpark deployments' CUDA-graph starts and sweeps
   do not fit one GPU command).
+* ``pp1_dspark_k1`` .. ``pp1_dspark_k7`` / ``pp2_dspark_k1`` .. ``pp2_dspark_k7``: DSpark with
+  that many draft tokens (the others draft ``-k``). Groups ``ksweep_pp1`` / ``ksweep_pp2``: the
+  seven fixed k and the adaptive deployment of that PP size (issue 44 item 5: adaptive against
+  the *best* fixed k, not only k = 7), meant for ``--interleave`` (every server starts
+  together; eight deployments: use a small pair, ``--model-dir models/tiny-pair``, and a small
+  ``--kv-gib``). Where the DSpark configurations draft different k, every server gets
+  ``DSPARK_BENCH_PROFILE_POSITIONS`` = the largest k: the acceptance profile is the largest k's
+  and a shorter k keeps its first positions (the same per-position rates, so a shorter k accepts
+  fewer tokens). With ``--env DSPARK_BENCH_SYNTHETIC_SCHEDULE=geometric`` the profile is
+  geometric (one conditional rate at every position); ``--env DSPARK_BENCH_CONFIDENCES=draft``
+  keeps the draft's own confidence head (non-oracle) instead of the sampler's rates. Each
+  interleaved point then has ``adaptive_vs_best_fixed``: the fixed k of the highest mean output
+  tok/s at that point and adaptive against it (ratio of means, per rotation).
 
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
 pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unless
@@ -159,6 +175,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.adaptive_bench import adaptive_env, check_args, confidences_of
+from benchmarks.dspark_bench_hooks import PROFILE_ENV
 from benchmarks.perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist
 from benchmarks.real_shapes import SHAPES, write_shape
 from dspark_dev.pp_launch import transport_evidence
@@ -179,6 +196,11 @@ class Config:
     pd_kv: bool = False  # KV budget --pd-kv-gib (the PD group's total) instead of --kv-gib
     adaptive: bool = False  # enable_adaptive_verification (benchmarks/adaptive_bench.py)
     connector: str = "mooncake"  # a PD deployment's KV connector (pd_launch.CONNECTORS)
+    k: int | None = None  # num_speculative_tokens of this configuration (None: the driver's -k)
+
+
+#: The fixed-k configurations of the k sweep (issue 44 item 5): ``pp{P}_dspark_k{J}``.
+SWEEP_KS = tuple(range(1, 8))
 
 
 CONFIGS = {
@@ -196,6 +218,7 @@ CONFIGS = {
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
         Config("pd_nixl_dspark", 1, True, pd=True, pd_kv=True, connector="nixl"),
+        *(Config(f"pp{pp}_dspark_k{j}", pp, True, k=j) for pp in (1, 2) for j in SWEEP_KS),
     )
 }
 GROUPS = {
@@ -204,6 +227,10 @@ GROUPS = {
     # with vs without adaptive verification; one GPU command each (CUDA-graph starts)
     "adaptive_pp1": ("pp1_dspark", "pp1_dspark_adaptive"),
     "adaptive_pp2": ("pp2_dspark", "pp2_dspark_adaptive"),
+    # adaptive verification against every fixed k (1..7) in one interleaved call; its summary
+    # names the best fixed k of each point (best_fixed_summary)
+    "ksweep_pp1": (*(f"pp1_dspark_k{j}" for j in SWEEP_KS), "pp1_dspark_adaptive"),
+    "ksweep_pp2": (*(f"pp2_dspark_k{j}" for j in SWEEP_KS), "pp2_dspark_adaptive"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
     # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
     # cut at the deadline and must not take the reference's measurements with it
@@ -490,7 +517,63 @@ def interleave_summary(points: list[dict], names: list[str], repeats: int) -> li
                     "max": max(per, default=None),
                 }
             entry["ratios"][f"{name}/{base}"] = ratios
+        if any(CONFIGS[n].adaptive for n in names if n in CONFIGS):
+            entry["adaptive_vs_best_fixed"] = best_fixed_summary(entry, names)
         out.append(entry)
+    return out
+
+
+def spec_ks(a) -> list[int]:
+    """The draft lengths of the selected DSpark configurations."""
+    return sorted({c.k or a.k for c in a.cfgs if c.spec})
+
+
+def profile_env(a) -> dict[str, str]:
+    """Where the DSpark configurations draft different numbers of tokens (the k sweep), every
+    server gets the acceptance profile of the longest one (``DSPARK_BENCH_PROFILE_POSITIONS``):
+    position ``i`` is accepted with the same rate at every k, so a shorter k gives up the later
+    positions' acceptances instead of stretching its own profile to the same mean."""
+    ks = spec_ks(a)
+    return {PROFILE_ENV: str(max(ks))} if len(ks) > 1 else {}
+
+
+def best_fixed_summary(entry: dict, names: list[str]) -> dict:
+    """For one interleaved point: per adaptive configuration, the fixed-k configuration of the
+    same PP size with the highest mean output throughput, and adaptive against it (ratio of the
+    means, and per rotation: the two runs of repeat r)."""
+    out: dict = {}
+    for name in names:
+        cfg = CONFIGS[name]
+        if not cfg.adaptive:
+            continue
+        fixed = [n for n in names if CONFIGS[n].spec and not CONFIGS[n].adaptive
+                 and CONFIGS[n].pp == cfg.pp]  # fmt: skip
+        means = {}
+        for n in fixed:
+            stats = entry["configs"].get(n, {}).get("stats", {}).get("output_throughput")
+            if stats and stats.get("mean"):
+                means[n] = stats["mean"]
+        mine = entry["configs"].get(name, {}).get("stats", {}).get("output_throughput")
+        if not means or not mine or not mine.get("mean"):
+            out[name] = {"best_fixed": None, "why": "no measured fixed-k or adaptive run"}
+            continue
+        best = max(means, key=lambda n: means[n])
+        reps = {r["repeat"]: r for r in entry["configs"][name]["repeats"]}
+        theirs = {r["repeat"]: r for r in entry["configs"][best]["repeats"]}
+        per = [
+            reps[r]["output_throughput"] / theirs[r]["output_throughput"]
+            for r in sorted(set(reps) & set(theirs))
+            if reps[r].get("output_throughput") and theirs[r].get("output_throughput")
+        ]
+        out[name] = {
+            "best_fixed": best,
+            "best_fixed_k": CONFIGS[best].k,
+            "fixed_means": means,
+            "ratio_of_means": mine["mean"] / means[best],
+            "per_rotation": per,
+            "min": min(per, default=None),
+            "max": max(per, default=None),
+        }
     return out
 
 
@@ -707,7 +790,8 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
     from dspark_dev.serve import Server, free_port
     from dspark_dev.serve_demo import serve_argv
 
-    spec = spec_config(paths.draft, a.k, initial_al, cfg.adaptive) if cfg.spec else None
+    k = cfg.k or a.k
+    spec = spec_config(paths.draft, k, initial_al, cfg.adaptive) if cfg.spec else None
     kv = kv_plan(cfg, *kv_args(a))
     base = shape_base_args(
         cpu=a.cpu,
@@ -717,7 +801,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         # a PD deployment gives each role its own share (pd_deployment); PP stages hold equal ones
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
-    env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=a.extra_env)
+    env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=profile_env(a) | a.extra_env)
     if cfg.pd_kv and not a.cpu and "VLLM_ENGINE_READY_TIMEOUT_S" not in a.extra_env:
         # vLLM's own start-up deadline must not end an engine the driver still waits for
         env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(a.ready_s))

@@ -232,6 +232,9 @@ DSPARK_BENCH_CONFIDENCES | draft | Benchmark hooks: what adaptive verification r
     or `synthetic`.
 DSPARK_BENCH_SYNTHETIC_SCHEDULE | min-variance | Benchmark hooks: how a mean acceptance length is
     spread: `min-variance` or `geometric`.
+DSPARK_BENCH_PROFILE_POSITIONS | unset (the server's k) | Benchmark hooks: the acceptance profile
+    spans this many positions and a server keeps its first k (serve_pp_one_gpu.py sets it for a k
+    sweep, so every k accepts position i alike).
 """
 
 

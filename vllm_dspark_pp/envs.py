@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     VLLM_DSPARK_PP_PEER_TIMEOUT_S: float = 30.0
     VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S: float = 60.0
     VLLM_DSPARK_PP_ADAPTIVE_PP: bool = False
+    VLLM_DSPARK_PP_ADAPTIVE_LAG: int = 1
     VLLM_DSPARK_PP_SKIP_PATCHES: str = ""
     VLLM_DSPARK_PP_STACKS_ON_SIGUSR1: bool = False
     VLLM_DSPARK_PP_DRAFT_DIGEST: int = 0
@@ -94,6 +95,21 @@ def _admitted_timeout_s() -> float:
     return float("60" if raw is None else raw)
 
 
+def parse_adaptive_lag(raw: str | None) -> int:
+    """``VLLM_DSPARK_PP_ADAPTIVE_LAG`` from its text: unset or blank is 1; anything but 0 or 1
+    raises ``ValueError`` naming the variable."""
+    name = "VLLM_DSPARK_PP_ADAPTIVE_LAG"
+    if raw is None or raw.strip() == "":
+        return 1
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(
+            f"{name}={raw!r} is neither 0 nor 1; use {name}=1 (the default: counts decided one "
+            f"drafting round early, no host waits for them) or {name}=0 (counts of the draft "
+            "being verified; every stage's host waits for the last stage's draft)"
+        )
+    return int(raw)
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds the last PP rank waits at start-up for every other rank's handshake record before
     # it fails naming the silent ranks (the others wait that long plus a grace period for its
@@ -114,6 +130,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (experimental until verified on a GPU; set it on every node). Anything else: vLLM's
     # refusal stands. (protocol/adaptive_config.py)
     "VLLM_DSPARK_PP_ADAPTIVE_PP": lambda: _raw("VLLM_DSPARK_PP_ADAPTIVE_PP") == "1",
+    # Adaptive verification under PP: which decision of the last stage a verify step applies.
+    # 1 (default): the one shipped with the request's previous draft broadcast but one (decided
+    # from that earlier draft's confidences), which every stage already holds on its host, so no
+    # host waits for counts. 0: the one shipped with the draft being verified (as before
+    # 2026-12-05; every stage's host waits for the last stage's draft). Set the same value on
+    # every node (the start-up handshake checks it). (protocol/handler.py)
+    "VLLM_DSPARK_PP_ADAPTIVE_LAG": lambda: parse_adaptive_lag(_raw("VLLM_DSPARK_PP_ADAPTIVE_LAG")),
     # Diagnosis only: comma-separated patch names this process does not apply (docs/patches.md);
     # config_vllm cannot be skipped, and PP > 1 is refused unless only the lost-stage controls
     # are skipped. Empty: apply every patch. (patches/__init__.py)

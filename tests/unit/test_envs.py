@@ -46,6 +46,7 @@ def test_defaults_when_unset(clean_env):
     assert envs.VLLM_DSPARK_PP_PEER_TIMEOUT_S == 30.0
     assert envs.VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S == 60.0
     assert envs.VLLM_DSPARK_PP_ADAPTIVE_PP is False
+    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG == 1
     assert envs.VLLM_DSPARK_PP_SKIP_PATCHES == ""
     assert envs.VLLM_DSPARK_PP_STACKS_ON_SIGUSR1 is False
     assert not any(envs.is_set(n) for n in NAMES)
@@ -73,6 +74,17 @@ def test_values_are_read_at_each_access_and_typed(clean_env):
         _ = envs.VLLM_DSPARK_PP_PEER_TIMEOUT_S
     with pytest.raises(AttributeError):
         _ = envs.VLLM_DSPARK_PP_NOT_A_KNOB
+
+
+def test_the_adaptive_lag_is_0_or_1(clean_env):
+    clean_env.setenv("VLLM_DSPARK_PP_ADAPTIVE_LAG", "0")
+    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG == 0
+    clean_env.setenv("VLLM_DSPARK_PP_ADAPTIVE_LAG", " ")
+    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG == 1
+    for bad in ("2", "yes", "-1"):
+        clean_env.setenv("VLLM_DSPARK_PP_ADAPTIVE_LAG", bad)
+        with pytest.raises(ValueError, match=f"VLLM_DSPARK_PP_ADAPTIVE_LAG='{bad}'"):
+            _ = envs.VLLM_DSPARK_PP_ADAPTIVE_LAG
 
 
 def test_the_old_stack_dump_name_still_works_and_warns_once(clean_env, warnings_seen):

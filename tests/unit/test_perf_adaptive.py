@@ -69,6 +69,92 @@ def test_dry_run_sets_the_spec_key_and_the_opt_in_on_every_adaptive_launcher(cap
     assert "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S" not in node["env"]  # PP=1: no stages to wait on
 
 
+# --------------------------------------------------------------------------- the k sweep
+def test_the_k_sweep_groups_every_fixed_k_with_the_adaptive_deployment():
+    for pp in (1, 2):
+        cfgs = serve.select_configs(f"ksweep_pp{pp}")
+        assert [(c.name, c.pp, c.k, c.adaptive) for c in cfgs] == [
+            *((f"pp{pp}_dspark_k{j}", pp, j, False) for j in range(1, 8)),
+            (f"pp{pp}_dspark_adaptive", pp, None, True),
+        ]
+
+
+def test_dry_run_of_the_k_sweep_drafts_each_k_on_one_acceptance_profile(capsys):
+    """Each fixed-k deployment drafts its own k, the adaptive one the driver's -k, and every
+    server gets the 7-position profile (a k sweep); a run with one k gets none. Control: the
+    adaptive pair (one k) has no profile variable."""
+    args = ["--dry-run", "--out", "/nonexistent-not-written", "--interleave", "--repeats", "3",
+            "--concurrency", "4", "--acceptance-lengths", "3.99"]  # fmt: skip
+    assert serve.main([*args, "--configs", "ksweep_pp2"]) == 0
+    nodes = dry_run_launchers(capsys.readouterr().out)
+    assert len(nodes) == 16  # 8 deployments, two launchers each
+    for name, node in nodes.items():
+        spec = json.loads(_spec_text(node["argv"]).split(" --", 1)[0])
+        dep = name.split(" ")[0]
+        want_k = 7 if dep.endswith("_adaptive") else int(dep.rsplit("_k", 1)[1])
+        assert spec["num_speculative_tokens"] == want_k, name
+        assert spec.get("enable_adaptive_verification", False) == dep.endswith("_adaptive")
+        assert node["env"][hooks.PROFILE_ENV] == "7", name
+    assert serve.main([*args, "--configs", "adaptive_pp2"]) == 0
+    nodes = dry_run_launchers(capsys.readouterr().out)
+    assert nodes and all(hooks.PROFILE_ENV not in n["env"] for n in nodes.values())
+
+
+def test_a_shorter_k_keeps_the_first_positions_of_the_k_sweeps_profile(monkeypatch):
+    """With the sweep's profile (7 positions) a server drafting 3 accepts positions 1..3 at the
+    7-position geometric rate, so its mean acceptance length is below the AL asked for. Control:
+    without the variable its profile is stretched over its own 3 positions (another rate)."""
+    monkeypatch.setenv(hooks.SCHEDULE_ENV, "geometric")
+
+    def runner(n):
+        rates = torch.zeros(n)
+        return types.SimpleNamespace(
+            rejection_sampler=types.SimpleNamespace(synthetic_conditional_rates=rates)
+        )
+
+    monkeypatch.setenv(hooks.PROFILE_ENV, "7")
+    k7 = hooks._set_acceptance_length(runner(7), 3.99)
+    k3 = hooks._set_acceptance_length(runner(3), 3.99)
+    assert k3["profile_positions"] == 7 and len(k3["unconditional_rates"]) == 3
+    assert k3["conditional_rates"] == pytest.approx(k7["conditional_rates"][:3])
+    assert 1 + sum(k3["unconditional_rates"]) < 3.99 - 0.5
+    monkeypatch.delenv(hooks.PROFILE_ENV)
+    own = hooks._set_acceptance_length(runner(3), 3.99)
+    assert 1 + sum(own["unconditional_rates"]) == pytest.approx(3.99)
+    assert own["conditional_rates"][0] > k7["conditional_rates"][0] + 0.05
+    monkeypatch.setenv(hooks.PROFILE_ENV, "2")
+    with pytest.raises(ValueError, match="fewer positions than this server drafts"):
+        hooks._set_acceptance_length(runner(3), 3.99)
+
+
+def _sweep_point(name: str, repeat: int, tok_s: float) -> dict:
+    return {"config": name, "concurrency": 16, "point_al": 3.99, "repeat": repeat, "slot": repeat,
+            "num_prompts": 64, "bench": {"output_throughput": tok_s}}  # fmt: skip
+
+
+def test_the_sweeps_summary_names_the_best_fixed_k_and_adaptive_against_it():
+    """Adaptive is compared with the fixed k of the highest mean output throughput at the point
+    (here k = 4, not k = 7, the driver's -k), per rotation too."""
+    names = [c.name for c in serve.select_configs("ksweep_pp2")]
+    tok = {f"pp2_dspark_k{j}": 100.0 + 10 * min(j, 8 - j) for j in range(1, 8)}  # k4 best: 140
+    tok["pp2_dspark_adaptive"] = 133.0
+    points = [
+        _sweep_point(n, r, tok[n] * (1.0 + 0.01 * r)) for r in range(3) for n in names
+    ]  # fmt: skip
+    [entry] = serve.interleave_summary(points, names, 3)
+    got = entry["adaptive_vs_best_fixed"]["pp2_dspark_adaptive"]
+    assert got["best_fixed"] == "pp2_dspark_k4" and got["best_fixed_k"] == 4
+    assert got["ratio_of_means"] == pytest.approx(133.0 / 140.0)
+    assert got["per_rotation"] == pytest.approx([133.0 / 140.0] * 3)
+    assert set(got["fixed_means"]) == {f"pp2_dspark_k{j}" for j in range(1, 8)}
+    # the baseline ratios stay against the first configuration named (k = 1)
+    assert "pp2_dspark_adaptive/pp2_dspark_k1" in entry["ratios"]
+    # no adaptive configuration: no such section
+    fixed = names[:-1]
+    [plain] = serve.interleave_summary([p for p in points if p["config"] in fixed], fixed, 3)
+    assert "adaptive_vs_best_fixed" not in plain
+
+
 # --------------------------------------------------------------------------- the hook
 def _stand_in_manager():
     """A stand-in for vLLM's ``AdaptiveVerificationManager`` that keeps what it was given."""

@@ -10,6 +10,16 @@ checks (its admitted count). The count rides as one more column of the step's dr
 step from the same host-side counts (:class:`ShippedCounts`), so every stage computes the same
 token count, CUDA graph and layout. See docs/protocol.md, "Adaptive verification under PP".
 
+Which decision a verify step applies (``ExchangeSpec.admitted_lag``, from
+``VLLM_DSPARK_PP_ADAPTIVE_LAG``, checked by the start-up handshake): with lag 1 (the default)
+the one shipped with the request's draft broadcast before the latest, i.e. the count the last
+stage decided one drafting round earlier, from that round's confidences. That broadcast has
+landed on every stage before the scheduler can send the verify step (each stage's GPU waited
+for it before the forward whose output the scheduler needed), so no stage's host waits for the
+draft being verified. With lag 0 (the behaviour before) it is the one shipped with the draft
+being verified: every stage's host waits until the last stage has drafted it. Either way only
+the number of drafts verified changes, never the verification rule, so the output is the same.
+
 The decision reuses vLLM's own pieces: the budget is vLLM's
 ``AdaptiveVerificationManager.get_num_tokens`` applied to the next verify batch as the drafting
 batch predicts it (each request: one bonus token, ``k`` drafts), and the per-request split is
@@ -176,13 +186,17 @@ class ShippedCounts:
         self.verified_drafts += verified
         self.scheduled_drafts += scheduled
         if self.verify_steps in (1, 10) or self.verify_steps % 100 == 0:
+            handler = self.pp_handler
+            spec = getattr(handler, "exchange_spec", None)
             _logger().info(
                 "DSpark PP adaptive verification (stage %d): %d verify steps, %d of %d scheduled "
-                "drafts verified",
+                "drafts verified; counts lag %s, %s host waits for counts",
                 self.stage,
                 self.verify_steps,
                 self.verified_drafts,
                 self.scheduled_drafts,
+                getattr(spec, "admitted_lag", "?"),
+                getattr(handler, "admitted_waits", "?"),
             )
 
     # -- the pipeline's cost curve (replaces the tables' input, adaptive_verification.py:350-371)
@@ -208,7 +222,8 @@ def pipeline_verify_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[i
 def _logger():
     from vllm.logger import init_logger
 
-    return init_logger("vllm_dspark_pp.adaptive")
+    # under "vllm": the only namespace vLLM's logging config prints at INFO
+    return init_logger("vllm.dspark_pp.adaptive")
 
 
 def _store() -> Any:

@@ -19,8 +19,12 @@ rank would leave every other rank waiting). The warm-up patch runs vLLM's warm-u
 
 Under adaptive verification with PP (``ExchangeSpec.admitted_counts``) the drafts payload has one
 more column, each request's admitted draft count; every rank (the last one included) records the
-column per request slot when it posts the payload, and :meth:`admitted_counts_for` hands the
-counts to the next verify step on the host (see ``protocol/adaptive.py``).
+column per request slot when it posts the payload (the slot's latest two, for the rows whose
+output the step broadcasts), and :meth:`admitted_counts_for` hands a verify step, on the host,
+each request's count of its draft broadcast before the latest (``admitted_lag`` 1, the default:
+that broadcast has landed on every rank before the scheduler can send the step, so the host does
+not wait) or of its latest (``admitted_lag`` 0: the draft being verified, which the host waits
+for). See ``protocol/adaptive.py``.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ class AdmittedCounts:
         self.cpu = torch.empty(column.shape, dtype=torch.int32, pin_memory=True)
         self.cpu.copy_(column, non_blocking=True)
         self.event = stream.record_event()
+
+    def ready(self) -> bool:
+        """Whether :meth:`values` returns without waiting."""
+        return self.event is None or bool(self.event.query())
 
     def values(self) -> np.ndarray:
         if self.event is not None and not self.event.query():
@@ -160,34 +168,66 @@ class DSparkExchange:
         # The last rank's admitted counts of the current step (set before broadcast_drafts).
         self.step_admitted: torch.Tensor | None = None
         self._step_idx_np = np.zeros(0, dtype=np.intp)
-        # Per request slot: the generation, record and row of its latest admitted count.
+        # Per request slot: the generation, record and row of its latest admitted count, and of
+        # the one before it (same request: same generation).
         self.admitted_gen = np.full(max_num_reqs, -1, dtype=np.int64)
         self.admitted_rec: list[AdmittedCounts | None] = [None] * max_num_reqs
         self.admitted_row = np.zeros(max_num_reqs, dtype=np.int64)
+        self.earlier_gen = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.earlier_rec: list[AdmittedCounts | None] = [None] * max_num_reqs
+        self.earlier_row = np.zeros(max_num_reqs, dtype=np.int64)
+        # Counts a verify step read before their copy to the host had landed (a host wait).
+        self.admitted_waits = 0
         self.set_admitted_counts(num_speculative_steps > 0 and admitted_counts_from_config())
         # VLLM_DSPARK_PP_DRAFT_DIGEST: every rank's running digest of the draft payloads
         self.draft_digest = digest_from_env(self) if num_speculative_steps > 0 else None
         _log_transport(self)
 
-    def set_admitted_counts(self, enabled: bool) -> None:
-        """Ship admitted draft counts in the drafts payload (every rank alike)."""
-        self.exchange_spec = ExchangeSpec(self.num_speculative_steps, admitted_counts=enabled)
+    def set_admitted_counts(self, enabled: bool, lag: int | None = None) -> None:
+        """Ship admitted draft counts in the drafts payload (every rank alike); ``lag`` (default:
+        ``VLLM_DSPARK_PP_ADAPTIVE_LAG``) says which one a verify step applies."""
+        lag = envs.VLLM_DSPARK_PP_ADAPTIVE_LAG if lag is None else int(lag)
+        self.exchange_spec = ExchangeSpec(
+            self.num_speculative_steps, admitted_counts=enabled, admitted_lag=lag
+        )
 
     def _keep_admitted(self, column: torch.Tensor, idx_mapping_np: np.ndarray) -> None:
+        """Record the posted count column for the rows whose output this step broadcasts (the
+        others drafted nothing: a non-final prefill chunk's 0 must not become its count)."""
         record = AdmittedCounts(column, self.broadcast_stream)
+        step = self.exchange_step
+        mask = None if step is None or step.schedule is None else step.schedule.need_sampled_mask
         for row, slot in enumerate(idx_mapping_np):
-            self.admitted_gen[slot] = self.req_idx_gen_np[slot]
+            if mask is not None and not mask[row]:
+                continue
+            gen = self.req_idx_gen_np[slot]
+            same_request = self.admitted_rec[slot] is not None and self.admitted_gen[slot] == gen
+            self.earlier_gen[slot] = gen if same_request else -1
+            self.earlier_rec[slot] = self.admitted_rec[slot] if same_request else None
+            self.earlier_row[slot] = self.admitted_row[slot]
+            self.admitted_gen[slot] = gen
             self.admitted_rec[slot] = record
             self.admitted_row[slot] = row
 
     def admitted_counts_for(self, idx_mapping_np: np.ndarray) -> np.ndarray:
-        """Each slot's admitted draft count from its latest draft broadcast (-1: none, or the
-        slot's request was freed since). Every PP rank returns the same values."""
+        """Each slot's admitted draft count (-1: none, or the slot's request was freed since):
+        with ``admitted_lag`` 1 the count of the request's draft broadcast before its latest one,
+        with 0 the latest one's. Every PP rank returns the same values (the same broadcasts,
+        recorded alike)."""
+        lag = self.exchange_spec.admitted_lag
+        gens, recs, rows = (
+            (self.earlier_gen, self.earlier_rec, self.earlier_row)
+            if lag
+            else (self.admitted_gen, self.admitted_rec, self.admitted_row)
+        )
         out = np.full(len(idx_mapping_np), -1, dtype=np.int32)
         for i, slot in enumerate(idx_mapping_np):
-            record = self.admitted_rec[slot]
-            if record is not None and self.admitted_gen[slot] == self.req_idx_gen_np[slot]:
-                out[i] = record.values()[self.admitted_row[slot]]
+            record = recs[slot]
+            if record is None or gens[slot] != self.req_idx_gen_np[slot]:
+                continue
+            if not record.ready():
+                self.admitted_waits += 1
+            out[i] = record.values()[rows[slot]]
         return out
 
     # -- one width for every step (replaces pp_utils.py:104-106)

@@ -8,7 +8,7 @@ every DP rank) publishes the facts that shape the exchange:
 
     protocol (vllm_dspark_pp.version.PROTOCOL_VERSION), plugin version, vLLM version,
     pp_size, tp_size, method, num_speculative_tokens (k), fixed_graph_batch,
-    adaptive_verification
+    adaptive_verification, admitted_lag
 
 with its coordinates as vLLM's groups report them. The last rank of the world (the last PP
 stage's last TP rank: the referee, chosen by :func:`referee`) compares each rank's facts with its
@@ -57,6 +57,7 @@ FIELDS = (
     "num_speculative_tokens",
     "fixed_graph_batch",
     "adaptive_verification",
+    "admitted_lag",
     "tp_size",
 )
 
@@ -76,6 +77,9 @@ class HandshakeFacts:
     fixed_graph_batch: int | None
     adaptive_verification: bool = False  # ships admitted counts (protocol/adaptive.py)
     tp_size: int = 1
+    # which shipped count a verify step applies (VLLM_DSPARK_PP_ADAPTIVE_LAG; 0 when no counts
+    # ship): ranks that differ would build different verify batches
+    admitted_lag: int = 0
 
 
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
@@ -85,6 +89,7 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
     from vllm_dspark_pp.protocol.graph_batch import fixed_graph_batch
 
     spec = vllm_config.speculative_config
+    ships = ships_admitted_counts(vllm_config)
     return HandshakeFacts(
         protocol=PROTOCOL_VERSION,
         plugin_version=__version__,
@@ -93,8 +98,9 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
         method=None if spec is None else spec.method,
         num_speculative_tokens=0 if spec is None else int(spec.num_speculative_tokens or 0),
         fixed_graph_batch=fixed_graph_batch(vllm_config),
-        adaptive_verification=ships_admitted_counts(vllm_config),
+        adaptive_verification=ships,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        admitted_lag=envs.VLLM_DSPARK_PP_ADAPTIVE_LAG if ships else 0,
     )
 
 
@@ -263,6 +269,8 @@ def run_handshake(
     if problems:
         message = "vllm-dspark-pp start-up handshake failed: " + "; ".join(problems) + "."
         message += _fix_hint(shape)
+        if any("admitted_lag=" in p for p in problems):
+            message += " Set VLLM_DSPARK_PP_ADAPTIVE_LAG to the same value on every node."
         store.set(verdict_key, _encode({"ok": False, "message": message}))
         raise HandshakeError(message)
     store.set(verdict_key, _encode({"ok": True}))

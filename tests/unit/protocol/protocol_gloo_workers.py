@@ -71,7 +71,13 @@ def exchange_worker(
             for seed in seeds:
                 case = dataclasses.replace(ps.random_case(seed), pp_size=world)
                 h = ps.make_handler(
-                    rank, world, case.k, case.max_num_reqs, dist.group.WORLD, case.adaptive
+                    rank,
+                    world,
+                    case.k,
+                    case.max_num_reqs,
+                    dist.group.WORLD,
+                    case.adaptive,
+                    case.admitted_lag,
                 )
                 ring = deque([None] * world)
                 gen = np.zeros(case.max_num_reqs, dtype=np.int64)
@@ -153,6 +159,10 @@ HANDSHAKE_SCENARIOS = {
     "versions": ({0: {"protocol": 2, "vllm_version": "0.35.0"}}, ()),
     "k": ({1: {"num_speculative_tokens": 5}}, ()),
     "adaptive": ({0: {"adaptive_verification": True}}, ()),
+    "lag": (
+        {r: {"adaptive_verification": True, "admitted_lag": 0 if r == 1 else 1} for r in range(3)},
+        (),
+    ),
     "silent_rank": ({}, (1,)),
     "silent_last": ({}, (2,)),
 }

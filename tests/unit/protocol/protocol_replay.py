@@ -4,6 +4,7 @@ with a recording broadcast: returns each rank's collective sequence and every pr
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import numpy as np
@@ -66,10 +67,13 @@ def replay(case: Case, monkeypatch_broadcast) -> tuple[dict[int, list], list[str
     wire = RecordingWire(world)
     monkeypatch_broadcast(wire.broadcast)
     handlers = {
-        r: make_handler(r, world, case.k, case.max_num_reqs, FakeGroup(r), case.adaptive)
+        r: make_handler(
+            r, world, case.k, case.max_num_reqs, FakeGroup(r), case.adaptive, case.admitted_lag
+        )
         for r in range(world)
     }
-    expected_admitted: dict[int, tuple[int, int]] = {}  # slot -> (generation, count)
+    # slot -> [(generation, count), ...] of its draft broadcasts, the latest last
+    expected_admitted: dict[int, list[tuple[int, int]]] = {}
     problems = wire.problems
     # the ring each non-last rank should hold: step index of each pending receive
     ring = {r: deque([None] * world) for r in range(last)}
@@ -99,25 +103,34 @@ def replay(case: Case, monkeypatch_broadcast) -> tuple[dict[int, list], list[str
 
 
 def keep_expected_admitted(case, t, step, gen, expected):
-    """What every rank should hold after step t: the counts of the step's draft broadcast."""
+    """What every rank should hold after step t: the counts of the step's draft broadcast, for
+    the rows whose output the step broadcasts."""
     if not case.adaptive or step.batch is None or step.num_spec_tokens == 0:
         return
-    if need_sampled_mask(step.batch) is None:
+    mask = need_sampled_mask(step.batch)
+    if mask is None:
         return  # the step posts nothing
     counts = admitted_for(case.seed, t, step.batch, case.k)
     for row, slot in enumerate(step.batch.idx_mapping_np):
-        expected[int(slot)] = (int(gen[slot]), int(counts[row]))
+        if mask[row]:
+            expected.setdefault(int(slot), []).append((int(gen[slot]), int(counts[row])))
+
+
+def expected_count(history: list[tuple[int, int]], gen: int, lag: int) -> int:
+    """The count a verify step applies: the slot's ``lag``-th draft broadcast before its latest,
+    if that and every later one were sent to the request now in the slot (-1: none)."""
+    if len(history) <= lag or any(g != gen for g, _ in history[-1 - lag :]):
+        return -1
+    return history[-1 - lag][1]
 
 
 def check_admitted(case, t, handlers, gen, expected, problems):
     """Before step t: every rank returns the same admitted count for every slot, the one the last
-    rank sent in the slot's latest draft broadcast (-1: none, or freed since)."""
+    rank sent in the slot's latest draft broadcast (lag 0) or the one before it (lag 1; -1: none,
+    or freed since)."""
     slots = np.arange(case.max_num_reqs)
     want = np.array(
-        [
-            expected[s][1] if s in expected and expected[s][0] == gen[s] else -1
-            for s in slots.tolist()
-        ],
+        [expected_count(expected.get(s, []), gen[s], case.admitted_lag) for s in slots.tolist()],
         dtype=np.int32,
     )
     for r, h in handlers.items():
@@ -183,15 +196,13 @@ def minimal_reproducer(seed: int, monkeypatch_broadcast, check) -> str:
     case = random_case(seed)
     n = len(case.steps)
     for m in range(1, n + 1):
-        sub = Case(
-            case.seed, case.pp_size, case.k, case.max_num_reqs, case.steps[:m], case.adaptive
-        )
+        sub = dataclasses.replace(case, steps=case.steps[:m])
         if check(sub, monkeypatch_broadcast):
             n = m
             break
     lines = [
         f"minimal reproducer: seed={seed} pp_size={case.pp_size} k={case.k} "
-        f"adaptive={case.adaptive} "
+        f"adaptive={case.adaptive} lag={case.admitted_lag} "
         f"max_num_reqs={case.max_num_reqs} first {n} steps "
         f"(rerun: protocol_replay.replay(protocol_sim.random_case({seed}) with steps[:{n}]))"
     ]

@@ -127,10 +127,10 @@ class FakePPGroup:
 
 
 def make_handler(
-    rank: int, world_size: int, k: int, max_num_reqs: int, broadcast_group, adaptive=False
+    rank: int, world_size: int, k: int, max_num_reqs: int, broadcast_group, adaptive=False, lag=1
 ):
     """The real (patched) vLLM PPHandler for one rank, on CPU (``adaptive``: the drafts payload
-    carries admitted draft counts)."""
+    carries admitted draft counts; ``lag``: which of them a verify step applies)."""
     from vllm.v1.worker.gpu import pp_utils
 
     fake = FakePPGroup(rank, world_size, broadcast_group)
@@ -138,7 +138,7 @@ def make_handler(
     pp_utils.get_pp_group = lambda: fake
     try:
         handler = pp_utils.PPHandler(max_num_reqs, k, torch.device("cpu"))
-        handler.set_admitted_counts(adaptive)
+        handler.set_admitted_counts(adaptive, lag=lag)
         return handler
     finally:
         pp_utils.get_pp_group = saved
@@ -210,12 +210,16 @@ class Case:
     max_num_reqs: int
     steps: list[Step]
     adaptive: bool = False  # adaptive verification: admitted counts ride with the drafts
+    # which shipped count a verify step applies (ExchangeSpec.admitted_lag): 0 in adaptive cases
+    # whose seed is 3 mod 4, else 1 (the default)
+    admitted_lag: int = 1
 
 
 def random_case(seed: int, num_steps: int = 24) -> Case:
     """A seeded random engine run: prefill chunks, decodes with and without drafts, aborts,
     preemptions, max-length finishes and empty steps; PP size 2..4; k in {0, 1, 2, 3, 5};
-    adaptive verification (admitted counts) in every other block of 15 seeds with k > 0."""
+    adaptive verification (admitted counts) in every other block of 15 seeds with k > 0, applied
+    with lag 0 where the seed is 3 mod 4 and lag 1 otherwise."""
     rng = random.Random(seed)
     pp_size = 2 + seed % 3
     k = [0, 1, 2, 3, 5][(seed // 3) % 5]
@@ -305,7 +309,7 @@ def random_case(seed: int, num_steps: int = 24) -> Case:
             # prefill chunks advance by the chunk; a decode by 1 + its accepted drafts
             reqs[rid]["computed"] += n - d + rng.randint(0, d)
         steps.append(Step(freed, batch, num_spec_tokens))
-    return Case(seed, pp_size, k, max_num_reqs, steps, adaptive)
+    return Case(seed, pp_size, k, max_num_reqs, steps, adaptive, 0 if seed % 4 == 3 else 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -453,14 +453,16 @@ def test_pp1_and_adaptive_off_are_untouched(validate):
     assert not adaptive.ships_admitted_counts(cfg)
 
 
-def test_a_step_without_a_draft_broadcast_leaves_no_counts_for_the_next(patch_broadcast):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_step_without_a_draft_broadcast_leaves_no_counts_for_the_next(patch_broadcast, lag):
     """The last rank's decision belongs to its step: a step that drafts nothing (skipped drafts)
-    must not hand its counts to the next step's draft broadcast (another batch)."""
+    must not hand its counts to the next step's draft broadcast (another batch). With lag 1 a
+    verify step applies the counts of the request's draft broadcast before its latest one."""
     from protocol_sim import Batch, make_handler
 
     posted = []
     patch_broadcast(lambda tensor, src, group=None, async_op=False: posted.append(tensor.clone()))
-    h = make_handler(1, 2, 3, 8, SimpleNamespace(rank=1), adaptive=True)
+    h = make_handler(1, 2, 3, 8, SimpleNamespace(rank=1), adaptive=True, lag=lag)
 
     def batch(n):
         return Batch(
@@ -487,9 +489,12 @@ def test_a_step_without_a_draft_broadcast_leaves_no_counts_for_the_next(patch_br
     step(2, 0, admitted=[1, 2])  # decided, but the step broadcasts no drafts
     step(3, 3)  # no decision this step: every request verifies all k drafts
     assert posted[-1].shape == (3, 4) and posted[-1][:, 3].tolist() == [3, 3, 3]
-    assert h.admitted_counts_for(np.arange(3)).tolist() == [3, 3, 3]
+    first = [3, 3, 3] if lag == 0 else [-1, -1, -1]  # lag 1: no broadcast before the latest
+    assert h.admitted_counts_for(np.arange(3)).tolist() == first
     step(3, 3, admitted=[0, 1, 2])
-    assert h.admitted_counts_for(np.arange(3)).tolist() == [0, 1, 2]
+    assert h.admitted_counts_for(np.arange(3)).tolist() == ([0, 1, 2] if lag == 0 else [3, 3, 3])
+    step(3, 3, admitted=[2, 2, 1])
+    assert h.admitted_counts_for(np.arange(3)).tolist() == ([2, 2, 1] if lag == 0 else [0, 1, 2])
 
 
 # ---------------------------------------------------------------- the model runner patch
@@ -618,3 +623,88 @@ def test_only_non_last_stages_profile_their_own_curve(runner_module, monkeypatch
         runner.profile_adaptive_verification()
         assert getattr(runner, "profiled", None) == (None if stage == 0 else "vllm")
     assert seen == [0]
+
+
+# ---------------------------------------------------------------- no host wait for the counts
+
+
+class _NotLanded:
+    """A copy event that has not completed (a broadcast whose sender is still drafting)."""
+
+    landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+
+@pytest.mark.parametrize("last_rank", [True, False])
+@pytest.mark.parametrize("lag", [1, 0])
+def test_a_verify_step_never_waits_for_the_draft_it_verifies(patch_broadcast, monkeypatch, lag,
+                                                             last_rank):  # fmt: skip
+    """Each round of a steady decode batch posts its drafts with counts; before the next round's
+    verify step reads them, every copy has landed except the latest broadcast's (on a GPU: the
+    last stage is still drafting it). Lag 1 (the default) reads the round before and does not
+    wait: the counts of round r - 1 in round r + 1, on the last rank (broadcast) and a non-last
+    rank (receive) alike. Control: lag 0 (the behaviour before, ``VLLM_DSPARK_PP_ADAPTIVE_LAG=0``)
+    reads the latest and waits until the timeout."""
+    from protocol_sim import Batch, make_handler
+
+    from vllm_dspark_pp.protocol import handler as exchange
+
+    n, k = 3, 3
+    rounds = [[3, 1, 0], [2, 2, 1], [0, 3, 2], [1, 1, 1]]
+    sent = {"counts": None}
+
+    def wire(tensor, src, group=None, async_op=False):
+        if not last_rank and tuple(tensor.shape) == (n, k + 1):
+            tensor[:, k] = torch.tensor(sent["counts"])
+
+    patch_broadcast(wire)
+    records = []
+
+    class Pending(exchange.AdmittedCounts):
+        def __init__(self, column, stream):
+            super().__init__(column, stream)
+            self.event = _NotLanded()
+            records.append(self)
+
+    monkeypatch.setattr(exchange, "AdmittedCounts", Pending)
+    monkeypatch.setenv("VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S", "0.05")
+    h = make_handler(1 if last_rank else 0, 2, k, 8, SimpleNamespace(rank=1), True, lag)
+    batch = Batch(
+        req_ids=[f"r{i}" for i in range(n)],
+        idx_mapping_np=np.arange(n, dtype=np.intp),
+        num_computed_tokens_np=np.full(n, 9, dtype=np.int32),
+        num_scheduled_tokens=np.full(n, 1 + k, dtype=np.int32),
+        prefill_len_np=np.full(n, 5, dtype=np.int32),
+        max_seq_len_np=None,
+        is_prefilling_np=np.zeros(n, dtype=bool),
+        num_drafts_np=np.full(n, k, dtype=np.int32),
+    )
+    read = []
+    for counts in rounds:
+        for record in records:
+            record.event.landed = True  # every earlier broadcast is there; this round's is not
+        if lag == 0 and records:
+            records[-1].event.landed = False
+            with pytest.raises(exchange.ExchangeError, match="never arrived"):
+                h.admitted_counts_for(np.arange(n))
+            return
+        if records:
+            records[-1].event.landed = False
+        read.append(h.admitted_counts_for(np.arange(n)).tolist())
+        sent["counts"] = counts
+        h.begin_step(k)
+        if last_rank:
+            h.broadcast(torch.zeros(n, k + 1, dtype=torch.int64),
+                        torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
+                        batch)  # fmt: skip
+            h.step_admitted = torch.tensor(counts, dtype=torch.int32)
+            h.broadcast_drafts(torch.zeros(n, k, dtype=torch.int64))
+        else:
+            h.receive(batch, recv_drafts=True)
+        h.end_step()
+    assert lag == 1
+    # round 0 and 1: no broadcast before the latest yet (every scheduled draft is verified)
+    assert read == [[-1] * n, [-1] * n, rounds[0], rounds[1]]
+    assert h.admitted_waits == 0

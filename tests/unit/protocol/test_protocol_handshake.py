@@ -1,7 +1,7 @@
 """The PP start-up handshake over three real gloo processes: agreement passes; mismatched
-versions, mismatched k, mismatched adaptive verification and a silent rank (a rank without the
-plugin) each fail every participating rank fast, with one message naming the rank and the
-field."""
+versions, mismatched k, mismatched adaptive verification or count lag and a silent rank (a rank
+without the plugin) each fail every participating rank fast, with one message naming the rank and
+the field."""
 
 from __future__ import annotations
 
@@ -65,6 +65,19 @@ def test_ranks_disagreeing_on_adaptive_verification_fail_every_rank(outcomes):
     for r in range(3):
         assert got[r]["outcome"] == "error", got[r]
         assert "PP rank 0 has adaptive_verification=True" in got[r]["message"], got[r]
+        assert got[r]["elapsed"] < TIMEOUT
+
+
+@pytest.mark.timeout(200)
+def test_ranks_applying_counts_of_another_lag_fail_every_rank(outcomes):
+    """One rank would verify with the latest shipped counts, the others with the ones before
+    (VLLM_DSPARK_PP_ADAPTIVE_LAG): their verify batches would differ."""
+    got = outcomes["lag"]
+    for r in range(3):
+        assert got[r]["outcome"] == "error", got[r]
+        msg = got[r]["message"]
+        assert "PP rank 1 has admitted_lag=0" in msg and "has admitted_lag=1" in msg, msg
+        assert "VLLM_DSPARK_PP_ADAPTIVE_LAG" in msg, msg
         assert got[r]["elapsed"] < TIMEOUT
 
 
