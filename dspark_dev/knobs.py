@@ -221,6 +221,8 @@ DSPARK_TEST_MISMATCH_RANK | -1 | tools/gpu/run_pp2_aggregated.py's probe: the PP
 DSPARK_FAKE_MODELS | unset | GPU-fake plugin: folder holding the pairs the fake engines read.
 DSPARK_FAKE_MUTATION | unset | GPU-fake plugin: break one thing, to show a check fails
     (`subtle_same`, `pos6_zero`, ...).
+DSPARK_FAKE_WIRING_PARALLEL | 2 | tests/unit/test_gpu_fake_wiring.py: how many fake-engine child runs
+    run at once.
 DSPARK_FAKE_CALLS | unset (none written) | GPU-fake plugin: write the recorded engine calls as JSON
     here.
 DSPARK_FAKE_NCCL_GUARD | set by the fake guard | Marker the GPU-fake NCCL guard puts in a
