@@ -160,6 +160,11 @@ def fp8_ds_mla_round(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------- hyper-connections
+def hc_streams(x: torch.Tensor, hc: int) -> torch.Tensor:
+    """x [..., H] -> the ``hc`` residual streams [..., hc, H] (copies of x)."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], hc, x.shape[-1])
+
+
 class HyperMix(nn.Module):
     """The mixing weights of one sublayer (``hc_attn_*`` or ``hc_ffn_*``)."""
 
@@ -277,6 +282,9 @@ class Attention(nn.Module):
             Compressor(h, hd, self.ratio, cfg.rms_norm_eps) if self.ratio > 1 else None
         )
         self.indexer = Indexer(cfg, self.ratio) if self.ratio == 4 else None
+        # whether the compressed entries pass an indexer's top-k selection (modelled only while
+        # it selects them all)
+        self.indexed = self.indexer is not None
 
     def rope(self, x, positions, *, inverse=False):
         # x is [B, S, C] or [B, S, heads, C]; positions [S] or [B, S]
@@ -331,7 +339,7 @@ class Attention(nn.Module):
         visible = (d >= 0) & (d < cfg.sliding_window)
         if self.compressor is not None:
             c = self.compressed_keys(x, kv_quant)
-            if self.indexer is not None and c.shape[1] > cfg.index_topk:
+            if self.indexed and c.shape[1] > cfg.index_topk:
                 raise NotImplementedError(
                     "more compressed entries than index_topk: the indexer's top-k selection "
                     "is not modelled"
@@ -341,6 +349,23 @@ class Attention(nn.Module):
             k = torch.cat((k, c), 1)
             visible = torch.cat((visible, closed), 1)
         return self.attend(q, k, visible.unsqueeze(0), pos)
+
+    def compression_state(self) -> dict[str, torch.Tensor]:
+        """The compressor's and the indexer's tensors in the checkpoint's names (below
+        ``attn.``)."""
+        sd: dict[str, torch.Tensor] = {}
+        comps = [("compressor", self.compressor)]
+        if self.indexer is not None:
+            sd["indexer.wq_b.weight"] = self.indexer.wq_b.weight
+            sd["indexer.weights_proj.weight"] = self.indexer.weights_proj.weight
+            comps.append(("indexer.compressor", self.indexer.compressor))
+        for p, c in comps:
+            if c is not None:
+                sd[f"{p}.wkv.weight"] = c.wkv.weight
+                sd[f"{p}.wgate.weight"] = c.wgate.weight
+                sd[f"{p}.ape"] = c.ape
+                sd[f"{p}.norm.weight"] = c.norm.weight
+        return sd
 
 
 # ----------------------------------------------------------------------------------- the MoE
@@ -449,17 +474,7 @@ def _layer_state(layer: DecoderLayer, prefix: str) -> dict[str, torch.Tensor]:
     sd["attn.q_norm.weight"] = a.q_norm.weight
     sd["attn.kv_norm.weight"] = a.kv_norm.weight
     sd["attn.attn_sink"] = a.attn_sink
-    comps = [("attn.compressor", a.compressor)]
-    if a.indexer is not None:
-        sd["attn.indexer.wq_b.weight"] = a.indexer.wq_b.weight
-        sd["attn.indexer.weights_proj.weight"] = a.indexer.weights_proj.weight
-        comps.append(("attn.indexer.compressor", a.indexer.compressor))
-    for p, c in comps:
-        if c is not None:
-            sd[f"{p}.wkv.weight"] = c.wkv.weight
-            sd[f"{p}.wgate.weight"] = c.wgate.weight
-            sd[f"{p}.ape"] = c.ape
-            sd[f"{p}.norm.weight"] = c.norm.weight
+    sd.update({f"attn.{k}": v for k, v in a.compression_state().items()})
     f = layer.ffn
     sd["ffn.gate.weight"] = f.gate.weight
     if f.is_hash:
@@ -481,6 +496,10 @@ def _layer_state(layer: DecoderLayer, prefix: str) -> dict[str, torch.Tensor]:
     return {prefix + k: v for k, v in sd.items()}
 
 
+def _hc_head_state(head: HyperHead, prefix: str) -> dict[str, torch.Tensor]:
+    return {f"{prefix}hc_head_{p}": getattr(head, p) for p in ("fn", "base", "scale")}
+
+
 def _export(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in sd.items():
@@ -495,18 +514,24 @@ class TinyDSV4(nn.Module):
     stream mean after target layer ``aux_layers[j]`` (vLLM's aux hidden state for a DSpark
     ``dspark_target_layer_ids`` entry, captured after that layer)."""
 
+    #: the decoder layer class (V4.1: its delayed pre-mix)
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    #: whether a learned ``hc_head`` collapses the final streams (V4.1: the last FFN's pre)
+    learned_hc_head = True
+
     def __init__(self, cfg: DSV4Config):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
+        if self.learned_hc_head:
+            self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, ids: torch.Tensor, aux_layers=(), kv_quant: str | None = None):
         x = self.embed(ids)
-        streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.hc_mult, x.shape[-1])
+        streams = hc_streams(x, self.cfg.hc_mult)
         aux = []
         for i, layer in enumerate(self.layers):
             streams = layer(streams, ids, lambda h, a=layer.attn: a(h, kv_quant))
@@ -519,9 +544,8 @@ class TinyDSV4(nn.Module):
         """The target's tensors in the DeepSeek-V4 checkpoint names (no ``mtp.``)."""
         sd = {"embed.weight": self.embed.weight, "head.weight": self.head.weight}
         sd["norm.weight"] = self.norm.weight
-        sd["hc_head_fn"] = self.hc_head.fn
-        sd["hc_head_base"] = self.hc_head.base
-        sd["hc_head_scale"] = self.hc_head.scale
+        if self.learned_hc_head:
+            sd.update(_hc_head_state(self.hc_head, ""))
         for i, layer in enumerate(self.layers):
             sd.update(_layer_state(layer, f"layers.{i}."))
         return _export(sd)
@@ -552,6 +576,9 @@ class TinyDSV4Draft(nn.Module):
     predicts the token at a+i+1 with ``head(norm(h_i)) + markov_w2(markov_w1(prev_i))``. Embedding
     and head are the target's (vLLM aliases them): pass the target to ``forward``."""
 
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    learned_hc_head = True  # as ``TinyDSV4``'s
+
     def __init__(self, cfg: DSV4Config):
         super().__init__()
         self.cfg = cfg
@@ -559,8 +586,9 @@ class TinyDSV4Draft(nn.Module):
         self.main_proj = nn.Linear(h * len(cfg.dspark_target_layer_ids), h, bias=False)
         self.main_norm = RMSNorm(h, cfg.rms_norm_eps)
         n = cfg.num_hidden_layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, n + i) for i in range(cfg.n_mtp_layers))
-        self.hc_head = HyperHead(cfg.hc_mult, h)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, n + i) for i in range(cfg.n_mtp_layers))
+        if self.learned_hc_head:
+            self.hc_head = HyperHead(cfg.hc_mult, h)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.dspark_markov_rank)
         self.markov_w2 = nn.Linear(cfg.dspark_markov_rank, cfg.vocab_size, bias=False)
@@ -592,22 +620,34 @@ class TinyDSV4Draft(nn.Module):
         cfg = self.cfg
         B, T = ids.shape
         M, N = anchors.shape[1], block_size or cfg.dspark_block_size
-        dev = ids.device
-        qpos = (anchors.unsqueeze(-1) + torch.arange(N, device=dev)).flatten(1)  # [B, M*N]
-        blk = torch.full((B, M, N), cfg.dspark_noise_token_id, dtype=ids.dtype, device=dev)
+        blk = torch.full((B, M, N), cfg.dspark_noise_token_id, dtype=ids.dtype, device=ids.device)
         blk[:, :, 0] = ids.gather(1, anchors)
         blk = blk.flatten(1)
-        x = target.embed(blk)
-        streams = x.unsqueeze(-2).expand(*x.shape[:-1], cfg.hc_mult, x.shape[-1])
+        streams = hc_streams(target.embed(blk), cfg.hc_mult)
+        fns, qpos = self.stage_attention(ctx, anchors, N, kv_quant)
+        hidden = self.run_stages(streams, blk, fns).view(B, M, N, -1)
+        prev = ids.gather(1, qpos.clamp(max=T - 1)).view(B, M, N)
+        bias, conf = self.heads(hidden, prev)
+        return target.head(self.norm(hidden)) + bias, conf, hidden
+
+    def stage_attention(self, ctx, anchors, n: int, kv_quant: str | None = None):
+        """(one attention function per stage: normed block input [B, M*N, H] -> output, block
+        positions [B, M*N]): every query of block m (positions a_m .. a_m+N-1) sees the same
+        block-anchored window of context, the ``sliding_window`` positions before a_m, keyed by
+        the stage's own ``wkv`` + ``kv_norm`` + RoPE of ``ctx`` [B, T, H], and its whole block
+        (vLLM's non-causal DSpark SWA indices)."""
+        cfg = self.cfg
+        B, T = ctx.shape[:2]
+        M, dev = anchors.shape[1], ctx.device
+        qpos = (anchors.unsqueeze(-1) + torch.arange(n, device=dev)).flatten(1)
         cpos = torch.arange(T, device=dev)
-        # every query of block m sees the same block-anchored window of context, a_m - window <= s
-        # < a_m, and its whole block (vLLM's non-causal DSpark SWA indices)
-        a = anchors.repeat_interleave(N, dim=1).view(B, M * N, 1)
+        a = anchors.repeat_interleave(n, dim=1).view(B, M * n, 1)
         c = cpos.view(1, 1, T)
         ctx_ok = (c < a) & (c >= a - cfg.sliding_window)
-        bid = torch.arange(M, device=dev).repeat_interleave(N)
+        bid = torch.arange(M, device=dev).repeat_interleave(n)
         blk_ok = (bid.view(-1, 1) == bid.view(1, -1)).expand(B, -1, -1)
         visible = torch.cat((ctx_ok, blk_ok), -1)
+        fns = []
         for layer in self.layers:
             attn = layer.attn
             ck = attn.keys(ctx, cpos, kv_quant)
@@ -617,11 +657,15 @@ class TinyDSV4Draft(nn.Module):
                 bk = attn.keys(hn, qpos, kv_quant)
                 return attn.attend(q, torch.cat((ck, bk), 1), visible, qpos)
 
+            fns.append(attn_fn)
+        return fns, qpos
+
+    def run_stages(self, streams: torch.Tensor, blk: torch.Tensor, attn_fns) -> torch.Tensor:
+        """The stages over the block's streams [B, M*N, hc, H] -> the collapsed pre-norm hidden
+        [B, M*N, H] (V4: ``hc_head``)."""
+        for layer, attn_fn in zip(self.layers, attn_fns, strict=True):
             streams = layer(streams, blk, attn_fn)
-        hidden = self.hc_head(streams, cfg).view(B, M, N, -1)
-        prev = ids.gather(1, qpos.clamp(max=T - 1)).view(B, M, N)
-        bias, conf = self.heads(hidden, prev)
-        return target.head(self.norm(hidden)) + bias, conf, hidden
+        return self.hc_head(streams, self.cfg)
 
     @torch.no_grad()
     def draft_greedy(
@@ -698,9 +742,8 @@ class TinyDSV4Draft(nn.Module):
         for i, layer in enumerate(self.layers):
             sd.update(_layer_state(layer, f"mtp.{i}."))
         sd[last + "norm.weight"] = self.norm.weight
-        sd[last + "hc_head_fn"] = self.hc_head.fn
-        sd[last + "hc_head_base"] = self.hc_head.base
-        sd[last + "hc_head_scale"] = self.hc_head.scale
+        if self.learned_hc_head:
+            sd.update(_hc_head_state(self.hc_head, last))
         sd[last + "markov_head.markov_w1.weight"] = self.markov_w1.weight
         sd[last + "markov_head.markov_w2.weight"] = self.markov_w2.weight
         if self.confidence is not None:
