@@ -19,12 +19,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-import torch
-
 from dspark_dev.training import dsv4_train as V4T
 from dspark_dev.training import dsv41_models as M
 from dspark_dev.training.export import training_table
-from dspark_dev.training.tokenizer import EOS_ID, MASK_ID, PAD_ID
 
 DSV41_DIR = "dsv41"
 #: the V4.1 topology of the trained pair (see the module docstring)
@@ -62,122 +59,47 @@ def dsv41_fields(n_mtp_layers: int) -> dict:
 
 def build_dsv41_configs(vocab: int, block_size: int, markov_rank: int, draft_layers: int):
     d = dsv41_fields(draft_layers)
-    d.update(
-        vocab_size=vocab,
-        dspark_block_size=block_size,
-        dspark_markov_rank=markov_rank,
-        dspark_noise_token_id=MASK_ID,
-        mlp_layer_types=["moe"] * d["num_hidden_layers"],
-    )
-    cfg = DSV41TrainConfig.from_dict(d)
-    view = V4T.DSV4DraftView(
-        block_size, draft_layers, markov_rank, MASK_ID, list(cfg.dspark_target_layer_ids)
-    )
-    return cfg, view
+    d["mlp_layer_types"] = ["moe"] * d["num_hidden_layers"]
+    return V4T.train_configs(d, DSV41TrainConfig, vocab, block_size, markov_rank, draft_layers)
 
 
-def _seeded_init(target, draft, seed: int) -> None:
-    cfg = (target or draft).cfg
-    M.init_pair(target or M.TinyDSV41(cfg), draft or M.TinyDSV41Draft(cfg), seed=seed)
+#: the pure-torch (target, draft) classes the V4 training views wrap here
+V41_PAIR = (M.TinyDSV41, M.TinyDSV41Draft)
 
 
-class DSV41TrainTarget(M.TinyDSV41):
-    def __init__(self, cfg: DSV41TrainConfig, seed: int = 0):
-        super().__init__(cfg)
-        _seeded_init(self, None, seed)
+class DSV41TrainTarget(V4T.DSV4TrainTarget, M.TinyDSV41):
+    """``DSV4TrainTarget`` (the loops' interface, seeded init) of a ``TinyDSV41``."""
 
-    def forward(self, ids, aux_layers=(), kv_quant=None):  # type: ignore[override]
-        logits, aux = super().forward(ids, aux_layers, kv_quant)
-        return logits, None, aux
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.head.weight
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.vllm_state_dict()
+    pair = V41_PAIR
 
 
 class DSV41TrainDraft(V4T.DSV4TrainDraft):
     """``DSV4TrainDraft`` (noise-token row, embedding/head view) around a ``TinyDSV41Draft``."""
 
-    def __init__(self, tcfg: DSV41TrainConfig, dcfg: V4T.DSV4DraftView, seed: int = 1):
-        torch.nn.Module.__init__(self)
-        self.tcfg, self.dcfg = tcfg, dcfg
-        self.core = M.TinyDSV41Draft(tcfg)  # type: ignore[assignment]
-        _seeded_init(None, self.core, seed)
-        self.mask_embedding = torch.nn.Parameter(torch.zeros(tcfg.hidden_size))
-        self._target = []
+    pair = V41_PAIR
 
 
 def dsv41_hf_config(cfg: DSV41TrainConfig) -> dict:
     """The exported config.json: ``dsv41_fields`` with every size the trained model has."""
-    d = dsv41_fields(cfg.n_mtp_layers)
-    d.update({k: v for k, v in cfg.to_dict().items() if k in d})
-    d.update(
-        vocab_size=cfg.vocab_size,
-        dspark_block_size=cfg.dspark_block_size,
-        dspark_markov_rank=cfg.dspark_markov_rank,
-        dspark_noise_token_id=cfg.dspark_noise_token_id,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        bos_token_id=EOS_ID,
-    )
-    return d
+    return V4T.hf_config(dsv41_fields(cfg.n_mtp_layers), cfg)
 
 
-def dsv41_checkpoint(target, draft) -> dict[str, torch.Tensor]:
-    """The one checkpoint (target names + ``mtp.<i>.*``) in bfloat16, with the draft's
-    noise-token row in ``embed.weight``."""
-    sd = M.vllm_checkpoint(target, draft.core)
-    sd["embed.weight"] = draft.target_embed_with_mask(target)
-    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
+#: ``dsv4_checkpoint``: the one checkpoint (target names + ``mtp.<i>.*``) in bfloat16 (V4.1 has
+#: no integer tensor), with the draft's noise-token row in ``embed.weight``
+dsv41_checkpoint = V4T.dsv4_checkpoint
 
 
 def write_dsv41_pair(out: str, target, draft, tokenizer_json: str, extra=None) -> tuple[str]:
-    from dspark_dev.training.export import write_model_dir
-
-    path = write_model_dir(
-        os.path.join(out, DSV41_DIR),
-        dsv41_hf_config(target.cfg),
-        dsv41_checkpoint(target, draft),
-        tokenizer_json,
-        extra,
-    )
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(dsv41_model_card(target, draft, extra))
-    return (path,)
+    config, sd = dsv41_hf_config(target.cfg), dsv41_checkpoint(target, draft)
+    card = lambda: dsv41_model_card(target, draft, extra)  # noqa: E731
+    return V4T.write_pair(out, DSV41_DIR, config, sd, card, tokenizer_json, extra)
 
 
 def load_dsv41_pair(out: str):
     """Rebuild (target, draft) float32 training modules from a ``write_dsv41_pair`` directory;
     fails on a tensor missing from either side or of another shape."""
-    import json
-
-    from safetensors.torch import load_file
-
     d = os.path.join(out, DSV41_DIR)
-    with open(os.path.join(d, "training.json")) as f:
-        extra = json.load(f)
-    cfg = DSV41TrainConfig.from_dict(extra["target_config"])
-    target = DSV41TrainTarget(cfg)
-    draft = DSV41TrainDraft(cfg, V4T.DSV4DraftView(**extra["draft_config"]))
-    sd = load_file(os.path.join(d, "model.safetensors"))
-    refs = V4T._named_tensors(target.vllm_state_dict)
-    refs.update(V4T._named_tensors(draft.core.vllm_state_dict))
-    if set(refs) != set(sd):
-        raise ValueError(
-            f"{d}: checkpoint and modules differ: only in the checkpoint "
-            f"{sorted(set(sd) - set(refs))[:5]}, only in the modules "
-            f"{sorted(set(refs) - set(sd))[:5]}"
-        )
-    with torch.no_grad():
-        for name, ref in refs.items():
-            if ref.shape != sd[name].shape:
-                raise ValueError(f"{name}: checkpoint {tuple(sd[name].shape)}, module {ref.shape}")
-            ref.copy_(sd[name].to(ref.dtype))
-    draft.init_from_target(target)
-    return target, draft
+    return V4T.load_pair(d, DSV41TrainConfig, DSV41TrainTarget, DSV41TrainDraft)
 
 
 def dsv41_model_card(target, draft, extra: dict | None) -> str:

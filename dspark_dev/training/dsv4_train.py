@@ -71,6 +71,14 @@ def build_dsv4_configs(
     if geometry not in DSV4_GEOMETRIES:
         raise ValueError(f"unknown DeepSeek-V4 geometry {geometry!r}: {DSV4_GEOMETRIES}")
     d = t.dsv4_fields(gpu=True, train=geometry == "train")
+    return train_configs(d, DSV4TrainConfig, vocab, block_size, markov_rank, draft_layers)
+
+
+def train_configs(
+    d: dict, cfg_cls: type[M.DSV4Config], vocab, block_size, markov_rank, draft_layers: int
+):
+    """(``cfg_cls`` of the config.json fields ``d`` with the corpus tokenizer's vocab, its noise
+    token and the requested block / Markov rank / stages, the draft's ``DSV4DraftView``)."""
     d.update(
         vocab_size=vocab,
         dspark_block_size=block_size,
@@ -78,23 +86,31 @@ def build_dsv4_configs(
         dspark_noise_token_id=MASK_ID,
         n_mtp_layers=draft_layers,
     )
-    cfg = DSV4TrainConfig.from_dict(d)
+    cfg = cfg_cls.from_dict(d)
     view = DSV4DraftView(
         block_size, draft_layers, markov_rank, MASK_ID, list(cfg.dspark_target_layer_ids)
     )
     return cfg, view
 
 
-def _seeded_init(target: M.TinyDSV4 | None, draft: M.TinyDSV4Draft | None, seed: int) -> None:
-    """``init_pair``'s seeded ranges (it needs both models; a throwaway one fills the gap)."""
-    cfg = (target or draft).cfg  # type: ignore[union-attr]
-    M.init_pair(target or M.TinyDSV4(cfg), draft or M.TinyDSV4Draft(cfg), seed=seed)
+#: the pure-torch (target, draft) classes of the DeepSeek-V4 family
+V4_PAIR = (M.TinyDSV4, M.TinyDSV4Draft)
+
+
+def _seeded_init(target, draft, seed: int, pair=V4_PAIR) -> None:
+    """``init_pair``'s seeded ranges (it needs both models; a throwaway one of ``pair`` fills the
+    gap)."""
+    cfg = (target or draft).cfg
+    M.init_pair(target or pair[0](cfg), draft or pair[1](cfg), seed=seed)
 
 
 class DSV4TrainTarget(M.TinyDSV4):
+    #: the family's pure-torch (target, draft) classes (``dsv41_train``: V4.1's)
+    pair = V4_PAIR
+
     def __init__(self, cfg: DSV4TrainConfig, seed: int = 0):
         super().__init__(cfg)
-        _seeded_init(self, None, seed)
+        _seeded_init(self, None, seed, self.pair)
 
     def forward(self, ids, aux_layers=(), kv_quant=None):  # type: ignore[override]
         logits, aux = super().forward(ids, aux_layers, kv_quant)
@@ -124,11 +140,13 @@ class _TargetView:
 
 
 class DSV4TrainDraft(nn.Module):
+    pair = V4_PAIR  # as ``DSV4TrainTarget``'s
+
     def __init__(self, tcfg: DSV4TrainConfig, dcfg: DSV4DraftView, seed: int = 1):
         super().__init__()
         self.tcfg, self.dcfg = tcfg, dcfg
-        self.core = M.TinyDSV4Draft(tcfg)
-        _seeded_init(None, self.core, seed)
+        self.core = self.pair[1](tcfg)
+        _seeded_init(None, self.core, seed, self.pair)
         self.mask_embedding = nn.Parameter(torch.zeros(tcfg.hidden_size))
         self._target: list[DSV4TrainTarget] = []  # not a submodule: frozen, not exported here
 
@@ -179,7 +197,12 @@ def dsv4_hf_config(cfg: DSV4TrainConfig) -> dict:
     has (so the training geometry's heads, groups and ranks come from ``cfg`` itself)."""
     from dspark_dev import tiny_mla_targets as t
 
-    d = t.dsv4_fields(gpu=True)
+    return hf_config(t.dsv4_fields(gpu=True), cfg)
+
+
+def hf_config(d: dict, cfg: DSV4TrainConfig) -> dict:
+    """The config.json fields ``d`` with every value ``cfg`` has for them, the vocab, the DSpark
+    knobs and the corpus' special tokens."""
     d.update({k: v for k, v in cfg.to_dict().items() if k in d})
     d.update(
         vocab_size=cfg.vocab_size,
@@ -208,17 +231,19 @@ def dsv4_checkpoint(target: DSV4TrainTarget, draft: DSV4TrainDraft) -> dict[str,
 def write_dsv4_pair(
     out: str, target, draft, tokenizer_json: str, extra: dict | None = None
 ) -> tuple[str]:
+    config, sd = dsv4_hf_config(target.cfg), dsv4_checkpoint(target, draft)
+    card = lambda: dsv4_model_card(target, draft, extra)  # noqa: E731
+    return write_pair(out, DSV4_DIR, config, sd, card, tokenizer_json, extra)
+
+
+def write_pair(out: str, name: str, config: dict, sd, card, tokenizer_json: str, extra):
+    """``<out>/<name>``: config, checkpoint ``sd``, tokenizer, training.json; ``<out>/README.md``:
+    ``card()``."""
     from dspark_dev.training.export import write_model_dir
 
-    path = write_model_dir(
-        os.path.join(out, DSV4_DIR),
-        dsv4_hf_config(target.cfg),
-        dsv4_checkpoint(target, draft),
-        tokenizer_json,
-        extra,
-    )
+    path = write_model_dir(os.path.join(out, name), config, sd, tokenizer_json, extra)
     with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(dsv4_model_card(target, draft, extra))
+        f.write(card())
     return (path,)
 
 
@@ -236,17 +261,22 @@ def load_dsv4_pair(out: str):
     directory: the configs from ``dsv4/training.json``, every tensor of the one checkpoint by its
     exported name (the draft's ``mtp.*``, its noise-token row from ``embed.weight``). Fails on a
     tensor missing from either side or of another shape."""
+    return load_pair(os.path.join(out, DSV4_DIR), DSV4TrainConfig, DSV4TrainTarget, DSV4TrainDraft)
+
+
+def load_pair(d: str, cfg_cls, target_cls, draft_cls):
+    """(target, draft) of ``target_cls`` / ``draft_cls`` from the model directory ``d``: the
+    configs from its ``training.json``, every tensor by its exported name."""
     import json
 
     from safetensors.torch import load_file
 
-    d = os.path.join(out, DSV4_DIR)
     with open(os.path.join(d, "training.json")) as f:
         extra = json.load(f)
-    cfg = DSV4TrainConfig.from_dict(extra["target_config"])
+    cfg = cfg_cls.from_dict(extra["target_config"])
     target, draft = (
-        DSV4TrainTarget(cfg),
-        DSV4TrainDraft(cfg, DSV4DraftView(**extra["draft_config"])),
+        target_cls(cfg),
+        draft_cls(cfg, DSV4DraftView(**extra["draft_config"])),
     )
     sd = load_file(os.path.join(d, "model.safetensors"))
     refs = _named_tensors(target.vllm_state_dict)
