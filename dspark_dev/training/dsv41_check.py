@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from dspark_dev.training.dsv4_check import compare_params, flashmla_padded_sink
+from dspark_dev.training.dsv4_check import (
+    compare_params,
+    expected_vllm_params,
+    vllm_layer_params,
+)
 
 #: target parameters a text-only checkpoint does not fill (vLLM skips ``vision.`` / ``aligner.``
 #: / ``image_`` checkpoint names: ``nvidia/model.py`` ``load_weights``)
@@ -24,71 +28,39 @@ VISION_PREFIXES = ("vision.", "aligner.", "image_")
 DRAFTER_ALIASED = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 
 
-def v41_layer_params(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
-    """One V4.1 decoder layer's vLLM parameters (prefix ``dst``) from the tensors under ``src``."""
+def v41_compression_params(sd: dict[str, torch.Tensor], src: str, dst: str):
+    """A V4.1 layer's ratio-1 compressor (``fused_wkv_wgate`` is ``wkv`` alone, no ``ape``) and
+    indexer (``wk`` and ``k_norm`` on a kv source) as vLLM parameters."""
     out: dict[str, torch.Tensor] = {}
-    g = lambda k: sd[src + k]  # noqa: E731
-    out[dst + "attn.fused_wqa_wkv.weight"] = torch.cat(
-        [g("attn.wq_a.weight"), g("attn.wkv.weight")]
-    )
-    for k in ("q_norm.weight", "kv_norm.weight", "wq_b.weight", "wo_a.weight", "wo_b.weight"):
-        out[dst + "attn." + k] = g("attn." + k)
-    out[dst + "attn.attn_sink"] = flashmla_padded_sink(g("attn.attn_sink"))
     c = "attn.compressor."
     if src + c + "wkv.weight" in sd:
-        out[dst + c + "fused_wkv_wgate.weight"] = g(c + "wkv.weight")
-        out[dst + c + "norm.weight"] = g(c + "norm.weight")
+        out[dst + c + "fused_wkv_wgate.weight"] = sd[src + c + "wkv.weight"]
+        out[dst + c + "norm.weight"] = sd[src + c + "norm.weight"]
     for k in ("wq_b.weight", "weights_proj.weight", "wk.weight", "k_norm.weight"):
         if src + "attn.indexer." + k in sd:
-            out[dst + "attn.indexer." + k] = g("attn.indexer." + k)
-    out[dst + "ffn.gate.weight"] = g("ffn.gate.weight")
-    out[dst + "ffn.gate.e_score_correction_bias"] = g("ffn.gate.bias")
-    se = "ffn.shared_experts."
-    out[dst + se + "gate_up_proj.weight"] = torch.cat([g(se + "w1.weight"), g(se + "w3.weight")])
-    out[dst + se + "down_proj.weight"] = g(se + "w2.weight")
-    n_exp = sum(1 for k in sd if k.startswith(src + "ffn.experts.") and k.endswith(".w1.weight"))
-    ex = [f"ffn.experts.{e}." for e in range(n_exp)]
-    out[dst + "ffn.experts.routed_experts.w13_weight"] = torch.stack(
-        [torch.cat([g(e + "w1.weight"), g(e + "w3.weight")]) for e in ex]
-    )
-    out[dst + "ffn.experts.routed_experts.w2_weight"] = torch.stack(
-        [g(e + "w2.weight") for e in ex]
-    )
-    for k in ("attn_norm.weight", "ffn_norm.weight"):
-        out[dst + k] = g(k)
-    for kind in ("attn", "ffn"):
-        for p in ("fn", "base", "scale"):
-            out[dst + f"hc_{kind}_{p}"] = g(f"hc_{kind}_{p}")
+            out[dst + "attn.indexer." + k] = sd[src + "attn.indexer." + k]
     return out
+
+
+def v41_layer_params(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
+    """One V4.1 decoder layer's vLLM parameters (prefix ``dst``) from the tensors under ``src``:
+    V4's with :func:`v41_compression_params` (the checkpoint has no ``tid2eid``, so the gate's
+    bias is the ``e_score_correction_bias``)."""
+    return vllm_layer_params(sd, src, dst, v41_compression_params)
 
 
 def expected_v41_params(sd: dict[str, torch.Tensor], *, drafter: bool, n_layers: int):
     """{vLLM parameter name: value after load_weights} for ``DeepseekV41ForCausalLM`` (the CUDA
-    vision-language class, text part) or the V4.1 DSpark drafter."""
-    out: dict[str, torch.Tensor] = {}
-    if not drafter:
-        lm = "language_model."
-        out[lm + "model.embed_tokens.weight"] = sd["embed.weight"]
-        out[lm + "lm_head.weight"] = sd["head.weight"]
-        out[lm + "model.norm.weight"] = sd["norm.weight"]
-        for i in range(n_layers):
-            out.update(v41_layer_params(sd, f"layers.{i}.", f"{lm}model.layers.{i}."))
-        return out
-    stages = sorted({int(k.split(".")[1]) for k in sd if k.startswith("mtp.")})
-    last = f"mtp.{stages[-1]}."
-    out["model.main_proj.weight"] = sd["mtp.0.main_proj.weight"]
-    out["model.main_norm.weight"] = sd["mtp.0.main_norm.weight"]
-    for i in stages:
-        out.update(v41_layer_params(sd, f"mtp.{i}.", f"model.layers.{i}."))
-    out["model.context_wkv_proj.weight"] = torch.cat(
-        [sd[f"mtp.{i}.attn.wkv.weight"] for i in stages]
+    vision-language class, text part, under ``language_model.``) or the V4.1 DSpark drafter: V4's
+    without ``hc_head_*``."""
+    return expected_vllm_params(
+        sd,
+        drafter=drafter,
+        n_layers=n_layers,
+        layer_params=v41_layer_params,
+        target_prefix="language_model.",
+        hc_head=False,
     )
-    out["model.norm.weight"] = sd[last + "norm.weight"]
-    for k in ("markov_w1", "markov_w2"):
-        out[f"model.markov_head.{k}.weight"] = sd[last + f"markov_head.{k}.weight"]
-    if last + "confidence_head.proj.weight" in sd:
-        out["model.confidence_head.proj.weight"] = sd[last + "confidence_head.proj.weight"]
-    return out
 
 
 def load_problems(model, sd: dict[str, torch.Tensor], *, drafter: bool, n_layers: int) -> list[str]:

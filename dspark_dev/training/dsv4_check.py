@@ -95,19 +95,11 @@ def flashmla_padded_sink(sink: torch.Tensor) -> torch.Tensor:
     return torch.cat([sink, sink.new_full((padded - n,), float("-inf"))])
 
 
-def vllm_layer_params(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
-    """One decoder layer's vLLM parameters (prefix ``dst``) from the checkpoint tensors under
-    ``src``: fused projections are concatenations, the routed experts stacked."""
+def v4_compression_params(sd: dict[str, torch.Tensor], src: str, dst: str):
+    """A V4 layer's compressors (``wkv`` + ``wgate`` fused, ``ape``, ``norm``; the indexer's own
+    on a ratio-4 layer) and indexer projections as vLLM parameters."""
     out: dict[str, torch.Tensor] = {}
     g = lambda k: sd[src + k]  # noqa: E731
-    out[dst + "attn.fused_wqa_wkv.weight"] = torch.cat(
-        [g("attn.wq_a.weight"), g("attn.wkv.weight")]
-    )
-    for k in ("attn.q_norm.weight", "attn.kv_norm.weight", "attn.wq_b.weight"):
-        out[dst + k] = g(k)
-    for k in ("attn.wo_a.weight", "attn.wo_b.weight"):
-        out[dst + k] = g(k)
-    out[dst + "attn.attn_sink"] = flashmla_padded_sink(g("attn.attn_sink"))
     for c in ("attn.compressor.", "attn.indexer.compressor."):
         if src + c + "wkv.weight" in sd:
             out[dst + c + "fused_wkv_wgate.weight"] = torch.cat(
@@ -118,6 +110,26 @@ def vllm_layer_params(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[s
     for k in ("attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight"):
         if src + k in sd:
             out[dst + k] = g(k)
+    return out
+
+
+def vllm_layer_params(
+    sd: dict[str, torch.Tensor], src: str, dst: str, compression=v4_compression_params
+) -> dict[str, torch.Tensor]:
+    """One decoder layer's vLLM parameters (prefix ``dst``) from the checkpoint tensors under
+    ``src``: fused projections are concatenations, the routed experts stacked; the compressor and
+    indexer ones from ``compression(sd, src, dst)`` (V4's by default)."""
+    out: dict[str, torch.Tensor] = {}
+    g = lambda k: sd[src + k]  # noqa: E731
+    out[dst + "attn.fused_wqa_wkv.weight"] = torch.cat(
+        [g("attn.wq_a.weight"), g("attn.wkv.weight")]
+    )
+    for k in ("attn.q_norm.weight", "attn.kv_norm.weight", "attn.wq_b.weight"):
+        out[dst + k] = g(k)
+    for k in ("attn.wo_a.weight", "attn.wo_b.weight"):
+        out[dst + k] = g(k)
+    out[dst + "attn.attn_sink"] = flashmla_padded_sink(g("attn.attn_sink"))
+    out.update(compression(sd, src, dst))
     out[dst + "ffn.gate.weight"] = g("ffn.gate.weight")
     if src + "ffn.gate.tid2eid" in sd:
         out[dst + "ffn.gate.tid2eid"] = g("ffn.gate.tid2eid")
@@ -142,22 +154,34 @@ def vllm_layer_params(sd: dict[str, torch.Tensor], src: str, dst: str) -> dict[s
     return out
 
 
-def expected_vllm_params(sd: dict[str, torch.Tensor], *, drafter: bool, n_layers: int):
+def expected_vllm_params(
+    sd: dict[str, torch.Tensor],
+    *,
+    drafter: bool,
+    n_layers: int,
+    layer_params=None,
+    target_prefix: str = "",
+    hc_head: bool = True,
+):
     """{vLLM parameter name: the value it must hold after load_weights}, written independently
-    of vLLM's loader: fused projections are concatenations, the routed experts stacked."""
+    of vLLM's loader: fused projections are concatenations, the routed experts stacked. V4.1
+    (``dsv41_check``) passes its ``layer_params`` (default: this module's ``vllm_layer_params``),
+    the target's ``target_prefix`` and ``hc_head=False`` (no learned final collapse)."""
     out: dict[str, torch.Tensor] = {}
 
     def layer(src: str, dst: str) -> None:
-        out.update(vllm_layer_params(sd, src, dst))
+        out.update((layer_params or vllm_layer_params)(sd, src, dst))
 
     if not drafter:
-        out["model.embed_tokens.weight"] = sd["embed.weight"]
-        out["lm_head.weight"] = sd["head.weight"]
-        out["model.norm.weight"] = sd["norm.weight"]
-        for p in ("fn", "base", "scale"):
-            out[f"model.hc_head_{p}"] = sd[f"hc_head_{p}"]
+        lm = target_prefix
+        out[lm + "model.embed_tokens.weight"] = sd["embed.weight"]
+        out[lm + "lm_head.weight"] = sd["head.weight"]
+        out[lm + "model.norm.weight"] = sd["norm.weight"]
+        if hc_head:
+            for p in ("fn", "base", "scale"):
+                out[f"{lm}model.hc_head_{p}"] = sd[f"hc_head_{p}"]
         for i in range(n_layers):
-            layer(f"layers.{i}.", f"model.layers.{i}.")
+            layer(f"layers.{i}.", f"{lm}model.layers.{i}.")
         return out
     stages = sorted({int(k.split(".")[1]) for k in sd if k.startswith("mtp.")})
     last = f"mtp.{stages[-1]}."
@@ -169,8 +193,9 @@ def expected_vllm_params(sd: dict[str, torch.Tensor], *, drafter: bool, n_layers
         [sd[f"mtp.{i}.attn.wkv.weight"] for i in stages]
     )
     out["model.norm.weight"] = sd[last + "norm.weight"]
-    for p in ("fn", "base", "scale"):
-        out[f"model.hc_head_{p}"] = sd[last + f"hc_head_{p}"]
+    if hc_head:
+        for p in ("fn", "base", "scale"):
+            out[f"model.hc_head_{p}"] = sd[last + f"hc_head_{p}"]
     for k in ("markov_w1", "markov_w2"):
         out[f"model.markov_head.{k}.weight"] = sd[last + f"markov_head.{k}.weight"]
     if last + "confidence_head.proj.weight" in sd:
