@@ -66,7 +66,13 @@ the aggregated counters, per position included, printed as the ``PD acceptance:`
 test overwrites TP rank 1's shards of both draft layers with noise in those prompts' folders; the
 decoder stays lossless and must accept less than the aggregated engine. A NaN-norm *producer* at
 TP=2 x PP=2 would cost four more launchers; the corrupted shard tests the same check more
-sharply (only decoder TP rank 1's draft context is wrong).
+sharply (only decoder TP rank 1's draft context is wrong). Measured 2026-12-05: decoder
+390/392 = aggregated 390/392, per position ``[56, 56, 56, 56, 56, 55, 55]``; control 98/364
+against 112/112. Hand-run controls of the other checks (docs/producer.md, "On CPU: TP=2 x PP=2
+producer -> TP=2 decoder"): with ExampleConnector's own file names (the ``_generate_filename_debug``
+override removed) the decoder's tokens differed from the aggregated ones on all 8 prompts (190/539
+accepted), and a TP=1 decoder on the per-shard store stopped at its first load ("No such file or
+directory"); a build line without ``place`` fails the placement check.
 """
 
 from __future__ import annotations
