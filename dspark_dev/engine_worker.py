@@ -78,6 +78,7 @@ def _config_summary(llm) -> dict:
     return {
         "async_scheduling": bool(vc.scheduler_config.async_scheduling),
         "pipeline_parallel_size": vc.parallel_config.pipeline_parallel_size,
+        "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
         "chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
         "enforce_eager": bool(vc.model_config.enforce_eager),
         "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),

@@ -2,9 +2,10 @@
 DSpark loading path.
 
 The build is logged (one ``Built the context-KV-only DSpark drafter: {json}`` line per worker
-that builds one: class, KV-cache layers, parameter names and bytes, and ``held_bytes``: the
-distinct storages holding its weights, derived ones included); tests read that line from the log
-instead of a report file.
+that builds one: class, KV-cache layers, parameter names and bytes, ``held_bytes``: the
+distinct storages holding its weights, derived ones included, and ``place``: the worker's global
+rank, PP rank and TP rank, so that a TP x PP producer's logs say which ranks built one); tests read
+that line from the log instead of a report file.
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ def _drop_shared_modules(model: nn.Module) -> None:
             del owner._modules[attr]
 
 
+def worker_place() -> dict[str, int] | None:
+    """This worker's global rank, PP rank and size, TP rank and size (vLLM's model-parallel
+    groups), or None before they exist."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    pp, tp = ps.get_pp_group(), ps.get_tp_group()
+    return {
+        "rank": tp.rank,
+        "pp_rank": pp.rank_in_group,
+        "pp_size": pp.world_size,
+        "tp_rank": tp.rank_in_group,
+        "tp_size": tp.world_size,
+    }
+
+
 def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Module:
     """Build and load the context-KV-only drafter through vLLM's own DSpark loading path
     (``dspark/utils.py::load_dspark_model``: draft-local PP=1 config, attention backend,
@@ -73,6 +91,7 @@ def load_context_kv_model(target_model: nn.Module, vllm_config: VllmConfig) -> n
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "held_bytes": held_weight_bytes(model),
         "params": sorted(n for n, _ in model.named_parameters()),
+        "place": worker_place(),
     }
     logger.info("%s: %s", BUILT_LINE, json.dumps(build))
     return model

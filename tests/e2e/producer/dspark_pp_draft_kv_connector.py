@@ -18,6 +18,17 @@ resumes the request with exactly one token left to compute. To reach that state 
 connector offers the whole stored prefix: a prompt of ``n * block_size + 1`` tokens resumes with
 one token left, like a Mooncake decoder (issue 13).
 
+Under TP it stores one file per TP shard. ExampleConnector names a layer's file after the layer
+and the prompt only (``{folder}/{layer}.safetensors``), so the TP ranks of one PP stage, each
+holding its own KV heads, write the same file (the last writer's shard survives) and every decoder
+rank reads that one file. Here a worker of a TP > 1 engine names its file
+``{layer}.tp{rank}of{size}.safetensors`` (:func:`shard_file_name`) on both sides, so decoder TP
+rank r reads what producer TP rank r of the layer's stage wrote. The decoder must have the
+producer's TP size: a decoder of another TP size finds no file of its own naming and fails at its
+first load (FileNotFoundError) instead of reading wrong heads; this connector does not re-shard
+heads (vLLM's MooncakeConnector does: docs/producer.md). A TP=1 engine keeps ExampleConnector's
+names.
+
 Used through ``kv_connector_module_path`` by tests/e2e/producer/test_pd_producer_cpu.py.
 """
 
@@ -31,11 +42,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import Examp
 from vllm.utils.torch_utils import token_ids_to_tensor
 
 
+def shard_file_name(layer_name: str, tp_rank: int, tp_size: int) -> str:
+    """The store file's name (without ``.safetensors``) of ``layer_name`` written or read by TP
+    rank ``tp_rank`` of ``tp_size``: the layer's name itself at TP=1."""
+    return layer_name if tp_size == 1 else f"{layer_name}.tp{tp_rank}of{tp_size}"
+
+
 class DSparkDraftKVFileConnector(ExampleConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._registered: dict[str, torch.Tensor] = {}
         self._saved_in_forward: set[str] = set()
+
+    def _generate_filename_debug(self, layer_name, token_ids, mm_hashes) -> str:
+        from vllm.distributed import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():  # a worker (the scheduler side names folders only)
+            tp = ps.get_tp_group()
+            layer_name = shard_file_name(layer_name, tp.rank_in_group, tp.world_size)
+        return super()._generate_filename_debug(layer_name, token_ids, mm_hashes)
 
     def _stored_prefix_len(self, prompt_token_ids) -> int:
         """Tokens the store side saved for this prompt: whole blocks of ``prompt[:-1]``."""

@@ -44,6 +44,35 @@ a wrong or missing draft context KV fails it by its counters even though the tok
 lossless; step 4 still pins every byte. ``DSPARK_E2E_PD_CORRUPT_DRAFT_KV=1`` re-runs the
 corrupted-draft-KV decoder at the end of the test (one more engine run) and requires its
 acceptance to differ from the aggregated one while its tokens stay equal.
+
+**TP=2 x PP=2 producer -> TP=2 decoder** (issue 40 item 2; fixture ``tp_pp_pd``, on top of the
+aggregated run of ``pd_stores``): the producer is four ``vllm serve -tp 2 -pp 2 --nnodes 4``
+launchers, one rank each (dspark_dev/pp_launch.py, as the aggregated four-launcher test of
+tests/e2e/test_multi_node.py), every one ``kv_producer`` over the same file connector, asked for
+one token of :data:`PROMPTS` and of :data:`NAN_PROMPTS`. The connector stores one file per TP
+shard at TP > 1 (``shard_file_name``: vLLM's ExampleConnector names a file after the layer only,
+so the two TP ranks of a stage would overwrite each other's heads); the decoder is one
+``vllm.LLM(tensor_parallel_size=2)`` (two TP workers), whose rank r reads rank r's shards. A
+decoder of another TP size than the producer's is not possible over this connector (it would find
+no file of its naming and fail at its first load; it does not re-shard heads as vLLM's
+MooncakeConnector does), so TP=1 is left to the GPU group ``pd_tp_pp``. Checked: vLLM's rank
+line of each launcher; the context-KV-only drafter's build line names its place (global rank, PP
+and TP rank) on both TP ranks of PP stage 1 and on no stage-0 rank; every prompt's folder holds
+both TP shards of every target and draft layer, different from each other, which joined along the
+KV heads equal the PP=1 TP=1 ``kv_both`` store; the decoder (both ranks injected every prompt's
+block) gives PP=1 no-spec's tokens (a PP=1 engine without speculation, run beside it) and exactly
+the aggregated counters, per position included, printed as the ``PD acceptance:`` line with
+``producer TP2xPP2 -> decoder TP2``. Control (the decoder's second wave, the NaN-norm prompts): the
+test overwrites TP rank 1's shards of both draft layers with noise in those prompts' folders; the
+decoder stays lossless and must accept less than the aggregated engine. A NaN-norm *producer* at
+TP=2 x PP=2 would cost four more launchers; the corrupted shard tests the same check more
+sharply (only decoder TP rank 1's draft context is wrong). Measured 2026-12-05: decoder
+390/392 = aggregated 390/392, per position ``[56, 56, 56, 56, 56, 55, 55]``; control 98/364
+against 112/112. Hand-run controls of the other checks (docs/producer.md, "On CPU: TP=2 x PP=2
+producer -> TP=2 decoder"): with ExampleConnector's own file names (the ``_generate_filename_debug``
+override removed) the decoder's tokens differed from the aggregated ones on all 8 prompts (190/539
+accepted), and a TP=1 decoder on the per-shard store stopped at its first load ("No such file or
+directory"); a build line without ``place`` fails the placement check.
 """
 
 from __future__ import annotations
@@ -51,6 +80,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -378,4 +408,270 @@ def test_decoder_on_a_nan_norm_producers_draft_kv_accepts_less(pd_stores, decode
     print(f"decoder on the NaN-norm store: {dec['metrics']}\naggregated: {agg['metrics']}")
     assert agg["tokens"] and [len(t) for t in agg["tokens"]] == [NAN_MAX_TOKENS] * len(NAN_PROMPTS)
     assert dec["tokens"] == agg["tokens"], "greedy output must stay lossless whatever the draft KV"
+    assert rate(dec["metrics"]) < rate(agg["metrics"]) - 0.02, (dec["metrics"], agg["metrics"])
+
+
+# ---------------------------------------------------------------- TP=2 x PP=2 producer (issue 40)
+TP_PP_PRODUCER = (2, 2)  # (TP, PP): four launchers, one rank each
+TP_PP_DECODER_TP = 2
+TP_PP_READY_TIMEOUT_S = 240.0
+TP_PP_HTTP_TIMEOUT_S = 120.0
+# The TP x PP control: the draft layers' shards of TP rank 1 overwritten with noise.
+TP_PP_CORRUPT_TP_RANK = 1
+
+
+def _shard(layer: str, tp_rank: int, tp_size: int = TP_PP_DECODER_TP) -> str:
+    from dspark_pp_draft_kv_connector import shard_file_name
+
+    return shard_file_name(layer, tp_rank, tp_size)
+
+
+def _tp_pp_producer(store: Path, log_dir: Path) -> dict:
+    """The TP=2 x PP=2 prefill-only producer (``kv_producer`` on all four launchers,
+    dspark_dev/pp_launch.py), one token for :data:`PROMPTS`, then for :data:`NAN_PROMPTS`, then
+    :data:`PROMPTS`\\ [0] again as a barrier: every rank runs every step, so once that step
+    answered, every rank finished the steps before it, their store writes included (the API
+    answers when the last stage's TP rank 0 sampled; its TP peer may still be writing). Every
+    launcher is stopped before this returns; what it left running is returned too."""
+    from dspark_dev import pp_launch, serve_demo
+
+    tp, pp = TP_PP_PRODUCER
+    kv = json.dumps(_kv("kv_producer", store))
+    serve_args = [
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-num-seqs",
+        str(NUM_PROMPTS),
+        "--seed",
+        "0",
+    ]
+    dep = pp_launch.deployment(
+        "pdtp",
+        tiny_pair.TARGET,
+        pp=pp,
+        tp=tp,
+        spec=tiny_pair.spec_config(),
+        log_dir=log_dir,
+        extra=[*serve_args, "--kv-transfer-config", kv],
+        env=ENV,
+    )
+    out: dict = {}
+    try:
+        dep.start()
+        try:
+            out["ready_s"] = dep.wait_ready(TP_PP_READY_TIMEOUT_S)
+        except Exception as exc:
+            pytest.fail(f"TP=2 x PP=2 producer not ready: {exc}\n{dep.logs(6000)}")
+
+        def first_tokens(prompts: list[list[int]]) -> list[list[int]]:
+            got = serve_demo.complete(
+                dep.url, tiny_pair.TARGET, prompts, 1, timeout_s=TP_PP_HTTP_TIMEOUT_S
+            )
+            assert [c["prompt_token_ids"] for c in got] == prompts
+            return [c["token_ids"] for c in got]
+
+        out["tokens"] = first_tokens(PROMPTS)
+        # this request's folders exist now: stage 0 saved its layers before the last stage ran
+        out["pd_folders"] = sorted(d.name for d in store.iterdir())
+        out["tokens"] += first_tokens(NAN_PROMPTS)
+        first_tokens(PROMPTS[:1])  # the barrier
+        out["metrics"] = serve_demo.spec_metrics(dep.url)
+        out["dead"] = dep.dead_nodes()
+    finally:
+        out["left"] = dep.stop()
+        out["logs"] = [n.log_tail(10**7) for n in dep.nodes]
+    return out
+
+
+def _corrupt_tp_shard(store: Path, folders: list[str], tp_rank: int) -> None:
+    """Overwrite TP rank ``tp_rank``'s shard of every draft layer in ``folders`` with noise of
+    the same scale (seed 0)."""
+    import safetensors.torch as st
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    for folder in folders:
+        for layer in DRAFT_LAYERS:
+            f = store / folder / f"{_shard(layer, tp_rank)}.safetensors"
+            kv = st.load_file(str(f))["kv_cache"]
+            noise = torch.randn(kv.shape, generator=gen, dtype=kv.dtype) * kv.std()
+            st.save_file({"kv_cache": noise}, str(f))
+
+
+@pytest.fixture(scope="module")
+def tp_pp_pd(pd_stores, e2e_timeout_s):
+    """PD with a TP=2 x PP=2 producer: the producer writes a store (:func:`_tp_pp_producer`);
+    a copy of it, the control's draft shards corrupted (:data:`NAN_PROMPTS`' folders only), goes
+    to a TP=2 decoder (one engine, two TP workers; first wave :data:`PROMPTS`, second the
+    control's prompts, :data:`NAN_MAX_TOKENS` tokens each), run beside a PP=1 engine without
+    speculation on the same two waves (the greedy reference)."""
+    tmp = pd_stores["tmp"] / "tp-pp"
+    store = tmp / "store"
+    store.mkdir(parents=True)
+    t0 = time.monotonic()
+    prod = _tp_pp_producer(store, tmp)
+    prod["took_s"] = time.monotonic() - t0
+    folders = sorted(d.name for d in store.iterdir())
+    pd_folders = prod["pd_folders"]
+    control_folders = [f for f in folders if f not in pd_folders]
+    dec_store = tmp / "decoder-store"
+    shutil.copytree(store, dec_store)
+    _corrupt_tp_shard(dec_store, control_folders, TP_PP_CORRUPT_TP_RANK)
+    t1 = time.monotonic()
+    runs = run_together(
+        {
+            "decoder": lambda: run_generate(
+                dict(
+                    BASE,
+                    tensor_parallel_size=TP_PP_DECODER_TP,
+                    kv_transfer_config=_kv("kv_consumer", dec_store),
+                ),
+                PROMPTS,
+                timeout_s=e2e_timeout_s,
+                sampling=SAMPLING,
+                env=ENV,
+                extra_waves=[NAN_WAVE],
+            ),
+            "nospec": lambda: run_generate(
+                dict(BASE, speculative_config=None),
+                PROMPTS,
+                timeout_s=e2e_timeout_s,
+                sampling=SAMPLING,
+                extra_waves=[NAN_WAVE],
+            ),
+        }
+    )
+    return {
+        "prod": prod,
+        "store": store,
+        "pd_folders": pd_folders,
+        "control_folders": control_folders,
+        "runs": runs,
+        "engines_s": time.monotonic() - t1,
+    }
+
+
+def _shape_of_logs(logs: list[str]) -> tuple[int, int]:
+    """(TP, PP) of a launcher deployment as vLLM's rank lines give them."""
+    from dspark_dev import pp_launch
+
+    placed = [p for per_log in pp_launch.rank_assignments(logs) for p in per_log]
+    return 1 + max(p[3] for p in placed), 1 + max(p[2] for p in placed)
+
+
+def _head_dim(full, shard) -> int:
+    """The dimension in which a TP=1 layer's KV holds twice a TP=2 shard's (the KV heads)."""
+    assert len(full.shape) == len(shard.shape), (full.shape, shard.shape)
+    dims = [d for d, (a, b) in enumerate(zip(full.shape, shard.shape, strict=True)) if a != b]
+    assert len(dims) == 1, (full.shape, shard.shape)
+    assert full.shape[dims[0]] == TP_PP_DECODER_TP * shard.shape[dims[0]], (full.shape, shard.shape)
+    return dims[0]
+
+
+@pytest.mark.slow
+def test_tp2_pp2_producer_ranks_write_their_shards(pd_stores, tp_pp_pd):
+    """Four launchers, one rank each (launcher R = global rank R: PP stage R // 2, TP rank
+    R % 2). Both TP ranks of the last stage built the context-KV-only drafter and logged it with
+    their place, stage 0 built none; every prompt's folder holds, for each target and draft layer,
+    the shard of both TP ranks (one 32-token block each; the two differ), and each layer's two
+    shards, joined along the KV-head dimension, equal the PP=1 TP=1 ``kv_both`` full-drafter
+    producer's file (``pd_stores``' reference store, the same prompts)."""
+    import torch
+
+    from dspark_dev import pp_launch
+
+    prod, agg = tp_pp_pd["prod"], pd_stores["agg"]
+    print(f"TP=2 x PP=2 producer: ready {prod['ready_s']:.0f} s, {prod['took_s']:.0f} s in all")
+    assert not prod["left"], f"producer launchers left processes behind: {prod['left']}"
+    assert not prod["dead"], f"producer launchers died while serving: {prod['dead']}"
+    logs = prod["logs"]
+    placed = pp_launch.rank_assignments(logs)
+    assert placed == [[(r, 4, r // 2, r % 2)] for r in range(4)], placed
+    assert prod["tokens"] == [t[:1] for t in agg.tokens] + [t[:1] for t in agg.waves[1]["tokens"]]
+    assert prod["metrics"]["num_drafts"] == 0, prod["metrics"]
+
+    # the build line names each builder's place: both TP ranks of PP stage 1, nothing on stage 0
+    for rank, log in enumerate(logs):
+        builds = builds_in_log(log)
+        if rank // 2 == 0:
+            assert builds == [], f"launcher {rank} (PP stage 0) built a drafter: {builds}"
+            continue
+        assert len(builds) == 1, f"launcher {rank}: {builds}"
+        assert builds[0]["layers"] == DRAFT_LAYERS
+        want = {"rank": rank, "pp_rank": 1, "pp_size": 2, "tp_rank": rank % 2, "tp_size": 2}
+        assert builds[0]["place"] == want, (rank, builds[0]["place"])
+
+    kv = _load_store(tp_pp_pd["store"])
+    folders = {k[0] for k in kv}
+    assert len(folders) == 2 * NUM_PROMPTS and len(tp_pp_pd["pd_folders"]) == NUM_PROMPTS
+    files = {_shard(layer, r) for layer in TARGET_LAYERS + DRAFT_LAYERS for r in range(2)}
+    for folder in folders:
+        assert {k[1] for k in kv if k[0] == folder} == files, folder
+    ref = _load_store(pd_stores["ref_store"])
+    assert {k[0] for k in ref} == set(tp_pp_pd["pd_folders"])
+    worst = 0.0
+    for (folder, layer), full in ref.items():
+        s0, s1 = (kv[(folder, _shard(layer, r))] for r in range(2))
+        for s in (s0, s1):
+            assert s.shape[0] == BLOCK_SIZE and s.abs().sum() > 0, (folder, layer, s.shape)
+        assert not torch.equal(s0, s1), f"{folder}/{layer}: both TP ranks stored the same KV"
+        joined = torch.cat([s0, s1], dim=_head_dim(full, s0))
+        worst = max(worst, float((joined - full).abs().max()))
+        assert torch.allclose(joined, full, rtol=1e-5, atol=1e-5), (
+            f"{folder}/{layer}: the TP shards joined differ from the TP=1 store by "
+            f"{float((joined - full).abs().max()):.3g}"
+        )
+    print(f"TP shards joined vs the PP=1 TP=1 store: max abs difference {worst:.3g}")
+
+
+@pytest.mark.slow
+def test_tp2_decoder_of_a_tp2_pp2_producer_equals_nospec_and_aggregated(pd_stores, tp_pp_pd):
+    """The TP=2 decoder (each TP rank reads its own shard of every layer from the TP=2 x PP=2
+    producer's store) gives PP=1 no-spec's greedy tokens and exactly the aggregated engine's
+    drafts, draft tokens, accepted tokens and accepted tokens per position; the ``PD
+    acceptance:`` line names the shapes (``pd_launch.shape_label``)."""
+    from dspark_dev.parity import acceptance_rate
+    from dspark_dev.pd_launch import shape_label
+
+    agg = pd_stores["agg"]
+    dec = result_of(tp_pp_pd["runs"], "decoder")
+    nospec = result_of(tp_pp_pd["runs"], "nospec")
+    print(f"TP=2 decoder and no-spec engines: {tp_pp_pd['engines_s']:.0f} s")
+    assert dec.config["tensor_parallel_size"] == TP_PP_DECODER_TP
+    assert dec.config["pipeline_parallel_size"] == 1
+    assert nospec.config["spec_method"] is None
+    assert nospec.tokens == agg.tokens, "aggregated DSpark differs from no-spec"
+    assert dec.tokens == nospec.tokens, "TP=2 decoder differs from PP=1 no-spec"
+    # both decoder ranks loaded every prompt's block from the store
+    injected = dec.log_text.count(f"Inject KV cache of {BLOCK_SIZE} tokens")
+    assert injected == len(PROMPTS + NAN_PROMPTS) * TP_PP_DECODER_TP, injected
+    ptp, ppp = _shape_of_logs(tp_pp_pd["prod"]["logs"])
+    label = shape_label(ptp, ppp, dec.config["tensor_parallel_size"])
+    print(
+        f"PD acceptance: decoder {acceptance_rate(dec.metrics):.1f}% "
+        f"({dec.metrics['num_accepted_tokens']}/{dec.metrics['num_draft_tokens']}) vs aggregated "
+        f"{acceptance_rate(agg.metrics):.1f}% "
+        f"({agg.metrics['num_accepted_tokens']}/{agg.metrics['num_draft_tokens']}), {label}, CPU "
+        "float32, file connector"
+    )
+    assert label == "producer TP2xPP2 -> decoder TP2"
+    assert dec.acceptance == agg.acceptance, (
+        f"decoder (drafts, draft tokens, accepted) {dec.acceptance} != aggregated {agg.acceptance}"
+    )
+    assert dec.metrics["accepted_per_pos"] == agg.metrics["accepted_per_pos"]
+
+
+@pytest.mark.slow
+def test_tp2_decoder_on_a_corrupted_tp_shard_accepts_less(pd_stores, tp_pp_pd):
+    """The control of the acceptance check above: the decoder's second wave reads the
+    TP=2 x PP=2 producer's store for :data:`NAN_PROMPTS` with TP rank 1's shard of both draft
+    layers overwritten with noise (target shards and TP rank 0's draft shards intact). Greedy
+    output stays the aggregated one; acceptance drops. A decoder whose TP rank 1 ignored its own
+    shard (recomputed it, or read TP rank 0's) would accept like the aggregated engine."""
+    agg, dec = pd_stores["agg"].waves[1], result_of(tp_pp_pd["runs"], "decoder").waves[1]
+    nospec = result_of(tp_pp_pd["runs"], "nospec").waves[1]
+    rate = lambda m: m["num_accepted_tokens"] / m["num_draft_tokens"]  # noqa: E731
+    print(f"TP=2 decoder on a corrupted TP shard: {dec['metrics']}\naggregated: {agg['metrics']}")
+    assert len(tp_pp_pd["control_folders"]) == len(NAN_PROMPTS)
+    assert dec["tokens"] == nospec["tokens"] == agg["tokens"], "greedy output must stay lossless"
     assert rate(dec["metrics"]) < rate(agg["metrics"]) - 0.02, (dec["metrics"], agg["metrics"])
