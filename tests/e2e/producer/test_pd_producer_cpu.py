@@ -498,6 +498,17 @@ def _corrupt_tp_shard(store: Path, folders: list[str], tp_rank: int) -> None:
             st.save_file({"kv_cache": noise}, str(f))
 
 
+#: why CI leaves the TP=2 x PP=2 producer case out (about 141 s: four producer launchers, a
+#: TP=2 decoder and a no-spec engine) and what covers its parts there
+TP_PP_PD_COVERED_BY = (
+    "test_decoder_drafts_and_accepts_like_the_aggregated_engine (a PP=2 producer's draft KV "
+    "over the file connector, decoder equal to the aggregated run) and "
+    "tests/e2e/test_multi_node.py::test_four_launchers_tp2_pp2_dspark_parity (TP=2 x PP=2 "
+    "launchers, every rank's drafts digest); the GPU group pd_tp_pp's wiring: "
+    "tests/unit/test_gpu_fake_wiring.py"
+)
+
+
 @pytest.fixture(scope="module")
 def tp_pp_pd(pd_stores, e2e_timeout_s):
     """PD with a TP=2 x PP=2 producer: the producer writes a store (:func:`_tp_pp_producer`);
@@ -569,6 +580,7 @@ def _head_dim(full, shard) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e_full(covered_by=TP_PP_PD_COVERED_BY)
 def test_tp2_pp2_producer_ranks_write_their_shards(pd_stores, tp_pp_pd):
     """Four launchers, one rank each (launcher R = global rank R: PP stage R // 2, TP rank
     R % 2). Both TP ranks of the last stage built the context-KV-only drafter and logged it with
@@ -625,6 +637,7 @@ def test_tp2_pp2_producer_ranks_write_their_shards(pd_stores, tp_pp_pd):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e_full(covered_by=TP_PP_PD_COVERED_BY)
 def test_tp2_decoder_of_a_tp2_pp2_producer_equals_nospec_and_aggregated(pd_stores, tp_pp_pd):
     """The TP=2 decoder (each TP rank reads its own shard of every layer from the TP=2 x PP=2
     producer's store) gives PP=1 no-spec's greedy tokens and exactly the aggregated engine's
@@ -662,6 +675,7 @@ def test_tp2_decoder_of_a_tp2_pp2_producer_equals_nospec_and_aggregated(pd_store
 
 
 @pytest.mark.slow
+@pytest.mark.e2e_full(covered_by=TP_PP_PD_COVERED_BY)
 def test_tp2_decoder_on_a_corrupted_tp_shard_accepts_less(pd_stores, tp_pp_pd):
     """The control of the acceptance check above: the decoder's second wave reads the
     TP=2 x PP=2 producer's store for :data:`NAN_PROMPTS` with TP rank 1's shard of both draft
