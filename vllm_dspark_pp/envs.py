@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     VLLM_DSPARK_PP_ADAPTIVE_PP: bool = False
     VLLM_DSPARK_PP_SKIP_PATCHES: str = ""
     VLLM_DSPARK_PP_STACKS_ON_SIGUSR1: bool = False
+    VLLM_DSPARK_PP_TAP_PARTIALS: str = "auto"
 
 PREFIX = "VLLM_DSPARK_PP_"
 HANDSHAKE_TIMEOUT_DEFAULT_S = 120.0
@@ -121,7 +122,29 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # on SIGUSR1 and goes on running (docs/bad-configs.md). Formerly DSPARK_PP_STACKS_ON_SIGUSR1
     # (still read, with a deprecation warning). (stack_dumps.py)
     "VLLM_DSPARK_PP_STACKS_ON_SIGUSR1": lambda: _raw("VLLM_DSPARK_PP_STACKS_ON_SIGUSR1") == "1",
+    # How a PP target relays the drafter's aux taps of earlier stages. "auto" (default): each
+    # stage sends one partial sum of the drafter's first linear layer (W_s @ its taps, plus what
+    # it received) instead of its taps, where that makes some stage boundary carry fewer rows;
+    # "1": wherever taps are relayed; "0": raw taps, as vLLM does. Drafters whose first op is
+    # not a known bias-free unquantized linear keep raw taps (logged). Set the same value on
+    # every node (the start-up handshake compares it). (protocol/tap_partials.py)
+    "VLLM_DSPARK_PP_TAP_PARTIALS": lambda: parse_tap_partials(_raw("VLLM_DSPARK_PP_TAP_PARTIALS")),
 }
+
+
+TAP_PARTIALS_VALUES = ("auto", "1", "0")
+
+
+def parse_tap_partials(raw: str | None) -> str:
+    """``VLLM_DSPARK_PP_TAP_PARTIALS`` from its text: unset or blank is ``auto``; anything but
+    ``auto``, ``1`` or ``0`` raises ``ValueError`` naming the variable."""
+    value = "auto" if raw is None or raw.strip() == "" else raw.strip().lower()
+    if value not in TAP_PARTIALS_VALUES:
+        raise ValueError(
+            f"VLLM_DSPARK_PP_TAP_PARTIALS={raw!r} is not one of auto, 1, 0 (auto: relay one "
+            "partial sum where that sends fewer bytes; 1: wherever taps are relayed; 0: raw taps)"
+        )
+    return value
 
 
 def __getattr__(name: str) -> Any:

@@ -8,7 +8,7 @@ every DP rank) publishes the facts that shape the exchange:
 
     protocol (vllm_dspark_pp.version.PROTOCOL_VERSION), plugin version, vLLM version,
     pp_size, tp_size, method, num_speculative_tokens (k), fixed_graph_batch,
-    adaptive_verification
+    adaptive_verification, tap_partials (how aux taps cross the stages: tap_partials.py)
 
 with its coordinates as vLLM's groups report them. The last rank of the world (the last PP
 stage's last TP rank: the referee, chosen by :func:`referee`) compares each rank's facts with its
@@ -58,6 +58,7 @@ FIELDS = (
     "fixed_graph_batch",
     "adaptive_verification",
     "tp_size",
+    "tap_partials",
 )
 
 
@@ -76,6 +77,7 @@ class HandshakeFacts:
     fixed_graph_batch: int | None
     adaptive_verification: bool = False  # ships admitted counts (protocol/adaptive.py)
     tp_size: int = 1
+    tap_partials: str = "auto"  # VLLM_DSPARK_PP_TAP_PARTIALS (protocol/tap_partials.py)
 
 
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
@@ -95,6 +97,7 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
         fixed_graph_batch=fixed_graph_batch(vllm_config),
         adaptive_verification=ships_admitted_counts(vllm_config),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tap_partials=envs.VLLM_DSPARK_PP_TAP_PARTIALS,
     )
 
 

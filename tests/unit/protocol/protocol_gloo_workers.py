@@ -149,6 +149,7 @@ HANDSHAKE_SCENARIOS = {
     "versions": ({0: {"protocol": 2, "vllm_version": "0.35.0"}}, ()),
     "k": ({1: {"num_speculative_tokens": 5}}, ()),
     "adaptive": ({0: {"adaptive_verification": True}}, ()),
+    "tap_partials": ({2: {"tap_partials": "0"}}, ()),
     "silent_rank": ({}, (1,)),
     "silent_last": ({}, (2,)),
 }

@@ -69,6 +69,16 @@ def test_ranks_disagreeing_on_adaptive_verification_fail_every_rank(outcomes):
 
 
 @pytest.mark.timeout(200)
+def test_ranks_disagreeing_on_tap_partials_fail_every_rank(outcomes):
+    """One rank would receive raw aux taps where the others send one partial sum."""
+    got = outcomes["tap_partials"]
+    for r in range(3):
+        assert got[r]["outcome"] == "error", got[r]
+        assert "PP rank 2 (last) has tap_partials='0'" in got[r]["message"], got[r]
+        assert got[r]["elapsed"] < TIMEOUT
+
+
+@pytest.mark.timeout(200)
 def test_a_silent_rank_fails_the_others_fast(outcomes):
     got = outcomes["silent_rank"]
     assert got[1]["outcome"] == "silent"
