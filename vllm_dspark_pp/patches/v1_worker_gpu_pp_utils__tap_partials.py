@@ -62,8 +62,11 @@ def _patch(module) -> None:
 
         return relay_aux_hidden_states
 
-    wrap(module.PPHandler, "configure_aux_hidden_state_relay", make_configure)
-    wrap(module.PPHandler, "relay_aux_hidden_states", make_relay)
+    # on vLLM's class, where the two methods are defined (module.PPHandler may already be the
+    # protocol's subclass, which inherits them unchanged)
+    owner = next(k for k in module.PPHandler.__mro__ if "relay_aux_hidden_states" in vars(k))
+    wrap(owner, "configure_aux_hidden_state_relay", make_configure)
+    wrap(owner, "relay_aux_hidden_states", make_relay)
 
 
 def apply() -> None:
