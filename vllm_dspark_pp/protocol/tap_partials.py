@@ -239,8 +239,9 @@ def load_column_block(
 
     lo, hi = plan.columns()
     with safe_open(os.path.join(folder, hit.file), framework="pt", device="cpu") as f:
-        block = f.get_slice(hit.key)[:, lo:hi]
-    return block.to(dtype=dtype, device=device).contiguous()
+        # copied while the file is open: a slice may still point into its mapping
+        block = f.get_slice(hit.key)[:, lo:hi].to(dtype=dtype).contiguous().clone()
+    return block.to(device=device)
 
 
 # ---------------------------------------------------------------- wiring (called by patches)
@@ -329,10 +330,7 @@ def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | Non
         return None
     plan, why, where = plan_for(vllm_config, inner)
     dtype = vllm_config.model_config.dtype
-    row = {
-        "hidden": int(inner.config.hidden_size) * dtype_bytes(dtype),
-        "tap": int(inner.config.hidden_size) * dtype_bytes(dtype),
-    }
+    row = {"tap": int(inner.config.hidden_size) * dtype_bytes(dtype)}
     if plan is None:
         if getattr(inner, "aux_hidden_state_layers", ()):
             upstream = _upstream_of(vllm_config, inner)
@@ -352,17 +350,16 @@ def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | Non
     if plan.sends and plan.count:
         folder, hit = where
         handler._dspark_tap_block = load_column_block(
-            folder, hit, plan, dtype, next(model.parameters()).device
+            folder, hit, plan, dtype, _device(handler, model)
         )
     if plan.is_last:
         _logger().info(
             "DSpark tap partials on (%s): aux bytes per token row per boundary, raw taps -> "
-            "partial sums: %s  =>  %s (each boundary also carries hidden_states and residual, "
-            "%d B each)",
+            "partial sums: %s  =>  %s (the target's own tensors on top; each stage logs all it "
+            "sends at its first send)",
             why,
             describe_boundaries(plan.upstream, False, row),
             describe_boundaries(plan.upstream, True, row),
-            row["hidden"],
         )
     else:
         _logger().info(
@@ -374,6 +371,15 @@ def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | Non
             PARTIAL_KEY if plan.sends else "no aux key",
         )
     return plan
+
+
+def _device(handler: Any, model: Any) -> torch.device:
+    """The handler's device (vLLM's PPHandler has one), else the first real parameter's
+    (a layer of another stage may be a meta placeholder)."""
+    device = getattr(handler, "device", None)
+    if device is not None:
+        return torch.device(device)
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
 
 def _rank() -> int | str:
