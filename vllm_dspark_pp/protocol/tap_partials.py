@@ -268,6 +268,9 @@ def plan_for(vllm_config: Any, inner: Any) -> tuple[TapPlan | None, str, Any]:
     aux = tuple(sorted(set(getattr(inner, "aux_hidden_state_layers", ()) or ())))
     if spec is None or pp.world_size < 2 or not aux:
         return None, "no aux taps relayed over PP", None
+    knob = envs.VLLM_DSPARK_PP_TAP_PARTIALS
+    if knob == "0":
+        return None, "VLLM_DSPARK_PP_TAP_PARTIALS=0", None
     num_layers = int(inner.config.num_hidden_layers)  # what the decoder's make_layers split
     starts = [get_pp_indices(num_layers, r, pp.world_size)[0] for r in range(pp.world_size)]
     start, end = get_pp_indices(num_layers, pp.rank_in_group, pp.world_size)
@@ -278,7 +281,7 @@ def plan_for(vllm_config: Any, inner: Any) -> tuple[TapPlan | None, str, Any]:
             f"[{start}, {end}); set VLLM_DSPARK_PP_TAP_PARTIALS=0 on every node"
         )
     upstream = upstream_counts(aux, starts)
-    on, why = choose_mode(envs.VLLM_DSPARK_PP_TAP_PARTIALS, upstream)
+    on, why = choose_mode(knob, upstream)
     if not on:
         return None, why, None
     family = families.family_for(families.draft_architectures(spec))
