@@ -251,3 +251,70 @@ def test_last_stage_collects_the_partial_as_its_one_upstream_tap():
     object.__setattr__(d, tp.PLAN_ATTR, _plan(is_last=True, base=2, count=1))
     assert d.collect_remote_aux_hidden_states(it)[0] is p
     assert len(d.collect_remote_aux_hidden_states(it)) == 1
+
+
+class _Linear(torch.nn.Module):
+    """Stands in for vLLM's ReplicatedLinear (bias-free, unquantized)."""
+
+    def __init__(self, weight, bias=None, quant_method=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        self.quant_method = quant_method
+        self.output_size, self.input_size = weight.shape
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+def _last_stage(fc, staging_width=384):
+    import types
+
+    from safetensors.torch import load_file
+
+    full = load_file(str(TINY_DRAFT / "model.safetensors"))["fc.weight"]
+    hit = tp.find_linear(str(TINY_DRAFT), "fc", 384)
+    inner = types.SimpleNamespace()
+    plan = _plan(num_taps=3, tap_width=128, partial_width=128, base=1, count=2, is_last=True)
+    object.__setattr__(inner, tp.PLAN_ATTR, plan)
+    object.__setattr__(inner, tp.SOURCE_ATTR, (str(TINY_DRAFT), hit))
+    drafter = types.SimpleNamespace(fc=fc(full))
+    draft_cfg = types.SimpleNamespace(architectures=["Qwen3DSparkModel"], hf_config=None)
+    spec = types.SimpleNamespace(draft_model_config=draft_cfg)
+    speculator = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(speculative_config=spec),
+        model=types.SimpleNamespace(model=drafter),
+        _aux_staging=torch.zeros(4, staging_width),
+    )
+    return speculator, types.SimpleNamespace(model=inner), drafter, full
+
+
+def test_last_stage_drafter_adds_its_own_block_to_the_partial():
+    speculator, target, drafter, full = _last_stage(_Linear)
+    tp.install_on_drafter(speculator, target)
+    assert isinstance(drafter.fc, tp.PartialSumLinear)
+    assert speculator._aux_staging.shape == (4, 128 + 2 * 128)  # [partial | 2 own taps]
+    g = torch.Generator().manual_seed(0)
+    taps = [torch.randn(3, 128, generator=g) for _ in range(3)]
+    partial = F.linear(taps[0], full[:, :128])  # what stage 0 sends
+    got = drafter.fc(torch.cat([partial, taps[1], taps[2]], -1))
+    torch.testing.assert_close(got, F.linear(torch.cat(taps, -1), full), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda w: _Linear(w, bias=torch.zeros(128)), "has a bias"),
+        (lambda w: _Linear(w, quant_method=type("Fp8LinearMethod", (), {})()), "quantized"),
+        (lambda w: _Linear(w[:, :256]), "has shape"),
+        (lambda w: _Linear(w * 2), "other weights than the checkpoint"),
+    ],
+)
+def test_last_stage_refuses_a_drafter_linear_it_cannot_split(make, why):
+    """Controls of the test above: the other stages already send partials, so the last stage
+    stops start-up naming the knob instead of reading them wrongly."""
+    speculator, target, drafter, _ = _last_stage(make)
+    with pytest.raises(tp.TapPartialsError, match=why) as err:
+        tp.install_on_drafter(speculator, target)
+    assert "VLLM_DSPARK_PP_TAP_PARTIALS=0" in str(err.value)
+    assert not isinstance(drafter.fc, tp.PartialSumLinear)
