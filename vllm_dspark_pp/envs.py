@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     VLLM_DSPARK_PP_SKIP_PATCHES: str = ""
     VLLM_DSPARK_PP_STACKS_ON_SIGUSR1: bool = False
     VLLM_DSPARK_PP_DRAFT_DIGEST: int = 0
+    VLLM_DSPARK_PP_TAP_PARTIALS: str = "0"
 
 PREFIX = "VLLM_DSPARK_PP_"
 HANDSHAKE_TIMEOUT_DEFAULT_S = 120.0
@@ -151,6 +152,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # have drafted and received the same drafts; each line syncs the exchange stream once.
     # Empty or 0: off. (protocol/draft_digest.py)
     "VLLM_DSPARK_PP_DRAFT_DIGEST": lambda: _draft_digest_every(_raw("VLLM_DSPARK_PP_DRAFT_DIGEST")),
+    # How a PP target relays the drafter's aux taps of earlier stages. "0" (default until it has
+    # run on a GPU): raw taps, as vLLM does. "auto": each stage sends one partial sum of the
+    # drafter's first linear layer (W_s @ its taps, plus what it received) instead of its taps,
+    # where that makes some stage boundary carry fewer rows; "1": wherever taps are relayed.
+    # Drafters whose first op is not a known bias-free unquantized linear keep raw taps
+    # (logged). Set the same value on every node (the start-up handshake compares it).
+    # (protocol/tap_partials.py)
+    "VLLM_DSPARK_PP_TAP_PARTIALS": lambda: parse_tap_partials(_raw("VLLM_DSPARK_PP_TAP_PARTIALS")),
 }
 
 
@@ -165,6 +174,24 @@ def _draft_digest_every(raw: str | None) -> int:
         raise ValueError(
             f"VLLM_DSPARK_PP_DRAFT_DIGEST={raw!r} is not a whole number >= 0; use e.g. 16 "
             "(a digest line every 16 draft posts) or 0 (off)"
+        )
+    return value
+
+
+TAP_PARTIALS_VALUES = ("auto", "1", "0")
+#: unset or blank: raw taps (the partial sums have run on CPU only; docs/performance-bound.md)
+TAP_PARTIALS_DEFAULT = "0"
+
+
+def parse_tap_partials(raw: str | None) -> str:
+    """``VLLM_DSPARK_PP_TAP_PARTIALS`` from its text: unset or blank is
+    :data:`TAP_PARTIALS_DEFAULT`; anything but ``auto``, ``1`` or ``0`` raises ``ValueError``
+    naming the variable."""
+    value = TAP_PARTIALS_DEFAULT if raw is None or raw.strip() == "" else raw.strip().lower()
+    if value not in TAP_PARTIALS_VALUES:
+        raise ValueError(
+            f"VLLM_DSPARK_PP_TAP_PARTIALS={raw!r} is not one of auto, 1, 0 (auto: relay one "
+            "partial sum where that sends fewer bytes; 1: wherever taps are relayed; 0: raw taps)"
         )
     return value
 

@@ -104,14 +104,15 @@ def pair_prompts() -> list[list[int]]:
     return tiny_pair.heldout_prompts(PAIR_NUM_PROMPTS)
 
 
-def run_pair(timeout_s, *, pp, spec, sampling=PAIR_SAMPLING, **kw):
+def run_pair(timeout_s, *, pp, spec, sampling=PAIR_SAMPLING, env=None, **kw):
     ok, why = tiny_pair.available()
     if not ok:
         pytest.fail(why)
     cfg = {"model": tiny_pair.TARGET, "pipeline_parallel_size": pp, **PAIR_LLM}
     if spec:
         cfg["speculative_config"] = tiny_pair.spec_config()
-    return run_generate(cfg, pair_prompts(), timeout_s, sampling=sampling, env=plugin_env(), **kw)
+    env = {**plugin_env(), **(env or {})}
+    return run_generate(cfg, pair_prompts(), timeout_s, sampling=sampling, env=env, **kw)
 
 
 def run_random(tiny, timeout_s, *, pp, spec, extra=None, **kw):
@@ -168,10 +169,15 @@ def _timeout(request) -> float:
     return request.getfixturevalue("e2e_timeout_s")
 
 
+#: the PP=3 run relays its aux taps as partial sums (VLLM_DSPARK_PP_TAP_PARTIALS=1; the other
+#: PP runs keep the default raw taps), so CI's PP=3 parity checks cover both relays' sum
+PP3_ENV = {"VLLM_DSPARK_PP_TAP_PARTIALS": "1"}
+
+
 @shared_case("pair_pp3_sync", cost_s=50)
 def _pair_pp3_sync(request):
     t = _timeout(request)
-    return lambda: run_pair(t, pp=3, spec=True)
+    return lambda: run_pair(t, pp=3, spec=True, env=PP3_ENV)
 
 
 @shared_case("pair_pp2_async", cost_s=45)

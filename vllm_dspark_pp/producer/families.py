@@ -52,6 +52,13 @@ class DraftFamily:
     #: ``"module:function"`` each; the function takes the ``VllmConfig`` and raises
     #: ``DSparkConfigError`` naming the fix.
     checks: tuple[str, ...] = ()
+    #: The attribute of the drafter's inner ``model`` that ``combine_hidden_states`` applies
+    #: first to the concatenated aux taps: a bias-free linear, nothing before it (vLLM 0.34.0:
+    #: Qwen3 ``fc`` then its norm, qwen3_dflash.py:958-979; DeepSeek-V4/V4.1 ``main_proj`` then
+    #: ``main_norm``, dspark.py; Kimi-K3 ``context_proj`` then ``context_norm``,
+    #: dspark_mla.py:216). ``None``: not known, so a PP target relays raw taps
+    #: (protocol/tap_partials.py).
+    context_linear: str | None = None
 
     @property
     def has_context_kv_build(self) -> bool:
@@ -84,6 +91,7 @@ FAMILIES: tuple[DraftFamily, ...] = (
         "vllm_dspark_pp.producer.qwen3:Qwen3DSparkContextKVForCausalLM",
         # measured, docs/results/performance.md
         memory="vllm_dspark_pp.producer.memory:draft_load_bytes",
+        context_linear="fc",
     ),
     DraftFamily(
         "DeepSeek-V4 DSpark",
@@ -91,11 +99,13 @@ FAMILIES: tuple[DraftFamily, ...] = (
         "vllm_dspark_pp.producer.deepseek_v4:DSparkDeepseekV4ContextKVForCausalLM",
         # its drafter ships inside the target checkpoint: the target must be a DeepSeek-V4 one
         checks=("vllm_dspark_pp.producer.drafter:check_target_carries_the_draft",),
+        context_linear="main_proj",
     ),
     DraftFamily(
         "Kimi-K3 DSpark",
         ("K3DSparkModel",),
         "vllm_dspark_pp.producer.kimi_k3:K3DSparkContextKVForCausalLM",
+        context_linear="context_proj",
     ),
     DraftFamily(
         "DeepSeek-V4.1 DSpark",
@@ -103,6 +113,7 @@ FAMILIES: tuple[DraftFamily, ...] = (
         "vllm_dspark_pp.producer.deepseek_v41:DSparkDeepseekV41ContextKVForCausalLM",
         memory="vllm_dspark_pp.producer.memory:v41_draft_bytes",
         checks=("vllm_dspark_pp.producer.drafter:check_target_carries_the_draft",),
+        context_linear="main_proj",
     ),
     # No context-KV-only build yet: giving one a build is its module plus a class name here.
     DraftFamily("MiniMax-M3 DSpark", ("DSparkMiniMaxDraftModel",)),

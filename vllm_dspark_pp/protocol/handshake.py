@@ -8,7 +8,8 @@ every DP rank) publishes the facts that shape the exchange:
 
     protocol (vllm_dspark_pp.version.PROTOCOL_VERSION), plugin version, vLLM version,
     pp_size, tp_size, method, num_speculative_tokens (k), fixed_graph_batch,
-    adaptive_verification, admitted_lag
+    adaptive_verification, admitted_lag, tap_partials (how aux taps cross the stages:
+    tap_partials.py)
 
 with its coordinates as vLLM's groups report them. The last rank of the world (the last PP
 stage's last TP rank: the referee, chosen by :func:`referee`) compares each rank's facts with its
@@ -59,6 +60,7 @@ FIELDS = (
     "adaptive_verification",
     "admitted_lag",
     "tp_size",
+    "tap_partials",
 )
 
 
@@ -80,6 +82,7 @@ class HandshakeFacts:
     # which shipped count a verify step applies (VLLM_DSPARK_PP_ADAPTIVE_LAG; 0 when no counts
     # ship): ranks that differ would build different verify batches
     admitted_lag: int = 0
+    tap_partials: str = "0"  # VLLM_DSPARK_PP_TAP_PARTIALS (protocol/tap_partials.py)
 
 
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
@@ -101,6 +104,7 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
         adaptive_verification=ships,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         admitted_lag=envs.VLLM_DSPARK_PP_ADAPTIVE_LAG if ships else 0,
+        tap_partials=envs.VLLM_DSPARK_PP_TAP_PARTIALS,
     )
 
 

@@ -159,6 +159,75 @@ def test_taps_reach_the_last_stage_in_order(configs, size, monkeypatch):
         ]
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_taps_reach_the_last_stage_as_one_partial_sum(configs, size, monkeypatch, tmp_path):
+    """The same forward with ``VLLM_DSPARK_PP_TAP_PARTIALS=1`` (protocol/tap_partials.py): each
+    boundary carries ``dspark_tap_partial`` in place of the taps, and the last stage's first aux
+    output is ``main_proj``'s columns of the upstream taps times those taps (the V4.1 relay patch
+    collects it through the patched ``collect_remote_aux_hidden_states``)."""
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.sequence import IntermediateTensors
+    from vllm.v1.worker.gpu.pp_utils import PPHandler
+
+    from vllm_dspark_pp.protocol import tap_partials as tp
+
+    monkeypatch.setenv("VLLM_DSPARK_PP_TAP_PARTIALS", "1")
+    cfg = configs[size]
+    stages = [_load_stage(cfg, r, size, monkeypatch) for r in range(size)]
+    # the tiny pair ships no weights: the mode stays off, naming why (the fallback) ...
+    with v41.as_stage(monkeypatch, 0, size), set_current_vllm_config(cfg):
+        assert tp.configure_stage(types.SimpleNamespace(), stages[0][0], cfg) is None
+    # ... so its draft checkpoint is a file holding main_proj as a V4.1 checkpoint names it
+    h = cfg.model_config.hf_config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    main_proj = torch.randn(h, len(v41.TAPS) * h, generator=g).to(torch.bfloat16)
+    save_file({"mtp.0.main_proj.weight": main_proj}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(tp, "_checkpoint_dir", lambda spec, download_dir: str(tmp_path))
+    handlers, plans = [], []
+    for rank, (model, relay) in enumerate(stages):
+        handler = types.SimpleNamespace(aux_hidden_state_relay_keys=relay)
+        with v41.as_stage(monkeypatch, rank, size), set_current_vllm_config(cfg):
+            plans.append(tp.configure_stage(handler, model, cfg))
+            if rank:  # the receive buffers hold the partial instead of the taps
+                keys = sorted(
+                    model.make_empty_intermediate_tensors(2, torch.float32, "cpu").tensors
+                )
+                assert keys == ["dspark_tap_partial", "hidden_states", "pre_mix"], keys
+        handlers.append(handler)
+    assert all(p is not None for p in plans)
+    _stand_in_kernels(monkeypatch)
+    n = 5
+    ids, positions = torch.arange(n), torch.arange(n)
+    received: IntermediateTensors | None = None
+    sent_keys = []
+    for rank, (model, _) in enumerate(stages):
+        with v41.as_stage(monkeypatch, rank, size), torch.no_grad():
+            out = model(ids, positions, received)
+            if rank == size - 1:
+                break
+            received = PPHandler.relay_aux_hidden_states(handlers[rank], received, out)
+        sent_keys.append(sorted(received.tensors))
+    assert sent_keys == [["dspark_tap_partial", "hidden_states", "pre_mix"]] * (size - 1)
+    hidden, taps = out
+    last = plans[-1]
+    assert len(taps) == 1 + last.count
+    # own taps as before; the first output is the partial sum of the upstream ones
+    assert [t[0, 0].item() for t in taps[1:]] == [float(i) for i in v41.TAPS[last.base :]]
+    weight = main_proj.to(taps[0].dtype)
+    upstream = torch.cat([torch.full((n, h), float(i)) for i in v41.TAPS[: last.base]], -1)
+    want = F.linear(upstream.to(weight.dtype), weight[:, : last.base * h])
+    # bf16 partials, one rounding per stage: within 2% of the sums' scale
+    tol = 2e-2 * want.abs().max().item()
+    torch.testing.assert_close(taps[0], want, rtol=0, atol=tol)
+    # control: the upstream taps against each other's columns (reversed) give another sum
+    assert last.base >= 2
+    swapped = torch.cat([torch.full((n, h), float(i)) for i in v41.TAPS[: last.base][::-1]], -1)
+    wrong = F.linear(swapped.to(weight.dtype), weight[:, : last.base * h])
+    assert not torch.allclose(taps[0], wrong, rtol=0, atol=tol)
+
+
 _WITHOUT_PLUGIN = """
 import sys, tempfile
 sys.path[:0] = [{repo!r}, {tests!r}]

@@ -163,6 +163,7 @@ HANDSHAKE_SCENARIOS = {
         {r: {"adaptive_verification": True, "admitted_lag": 0 if r == 1 else 1} for r in range(3)},
         (),
     ),
+    "tap_partials": ({2: {"tap_partials": "0"}}, ()),
     "silent_rank": ({}, (1,)),
     "silent_last": ({}, (2,)),
 }

@@ -78,6 +78,14 @@ def test_ranks_applying_counts_of_another_lag_fail_every_rank(outcomes):
         msg = got[r]["message"]
         assert "PP rank 1 has admitted_lag=0" in msg and "has admitted_lag=1" in msg, msg
         assert "VLLM_DSPARK_PP_ADAPTIVE_LAG" in msg, msg
+
+
+def test_ranks_disagreeing_on_tap_partials_fail_every_rank(outcomes):
+    """One rank would receive raw aux taps where the others send one partial sum."""
+    got = outcomes["tap_partials"]
+    for r in range(3):
+        assert got[r]["outcome"] == "error", got[r]
+        assert "PP rank 2 (last) has tap_partials='0'" in got[r]["message"], got[r]
         assert got[r]["elapsed"] < TIMEOUT
 
 

@@ -1,0 +1,525 @@
+"""Aux-tap partial sums: one row per PP stage boundary instead of one per tap.
+
+A DSpark drafter reads the target's aux taps (the hidden states after some target layers) only
+through the first op of ``combine_hidden_states``: a bias-free linear ``W`` of their
+concatenation (``families.DraftFamily.context_linear``), so
+
+    W @ concat(t_1 .. t_n) = sum_s W_s @ concat(taps made on stage s)
+
+with ``W_s`` the column blocks of the taps stage ``s`` makes. Under PP vLLM relays every tap of
+an earlier stage to the last one, each in its own ``IntermediateTensors`` row
+(``aux_hidden_states_<slot>``). Here instead every stage that has taps before it, or of its own,
+sends one row, :data:`PARTIAL_KEY`: what it received plus ``W_s @`` its own taps. The last stage
+hands the drafter ``[partial] + its own taps``; the drafter's linear is swapped for
+:class:`PartialSumLinear`, ``partial + W_last @ own``, and whatever follows it (the norm) is
+unchanged. The target's own tensors (``hidden_states``, ``residual``) are untouched, so target
+output stays the same bit for bit; the drafter's input changes only by summation order (and, in
+bf16, by one rounding of the partial per boundary).
+
+Which columns a stage owns: tap slots are the sorted aux layer ids (vLLM's
+``EagleModelMixin``); stage ``r`` (layers ``[start, end)``) makes the slots of aux ids in
+``(start, end]`` (``[0, end]`` on the first stage: id 0 is the embedding output), i.e. slots
+``bisect_right(aux, start) .. bisect_right(aux, end)`` (:func:`stage_slots`).
+
+Every rank decides the mode from the same facts (the config, the knob, the draft checkpoint's
+header), so all stages agree without a message; the start-up handshake compares the knob. A
+stage before the last reads its column block of ``W`` from the draft checkpoint
+(:func:`load_column_block`); the last stage slices its own block from the loaded drafter.
+Modes (``VLLM_DSPARK_PP_TAP_PARTIALS``): ``auto`` where some boundary would carry two or more
+tap rows, ``1`` wherever a tap is relayed, ``0`` never.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: The ``IntermediateTensors`` key of the running partial sum.
+PARTIAL_KEY = "dspark_tap_partial"
+#: vLLM's key prefix of a relayed tap (``EagleModelMixin.AUX_HIDDEN_STATE_KEY``).
+TAP_KEY = "aux_hidden_states_"
+#: Where a rank's plan hangs on the target's inner decoder (read by the patches).
+PLAN_ATTR = "_dspark_tap_plan"
+#: ... and where its checkpoint tensor is (``(folder, LinearInCheckpoint)``).
+SOURCE_ATTR = "_dspark_tap_source"
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+class TapPartialsError(RuntimeError):
+    """The partial-sum mode was chosen on every rank but this rank cannot honour it."""
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.dspark_pp.tap_partials")
+
+
+def stage_slots(aux_layers: Sequence[int], start: int, end: int, first: bool) -> tuple[int, int]:
+    """``(base, count)``: the first tap slot stage ``[start, end)`` makes and how many."""
+    aux = sorted(set(aux_layers))
+    base = 0 if first else bisect.bisect_right(aux, start)
+    return base, bisect.bisect_right(aux, end) - base
+
+
+def upstream_counts(aux_layers: Sequence[int], stage_starts: Sequence[int]) -> list[int]:
+    """Taps made before each boundary: entry ``r`` is what boundary ``r -> r+1`` relays raw
+    (one row each); ``stage_starts`` are the first layers of stages 0..pp-1."""
+    aux = sorted(set(aux_layers))
+    return [bisect.bisect_right(aux, s) for s in stage_starts[1:]]
+
+
+def choose_mode(knob: str, upstream: Sequence[int]) -> tuple[bool, str]:
+    """Whether to relay partial sums, and why (for the start-up line)."""
+    if knob == "0":
+        return False, "VLLM_DSPARK_PP_TAP_PARTIALS=0"
+    if not any(upstream):
+        return False, "every aux tap is made on the last stage: nothing is relayed"
+    if knob == "auto" and max(upstream) < 2:
+        return False, (
+            "no stage boundary relays more than one tap, so a partial sum saves no bytes "
+            "(VLLM_DSPARK_PP_TAP_PARTIALS=1 forces it)"
+        )
+    return True, f"VLLM_DSPARK_PP_TAP_PARTIALS={knob}"
+
+
+def boundary_rows(upstream: Sequence[int], partials: bool) -> list[int]:
+    """Aux rows each boundary carries besides the target's own tensors."""
+    return [min(n, 1) if partials else n for n in upstream]
+
+
+@dataclass(frozen=True)
+class TapPlan:
+    """One rank's share of the partial-sum mode."""
+
+    num_taps: int
+    tap_width: int  # columns of W per tap (the target's hidden size)
+    partial_width: int  # rows of W (the drafter's hidden size): the partial's width
+    base: int  # first tap slot this stage makes (= taps made on earlier stages)
+    count: int  # taps this stage makes
+    is_first: bool
+    is_last: bool
+    upstream: tuple[int, ...]  # taps made before each boundary (raw rows per boundary)
+
+    @property
+    def receives(self) -> bool:
+        return not self.is_first and self.base > 0
+
+    @property
+    def sends(self) -> bool:
+        return not self.is_last and self.base + self.count > 0
+
+    def columns(self) -> tuple[int, int]:
+        """This stage's column range of ``W``."""
+        return self.base * self.tap_width, (self.base + self.count) * self.tap_width
+
+
+def column_block(weight: torch.Tensor, base: int, count: int, width: int) -> torch.Tensor:
+    """The columns of ``weight`` (``[out, n * width]``) that multiply taps ``base..base+count``."""
+    return weight[:, base * width : (base + count) * width]
+
+
+def partial_sum(
+    own_taps: Sequence[torch.Tensor], block: torch.Tensor | None, incoming: torch.Tensor | None
+) -> torch.Tensor:
+    """``incoming + block @ concat(own_taps)`` (either term may be absent, not both)."""
+    out = None
+    if own_taps:
+        assert block is not None
+        x = own_taps[0] if len(own_taps) == 1 else torch.cat(list(own_taps), dim=-1)
+        out = F.linear(x.to(block.dtype), block)
+    if incoming is None:
+        assert out is not None, "a stage with no taps before it and none of its own sends none"
+        return out
+    return incoming if out is None else incoming.to(out.dtype) + out
+
+
+class PartialSumLinear(nn.Module):
+    """The last stage's stand-in for the drafter's first linear: its input is
+    ``concat(partial, own taps)`` and it returns ``partial + W_last @ own``."""
+
+    def __init__(self, block: torch.Tensor, partial_width: int) -> None:
+        super().__init__()
+        self.partial_width = partial_width
+        self.weight = nn.Parameter(block.detach().clone(), requires_grad=False)
+        self.params_dtype = block.dtype
+        self.input_size = partial_width + block.shape[1]
+        self.output_size = block.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = x[..., : self.partial_width].to(self.params_dtype)
+        if self.weight.shape[1] == 0:
+            return partial
+        return partial + F.linear(x[..., self.partial_width :].to(self.params_dtype), self.weight)
+
+    def extra_repr(self) -> str:
+        return f"partial_width={self.partial_width}, own_columns={self.weight.shape[1]}"
+
+
+# ---------------------------------------------------------------- the draft checkpoint
+
+
+def _checkpoint_dir(spec: Any, download_dir: str | None) -> str:
+    path = spec.draft_model_config.model
+    if os.path.isdir(path):
+        return path
+    from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+    return download_weights_from_hf(
+        path,
+        download_dir,
+        allow_patterns=["*.safetensors", "*.safetensors.index.json"],
+        revision=getattr(spec.draft_model_config, "revision", None),
+    )
+
+
+def _safetensors_header(path: str) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+@dataclass(frozen=True)
+class LinearInCheckpoint:
+    file: str
+    key: str
+    shape: tuple[int, int]
+    dtype: str
+
+
+def find_linear(folder: str, name: str, in_features: int) -> LinearInCheckpoint | str:
+    """The one ``<...>.<name>.weight`` tensor of ``folder``'s safetensors with ``in_features``
+    columns, or why there is none usable (a string)."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    suffix = f"{name}.weight"
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(
+            {v for k, v in weight_map.items() if k == suffix or k.endswith("." + suffix)}
+        )
+    found: list[LinearInCheckpoint] = []
+    scales: list[str] = []
+    for fname in files:
+        header = _safetensors_header(os.path.join(folder, fname))
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            stem = key[: -len("weight")]
+            if key == suffix or key.endswith("." + suffix):
+                shape = tuple(meta["shape"])
+                if len(shape) == 2 and shape[1] == in_features:
+                    found.append(LinearInCheckpoint(fname, key, shape, meta["dtype"]))
+            elif (stem.endswith(f"{name}.") or stem == f"{name}.") and "scale" in key:
+                scales.append(key)
+    if not found:
+        return f"no {suffix} with {in_features} columns in the draft checkpoint {folder}"
+    if len(found) > 1:
+        return f"several {suffix} tensors in the draft checkpoint: {[t.key for t in found]}"
+    hit = found[0]
+    if hit.dtype not in _FLOAT_DTYPES or scales:
+        return f"{hit.key} is quantized ({hit.dtype}{', ' + scales[0] if scales else ''})"
+    return hit
+
+
+def load_column_block(
+    folder: str, hit: LinearInCheckpoint, plan: TapPlan, dtype: torch.dtype, device: Any
+) -> torch.Tensor:
+    """This stage's column block of the checkpoint's linear, as ``dtype`` on ``device``."""
+    from safetensors import safe_open
+
+    lo, hi = plan.columns()
+    with safe_open(os.path.join(folder, hit.file), framework="pt", device="cpu") as f:
+        # copied while the file is open: a slice may still point into its mapping
+        block = f.get_slice(hit.key)[:, lo:hi].to(dtype=dtype).contiguous().clone()
+    return block.to(device=device)
+
+
+# ---------------------------------------------------------------- wiring (called by patches)
+
+
+def _inner_decoder(model: Any) -> Any:
+    from vllm.v1.worker.gpu.spec_decode.eagle import eagle3_utils
+
+    return eagle3_utils._inner_decoder(model)
+
+
+def plan_for(vllm_config: Any, inner: Any) -> tuple[TapPlan | None, str, Any]:
+    """This rank's plan (None: raw taps), the reason, and the checkpoint hit (or None).
+
+    Decided from what every rank has alike, so every rank decides the same."""
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    from vllm_dspark_pp import envs
+    from vllm_dspark_pp.producer import families
+
+    spec = vllm_config.speculative_config
+    pp = get_pp_group()
+    aux = tuple(sorted(set(getattr(inner, "aux_hidden_state_layers", ()) or ())))
+    if spec is None or pp.world_size < 2 or not aux:
+        return None, "no aux taps relayed over PP", None
+    knob = envs.VLLM_DSPARK_PP_TAP_PARTIALS
+    if knob == "0":
+        return None, "VLLM_DSPARK_PP_TAP_PARTIALS=0", None
+    num_layers = int(inner.config.num_hidden_layers)  # what the decoder's make_layers split
+    starts = [get_pp_indices(num_layers, r, pp.world_size)[0] for r in range(pp.world_size)]
+    start, end = get_pp_indices(num_layers, pp.rank_in_group, pp.world_size)
+    if (start, end) != (inner.start_layer, inner.end_layer):
+        raise TapPartialsError(
+            f"stage {pp.rank_in_group} holds target layers [{inner.start_layer}, "
+            f"{inner.end_layer}) but vLLM's split of its num_hidden_layers={num_layers} says "
+            f"[{start}, {end}); set VLLM_DSPARK_PP_TAP_PARTIALS=0 on every node"
+        )
+    upstream = upstream_counts(aux, starts)
+    on, why = choose_mode(knob, upstream)
+    if not on:
+        return None, why, None
+    family = families.family_for(families.draft_architectures(spec))
+    linear = family.context_linear if family is not None else None
+    if linear is None:
+        name = family.name if family is not None else "this drafter"
+        return None, f"{name}: its first op on the taps is not known to be a pure linear", None
+    tap_width = int(inner.config.hidden_size)
+    folder = _checkpoint_dir(spec, vllm_config.load_config.download_dir)
+    hit = find_linear(folder, linear, len(aux) * tap_width)
+    if isinstance(hit, str):
+        return None, hit, None
+    assert family is not None
+    base, count = stage_slots(aux, start, end, pp.is_first_rank)
+    plan = TapPlan(
+        num_taps=len(aux),
+        tap_width=tap_width,
+        partial_width=hit.shape[0],
+        base=base,
+        count=count,
+        is_first=pp.is_first_rank,
+        is_last=pp.is_last_rank,
+        upstream=tuple(upstream),
+    )
+    return plan, f"{why}; {family.name} {linear} = {hit.key}", (folder, hit)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def describe_boundaries(plan_upstream: Sequence[int], partials: bool, row_bytes: dict) -> str:
+    """``'0->1: ... | 1->2: ...'``: the aux keys and bytes per token row of every boundary."""
+    parts = []
+    for r, n in enumerate(plan_upstream):
+        if partials and n:
+            keys = f"{PARTIAL_KEY} {row_bytes['partial']} B"
+        else:
+            keys = f"{n} x {TAP_KEY}* {n * row_bytes['tap']} B" if n else "no aux keys"
+        parts.append(f"{r}->{r + 1}: {keys}")
+    return " | ".join(parts)
+
+
+def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | None:
+    """Called on every PP rank after vLLM set the aux layers: decide, log, and install this
+    rank's share (the receive buffers, the column block, the plan on the decoder)."""
+    inner = _inner_decoder(model)
+    if inner is None:
+        return None
+    plan, why, where = plan_for(vllm_config, inner)
+    dtype = vllm_config.model_config.dtype
+    row = {"tap": int(inner.config.hidden_size) * dtype_bytes(dtype)}
+    if plan is None:
+        if getattr(inner, "aux_hidden_state_layers", ()):
+            upstream = _upstream_of(vllm_config, inner)
+            _logger().info(
+                "DSpark tap partials off (%s): aux rows per boundary %s",
+                why,
+                describe_boundaries(upstream, False, row) if upstream else "none",
+            )
+        return None
+    row["partial"] = plan.partial_width * dtype_bytes(dtype)
+    object.__setattr__(inner, PLAN_ATTR, plan)
+    object.__setattr__(inner, SOURCE_ATTR, where)
+    if plan.receives:
+        _reserve_partial_slot(model, plan)
+    handler._dspark_tap_plan = plan
+    handler._dspark_tap_block = None
+    if plan.sends and plan.count:
+        folder, hit = where
+        handler._dspark_tap_block = load_column_block(
+            folder, hit, plan, dtype, _device(handler, model)
+        )
+    if plan.is_last:
+        _logger().info(
+            "DSpark tap partials on (%s): aux bytes per token row per boundary, raw taps -> "
+            "partial sums: %s  =>  %s (the target's own tensors on top; each stage logs all it "
+            "sends at its first send)",
+            why,
+            describe_boundaries(plan.upstream, False, row),
+            describe_boundaries(plan.upstream, True, row),
+        )
+    else:
+        _logger().info(
+            "DSpark tap partials: stage %s makes tap slots %d..%d (%d), sends %s",
+            _rank(),
+            plan.base,
+            plan.base + plan.count - 1,
+            plan.count,
+            PARTIAL_KEY if plan.sends else "no aux key",
+        )
+    return plan
+
+
+def _device(handler: Any, model: Any) -> torch.device:
+    """The handler's device (vLLM's PPHandler has one), else the first real parameter's
+    (a layer of another stage may be a meta placeholder)."""
+    device = getattr(handler, "device", None)
+    if device is not None:
+        return torch.device(device)
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+def _rank() -> int | str:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    try:
+        return get_pp_group().rank_in_group
+    except AssertionError:  # no PP group (a unit test driving the handler by hand)
+        return "?"
+
+
+def _upstream_of(vllm_config: Any, inner: Any) -> list[int]:
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    pp = get_pp_group()
+    if pp.world_size < 2:
+        return []
+    n = int(inner.config.num_hidden_layers)
+    starts = [get_pp_indices(n, r, pp.world_size)[0] for r in range(pp.world_size)]
+    return upstream_counts(inner.aux_hidden_state_layers, starts)
+
+
+def _reserve_partial_slot(model: Any, plan: TapPlan) -> None:
+    """The receive buffers of a stage after the first: the partial in place of the taps."""
+    make = model.make_empty_intermediate_tensors
+
+    def make_empty_with_partial(batch_size, dtype, device):
+        tensors = make(batch_size, dtype, device)
+        for key in [k for k in tensors.tensors if k.startswith(TAP_KEY)]:
+            del tensors.tensors[key]
+        tensors[PARTIAL_KEY] = torch.zeros(
+            (batch_size, plan.partial_width), dtype=dtype, device=device
+        )
+        return tensors
+
+    model.make_empty_intermediate_tensors = make_empty_with_partial
+
+
+def relay(handler: Any, received: Any, out: Any) -> Any:
+    """A non-last stage's outgoing ``IntermediateTensors``: its own tap rows replaced by the
+    partial sum (what it received plus its block times its own taps)."""
+    from vllm.sequence import IntermediateTensors
+
+    plan: TapPlan = handler._dspark_tap_plan
+    tensors = dict(out.tensors)
+    own_keys = sorted(
+        (k for k in tensors if k.startswith(TAP_KEY)), key=lambda k: int(k[len(TAP_KEY) :])
+    )
+    expected = [f"{TAP_KEY}{plan.base + i}" for i in range(plan.count)]
+    if own_keys != expected:
+        raise TapPartialsError(f"this stage made tap rows {own_keys}, the plan says {expected}")
+    own = [tensors.pop(k) for k in own_keys]
+    if plan.sends:
+        incoming = received[PARTIAL_KEY] if plan.receives else None
+        if incoming is not None:
+            incoming = incoming[: out["hidden_states"].shape[0]]
+        tensors[PARTIAL_KEY] = partial_sum(own, handler._dspark_tap_block, incoming)
+    return IntermediateTensors(tensors)
+
+
+def log_sent_keys(out: Any) -> None:
+    """One line: the keys this stage sends to the next and their bytes per token row."""
+    keys = ", ".join(
+        f"{k} {t.shape[-1] * t.element_size() if t.dim() else 0} B"
+        for k, t in sorted(out.tensors.items())
+    )
+    _logger().info("DSpark PP stage %s sends per token row: %s", _rank(), keys)
+
+
+def install_on_drafter(speculator: Any, target_model: Any) -> None:
+    """Last stage: swap the drafter's first linear for :class:`PartialSumLinear` (its own
+    column block read from the draft checkpoint, as the other stages read theirs, and checked
+    against the loaded weight where the platform keeps it); the FULL-graph staging buffer of
+    the concatenated taps is re-made at the new width."""
+    inner = _inner_decoder(target_model)
+    plan: TapPlan | None = getattr(inner, PLAN_ATTR, None) if inner is not None else None
+    if plan is None or not plan.is_last:
+        return
+    from vllm_dspark_pp.producer import families
+
+    spec = speculator.vllm_config.speculative_config
+    family = families.family_for(families.draft_architectures(spec))
+    name = family.context_linear if family is not None else None
+    drafter = getattr(speculator.model, "model", None)
+    module = getattr(drafter, name, None) if name else None
+    folder, hit = getattr(inner, SOURCE_ATTR)
+    why = _not_plain_linear(module, plan, folder, hit)
+    if why:
+        raise TapPartialsError(
+            f"the other PP stages relay DSpark tap partial sums, but on the last stage the "
+            f"drafter's {name} {why}; set VLLM_DSPARK_PP_TAP_PARTIALS=0 on every node"
+        )
+    assert module is not None and name is not None
+    weight = module.weight
+    block = load_column_block(folder, hit, plan, weight.dtype, weight.device)
+    setattr(drafter, name, PartialSumLinear(block, plan.partial_width))
+    staging = getattr(speculator, "_aux_staging", None)
+    if staging is not None:
+        width = plan.partial_width + block.shape[1]
+        speculator._aux_staging = torch.zeros(
+            staging.shape[0], width, dtype=staging.dtype, device=staging.device
+        )
+    _logger().info(
+        "DSpark tap partials: the drafter's %s reads [partial | %d own taps] (%d of its %d "
+        "columns)",
+        name,
+        plan.count,
+        block.shape[1],
+        plan.num_taps * plan.tap_width,
+    )
+
+
+def _not_plain_linear(module: Any, plan: TapPlan, folder: str, hit: LinearInCheckpoint) -> str:
+    """Why ``module`` is not the checkpoint's bias-free unquantized ``[partial_width,
+    n * tap_width]`` linear ('' when it is)."""
+    if module is None:
+        return "is missing"
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return f"is a {type(module).__name__} without a weight"
+    if getattr(module, "bias", None) is not None:
+        return "has a bias"
+    method = getattr(module, "quant_method", None)
+    if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
+        return f"is quantized ({type(method).__name__})"
+    want = (plan.partial_width, plan.num_taps * plan.tap_width)
+    shape: tuple = (getattr(module, "output_size", None), getattr(module, "input_size", None))
+    if None in shape:
+        shape = tuple(weight.shape) if weight.dim() == 2 else (None, None)
+    if tuple(shape) != want:
+        return f"has shape {tuple(shape)}, not {want}"
+    if weight.dim() == 2 and weight.numel():  # the CPU platform packs it away after loading
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(folder, hit.file), framework="pt", device="cpu") as f:
+            ref = f.get_tensor(hit.key)
+        if not torch.equal(ref.to(weight.dtype), weight.detach().cpu()):
+            return f"holds other weights than the checkpoint's {hit.key}"
+    return ""
