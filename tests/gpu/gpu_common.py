@@ -156,24 +156,23 @@ def source_sha256(repo, extra: tuple[str, ...] = ()) -> str:
 class GpuRecord:
     """A GPU group's JSON record (the form of tests/gpu/test_tp_pp_one_gpu.py's ``tp_pp.json``):
     every check's verdict, set before its test asserts it, then written with the run's provenance
-    and its jobs when the module's jobs shut down. ``file``: the record's name; ``knob``: the
-    environment variable naming its folder (else ``DSPARK_GPU_ARTIFACTS``, else the fallback that
-    :meth:`write` is given)."""
+    and its jobs when the module's jobs shut down. ``file``: the record's name."""
 
-    def __init__(self, file: str, knob: str):
-        self.file, self.knob = file, knob
+    def __init__(self, file: str):
+        self.file = file
         self.verdicts: dict[str, dict] = {}
 
     def verdict(self, check: str, ok: bool | None, detail: str) -> None:
         """``ok`` None: an outcome recorded without a verdict (a stock control's)."""
         self.verdicts[check] = {"ok": None if ok is None else bool(ok), "detail": detail[:4000]}
 
-    def write(self, repo, test: str, fields: dict, *, fallback, sources=()) -> Path:
-        """Writes ``{provenance, **fields, verdicts}``; ``fallback``: the folder when neither
-        variable is set (None: a new temporary one); ``sources``: what :func:`source_sha256` hashes
-        beside the plugin (``test`` always)."""
+    def write(self, repo, test: str, fields: dict, *, out, fallback, sources=()) -> Path:
+        """Writes ``{provenance, **fields, verdicts}`` into ``out`` (the value of the module's
+        ``*_OUT`` knob, which the caller reads by its literal name), else
+        ``$DSPARK_GPU_ARTIFACTS``, else ``fallback`` (None: a new temporary folder); ``sources``:
+        what :func:`source_sha256` hashes beside the plugin (``test`` always)."""
         out_dir = Path(
-            os.environ.get(self.knob)
+            out
             or os.environ.get("DSPARK_GPU_ARTIFACTS")
             or fallback
             or tempfile.mkdtemp(prefix=f"dspark-{Path(self.file).stem}-")

@@ -314,7 +314,7 @@ def _pd_with_pp2_producer(
 
 # --- the JSON record of the PP=2 (and PP=1) producer jobs: pd_pp.json ---------------------------
 
-PP_RECORD = GpuRecord("pd_pp.json", "DSPARK_GPU_PD_PP_OUT")
+PP_RECORD = GpuRecord("pd_pp.json")
 PP_RECORD_JOBS = ("pair_baseline", "pair_spec", *PP_JOBS, PP1_JOB)
 
 
@@ -371,7 +371,8 @@ def _write_pp_record(jobs: Jobs, setup: Setup) -> Path:
         "jobs": jobs_out,
     }
     path = PP_RECORD.write(
-        REPO, "tests/gpu/test_pd_pp_producer.py", fields, fallback=None,
+        REPO, "tests/gpu/test_pd_pp_producer.py", fields,
+        out=os.environ.get("DSPARK_GPU_PD_PP_OUT"), fallback=None,
         sources=("dspark_dev/pp_launch.py", "dspark_dev/pd_launch.py", "tests/support/pd_run.py"),
     )  # fmt: skip
     print(f"PD PP record: {path}")
@@ -656,7 +657,7 @@ def test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated(pd_jobs):
 
 # --- issue 40 item 2: PD with a TP=2 x PP=2 producer (opt-in jobs, group pd_tp_pp) -------------
 
-TP_RECORD = GpuRecord("pd_tp_pp.json", "DSPARK_GPU_PD_TP_PP_OUT")
+TP_RECORD = GpuRecord("pd_tp_pp.json")
 TP_SUBTLE_MARGIN_POINTS = SUBTLE_MARGIN_POINTS  # the same rule as the trained MLA pairs'
 
 
@@ -711,7 +712,8 @@ def _write_tp_record(jobs: Jobs) -> Path:
         },
     }
     path = TP_RECORD.write(
-        REPO, "tests/gpu/test_pd_pp_producer.py", fields, fallback=None,
+        REPO, "tests/gpu/test_pd_pp_producer.py", fields,
+        out=os.environ.get("DSPARK_GPU_PD_TP_PP_OUT"), fallback=None,
         sources=("dspark_dev/pp_launch.py", "dspark_dev/pd_launch.py", "tests/support/pd_run.py"),
     )  # fmt: skip
     print(f"PD TP x PP record: {path}")

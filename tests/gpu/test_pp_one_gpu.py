@@ -94,7 +94,7 @@ JOBS_ENV = "DSPARK_GPU_PP_JOBS"
 ALL_JOBS = ("ref", "pp1_async", "pp1_sync", *SERVED, "stock_async", "stock_sync", "fault")
 ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, ALL_JOBS)
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-pp-gpu-"))
-RECORD = GpuRecord("pp.json", "DSPARK_GPU_PP_OUT")
+RECORD = GpuRecord("pp.json")
 
 
 def _waves() -> list[list[list[int]]]:
@@ -439,8 +439,10 @@ def _write_record(jobs: Jobs) -> Path:
         "jobs": jobs_out,
         "log_dir": str(LOG_DIR),
     }
-    path = RECORD.write(REPO, "tests/gpu/test_pp_one_gpu.py", fields, fallback=LOG_DIR,
-                        sources=("dspark_dev/pp_launch.py",))  # fmt: skip
+    path = RECORD.write(
+        REPO, "tests/gpu/test_pp_one_gpu.py", fields, out=os.environ.get("DSPARK_GPU_PP_OUT"),
+        fallback=LOG_DIR, sources=("dspark_dev/pp_launch.py",),
+    )  # fmt: skip
     print(f"PP record: {path}")
     return path
 

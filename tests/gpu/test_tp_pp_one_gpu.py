@@ -101,7 +101,7 @@ REQUEST_TIMEOUT_S = 1200  # how long a test waits for its job (the group's --tim
 
 
 ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
-RECORD = GpuRecord("tp_pp.json", "DSPARK_GPU_TP_PP_OUT")
+RECORD = GpuRecord("tp_pp.json")
 
 
 def _shape(name: str) -> dict:
@@ -144,8 +144,10 @@ def _write_record(jobs: Jobs) -> Path:
         "log_dir": str(LOG_DIR),
     }
     sources = ("dspark_dev/pp_launch.py", "tests/gpu/test_pp_one_gpu.py")
-    path = RECORD.write(REPO, "tests/gpu/test_tp_pp_one_gpu.py", fields, fallback=LOG_DIR,
-                        sources=sources)  # fmt: skip
+    path = RECORD.write(
+        REPO, "tests/gpu/test_tp_pp_one_gpu.py", fields,
+        out=os.environ.get("DSPARK_GPU_TP_PP_OUT"), fallback=LOG_DIR, sources=sources,
+    )  # fmt: skip
     print(f"TP x PP record: {path}")
     return path
 
