@@ -56,7 +56,12 @@ as in test_dsv4_k3_engine.py): the producer's draft reads its first and last aux
 (``draft_controls.aux_perturbed_draft``, ``SUBTLE_PERTURB``: a finite, somewhat wrong prompt
 context KV), the decoder keeps the real draft: greedy output unchanged and acceptance at least
 ``SUBTLE_MARGIN_POINTS`` (5) below the PD run's. No launcher reaches the GPU kit's stubbed NCCL
-functions.
+functions. A JSON record of these jobs, ``pd_pp.json`` (commit, source fingerprint, date, GPU,
+command, shapes, the references' and every PD job's counters per position, KV and producer
+evidence, each check's verdict with its ``PD acceptance:`` line and the controls', set before the
+test asserts), goes to ``$DSPARK_GPU_PD_PP_OUT`` (run_groups.sh: ``OUTDIR/<group>/pd_pp.json``),
+else ``$DSPARK_GPU_ARTIFACTS``, else a new temporary folder, whenever a PP=2 or PP=1 producer job
+ran.
 
 Jobs (``DSPARK_GPU_PD_PP_JOBS=a,b`` selects, ``all`` runs every one; empty: group pd_pp's
 ``pair_baseline``, ``pair_spec``, ``pd_pp2``, ``pd_pp2_control``, ``pd_pp2_subtle``, and for
