@@ -98,8 +98,10 @@ DSPARK_GPU_PAIR_DTYPE | float32 | dtype of the tiny pair in the GPU tier's PD jo
 DSPARK_GPU_NEAR_TIE | 0.125 | Parity: a top-2 logprob gap under this (nats) counts as a near tie.
 DSPARK_GPU_PP_LAYOUT | unset (shared) | PP launchers' GPU layout: `shared` (every stage on GPU 0)
     or `per-stage` (stage R on GPU R).
-DSPARK_GPU_PP_JOBS | unset | PP one-GPU test jobs to start (`a,b`); empty: all.
+DSPARK_GPU_PP_JOBS | unset | PP one-GPU test jobs to start (`a,b`, `all`); empty: all.
 DSPARK_GPU_PP_LOGS | unset (a new temporary folder) | Folder for the PP GPU tests' launcher logs.
+DSPARK_GPU_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the PP one-GPU test
+    writes its JSON record pp.json.
 DSPARK_GPU_PP_READY_S | 330; 900 (CPU dry run) / 200 (load test) | PP GPU tests: seconds the
     plugin's launchers may take to be ready.
 DSPARK_GPU_PP_STOCK_READY_S | 420 | PP GPU tests: seconds stock vLLM's launchers may take to be
@@ -132,6 +134,8 @@ DSPARK_GPU_PD_TP_PP_JOBS | pair_baseline,pair_spec,pd_tp2pp2_tp2 | run_groups.sh
 DSPARK_GPU_PD_TP_PP_READY_S | BUDGET - 120 | run_groups.sh pd_tp_pp: its DSPARK_GPU_PD_PP_READY_S.
 DSPARK_GPU_PD_TP_PP_OUT | unset (DSPARK_GPU_ARTIFACTS) | Where the PD TP x PP test writes its
     result record.
+DSPARK_GPU_PD_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else a temporary folder) | Where the
+    PD-with-PP-producer test writes the JSON record pd_pp.json of its PP=2 / PP=1 producer jobs.
 DSPARK_GPU_LOST_STAGE_BOUND_S | 30 | Lost-stage GPU test: seconds within which the plugin's engine
     must stop after a stage dies.
 DSPARK_GPU_LOST_STAGE_CONTROL | unset | `1`: the lost-stage test runs its control (peer watch off).
@@ -221,8 +225,8 @@ DSPARK_TEST_MISMATCH_RANK | -1 | tools/gpu/run_pp2_aggregated.py's probe: the PP
 DSPARK_FAKE_MODELS | unset | GPU-fake plugin: folder holding the pairs the fake engines read.
 DSPARK_FAKE_MUTATION | unset | GPU-fake plugin: break one thing, to show a check fails
     (`subtle_same`, `pos6_zero`, ...).
-DSPARK_FAKE_WIRING_PARALLEL | 2 | tests/unit/test_gpu_fake_wiring.py: how many fake-engine child runs
-    run at once.
+DSPARK_FAKE_WIRING_PARALLEL | 2 | tests/unit/test_gpu_fake_wiring.py: how many fake-engine child
+    runs run at once.
 DSPARK_FAKE_CALLS | unset (none written) | GPU-fake plugin: write the recorded engine calls as JSON
     here.
 DSPARK_FAKE_NCCL_GUARD | set by the fake guard | Marker the GPU-fake NCCL guard puts in a

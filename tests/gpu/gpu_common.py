@@ -4,14 +4,17 @@ tests)."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from support.env import CPU_ENV
@@ -136,6 +139,81 @@ def record_date() -> str:
 def record_command() -> str:
     """The pytest command line a GPU record came from."""
     return " ".join([os.path.basename(sys.executable), "-m", "pytest", *sys.argv[1:]])
+
+
+def source_sha256(repo, extra: tuple[str, ...] = ()) -> str:
+    """A fingerprint of the code under test: the plugin's sources and ``extra`` (paths relative to
+    ``repo``: the launcher composition, the tests), to match a record with a commit where the GPU
+    machine has no git history."""
+    repo = Path(repo)
+    h = hashlib.sha256()
+    files = sorted((repo / "vllm_dspark_pp").rglob("*.py")) + [repo / f for f in extra]
+    for f in files:
+        h.update(str(f.relative_to(repo)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+class GpuRecord:
+    """A GPU group's JSON record (the form of tests/gpu/test_tp_pp_one_gpu.py's ``tp_pp.json``):
+    every check's verdict, set before its test asserts it, then written with the run's provenance
+    and its jobs when the module's jobs shut down. ``file``: the record's name."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.verdicts: dict[str, dict] = {}
+
+    def verdict(self, check: str, ok: bool | None, detail: str) -> None:
+        """``ok`` None: an outcome recorded without a verdict (a stock control's)."""
+        self.verdicts[check] = {"ok": None if ok is None else bool(ok), "detail": detail[:4000]}
+
+    def write(self, repo, test: str, fields: dict, *, out, fallback, sources=()) -> Path:
+        """Writes ``{provenance, **fields, verdicts}`` into ``out`` (the value of the module's
+        ``*_OUT`` knob, which the caller reads by its literal name), else
+        ``$DSPARK_GPU_ARTIFACTS``, else ``fallback`` (None: a new temporary folder); ``sources``:
+        what :func:`source_sha256` hashes beside the plugin (``test`` always)."""
+        out_dir = Path(
+            out
+            or os.environ.get("DSPARK_GPU_ARTIFACTS")
+            or fallback
+            or tempfile.mkdtemp(prefix=f"dspark-{Path(self.file).stem}-")
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        record = {
+            "test": test,
+            "commit": record_commit(repo),
+            "source_sha256": source_sha256(repo, (*sources, test)),
+            "date": record_date(),
+            "gpu": "CPU dry run" if DRYRUN_CPU else cuda_status()[1],
+            "command": record_command(),
+            "knobs": {k: v for k, v in os.environ.items() if k.startswith("DSPARK_GPU_")},
+            **fields,
+            "verdicts": self.verdicts,
+        }
+        path = out_dir / self.file
+        path.write_text(json.dumps(record, indent=1, default=str))
+        print(f"GPU record: {path}")
+        return path
+
+
+def job_summary(jobs: Jobs, name: str, *, selected: bool, summarize, shape=None) -> dict:
+    """One job's part of a record: its shape, whether it was selected, how long it ran, and what
+    ``summarize(result)`` keeps of its result (else why it has none: skipped, or the error it
+    raised, or still running)."""
+    out: dict = {"selected": selected, "elapsed_s": jobs.elapsed(name)}
+    if shape is not None:
+        out["shape"] = shape
+    if not selected:
+        return out
+    try:
+        res = jobs.result(name, timeout=0)
+    except pytest.skip.Exception as exc:
+        out["skipped"] = str(exc)[:2000]
+        return out
+    except BaseException as exc:  # noqa: BLE001 - recorded
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:3000]}"
+        return out
+    out.update(summarize(res))
+    return out
 
 
 class Jobs:

@@ -56,7 +56,12 @@ as in test_dsv4_k3_engine.py): the producer's draft reads its first and last aux
 (``draft_controls.aux_perturbed_draft``, ``SUBTLE_PERTURB``: a finite, somewhat wrong prompt
 context KV), the decoder keeps the real draft: greedy output unchanged and acceptance at least
 ``SUBTLE_MARGIN_POINTS`` (5) below the PD run's. No launcher reaches the GPU kit's stubbed NCCL
-functions.
+functions. A JSON record of these jobs, ``pd_pp.json`` (commit, source fingerprint, date, GPU,
+command, shapes, the references' and every PD job's counters per position, KV and producer
+evidence, each check's verdict with its ``PD acceptance:`` line and the controls', set before the
+test asserts), goes to ``$DSPARK_GPU_PD_PP_OUT`` (run_groups.sh: ``OUTDIR/<group>/pd_pp.json``),
+else ``$DSPARK_GPU_ARTIFACTS``, else a new temporary folder, whenever a PP=2 or PP=1 producer job
+ran.
 
 Jobs (``DSPARK_GPU_PD_PP_JOBS=a,b`` selects, ``all`` runs every one; empty: group pd_pp's
 ``pair_baseline``, ``pair_spec``, ``pd_pp2``, ``pd_pp2_control``, ``pd_pp2_subtle``, and for
@@ -107,11 +112,10 @@ from gpu_common import (
     PAIR_DTYPE,
     PAIR_MAX_TOKENS,
     PAIR_SAMPLING,
+    GpuRecord,
     Jobs,
+    job_summary,
     pair_prompts,
-    record_command,
-    record_commit,
-    record_date,
     require_cuda,
     select_jobs,
 )
@@ -313,6 +317,73 @@ def _pd_with_pp2_producer(
     )
 
 
+# --- the JSON record of the PP=2 (and PP=1) producer jobs: pd_pp.json ---------------------------
+
+PP_RECORD = GpuRecord("pd_pp.json")
+PP_RECORD_JOBS = ("pair_baseline", "pair_spec", *PP_JOBS, PP1_JOB)
+
+
+def _pp_shape(name: str) -> dict:
+    """A PD job of pd_pp.json: the producer's PP size, what it drafts with, both sides' modes."""
+    ppp = 1 if name == PP1_JOB else 2
+    pd_graphs = not (MLA and "--enforce-eager" in MLA_PD_MODE)
+    return {
+        "producer_tp": 1, "producer_pp": ppp, "decoder_tp": 1, "decoder_pp": 1,
+        "label": shape_label(1, ppp, 1),
+        "producer_draft": {"pd_pp2_control": "nan", "pd_pp2_subtle": "subtle"}.get(name, "real"),
+        "pair": PAIR, "dtype": "bfloat16" if MLA else PAIR_DTYPE,
+        "scheduling": "vLLM's default" if MLA else "async",
+        "producer_cuda_graphs": pd_graphs and PAIR != "k3", "decoder_cuda_graphs": pd_graphs,
+        "layout": pp_launch.layout(),
+    }  # fmt: skip
+
+
+def _pd_job_summary(jobs: Jobs, name: str, shape: dict | None) -> dict:
+    """A PD job's part of a record (its counters per position, KV, proxy, timings, producer
+    evidence) or a reference's (token count, start-up, the aggregated run's counters)."""
+
+    def summarize(res) -> dict:
+        if not isinstance(res, dict):  # an LLMResult (the references)
+            out = {"num_tokens": sum(len(t) for t in res.tokens), "startup_s": res.startup_s}
+            if name == "pair_spec":
+                out["counters"] = res.metrics()
+            return out
+        keep = ("decoder_spec", "prefill_spec", "decoder_kv", "proxy", "timings",
+                "prefill_log_markers", "engine_id")  # fmt: skip
+        out = {k: res[k] for k in keep if k in res}
+        out["num_tokens"] = sum(len(t) for t in res.get("tokens", []))
+        out["producer_evidence"] = _producer_evidence(res)
+        return out
+
+    return job_summary(jobs, name, selected=name in ONLY, summarize=summarize, shape=shape)
+
+
+def _write_pp_record(jobs: Jobs, setup: Setup) -> Path:
+    jobs_out = {
+        n: _pd_job_summary(jobs, n, _pp_shape(n) if n in PD_JOBS else None) for n in PP_RECORD_JOBS
+    }
+    fields = {
+        "issue": 25 if PAIR == "tiny" else 42 if PAIR == "dsv41" else 26,
+        "selected_jobs": sorted(ONLY),
+        "pair": PAIR,
+        "target": setup.target,
+        "draft": setup.draft,
+        "k": setup.spec.get("num_speculative_tokens"),
+        "num_prompts": len(setup.prompts),
+        "max_tokens": setup.max_tokens,
+        "common_args": setup.common,
+        "shapes": {n: _pp_shape(n) for n in (*PP_JOBS, PP1_JOB)},
+        "jobs": jobs_out,
+    }
+    path = PP_RECORD.write(
+        REPO, "tests/gpu/test_pd_pp_producer.py", fields,
+        out=os.environ.get("DSPARK_GPU_PD_PP_OUT"), fallback=None,
+        sources=("dspark_dev/pp_launch.py", "dspark_dev/pd_launch.py", "tests/support/pd_run.py"),
+    )  # fmt: skip
+    print(f"PD PP record: {path}")
+    return path
+
+
 @pytest.fixture(scope="module")
 def pd_jobs(tmp_path_factory):
     require_cuda()
@@ -352,10 +423,14 @@ def pd_jobs(tmp_path_factory):
     _submit_tp_jobs(jobs, setup, guard, bad_spec, tmp_path_factory)
     yield jobs, guard
     try:
-        if ONLY & set(TP_JOBS):
-            _write_tp_record(jobs)
+        if ONLY & {*PP_JOBS, PP1_JOB}:
+            _write_pp_record(jobs, setup)
     finally:
-        jobs.shutdown()
+        try:
+            if ONLY & set(TP_JOBS):
+                _write_tp_record(jobs)
+        finally:
+            jobs.shutdown()
 
 
 def _pd(pd_jobs, name="pd_pp2"):
@@ -363,35 +438,72 @@ def _pd(pd_jobs, name="pd_pp2"):
     return jobs.result(name, timeout=1200)
 
 
+def _proxy_problems(r: dict) -> list[str]:
+    st = r["proxy"]
+    problems = [f"proxy errors {st['errors']}"] if st["errors"] else []
+    if not st["requests"] == st["prefill_ok"] == st["decode_ok"] == len(r["tokens"]):
+        problems.append(f"not every request went through both sides: proxy {st}")
+    return problems
+
+
+def _kv_problems(kv: dict) -> list[str]:
+    problems = [] if kv.get("vllm:external_prefix_cache_hits_total", 0) > 0 else [
+        "no prompt KV came over the connector (external prefix cache hits 0)"
+    ]  # fmt: skip
+    failed = kv.get("vllm:mooncake_num_failed_transfers_total", 0) + kv.get(
+        "vllm:mooncake_num_failed_recvs_total", 0
+    )
+    if failed:
+        problems.append(f"{failed:g} failed Mooncake transfers / receives")
+    return problems
+
+
+def _acceptance_line(dec: dict, agg: dict, producer: str) -> str:
+    return (
+        f"PD acceptance: decoder {acceptance_rate(dec):.1f}% "
+        f"({dec['num_accepted_tokens']}/{dec['num_draft_tokens']}) vs aggregated "
+        f"{acceptance_rate(agg):.1f}% ({agg['num_accepted_tokens']}/{agg['num_draft_tokens']}), "
+        f"producer {producer}, {_label()}, {datetime.date.today().isoformat()}"
+    )
+
+
 def test_every_request_went_through_the_pp2_producer_then_the_decoder(pd_jobs):
     r = _pd(pd_jobs)
     st = r["proxy"]
+    problems = _proxy_problems(r)
+    PP_RECORD.verdict("proxy[pd_pp2]", not problems, "; ".join(problems) or f"proxy {st}")
     print(f"proxy {st}; timings {r['timings']}")
-    assert not st["errors"], st["errors"]
-    assert st["requests"] == st["prefill_ok"] == st["decode_ok"] == len(r["tokens"]), st
+    assert not problems, problems
 
 
 def test_pp2_producer_is_context_kv_only_and_both_stages_ran(pd_jobs):
     r = _pd(pd_jobs)
     print(f"producer log markers: {r['prefill_log_markers']}")
-    assert all(r["prefill_log_markers"].values()), r["prefill_log_markers"]
-    assert r["prefill_spec"]["num_draft_tokens"] == 0, r["prefill_spec"]
     logs = r["producer_logs"]
-    assert len(logs) == 2, list(logs)
     joined = "\n".join(logs.values())
-    assert "PP handshake: 2 ranks agree" in joined
     backends = [x for log in logs.values() for x in log.split("DSpark PP exchange:")[1:2]]
-    assert len(backends) == 2 and all(" over nccl" in b.splitlines()[0] for b in backends), backends
+    problems = []
+    if not all(r["prefill_log_markers"].values()):
+        problems.append(f"producer log markers {r['prefill_log_markers']}")
+    if r["prefill_spec"]["num_draft_tokens"] != 0:
+        problems.append(f"the producer drafted: {r['prefill_spec']}")
+    if len(logs) != 2:
+        problems.append(f"producer launcher logs {list(logs)}, want 2")
+    if "PP handshake: 2 ranks agree" not in joined:
+        problems.append("no 'PP handshake: 2 ranks agree' line")
+    if not (len(backends) == 2 and all(" over nccl" in b.splitlines()[0] for b in backends)):
+        problems.append(f"the exchange did not run over nccl on both stages: {backends}")
+    detail = "; ".join(problems) or json.dumps(_producer_evidence(r))
+    PP_RECORD.verdict("producer[pd_pp2]", not problems, detail)
+    assert not problems, "\n".join(problems)
 
 
 def test_decoder_pulled_the_prompt_kv_over_mooncake(pd_jobs):
     kv = _pd(pd_jobs)["decoder_kv"]
     print(f"decoder KV counters (delta): {kv}")
-    assert kv.get("vllm:external_prefix_cache_hits_total", 0) > 0, kv
-    failed = kv.get("vllm:mooncake_num_failed_transfers_total", 0) + kv.get(
-        "vllm:mooncake_num_failed_recvs_total", 0
-    )
-    assert failed == 0, kv
+    problems = _kv_problems(kv)
+    PP_RECORD.verdict("kv[pd_pp2]", not problems, "; ".join(problems) or json.dumps(kv))
+    assert not problems, (problems, kv)
 
 
 def test_pd_greedy_equals_aggregated_and_no_speculation(pd_jobs):
@@ -400,7 +512,9 @@ def test_pd_greedy_equals_aggregated_and_no_speculation(pd_jobs):
     got = _pd(pd_jobs)["tokens"]
     rep = compare_tokens(base.tokens, got, base.logprobs)
     rep2 = compare_tokens(agg.tokens, got, base.logprobs)
-    print(f"PD (PP=2 producer) vs no-spec: {rep.describe()}\nvs aggregated: {rep2.describe()}")
+    desc = f"PD (PP=2 producer) vs no-spec: {rep.describe()}\nvs aggregated: {rep2.describe()}"
+    PP_RECORD.verdict("greedy[pd_pp2]", rep.ok and rep2.ok, desc)
+    print(desc)
     assert rep.ok and rep2.ok, (rep.describe(), rep2.describe())
 
 
@@ -409,22 +523,25 @@ def test_pd_acceptance_equals_aggregated(pd_jobs):
     agg = jobs.result("pair_spec").metrics()
     dec = _pd(pd_jobs)["decoder_spec"]
     ok, desc = counters_close(dec, agg)
-    print(
-        f"PD acceptance: decoder {acceptance_rate(dec):.1f}% "
-        f"({dec['num_accepted_tokens']}/{dec['num_draft_tokens']}) vs aggregated "
-        f"{acceptance_rate(agg):.1f}% ({agg['num_accepted_tokens']}/{agg['num_draft_tokens']}), "
-        f"producer PP=2, {_label()}, {datetime.date.today().isoformat()}"
-    )
-    print(desc)
-    assert agg["num_drafts"] and 1 + agg["num_accepted_tokens"] / agg["num_drafts"] >= 3.0, agg
+    line = _acceptance_line(dec, agg, "PP=2")
+    engaged = bool(agg["num_drafts"]) and 1 + agg["num_accepted_tokens"] / agg["num_drafts"] >= 3.0
+    problems = [] if engaged else [f"the aggregated reference accepted too little: {agg}"]
+    per_pos = f"per position {agg.get('accepted_per_pos')} vs {dec.get('accepted_per_pos')}"
     if MLA:  # the 2-point rule compares real acceptance: every draft position accepted
-        problems = mla_pairs.trained_acceptance_problems(agg, MLA_K)
-        print(
+        problems += [f"[{PAIR}] aggregated DSpark: {p}"
+                     for p in mla_pairs.trained_acceptance_problems(agg, MLA_K)]  # fmt: skip
+        per_pos = (
             f"[{PAIR}] aggregated acceptance length {mla_pairs.acceptance_length(agg):.3f}, "
-            f"decoder {mla_pairs.acceptance_length(dec):.3f}; per position "
-            f"{agg.get('accepted_per_pos')} vs {dec.get('accepted_per_pos')}"
+            f"decoder {mla_pairs.acceptance_length(dec):.3f}; {per_pos}"
         )
-        assert not problems, f"[{PAIR}] aggregated DSpark: {'; '.join(problems)} ({agg})"
+    PP_RECORD.verdict(
+        "acceptance[pd_pp2]", ok and not problems, "\n".join([line, desc, per_pos, *problems])
+    )
+    print(line)
+    print(desc)
+    print(per_pos)
+    assert engaged, agg
+    assert not problems, problems
     assert ok, desc
 
 
@@ -432,18 +549,23 @@ def test_corrupted_producer_draft_drops_the_decoder_acceptance(pd_jobs):
     jobs, _ = pd_jobs
     good, bad = _pd(pd_jobs), _pd(pd_jobs, "pd_pp2_control")
     g, b = good["decoder_spec"], bad["decoder_spec"]
-    print(f"control: good {acceptance_rate(g):.1f}% {g} vs NaN-norm producer draft "
-          f"{acceptance_rate(b):.1f}% {b}")  # fmt: skip
-    assert b["num_draft_tokens"] > 0, b
-    assert acceptance_rate(b) < acceptance_rate(g) - 2.0, (g, b)
-    if MLA:  # test_dsv4_k3_engine.py's trained rule: a NaN context drafts garbage (~0 %)
-        assert acceptance_rate(b) <= NAN_CONTROL_MAX_PCT, (
-            f"[{PAIR}] a NaN draft context KV still accepted {acceptance_rate(b):.2f}% "
-            f"(> {NAN_CONTROL_MAX_PCT}%): {b}"
-        )
     base = jobs.result("pair_baseline")
     rep = compare_tokens(base.tokens, bad["tokens"], base.logprobs)
-    assert rep.ok, f"the corrupted draft changed the output: {rep.describe()}"
+    line = (
+        f"NaN-norm control (PP=2 producer, {_label()}): decoder {acceptance_rate(b):.1f}% {b} vs "
+        f"PD {acceptance_rate(g):.1f}% {g}; tokens vs no-spec: {rep.describe().splitlines()[0]}"
+    )
+    problems = [] if b["num_draft_tokens"] > 0 else ["the control's decoder drafted nothing"]
+    if not acceptance_rate(b) < acceptance_rate(g) - 2.0:
+        problems.append("the NaN-norm producer draft did not drop the acceptance by 2 points")
+    if MLA and acceptance_rate(b) > NAN_CONTROL_MAX_PCT:  # test_dsv4_k3_engine.py's trained rule
+        problems.append(f"[{PAIR}] a NaN draft context KV still accepted "
+                        f"{acceptance_rate(b):.2f}% (> {NAN_CONTROL_MAX_PCT}%)")  # fmt: skip
+    if not rep.ok:
+        problems.append(f"the corrupted draft changed the output: {rep.describe()}")
+    PP_RECORD.verdict("nan_control", not problems, "\n".join([line, *problems]))
+    print(line)
+    assert not problems, problems
 
 
 def test_subtly_wrong_producer_draft_drops_the_decoder_acceptance(pd_jobs):
@@ -456,14 +578,17 @@ def test_subtly_wrong_producer_draft_drops_the_decoder_acceptance(pd_jobs):
     good = _pd(pd_jobs)
     g, b = good["decoder_spec"], bad["decoder_spec"]
     gp, bp = acceptance_rate(g), acceptance_rate(b)
-    print(
-        f"subtle control ({PAIR}, PP=2 producer): decoder {bp:.1f}% vs PD {gp:.1f}%, drop "
-        f"{gp - bp:.2f} points (need {SUBTLE_MARGIN_POINTS}); producer draft's aux taps "
-        f"{SUBTLE_PERTURB}; {g} vs {b}"
-    )
-    assert b["num_draft_tokens"] > 0, b
     base = jobs.result("pair_baseline")
     rep = compare_tokens(base.tokens, bad["tokens"], base.logprobs)
+    line = (
+        f"subtle control ({PAIR}, PP=2 producer): decoder {bp:.1f}% vs PD {gp:.1f}%, drop "
+        f"{gp - bp:.2f} points (need {SUBTLE_MARGIN_POINTS}); producer draft's aux taps "
+        f"{SUBTLE_PERTURB}; {g} vs {b}; tokens vs no-spec: {rep.describe().splitlines()[0]}"
+    )
+    ok = b["num_draft_tokens"] > 0 and rep.ok and bp <= gp - SUBTLE_MARGIN_POINTS
+    PP_RECORD.verdict("subtle_control", ok, line)
+    print(line)
+    assert b["num_draft_tokens"] > 0, b
     assert rep.ok, f"a subtly wrong producer draft changed the output: {rep.describe()}"
     assert bp <= gp - SUBTLE_MARGIN_POINTS, (
         f"[{PAIR}] the decoder drafted about as well from a subtly wrong prompt draft context KV "
@@ -479,8 +604,13 @@ def test_no_pd_launcher_reaches_the_kit_nccl_stubs(pd_jobs):
             jobs.result(name, timeout=1200)
         except BaseException:  # noqa: BLE001 - reported by their own tests (or skipped)
             pass
-    assert guard.so is not None, f"the recording NCCL stub was not built: {guard.problem}"
-    assert not guard.calls(), guard.calls()
+    called = guard.calls() if guard.so is not None else None
+    detail = f"the recording NCCL stub was not built: {guard.problem}" if called is None else (
+        f"{len(guard.symbols)} stubbed NCCL symbols; called: {called}"
+    )  # fmt: skip
+    PP_RECORD.verdict("nccl_stubs", called == [], detail)
+    assert guard.so is not None, detail
+    assert not called, called
 
 
 # --- issue 42: PD with a PP=1 producer (job pd_pp1; the dsv41 pair's default) -----------------
@@ -493,15 +623,14 @@ def test_pp1_producer_pd_is_context_kv_only_and_pulled_over_mooncake(pd_jobs):
     r = _pd(pd_jobs, PP1_JOB)
     st, kv = r["proxy"], r["decoder_kv"]
     print(f"[{PAIR} PP=1 producer] proxy {st}; markers {r['prefill_log_markers']}; KV {kv}")
-    assert not st["errors"], st["errors"]
-    assert st["requests"] == st["prefill_ok"] == st["decode_ok"] == len(r["tokens"]), st
-    assert all(r["prefill_log_markers"].values()), r["prefill_log_markers"]
-    assert r["prefill_spec"]["num_draft_tokens"] == 0, r["prefill_spec"]
-    assert kv.get("vllm:external_prefix_cache_hits_total", 0) > 0, kv
-    failed = kv.get("vllm:mooncake_num_failed_transfers_total", 0) + kv.get(
-        "vllm:mooncake_num_failed_recvs_total", 0
-    )
-    assert failed == 0, kv
+    problems = _proxy_problems(r) + _kv_problems(kv)
+    if not all(r["prefill_log_markers"].values()):
+        problems.append(f"producer log markers {r['prefill_log_markers']}")
+    if r["prefill_spec"]["num_draft_tokens"] != 0:
+        problems.append(f"the producer drafted: {r['prefill_spec']}")
+    detail = "; ".join(problems) or f"proxy {st}; KV {json.dumps(kv)}"
+    PP_RECORD.verdict(f"producer_kv[{PP1_JOB}]", not problems, detail)
+    assert not problems, problems
 
 
 def test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated(pd_jobs):
@@ -515,24 +644,25 @@ def test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated(pd_jobs):
     rep2 = compare_tokens(agg_run.tokens, r["tokens"], base.logprobs)
     agg, dec = agg_run.metrics(), r["decoder_spec"]
     ok, desc = counters_close(dec, agg)
-    print(f"PD (PP=1 producer) vs no-spec: {rep.describe()}\nvs aggregated: {rep2.describe()}")
-    print(
-        f"PD acceptance: decoder {acceptance_rate(dec):.1f}% "
-        f"({dec['num_accepted_tokens']}/{dec['num_draft_tokens']}) vs aggregated "
-        f"{acceptance_rate(agg):.1f}% ({agg['num_accepted_tokens']}/{agg['num_draft_tokens']}), "
-        f"producer PP=1, {_label()}, {datetime.date.today().isoformat()}"
+    greedy = f"PD (PP=1 producer) vs no-spec: {rep.describe()}\nvs aggregated: {rep2.describe()}"
+    line = _acceptance_line(dec, agg, "PP=1")
+    problems = mla_pairs.trained_acceptance_problems(agg, MLA_K) if MLA else []
+    per_pos = f"per position {agg.get('accepted_per_pos')} vs {dec.get('accepted_per_pos')}"
+    PP_RECORD.verdict(f"greedy[{PP1_JOB}]", rep.ok and rep2.ok, greedy)
+    PP_RECORD.verdict(
+        f"acceptance[{PP1_JOB}]", ok and not problems, "\n".join([line, desc, per_pos, *problems])
     )
+    print(greedy)
+    print(line)
     print(desc)
     assert rep.ok and rep2.ok, (rep.describe(), rep2.describe())
-    if MLA:
-        problems = mla_pairs.trained_acceptance_problems(agg, MLA_K)
-        assert not problems, f"[{PAIR}] aggregated DSpark: {'; '.join(problems)} ({agg})"
+    assert not problems, f"[{PAIR}] aggregated DSpark: {'; '.join(problems)} ({agg})"
     assert ok, desc
 
 
 # --- issue 40 item 2: PD with a TP=2 x PP=2 producer (opt-in jobs, group pd_tp_pp) -------------
 
-TP_RECORD: dict = {"verdicts": {}}
+TP_RECORD = GpuRecord("pd_tp_pp.json")
 TP_SUBTLE_MARGIN_POINTS = SUBTLE_MARGIN_POINTS  # the same rule as the trained MLA pairs'
 
 
@@ -570,60 +700,27 @@ def _tp_shape(name: str) -> dict:
 
 def _tp_verdict(check: str, ok: bool, detail: str) -> None:
     """The check's outcome for the JSON record (set before the test asserts it)."""
-    TP_RECORD["verdicts"][check] = {"ok": bool(ok), "detail": detail[:4000]}
-
-
-def _tp_job_summary(jobs: Jobs, name: str) -> dict:
-    out: dict = {"selected": name in ONLY, "elapsed_s": jobs.elapsed(name)}
-    if name in TP_JOBS:
-        out["shape"] = _tp_shape(name)
-    if name not in ONLY:
-        return out
-    try:
-        res = jobs.result(name, timeout=0)
-    except BaseException as exc:  # noqa: BLE001 - recorded
-        out["error"] = f"{type(exc).__name__}: {str(exc)[:3000]}"
-        return out
-    if isinstance(res, dict):
-        keep = ("decoder_spec", "prefill_spec", "decoder_kv", "proxy", "timings",
-                "prefill_log_markers", "engine_id")  # fmt: skip
-        out.update({k: res[k] for k in keep if k in res})
-        out["num_tokens"] = sum(len(t) for t in res.get("tokens", []))
-        out["producer_evidence"] = _producer_evidence(res)
-    else:  # an LLMResult (the references)
-        out.update(num_tokens=sum(len(t) for t in res.tokens), startup_s=res.startup_s)
-        if name == "pair_spec":
-            out["counters"] = res.metrics()
-    return out
+    TP_RECORD.verdict(check, ok, detail)
 
 
 def _write_tp_record(jobs: Jobs) -> Path:
-    from gpu_common import cuda_status
-
-    out_dir = Path(
-        os.environ.get("DSPARK_GPU_PD_TP_PP_OUT")
-        or os.environ.get("DSPARK_GPU_ARTIFACTS")
-        or tempfile.mkdtemp(prefix="dspark-pd-tp-pp-")
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "test": "tests/gpu/test_pd_pp_producer.py",
+    fields = {
         "issue": 40,
         "item": 2,
-        "commit": record_commit(REPO),
-        "date": record_date(),
-        "gpu": cuda_status()[1],
-        "command": record_command(),
-        "knobs": {k: v for k, v in os.environ.items() if k.startswith("DSPARK_GPU_")},
         "selected_jobs": sorted(ONLY),
         "pair": PAIR,
         "num_prompts": len(pair_prompts()) if not MLA else None,
         "shapes": {n: _tp_shape(n) for n in TP_JOBS},
-        "jobs": {n: _tp_job_summary(jobs, n) for n in ("pair_baseline", "pair_spec", *TP_JOBS)},
-        "verdicts": TP_RECORD["verdicts"],
+        "jobs": {
+            n: _pd_job_summary(jobs, n, _tp_shape(n) if n in TP_JOBS else None)
+            for n in ("pair_baseline", "pair_spec", *TP_JOBS)
+        },
     }
-    path = out_dir / "pd_tp_pp.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
+    path = TP_RECORD.write(
+        REPO, "tests/gpu/test_pd_pp_producer.py", fields,
+        out=os.environ.get("DSPARK_GPU_PD_TP_PP_OUT"), fallback=None,
+        sources=("dspark_dev/pp_launch.py", "dspark_dev/pd_launch.py", "tests/support/pd_run.py"),
+    )  # fmt: skip
     print(f"PD TP x PP record: {path}")
     return path
 

@@ -26,6 +26,12 @@ Every launcher preloads a recording copy of the GPU kit's NCCL stub
 read NCCL's own init lines (ranks, nodes, transport), the plugin's line naming the exchange's
 backend, and the list of stubbed NCCL functions that were called (must be empty).
 
+A JSON record ``pp.json`` (commit, source fingerprint, date, GPU, command, the selected jobs, each
+job's shape, counters, token count, ready time and evidence: handshake, rank lines, NCCL lines,
+pinned-dispatch counts, drafts digests when logged; every check's verdict, set before its assert)
+is written when the module's jobs shut down, to ``$DSPARK_GPU_PP_OUT`` (run_groups.sh:
+``OUTDIR/pp/pp.json``), else ``$DSPARK_GPU_ARTIFACTS``, else the launcher log folder.
+
     source /tmp/site/env.sh && bash tools/gpu/run_groups.sh $OUT pp
 """
 
@@ -49,8 +55,11 @@ from gpu_common import (
     GRAPH_COMPILATION_CONFIG,
     PAIR_DTYPE,
     PAIR_SAMPLING,
+    GpuRecord,
     Jobs,
+    job_summary,
     require_cuda,
+    select_jobs,
 )
 from support import tiny_pair
 
@@ -80,8 +89,12 @@ SERVED = {
     "pp3_sync": (3, False, {}),
     "pp2_fixed8": (2, True, {graph_batch.KEY: 8}),
 }
-ONLY = frozenset(j for j in os.environ.get("DSPARK_GPU_PP_JOBS", "").split(",") if j) or None
+REPO = Path(__file__).resolve().parents[2]
+JOBS_ENV = "DSPARK_GPU_PP_JOBS"
+ALL_JOBS = ("ref", "pp1_async", "pp1_sync", *SERVED, "stock_async", "stock_sync", "fault")
+ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, ALL_JOBS)
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-pp-gpu-"))
+RECORD = GpuRecord("pp.json")
 
 
 def _waves() -> list[list[list[int]]]:
@@ -369,11 +382,76 @@ def _guard_and_waves(guard_dir: str):
     return guard, _waves()
 
 
+def _shape(name: str) -> dict:
+    """A job's deployment for the record: PP size, scheduling, graphs or eager, plugin or stock."""
+    if name.startswith("stock_"):
+        return {**_shape(f"pp2_{name.removeprefix('stock_')}"), "plugin": False}
+    if name == "fault":
+        return {**_shape("pp2_async"), "plugin": "node 0 only"}
+    if name in SERVED:
+        pp, flag, extra = SERVED[name]
+    else:
+        pp, flag, extra = 1, name != "pp1_sync", {}
+    return {
+        "pp": pp, "scheduling": "vLLM's default" if name == "ref" else "async" if flag else "sync",
+        "cuda_graphs": not (name == "ref" or DRYRUN_CPU), "dtype": PAIR_DTYPE,
+        "speculation": name != "ref", "plugin": True, **extra,
+    }  # fmt: skip
+
+
+def _result_summary(res, *, counters: bool = True) -> dict:
+    """What a PP record keeps of a job's result: a launcher job's dict without its tokens (their
+    count instead) and with its waves' counters summed; a PP=1 engine's times, token count and
+    (``counters``: it speculated) counters. Shared with test_tp_pp_one_gpu.py."""
+    if isinstance(res, dict):
+        out = {k: v for k, v in res.items() if k not in ("tokens", "after_abort_tokens")}
+        if "per_wave" in res:
+            out["counters"] = _sum(res["per_wave"])
+        if "tokens" in res:
+            out["num_tokens"] = sum(len(t) for t in res["tokens"])
+        return out
+    return {
+        "startup_s": res.startup_s, "wall_s": res.wall_s,
+        "num_tokens": sum(len(t) for t in res.tokens),
+        "counters": res.metrics() if counters else None,
+    }  # fmt: skip
+
+
+def _write_record(jobs: Jobs) -> Path:
+    jobs_out = {
+        name: job_summary(
+            jobs,
+            name,
+            selected=name in ONLY,
+            shape=_shape(name),
+            summarize=lambda res, name=name: _result_summary(res, counters=name != "ref"),
+        )  # fmt: skip
+        for name in ALL_JOBS
+    }
+    fields = {
+        "issue": 25,
+        "layout": pp_launch.layout(),
+        "selected_jobs": sorted(ONLY),
+        "waves": list(WAVE_SIZES),
+        "max_tokens": MAX_TOKENS,
+        "spec": tiny_pair.spec_config(),
+        "graph_config": GRAPH_COMPILATION_CONFIG,
+        "jobs": jobs_out,
+        "log_dir": str(LOG_DIR),
+    }
+    path = RECORD.write(
+        REPO, "tests/gpu/test_pp_one_gpu.py", fields, out=os.environ.get("DSPARK_GPU_PP_OUT"),
+        fallback=LOG_DIR, sources=("dspark_dev/pp_launch.py",),
+    )  # fmt: skip
+    print(f"PP record: {path}")
+    return path
+
+
 @pytest.fixture(scope="module")
 def pp_jobs():
     guard, waves = _guard_and_waves("nccl-guard")
     # every job at once: they wait on engines, not on Python
-    jobs = Jobs(only=ONLY, max_workers=16, knob="DSPARK_GPU_PP_JOBS")
+    jobs = Jobs(only=ONLY, max_workers=16, knob=JOBS_ENV)
 
     def llm(name, cfg):
         return _llm(name, cfg, waves, logprobs=2 if name == "pp_ref" else None)
@@ -393,7 +471,10 @@ def pp_jobs():
         jobs.submit(f"stock_{mode}", _stock, f"stock_{mode}", flag, waves, guard)
     jobs.submit("fault", _fault, guard)
     yield jobs, waves, guard
-    jobs.shutdown()
+    try:
+        _write_record(jobs)
+    finally:
+        jobs.shutdown()
 
 
 def _ref(pp_jobs):
@@ -419,10 +500,14 @@ def test_pp_dspark_greedy_equals_pp1_without_speculation(pp_jobs, name):
     got = jobs.result(name, timeout=1200)
     ref = _ref(pp_jobs)
     rep = compare_tokens(ref.tokens, got["tokens"], ref.logprobs)
-    print(f"{name} (ready in {got['ready_s']} s) vs PP=1 no-spec: {rep.describe()}")
+    desc = f"{name} (ready in {got['ready_s']} s) vs PP=1 no-spec: {rep.describe()}"
+    problems = [] if got["alive_after"] else [f"{name}: a launcher died while serving"]
+    if got["leftover_pids"]:
+        problems.append(f"{name}: processes left behind {got['leftover_pids']}")
+    RECORD.verdict(f"greedy[{name}]", rep.ok and not problems, "; ".join([desc, *problems]))
+    print(desc)
     assert rep.ok, rep.describe()
-    assert got["alive_after"], f"{name}: a launcher died while serving"
-    assert not got["leftover_pids"], f"{name}: processes left behind {got['leftover_pids']}"
+    assert not problems, problems
 
 
 @pytest.mark.parametrize("name", list(SERVED))
@@ -433,15 +518,44 @@ def test_pp_dspark_acceptance_equals_pp1_dspark(pp_jobs, name):
     ref = _pp1(pp_jobs, async_scheduling)
     mine, theirs = _sum(got["per_wave"]), ref.metrics()
     ok, desc = counters_close(mine, theirs)
+    engaged = (
+        bool(theirs["num_drafts"]) and 1 + theirs["num_accepted_tokens"] / theirs["num_drafts"] >= 3
+    )
     mode = "async" if async_scheduling else "sync"
-    print(
+    line = (
         f"PP acceptance: PP={pp} {name} {mine['num_accepted_tokens']}/"
         f"{mine['num_draft_tokens']} vs PP=1 DSpark ({mode}) "
         f"{theirs['num_accepted_tokens']}/{theirs['num_draft_tokens']}, "
         f"{datetime.date.today().isoformat()}: {desc}"
     )
-    assert theirs["num_drafts"] and 1 + theirs["num_accepted_tokens"] / theirs["num_drafts"] >= 3
+    RECORD.verdict(f"acceptance[{name}]", ok and engaged, line)
+    print(line)
+    assert engaged, f"the PP=1 DSpark reference accepted too little to compare with: {theirs}"
     assert ok, desc
+
+
+def _stage_problems(ev: dict, pp: int) -> list[str]:
+    """The handshake, the exchange over NCCL on every stage, NCCL's communicator of ``pp`` ranks
+    (on ``pp`` 'nodes' when the stages share the GPU) over sockets."""
+    problems = [] if ev["handshake"] else [f"no 'PP handshake: {pp} ranks agree' line"]
+    backends = [b[0] if b else None for b in ev["exchange_backends"]]
+    want = "gloo" if DRYRUN_CPU else "nccl"
+    if backends != [want] * pp:
+        problems.append(
+            f"the sampled-token/draft broadcasts did not run over {want} on every stage: {backends}"
+        )
+    if DRYRUN_CPU:
+        return problems
+    shared = pp_launch.layout() == pp_launch.SHARED
+    comm = (str(pp), str(pp) if shared else "1")
+    if comm not in ev["nccl_comms"]:
+        problems.append(
+            f"no NCCL communicator of {pp} ranks on {comm[1]} 'nodes' in the logs: "
+            f"{ev['nccl_comms']}"
+        )
+    if shared and not ev["nccl_socket"]:
+        problems.append("NCCL did not report its socket transport (NET/Socket)")
+    return problems
 
 
 @pytest.mark.parametrize("name", list(SERVED))
@@ -450,29 +564,19 @@ def test_stages_talk_over_nccl(pp_jobs, name):
     got = jobs.result(name, timeout=1200)
     ev, pp = got["evidence"], got["pp"]
     print(f"{name} evidence: {ev}")
-    assert ev["handshake"], f"no 'PP handshake: {pp} ranks agree' line"
-    backends = [b[0] if b else None for b in ev["exchange_backends"]]
-    if DRYRUN_CPU:
-        assert backends == ["gloo"] * pp, backends
-        return
-    assert backends == ["nccl"] * pp, (
-        f"the sampled-token/draft broadcasts did not run over NCCL on every stage: {backends}"
-    )
-    shared = pp_launch.layout() == pp_launch.SHARED
-    want = (str(pp), str(pp) if shared else "1")
-    assert want in ev["nccl_comms"], (
-        f"no NCCL communicator of {pp} ranks on {want[1]} 'nodes' in the logs: {ev['nccl_comms']}"
-    )
-    if shared:
-        assert ev["nccl_socket"], "NCCL did not report its socket transport (NET/Socket)"
+    problems = _stage_problems(ev, pp)
+    RECORD.verdict(f"nccl[{name}]", not problems, "; ".join(problems) or json.dumps(ev))
+    assert not problems, "\n".join(problems)
 
 
 def test_fixed_graph_batch_dispatch_fired_inside_the_engine(pp_jobs):
     jobs, _, _ = pp_jobs
     got = jobs.result("pp2_fixed8", timeout=1200)
     pinned = got["evidence"]["pinned"]
+    ok = bool(pinned) and max(pinned) >= 10
+    RECORD.verdict("pinned", ok, f"pinned dispatch counts logged by the last stage: {pinned}")
     print(f"pinned dispatch counts logged by the last stage: {pinned}")
-    assert pinned and max(pinned) >= 10, (
+    assert ok, (
         "the DSpark drafter's dispatch was not pinned to the fixed graph batch (fewer than 10 "
         f"pinned dispatches logged): {pinned}"
     )
@@ -482,20 +586,25 @@ def test_abort_mid_stream_frees_the_request_and_serving_continues(pp_jobs):
     jobs, waves, _ = pp_jobs
     got = jobs.result("pp2_async", timeout=1200)
     ab = got["abort"]
-    print(f"abort: {ab}")
-    assert ab["chunks_read"] >= 1, "the stream sent nothing before the client left"
-    assert ab["running"] == 0, f"the aborted request still runs {ab['running_after_s']} s later"
     ref = _ref(pp_jobs)
     n = len(waves[0])
     rep = compare_tokens(ref.tokens[:n], got["after_abort_tokens"], ref.logprobs[:n])
+    ok = ab["chunks_read"] >= 1 and ab["running"] == 0 and rep.ok
+    RECORD.verdict("abort", ok, f"{ab}; first wave again: {rep.describe()}")
+    print(f"abort: {ab}")
     print(f"first wave again after the abort: {rep.describe()}")
+    assert ab["chunks_read"] >= 1, "the stream sent nothing before the client left"
+    assert ab["running"] == 0, f"the aborted request still runs {ab['running_after_s']} s later"
     assert rep.ok, rep.describe()
 
 
 def test_node_without_plugin_fails_at_start_naming_rank_1(pp_jobs):
     jobs, _, _ = pp_jobs
     r = jobs.result("fault", timeout=1200)
-    print(f"fault: { ({k: v for k, v in r.items() if k != 'tail'}) }")
+    short = {k: v for k, v in r.items() if k != "tail"}
+    print(f"fault: {short}")
+    ok = r["rc"] not in (None, 0) and r["names_rank"] and r["names_fix"]
+    RECORD.verdict("fault", ok and r["node1_had_no_plugin"], json.dumps(short))
     assert r["rc"] is not None, f"node 0 still ran after {r['limit_s']} s: a HANG\n{r['tail']}"
     assert r["rc"] != 0 and r["names_rank"] and r["names_fix"], r["tail"]
     assert r["node1_had_no_plugin"]
@@ -513,9 +622,11 @@ def test_stock_vllm_under_the_same_launchers_is_recorded(pp_jobs, mode):
         ref = _ref(pp_jobs)
         rep = compare_tokens(ref.tokens, rec["tokens"], ref.logprobs)
         verdict = f"ANSWERED: {rep.describe().splitlines()[0]}; counters {rec['metrics']}"
-    print(f"STOCK vLLM 0.34.0, PP=2 DSpark, two launchers on one GPU, {mode} scheduling: {verdict}")
-    for line in rec.get("log_excerpt", [])[:40]:
-        print(f"  stock log: {line}")
+    line = f"STOCK vLLM 0.34.0, PP=2 DSpark, two launchers on one GPU, {mode} scheduling: {verdict}"
+    RECORD.verdict(f"stock[{mode}]", None, line)
+    print(line)
+    for log_line in rec.get("log_excerpt", [])[:40]:
+        print(f"  stock log: {log_line}")
     assert verdict and not verdict.startswith("UNDETERMINED"), (
         f"the stock control reached no verdict: {verdict}; give it a longer start-up deadline "
         "(DSPARK_GPU_PP_STOCK_READY_S)"
@@ -531,7 +642,13 @@ def test_no_run_reaches_the_kit_nccl_stubs(pp_jobs):
             pass
     if DRYRUN_CPU:
         pytest.skip("CPU dry run: no NCCL")
+    if guard.so is None:
+        RECORD.verdict(
+            "nccl_stubs", False, f"the recording NCCL stub was not built: {guard.problem}"
+        )
     assert guard.so is not None, f"the recording NCCL stub was not built: {guard.problem}"
     called = guard.calls()
-    print(f"{len(guard.symbols)} stubbed NCCL symbols; called: {called}")
+    line = f"{len(guard.symbols)} stubbed NCCL symbols; called: {called}"
+    RECORD.verdict("nccl_stubs", not called, line)
+    print(line)
     assert not called, f"stubbed NCCL functions were called: {called}"

@@ -44,7 +44,6 @@ to ``$DSPARK_GPU_TP_PP_OUT`` (run_groups.sh: ``OUTDIR/tp_pp/tp_pp.json``), else
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -53,11 +52,9 @@ import pytest
 from gpu_common import (
     DRYRUN_CPU,
     GRAPH_COMPILATION_CONFIG,
+    GpuRecord,
     Jobs,
-    cuda_status,
-    record_command,
-    record_commit,
-    record_date,
+    job_summary,
     select_jobs,
 )
 from support import tiny_pair
@@ -67,6 +64,7 @@ from test_pp_one_gpu import (
     WAVE_SIZES,
     _guard_and_waves,
     _llm,
+    _result_summary,
     _served,
     _stock,
     _sum,
@@ -103,7 +101,7 @@ REQUEST_TIMEOUT_S = 1200  # how long a test waits for its job (the group's --tim
 
 
 ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
-RECORD: dict = {"verdicts": {}}
+RECORD = GpuRecord("tp_pp.json")
 
 
 def _shape(name: str) -> dict:
@@ -123,61 +121,19 @@ def _shape(name: str) -> dict:
 
 def _verdict(check: str, ok: bool, detail: str) -> None:
     """The check's outcome for the JSON record (set before the test asserts it)."""
-    RECORD["verdicts"][check] = {"ok": bool(ok), "detail": detail[:4000]}
-
-
-def _source_sha256() -> str:
-    """A fingerprint of the code under test (the plugin, the launcher composition, the tests), to
-    match a record with a commit where the GPU machine has no git history."""
-    h = hashlib.sha256()
-    files = sorted((REPO / "vllm_dspark_pp").rglob("*.py"))
-    files += [REPO / "dspark_dev/pp_launch.py", REPO / "tests/gpu/test_pp_one_gpu.py"]
-    files.append(Path(__file__))
-    for f in files:
-        h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+    RECORD.verdict(check, ok, detail)
 
 
 def _job_summary(jobs: Jobs, name: str) -> dict:
-    out: dict = {"shape": _shape(name), "selected": name in ONLY, "elapsed_s": jobs.elapsed(name)}
-    if name not in ONLY:
-        return out
-    try:
-        res = jobs.result(name, timeout=0)
-    except BaseException as exc:  # noqa: BLE001 - recorded
-        out["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-        return out
-    if isinstance(res, dict):
-        out.update({k: v for k, v in res.items() if k not in ("tokens", "after_abort_tokens")})
-        if "per_wave" in res:
-            out["counters"] = _sum(res["per_wave"])
-        if "tokens" in res:
-            out["num_tokens"] = sum(len(t) for t in res["tokens"])
-    else:  # an LLMResult
-        out.update(
-            startup_s=res.startup_s,
-            wall_s=res.wall_s,
-            num_tokens=sum(len(t) for t in res.tokens),
-            counters=res.metrics() if name != "ref" else None,
-        )
-    return out
+    return job_summary(
+        jobs, name, selected=name in ONLY, shape=_shape(name),
+        summarize=lambda res: _result_summary(res, counters=name != "ref"),
+    )  # fmt: skip
 
 
 def _write_record(jobs: Jobs) -> Path:
-    out_dir = Path(
-        os.environ.get("DSPARK_GPU_TP_PP_OUT") or os.environ.get("DSPARK_GPU_ARTIFACTS") or LOG_DIR
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    knobs = {k: v for k, v in os.environ.items() if k.startswith("DSPARK_GPU_")}
-    record = {
-        "test": "tests/gpu/test_tp_pp_one_gpu.py",
+    fields = {
         "issue": 40,
-        "commit": record_commit(REPO),
-        "source_sha256": _source_sha256(),
-        "date": record_date(),
-        "gpu": "CPU dry run" if DRYRUN_CPU else cuda_status()[1],
-        "command": record_command(),
-        "knobs": knobs,
         "layout": pp_launch.layout(),
         "selected_jobs": sorted(ONLY),
         "waves": list(WAVE_SIZES),
@@ -185,11 +141,13 @@ def _write_record(jobs: Jobs) -> Path:
         "spec": tiny_pair.spec_config(),
         "graph_config": GRAPH_COMPILATION_CONFIG,
         "jobs": {name: _job_summary(jobs, name) for name in ALL_JOBS},
-        "verdicts": RECORD["verdicts"],
         "log_dir": str(LOG_DIR),
     }
-    path = out_dir / "tp_pp.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
+    sources = ("dspark_dev/pp_launch.py", "tests/gpu/test_pp_one_gpu.py")
+    path = RECORD.write(
+        REPO, "tests/gpu/test_tp_pp_one_gpu.py", fields,
+        out=os.environ.get("DSPARK_GPU_TP_PP_OUT"), fallback=LOG_DIR, sources=sources,
+    )  # fmt: skip
     print(f"TP x PP record: {path}")
     return path
 
@@ -374,7 +332,7 @@ def test_stock_vllm_tp2_pp2_is_recorded(tp_pp_jobs, name):
         f"STOCK vLLM 0.34.0, TP=2 x PP=2 DSpark, four launchers on one GPU, {shape['scheduling']} "
         f"scheduling, {'graphs' if shape['cuda_graphs'] else 'eager'}: {verdict}"
     )
-    RECORD["verdicts"][f"stock[{name}]"] = {"ok": None, "detail": line[:4000]}
+    RECORD.verdict(f"stock[{name}]", None, line)
     print(line)
     for log_line in rec.get("log_excerpt", [])[:40]:
         print(f"  stock log: {log_line}")

@@ -12,6 +12,9 @@ no GPU has run yet; the default dummy mode (k=4) runs too (19 passed, 12 skipped
 
     PYTHONPATH=... python -m pytest -p support.gpu_fake_engines tests/gpu/test_tp_pp_one_gpu.py
 
+    DSPARK_GPU_PP_JOBS=ref,pp1_async,pp1_sync,pp2_async,pp2_sync,pp3_async,pp3_sync,pp2_fixed8 \
+    PYTHONPATH=... python -m pytest -p support.gpu_fake_engines tests/gpu/test_pp_one_gpu.py
+
     DSPARK_FAKE_MODELS=$PWD/models PYTHONPATH=... python -m pytest -p support.gpu_fake_engines \\
         tests/gpu/test_dsv41_pp.py
 
@@ -43,7 +46,10 @@ stage's launchers), one per decoder launcher (its rank line), the decoder's prom
 source (all but one per prompt over the connector). A fake PP deployment has ``tp * pp``
 launchers whose logs say what real ones do: vLLM's rank line, NCCL communicators of the TP and PP
 sizes over sockets, the handshake and exchange lines (PP > 1), one drafts digest line per
-launcher when the deployment's env sets ``VLLM_DSPARK_PP_DRAFT_DIGEST``; a client abort mid-stream
+launcher when the deployment's env sets ``VLLM_DSPARK_PP_DRAFT_DIGEST``, the last launcher's
+pinned-dispatch lines (counts 1, 10, 100) when its speculative config sets the fixed graph batch
+(``dspark_pp_fixed_graph_batch``; the pp group's stock and ``fault`` jobs are not faked: leave
+them out of ``DSPARK_GPU_PP_JOBS``); a client abort mid-stream
 (test_pp_one_gpu.py ``_abort_mid_stream``) reads 4 chunks and leaves nothing running. The engine
 calls are written as JSON to ``DSPARK_FAKE_CALLS`` (default: none written).
 """
@@ -108,6 +114,7 @@ def pytest_configure(config):
     import support.mla_pairs as mp
     import support.pd_run as pd
     from dspark_dev import multi_gpu, pp_launch
+    from vllm_dspark_pp.protocol import graph_batch
 
     if os.environ.get("DSPARK_FAKE_MODELS"):
         mp.MODELS = Path(os.environ["DSPARK_FAKE_MODELS"])
@@ -185,7 +192,7 @@ def pytest_configure(config):
         }
 
     class Node:
-        def __init__(self, rank=0, tp=1, pp=2, env=None):
+        def __init__(self, rank=0, tp=1, pp=2, env=None, spec=None):
             self.text = ""
             if "rank_silent" not in MUTATIONS or rank < tp * pp - 1:
                 self.text += (
@@ -197,6 +204,13 @@ def pytest_configure(config):
             self.text += "NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
             if pp > 1 and (MUTATION != "pp_one_stage" or rank == 0):
                 self.text += f"PP handshake: {pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
+            if rank == tp * pp - 1 and graph_batch.KEY in (spec or {}):
+                for n in (1, 10, 100):  # the patch logs its count at 1, 10, 100, ...
+                    self.text += (
+                        f"DSpark drafter dispatch pinned to the fixed graph batch of "
+                        f"{spec[graph_batch.KEY]} requests (64 tokens): {n} pinned dispatches "
+                        "so far\n"
+                    )
             if pp > 1 and (env or {}).get("VLLM_DSPARK_PP_DRAFT_DIGEST"):
                 digest = 0x1234ABCD + (rank == tp * pp - 1 and "digest_differs" in MUTATIONS)
                 self.text += (
@@ -213,7 +227,7 @@ def pytest_configure(config):
             self.k = (kw.get("spec") or {}).get("num_speculative_tokens", 0)
             tp, pp = kw.get("tp", 1), kw.get("pp", 2)
             # the served counters follow this deployment's k (dummy mode drafts 4, trained 7)
-            self.nodes = [Node(r, tp, pp, kw.get("env")) for r in range(tp * pp)]
+            self.nodes = [Node(r, tp, pp, kw.get("env"), kw.get("spec")) for r in range(tp * pp)]
             self.url = f"fake://{name}/k{self.k}"
             self.refused = _stock_refuses(target, kw)
             if self.refused:  # the last stage loads the model and raises; its launcher exits

@@ -31,6 +31,10 @@ DSV4K3 = ["tests/gpu/test_dsv4_k3_engine.py", "tests/gpu/test_dsv4_k3_pp.py"]
 PD_PP = ["tests/gpu/test_pd_pp_producer.py"]
 DSV41_PP = ["tests/gpu/test_dsv41_pp.py"]
 TP_PP = ["tests/gpu/test_tp_pp_one_gpu.py"]
+# issue 25's pp group: every job but the stock controls and ``fault`` (not faked)
+PP = ["tests/gpu/test_pp_one_gpu.py"]
+PP_SERVED = ["pp2_async", "pp2_sync", "pp3_async", "pp3_sync", "pp2_fixed8"]
+PP_JOBS = ",".join(["ref", "pp1_async", "pp1_sync", *PP_SERVED])
 # every TP x PP job but the stock control (its fake would wait on a /health that never answers)
 TP_PP_JOBS = ",".join(
     ["ref", "pp1_async", "pp1_sync", "tp2pp2_async", "tp2pp2_sync_eager", "tp2pp2_sync",
@@ -55,6 +59,8 @@ RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
         DSV4K3 + PD_PP,
         {**TRAINED_DSV4, "DSPARK_FAKE_MUTATION": "pos6_zero"},
     ),
+    "pp": (PP, {"DSPARK_GPU_PP_JOBS": PP_JOBS}),
+    "pp-pp2_low": (PP, {"DSPARK_GPU_PP_JOBS": PP_JOBS, "DSPARK_FAKE_MUTATION": "pp2_low"}),
     "tp_pp-default-jobs": (TP_PP, {}),
     "tp_pp-all-but-stock": (TP_PP, {"DSPARK_GPU_TP_PP_JOBS": TP_PP_JOBS}),
     **{
@@ -80,7 +86,8 @@ RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
 #: the knobs a child run must not inherit from this process unless its run sets them
 CHILD_KNOBS = ("DSPARK_DSV4K3_WEIGHTS", "DSPARK_GPU_PD_PP_PAIR", "DSPARK_FAKE_MUTATION",
                "DSPARK_GPU_TP_PP_JOBS", "DSPARK_GPU_PD_PP_JOBS", "DSPARK_GPU_PD_TP_PP_OUT",
-               "DSPARK_GPU_DSV41_PP_OUT", "DSPARK_GPU_TP_PP_OUT", "DSPARK_GPU_PP_LOGS")  # fmt: skip
+               "DSPARK_GPU_DSV41_PP_OUT", "DSPARK_GPU_TP_PP_OUT", "DSPARK_GPU_PP_LOGS",
+               "DSPARK_GPU_PP_JOBS", "DSPARK_GPU_PP_OUT", "DSPARK_GPU_PD_PP_OUT")  # fmt: skip
 OUT_ROOT = Path(tempfile.mkdtemp(prefix="dspark-fake-wiring-"))
 
 
@@ -97,6 +104,8 @@ def _fake_run_now(name: str) -> dict:
         DSPARK_GPU_TP_PP_OUT=str(out),
         DSPARK_GPU_PD_TP_PP_OUT=str(out),
         DSPARK_GPU_DSV41_PP_OUT=str(out),
+        DSPARK_GPU_PP_OUT=str(out),
+        DSPARK_GPU_PD_PP_OUT=str(out),
     )
     child_env.update({k: v for k, v in env.items() if v})
     proc = subprocess.run(
@@ -147,11 +156,38 @@ def _record(got: dict, file: str) -> dict:
     return json.loads((got["out"] / file).read_text())
 
 
-@pytest.mark.parametrize("run", ["dummy", "trained-dsv4", "pd-pp-k3", "pd-pp-dsv41"])
-def test_fake_engines_pass_the_gpu_groups_wiring(fake_runs, run):
+def _pd_pp_checks(pair: str) -> set[str]:
+    """The verdicts of pd_pp.json for a pair's default jobs."""
+    checks = {f"{c}[pd_pp2]" for c in ("proxy", "producer", "kv", "greedy", "acceptance")}
+    checks |= {"nan_control", "nccl_stubs"}
+    if pair != "tiny":  # the subtle control is the trained MLA pairs'
+        checks.add("subtle_control")
+    if pair == "dsv41":  # its PD with a PP=1 producer
+        checks |= {"producer_kv[pd_pp1]", "greedy[pd_pp1]", "acceptance[pd_pp1]"}
+    return checks
+
+
+@pytest.mark.parametrize(
+    "run, pair", [("dummy", "tiny"), ("trained-dsv4", "dsv4"), ("pd-pp-k3", "k3"),
+                  ("pd-pp-dsv41", "dsv41")]
+)  # fmt: skip
+def test_fake_engines_pass_the_gpu_groups_wiring(fake_runs, run, pair):
+    """Every check passes on good counters, and the PD-with-PP-producer jobs' record pd_pp.json
+    holds every check's verdict (all ok), the ``PD acceptance:`` line and the decoder's counters
+    per position."""
     got = fake_runs(run)
     assert got["rc"] == 0 and not got.get("failed") and not got["errors"], got["last"]
     assert got.get("passed", 0) > 0, got["last"]
+    record = _record(got, "pd_pp.json")
+    assert set(record["verdicts"]) == _pd_pp_checks(pair), record["verdicts"]
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    assert record["pair"] == pair and record["commit"] and record["source_sha256"]
+    assert record["verdicts"]["acceptance[pd_pp2]"]["detail"].startswith("PD acceptance: ")
+    pd = record["jobs"]["pd_pp2"]
+    assert pd["shape"]["label"] == "producer TP1xPP2 -> decoder TP1", pd["shape"]
+    assert len(pd["decoder_spec"]["accepted_per_pos"]) == record["k"], pd
+    assert pd["producer_evidence"]["producer_built_drafter"] == [False, True], pd
+    assert record["jobs"]["pd_pp2_control"]["shape"]["producer_draft"] == "nan"
 
 
 @pytest.mark.parametrize("run", ["trained-dsv4-pos6_zero"])
@@ -159,6 +195,44 @@ def test_the_wiring_run_fails_when_a_draft_position_never_accepts(fake_runs, run
     """The control: the fake counters with draft position 6 at 0 must fail the trained checks."""
     got = fake_runs(run)
     assert got["rc"] != 0 and got.get("failed", 0) > 0, got["last"]
+
+
+@pytest.mark.parametrize("run", ["pp"])
+def test_fake_engines_pass_the_pp_group_and_its_record_is_written(fake_runs, run):
+    """Group pp (issue 25): every job but the stock controls and ``fault``; pp.json holds each
+    served job's greedy, acceptance and NCCL verdicts, the pinned dispatch, the abort and the
+    NCCL stubs, all ok, with each job's shape, counters, tokens, ready time and evidence."""
+    got = fake_runs(run)
+    record = _record(got, "pp.json")
+    assert got["rc"] == 0 and not got.get("failed") and not got["errors"], got["last"]
+    checks = {f"{c}[{n}]" for n in PP_SERVED for c in ("greedy", "acceptance", "nccl")}
+    assert checks | {"pinned", "abort", "nccl_stubs"} == set(record["verdicts"])
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    assert record["selected_jobs"] == sorted(PP_JOBS.split(","))
+    assert record["commit"] and record["source_sha256"] and record["date"] and record["command"]
+    jobs = record["jobs"]
+    assert jobs["pp3_sync"]["shape"] == {
+        "pp": 3, "scheduling": "sync", "cuda_graphs": True, "dtype": "float32",
+        "speculation": True, "plugin": True,
+    }  # fmt: skip
+    assert jobs["stock_async"]["shape"]["plugin"] is False and not jobs["stock_async"]["selected"]
+    assert jobs["pp3_async"]["counters"]["num_drafts"] > 0 and jobs["pp3_async"]["num_tokens"]
+    assert jobs["pp3_async"]["ready_s"] is not None
+    assert jobs["pp3_async"]["evidence"]["handshake_sizes"] == [3, 3, 3]
+    assert jobs["pp2_fixed8"]["evidence"]["pinned"] == [1, 10, 100]
+    assert jobs["ref"]["counters"] is None and jobs["pp1_sync"]["counters"]["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("run", ["pp-pp2_low"])
+def test_the_pp_acceptance_verdicts_fail_on_low_acceptance(fake_runs, run):
+    """The control: served counters lower at the last two draft positions fail the acceptance
+    check of every served job, and pp.json records exactly those verdicts as failed."""
+    got = fake_runs(run)
+    record = _record(got, "pp.json")
+    assert got["rc"] != 0 and got.get("failed") == len(PP_SERVED), got["last"]
+    bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert bad == sorted(f"acceptance[{n}]" for n in PP_SERVED), bad
+    assert "PP acceptance: PP=3 pp3_sync" in record["verdicts"]["acceptance[pp3_sync]"]["detail"]
 
 
 @pytest.mark.parametrize("run", ["tp_pp-default-jobs", "tp_pp-all-but-stock"])
@@ -213,6 +287,7 @@ def test_fake_engines_pass_the_pd_tp_pp_jobs_and_their_record_is_written(fake_ru
     assert record["commit"] and record["date"] and record["gpu"] and record["command"]
     assert record["jobs"]["pd_tp2pp2_tp2"]["decoder_spec"]["num_drafts"] > 0
     assert record["selected_jobs"] == sorted(PD_TP_JOBS.split(","))
+    assert not (got["out"] / "pd_pp.json").exists(), "no PP=2 / PP=1 producer job was selected"
 
 
 @pytest.mark.parametrize(
@@ -274,20 +349,26 @@ def test_the_dsv41_pp_checks_fail_on_their_controls(fake_runs, run, bad):
 
 
 @pytest.mark.parametrize(
-    "run, failing",
+    "run, failing, bad",
     [
         ("pd-pp-dsv41-pd_low", ["test_pd_acceptance_equals_aggregated",
-                                "test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated"]),
+                                "test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated"],
+         ["acceptance[pd_pp1]", "acceptance[pd_pp2]"]),
         ("pd-pp-dsv41-kv_recomputed", [
             "test_decoder_pulled_the_prompt_kv_over_mooncake",
-            "test_pp1_producer_pd_is_context_kv_only_and_pulled_over_mooncake"]),
+            "test_pp1_producer_pd_is_context_kv_only_and_pulled_over_mooncake"],
+         ["kv[pd_pp2]", "producer_kv[pd_pp1]"]),
         ("pd-pp-dsv41-subtle_same",
-         ["test_subtly_wrong_producer_draft_drops_the_decoder_acceptance"]),
+         ["test_subtly_wrong_producer_draft_drops_the_decoder_acceptance"], ["subtle_control"]),
     ],
 )  # fmt: skip
-def test_the_pd_pp_dsv41_checks_fail_on_their_controls(fake_runs, run, failing):
+def test_the_pd_pp_dsv41_checks_fail_on_their_controls(fake_runs, run, failing, bad):
     """Group pd_pp_dsv41 (issue 42): its PP=1 producer job runs by default beside the PP=2 ones,
     and lower decoder counters, a decoder that pulled no prompt KV, or a subtle control accepting
-    like the good run fail the PP=2 and the PP=1 producer's checks alike."""
+    like the good run fail the PP=2 and the PP=1 producer's checks alike; pd_pp.json records
+    exactly those verdicts as failed."""
     got = fake_runs(run)
     assert got["rc"] != 0 and got["failed_tests"] == sorted(failing), got["stdout_tail"]
+    record = _record(got, "pd_pp.json")
+    failed = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert failed == sorted(bad), failed

@@ -96,7 +96,10 @@ def test_issue26_groups_start_the_leases_commands(tmp_path):
 
 
 def test_pd_pp_groups_run_the_pp_producer_module_for_their_pair(tmp_path):
-    keys = ("DSPARK_GPU_PD_PP_PAIR", "DSPARK_GPU_ARTIFACTS", "DSPARK_GPU_PD_PP_READY_S")
+    """Each PD-with-PP-producer group: its pair, its artifacts folder, and its record folder
+    OUTDIR/GROUP (made before it starts: test_pd_pp_producer.py writes pd_pp.json there)."""
+    keys = ("DSPARK_GPU_PD_PP_PAIR", "DSPARK_GPU_ARTIFACTS", "DSPARK_GPU_PD_PP_READY_S",
+            "DSPARK_GPU_PD_PP_OUT")  # fmt: skip
     groups = ("pd_pp", "pd_pp_dsv4", "pd_pp_k3", "pd_pp_dsv41")
     proc, calls = _fake_run(tmp_path, *groups, env_keys=keys)
     runs = [c for c in calls if "tests/gpu/test_pd_pp_producer.py" in c]
@@ -107,8 +110,29 @@ def test_pd_pp_groups_run_the_pp_producer_module_for_their_pair(tmp_path):
     assert arts["dsv4"].endswith("/pd_pp_dsv4") and arts["k3"].endswith("/pd_pp_k3"), arts
     assert arts["dsv41"].endswith("/pd_pp_dsv41"), arts
     assert all(e["DSPARK_GPU_PD_PP_READY_S"] == "420" for e in env), env
+    outs = {e["DSPARK_GPU_PD_PP_PAIR"] or "tiny": e["DSPARK_GPU_PD_PP_OUT"] for e in env}
+    group = {"tiny": "pd_pp", "dsv4": "pd_pp_dsv4", "k3": "pd_pp_k3", "dsv41": "pd_pp_dsv41"}
+    assert outs == {p: str(tmp_path / "out" / g) for p, g in group.items()}, outs
+    assert all((tmp_path / "out" / g).is_dir() for g in groups)
     rc = sorted((tmp_path / "out" / "rc.txt").read_text().splitlines())
     assert rc == sorted(f"{g} rc=0" for g in groups), rc
+
+
+def test_pp_group_runs_its_module_with_its_record_folder(tmp_path):
+    """Group pp (issue 25): tests/gpu/test_pp_one_gpu.py with its launcher logs in the artifacts
+    and its record folder OUTDIR/pp (made before it starts: the test writes pp.json there)."""
+    keys = ("DSPARK_GPU_PP_LOGS", "DSPARK_GPU_PP_OUT", "DSPARK_GPU_PP_READY_S",
+            "DSPARK_GPU_PP_STOCK_READY_S")  # fmt: skip
+    proc, calls = _fake_run(tmp_path, "pp", env_keys=keys)
+    runs = [c for c in calls if "tests/gpu/test_pp_one_gpu.py" in c]
+    assert len(runs) == 1, calls
+    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
+    assert env["DSPARK_GPU_PP_LOGS"].endswith("/pp"), env
+    assert env["DSPARK_GPU_PP_OUT"] == str(tmp_path / "out" / "pp"), env
+    assert (env["DSPARK_GPU_PP_READY_S"], env["DSPARK_GPU_PP_STOCK_READY_S"]) == ("340", "420")
+    assert "--timeout=520" in runs[0]
+    assert (tmp_path / "out" / "pp").is_dir()
+    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["pp rc=0"]
 
 
 @pytest.mark.parametrize("ready", [None, "300"], ids=["default-deadline", "knob"])

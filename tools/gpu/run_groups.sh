@@ -7,12 +7,14 @@
 #
 # Groups: pd_mooncake (issue 13: PD over Mooncake, async + sync, with its aggregated references),
 #         dsv4k3 (issue 16: DeepSeek-V4 / Kimi-K3 engines), nixl (issue 18: PD over NIXL),
-#         pp (issue 25: PP=2/3 on one GPU, several ranks through NCCL; tests/gpu/test_pp_one_gpu.py),
+#         pp (issue 25: PP=2/3 on one GPU, several ranks through NCCL; tests/gpu/test_pp_one_gpu.py;
+#         its JSON record in OUTDIR/pp/pp.json, the launchers' logs in artifacts.tgz),
 #         tp_pp (issue 40: TP=2 x PP=2 on one GPU, one launcher per rank; tests/gpu/
 #         test_tp_pp_one_gpu.py; jobs by DSPARK_GPU_TP_PP_JOBS (default ref,pp1_async,tp2pp2_async,
 #         tp2pp2_sync_eager; `all` adds TP=2 alone, PP=2 alone, the other corners and the stock
 #         control); its JSON record in OUTDIR/tp_pp/tp_pp.json, the launchers' logs in artifacts.tgz),
-#         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py),
+#         pd_pp (issue 25: PD with a PP=2 producer on one GPU; tests/gpu/test_pd_pp_producer.py;
+#         its JSON record in OUTDIR/pd_pp/pd_pp.json, as OUTDIR/GROUP/pd_pp.json for the next three),
 #         pd_pp_dsv4 / pd_pp_k3 (issue 26 "also at PP=2": the same PD with a PP=2 producer for the
 #         trained DeepSeek-V4 / Kimi-K3 pair, DSPARK_GPU_PD_PP_PAIR=dsv4|k3, with the subtle
 #         control; a failing run's server logs in artifacts.tgz under the group's name),
@@ -134,8 +136,8 @@ for g in "$@"; do
       run_group "$g" tests/gpu/test_dsv4_k3_engine.py --timeout=$((BUDGET - 20)) &
     ;;
   pp)
-    mkdir -p "$ART/pp" # every launcher's log comes back in artifacts.tgz
-    DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
+    mkdir -p "$ART/pp" "$OUTDIR/pp" # every launcher's log comes back in artifacts.tgz
+    DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_OUT="$OUTDIR/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   tp_pp)
@@ -147,14 +149,16 @@ for g in "$@"; do
       run_group "$g" tests/gpu/test_tp_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   pd_pp)
-    DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
+    mkdir -p "$OUTDIR/pd_pp"
+    DSPARK_GPU_PD_PP_OUT="$OUTDIR/pd_pp" DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
     ;;
   pd_pp_dsv4 | pd_pp_k3 | pd_pp_dsv41)
     # the same module and deadlines as pd_pp, the pair by its knob; its own artifacts folder, so
     # that two PD groups' server logs (same names) do not overwrite each other
-    mkdir -p "$ART/$g"
-    DSPARK_GPU_PD_PP_PAIR=${g#pd_pp_} DSPARK_GPU_ARTIFACTS="$ART/$g" DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
+    mkdir -p "$ART/$g" "$OUTDIR/$g"
+    DSPARK_GPU_PD_PP_PAIR=${g#pd_pp_} DSPARK_GPU_ARTIFACTS="$ART/$g" DSPARK_GPU_PD_PP_OUT="$OUTDIR/$g" \
+      DSPARK_GPU_PD_PP_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
     ;;
   pd_tp_pp)
