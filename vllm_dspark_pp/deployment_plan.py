@@ -47,6 +47,8 @@ class Stage:
     drafts: bool
     relay_out_taps: list[int]  # tap ids carried to the next stage
     relay_bytes_per_token: int  # aux-tap bytes per token sent to the next stage
+    # ... with VLLM_DSPARK_PP_TAP_PARTIALS=auto (one partial row where >= 2 taps would cross)
+    partial_relay_bytes_per_token: int = 0
     global_ranks: list[int] = field(default_factory=list)  # its TP ranks (DP rank 0)
     weight_bytes_per_rank: int | None = None  # target weights one TP rank of it holds
     draft_bytes_per_rank: int | None = None  # the drafter one TP rank holds (this role's)
@@ -102,8 +104,18 @@ def tap_stage(tap_id: int, ranges: list[tuple[int, int]]) -> int:
 
 
 def build_plan_stages(
-    num_layers: int, pp_size: int, tap_ids: list[int], hidden_size: int, dtype_bytes: int
+    num_layers: int,
+    pp_size: int,
+    tap_ids: list[int],
+    hidden_size: int,
+    dtype_bytes: int,
+    partial_width: int | None = None,
 ) -> list[Stage]:
+    """The stages of an even layer split, the taps each makes and the aux bytes per token each
+    sends on: raw taps (vLLM's relay) and, where ``VLLM_DSPARK_PP_TAP_PARTIALS=auto`` would switch
+    the relay on (some boundary carrying two or more taps), one partial row of ``partial_width``
+    (the drafter's hidden size; default the target's) at every boundary that carries a tap."""
+    partial_row = (partial_width or hidden_size) * dtype_bytes
     ranges = pp_layer_ranges(num_layers, pp_size)
     produced: dict[int, list[int]] = {r: [] for r in range(pp_size)}
     for tap in tap_ids:
@@ -122,8 +134,12 @@ def build_plan_stages(
                 drafts=last,
                 relay_out_taps=out,
                 relay_bytes_per_token=len(out) * hidden_size * dtype_bytes,
+                partial_relay_bytes_per_token=partial_row if out else 0,
             )
         )
+    if max((len(st.relay_out_taps) for st in stages), default=0) < 2:  # auto leaves it off
+        for st in stages:
+            st.partial_relay_bytes_per_token = st.relay_bytes_per_token
     return stages
 
 
@@ -379,8 +395,11 @@ def describe(
         draft_pc = getattr(spec, "draft_parallel_config", None)
         draft_pp = draft_pc.pipeline_parallel_size if draft_pc is not None else None
     dtype_bytes = mc.dtype.itemsize if hasattr(mc.dtype, "itemsize") else 2
+    draft_hidden = None
+    if spec is not None and spec.draft_model_config is not None:
+        draft_hidden = spec.draft_model_config.get_hidden_size()
     stages = build_plan_stages(
-        n_layers, pc.pipeline_parallel_size, taps, mc.get_hidden_size(), dtype_bytes
+        n_layers, pc.pipeline_parallel_size, taps, mc.get_hidden_size(), dtype_bytes, draft_hidden
     )
     tp = pc.tensor_parallel_size
     for stage, ranks in zip(stages, stage_global_ranks(pc.pipeline_parallel_size, tp), strict=True):
@@ -579,9 +598,16 @@ def format_plan(plan: Plan) -> str:
             if st.relay_out_taps
             else "-"
         )
+        if st.partial_relay_bytes_per_token != st.relay_bytes_per_token:
+            relay += f" ({st.partial_relay_bytes_per_token} as a tap partial)"
         lines.append(
             f"{st.rank:>5}  [{st.layers[0]:>3}, {st.layers[1]:>3})    "
             f"{str(st.aux_taps):<13}  {'yes' if st.drafts and plan.method else 'no':<6}  {relay}"
+        )
+    if any(st.partial_relay_bytes_per_token != st.relay_bytes_per_token for st in plan.stages):
+        lines.append(
+            "            tap partial: VLLM_DSPARK_PP_TAP_PARTIALS=auto (opt-in) sends one partial "
+            "sum of the drafter's first linear instead of the taps (docs/performance-bound.md)"
         )
     lines.append("")
     lines += _per_rank_lines(plan)

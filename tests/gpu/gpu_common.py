@@ -195,6 +195,29 @@ class GpuRecord:
         return path
 
 
+def llm_result_summary(res) -> dict:
+    """What a record keeps of an ``LLMResult`` (a PP=1 reference run)."""
+    return {
+        "startup_s": res.startup_s,
+        "num_tokens": sum(len(t) for t in res.tokens),
+        "counters": res.metrics(),
+    }
+
+
+def recorded_result(jobs: Jobs, name: str, into: dict, summarize, timeout: float = 1200):
+    """``jobs.result(name)``, with what it gave (``summarize(result)``) or the failure it raised
+    kept in ``into[name]`` for the record; a skipped job's skip goes on unrecorded."""
+    try:
+        res = jobs.result(name, timeout=timeout)
+    except pytest.skip.Exception:
+        raise
+    except Exception as e:
+        into[name] = {"error": f"{type(e).__name__}: {e}"[:4000]}
+        raise
+    into.setdefault(name, summarize(res))
+    return res
+
+
 def job_summary(jobs: Jobs, name: str, *, selected: bool, summarize, shape=None) -> dict:
     """One job's part of a record: its shape, whether it was selected, how long it ran, and what
     ``summarize(result)`` keeps of its result (else why it has none: skipped, or the error it

@@ -53,9 +53,11 @@ from gpu_common import (
     GRAPH_COMPILATION_CONFIG,
     Jobs,
     cuda_status,
+    llm_result_summary,
     record_command,
     record_commit,
     record_date,
+    recorded_result,
     require_cuda,
     select_jobs,
 )
@@ -183,24 +185,12 @@ def _job_summary(res) -> dict:
         if "per_wave" in res:
             out["counters"] = _sum(res["per_wave"])
         return out
-    return {  # an LLMResult (the PP=1 references)
-        "startup_s": res.startup_s,
-        "num_tokens": sum(len(t) for t in res.tokens),
-        "counters": res.metrics(),
-    }
+    return llm_result_summary(res)  # an LLMResult (the PP=1 references)
 
 
 def _job(jobs: Jobs, name: str):
     """``jobs.result(name)``, what it gave (or its failure) kept for the record."""
-    try:
-        res = jobs.result(name, timeout=1200)
-    except pytest.skip.Exception:
-        raise
-    except Exception as e:
-        RECORD["jobs"][name] = {"error": f"{type(e).__name__}: {e}"[:4000]}
-        raise
-    RECORD["jobs"].setdefault(name, _job_summary(res))
-    return res
+    return recorded_result(jobs, name, RECORD["jobs"], _job_summary)
 
 
 def _verdict(check: str, ok: bool, detail: str) -> None:

@@ -52,10 +52,12 @@ from gpu_common import (
     GRAPH_COMPILATION_CONFIG,
     Jobs,
     cuda_status,
+    llm_result_summary,
     make_prompts,
     record_command,
     record_commit,
     record_date,
+    recorded_result,
     require_cuda,
 )
 from support import mla_pairs
@@ -101,24 +103,12 @@ def _job_summary(res) -> dict:
         out["counters"] = _sum(res["per_wave"]) if "per_wave" in res else None
         out["probe"] = res.get("probe", [])[:24]
         return out
-    return {  # an LLMResult (the PP=1 references)
-        "startup_s": res.startup_s,
-        "num_tokens": sum(len(t) for t in res.tokens),
-        "counters": res.metrics(),
-    }
+    return llm_result_summary(res)  # an LLMResult (the PP=1 references)
 
 
 def _job(jobs: Jobs, name: str):
-    """``jobs.result(name)``, with what it gave (or its failure) kept for the record."""
-    try:
-        res = jobs.result(name, timeout=1200)
-    except pytest.skip.Exception:
-        raise
-    except Exception as e:
-        RECORD["jobs"][name] = {"error": f"{type(e).__name__}: {e}"[:4000]}
-        raise
-    RECORD["jobs"].setdefault(name, _job_summary(res))
-    return res
+    """``jobs.result(name)``, what it gave (or its failure) kept for the record."""
+    return recorded_result(jobs, name, RECORD["jobs"], _job_summary)
 
 
 def _verdict(check: str, ok: bool, detail: str) -> None:

@@ -169,6 +169,21 @@ def test_relay_carries_earlier_taps_through_every_later_boundary():
     stages = build_plan_stages(6, 3, [2, 4, 6], hidden_size=8, dtype_bytes=2)
     assert [s.relay_out_taps for s in stages] == [[2], [2, 4], []]
     assert [s.relay_bytes_per_token for s in stages] == [16, 32, 0]
+    # VLLM_DSPARK_PP_TAP_PARTIALS=auto (boundary 1->2 carries two taps): one row per boundary
+    assert [s.partial_relay_bytes_per_token for s in stages] == [16, 16, 0]
+
+
+def test_tap_partials_are_shown_only_where_auto_would_switch_them_on():
+    """One tap per boundary: ``auto`` keeps raw taps, so the plan shows no partial figure (the
+    control of the line above); three taps on stage 0 of a PP=2 Qwen3-8B-like target: 3 rows
+    become one row of the drafter's width."""
+    one_each = build_plan_stages(6, 2, [2, 6], hidden_size=8, dtype_bytes=2)
+    assert [s.partial_relay_bytes_per_token for s in one_each] == [16, 0]
+    three = build_plan_stages(36, 2, [2, 10, 17, 27], hidden_size=4096, dtype_bytes=2)
+    assert three[0].relay_out_taps == [2, 10, 17] and three[0].relay_bytes_per_token == 3 * 8192
+    assert three[0].partial_relay_bytes_per_token == 8192
+    wide = build_plan_stages(36, 2, [2, 10], 4096, 2, partial_width=2048)
+    assert wide[0].partial_relay_bytes_per_token == 4096
 
 
 def test_plan_shows_context_only_draft_bytes_for_a_mooncake_producer(plans):
