@@ -64,7 +64,9 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   benchmarks/dspark_bench_hooks.py, benchmarks/adaptive_bench.py).
   Their groups: ``adaptive_pp1`` = pp1_dspark + pp1_dspark_adaptive, ``adaptive_pp2`` =
   pp2_dspark + pp2_dspark_adaptive (two: four DSpark deployments' CUDA-graph starts and sweeps
-  do not fit one GPU command).
+  do not fit one GPU command), ``adaptive_lag`` = pp2_dspark + ``pp2_dspark_adaptive_lag0``
+  (``VLLM_DSPARK_PP_ADAPTIVE_LAG=0`` on its launchers only: the counts decided in the round they
+  are applied, as before 2026-12-05) + pp2_dspark_adaptive (lag 1, the default).
 * ``pp1_dspark_k1`` .. ``pp1_dspark_k7`` / ``pp2_dspark_k1`` .. ``pp2_dspark_k7``: DSpark with
   that many draft tokens (the others draft ``-k``). Groups ``ksweep_pp1`` / ``ksweep_pp2``: the
   seven fixed k and the adaptive deployment of that PP size (issue 44 item 5: adaptive against
@@ -197,6 +199,7 @@ class Config:
     adaptive: bool = False  # enable_adaptive_verification (benchmarks/adaptive_bench.py)
     connector: str = "mooncake"  # a PD deployment's KV connector (pd_launch.CONNECTORS)
     k: int | None = None  # num_speculative_tokens of this configuration (None: the driver's -k)
+    env: tuple[tuple[str, str], ...] = ()  # launcher variables of this configuration only
 
 
 #: The fixed-k configurations of the k sweep (issue 44 item 5): ``pp{P}_dspark_k{J}``.
@@ -214,6 +217,14 @@ CONFIGS = {
         Config("pp2_dspark_stock", 2, True, plugin=False),
         Config("pp1_dspark_adaptive", 1, True, adaptive=True),
         Config("pp2_dspark_adaptive", 2, True, adaptive=True),
+        # the counts of the verify step decided in the same round (lag 0, before 2026-12-05)
+        Config(
+            "pp2_dspark_adaptive_lag0",
+            2,
+            True,
+            adaptive=True,
+            env=(("VLLM_DSPARK_PP_ADAPTIVE_LAG", "0"),),
+        ),  # fmt: skip
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
@@ -227,6 +238,8 @@ GROUPS = {
     # with vs without adaptive verification; one GPU command each (CUDA-graph starts)
     "adaptive_pp1": ("pp1_dspark", "pp1_dspark_adaptive"),
     "adaptive_pp2": ("pp2_dspark", "pp2_dspark_adaptive"),
+    # adaptive with the counts decided one round early (lag 1, the default) and in the same round
+    "adaptive_lag": ("pp2_dspark", "pp2_dspark_adaptive_lag0", "pp2_dspark_adaptive"),
     # adaptive verification against every fixed k (1..7) in one interleaved call; its summary
     # names the best fixed k of each point (best_fixed_summary)
     "ksweep_pp1": (*(f"pp1_dspark_k{j}" for j in SWEEP_KS), "pp1_dspark_adaptive"),
@@ -647,6 +660,7 @@ def server_env(cfg: Config, *, hook_root: str, cpu: bool, extra: dict | None = N
         env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
     env.update(adaptive_env(cfg.adaptive, cfg.pp))
     env.update(extra or {})
+    env.update(dict(cfg.env))  # the configuration's own, over the driver's --env
     return env
 
 

@@ -406,3 +406,25 @@ def test_gpu_record_reads_the_figures_from_the_pytest_log_and_the_launchers_logs
     assert adaptive.main(["gpu-record", str(pytest_log), str(logs), "--test-file",
                           str(test_file), "--json", str(tmp_path / "r.json")]) == 0  # fmt: skip
     assert json.loads((tmp_path / "r.json").read_text())["k"] == 7
+
+
+def test_the_lag_group_sets_lag_0_on_its_own_launchers_only():
+    """``adaptive_lag``: the same PP=2 adaptive deployment with the counts decided in the round
+    they apply (lag 0) beside the default (lag 1) and fixed k, in one interleaved call; the
+    variable reaches the lag-0 launchers and no other, even over a driver-wide ``--env``."""
+    from benchmarks import serve_pp_one_gpu as d
+
+    assert d.GROUPS["adaptive_lag"] == (
+        "pp2_dspark",
+        "pp2_dspark_adaptive_lag0",
+        "pp2_dspark_adaptive",
+    )
+    knob = "VLLM_DSPARK_PP_ADAPTIVE_LAG"
+    extra = {knob: "1"}
+    envs = {
+        n: d.server_env(d.CONFIGS[n], hook_root="h", cpu=True, extra=extra)
+        for n in d.GROUPS["adaptive_lag"]
+    }
+    assert envs["pp2_dspark_adaptive_lag0"][knob] == "0"
+    assert envs["pp2_dspark_adaptive"][knob] == "1" and envs["pp2_dspark"][knob] == "1"
+    assert d.server_env(d.CONFIGS["pp2_dspark_adaptive"], hook_root="h", cpu=True).get(knob) is None
