@@ -81,6 +81,13 @@ def _logs(*nodes) -> str:
     return "\n".join(f"--- {n.name} log tail ---\n{n.log_tail(3000)}" for n in nodes)
 
 
+@pytest.mark.e2e_full(
+    covered_by="test_four_launchers_tp2_pp2_dspark_parity (the same launchers, --nnodes with one "
+    "rank each and headless nodes, at TP=2 x PP=2: tokens equal PP=1 no-spec, counters equal PP=1 "
+    "DSpark's and so TP=1 PP=2's, the handshake and the exchange on every rank) and "
+    "test_node_without_plugin_fails_at_start_naming_the_rank (two launchers, PP=2, the "
+    "handshake across them)"
+)
 def test_two_launchers_pp2_dspark_parity(tmp_path, pair_reference, pair_pp1):
     with two_nodes(tmp_path) as (node0, node1):
         try:
@@ -205,8 +212,8 @@ def test_node_without_plugin_fails_at_start_naming_the_rank(tmp_path):
 @pytest.mark.e2e_full(
     covered_by="tests/unit/protocol/test_protocol_handshake.py::"
     "test_mismatched_k_fails_every_rank (the handshake's k check and message, 3 gloo ranks); "
-    "the handshake across two launchers: test_two_launchers_pp2_dspark_parity and "
-    "test_node_without_plugin_fails_at_start_naming_the_rank"
+    "the handshake across launchers: test_node_without_plugin_fails_at_start_naming_the_rank "
+    "(two launchers) and test_four_launchers_tp2_pp2_dspark_parity (four)"
 )
 def test_nodes_disagreeing_on_k_fail_at_start(tmp_path):
     spec1 = dict(tiny_pair.spec_config(), num_speculative_tokens=5)
