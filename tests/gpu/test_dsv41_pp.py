@@ -51,12 +51,9 @@ from pathlib import Path
 import pytest
 from gpu_common import (
     GRAPH_COMPILATION_CONFIG,
+    GpuRecord,
     Jobs,
-    cuda_status,
     llm_result_summary,
-    record_command,
-    record_commit,
-    record_date,
     recorded_result,
     require_cuda,
     select_jobs,
@@ -98,8 +95,8 @@ LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="
 REPO = Path(__file__).resolve().parents[2]
 #: the run's JSON record, written when the module's jobs shut down: every job that ran, what it
 #: gave or how it failed, and every check's verdict (docs/results pages quote this file)
-RECORD: dict = {"jobs": {}, "verdicts": {}}
-RECORD_ENV = "DSPARK_GPU_DSV41_PP_OUT"  # run_groups.sh: OUTDIR/dsv41_pp
+RECORD: dict = {"jobs": {}}
+VERDICTS = GpuRecord("dsv41_pp.json")  # every check's verdict, set before it asserts
 
 
 def _sum(per_wave: list[dict]) -> dict:
@@ -195,31 +192,26 @@ def _job(jobs: Jobs, name: str):
 
 def _verdict(check: str, ok: bool, detail: str) -> None:
     """A check's outcome for the record (set before the test asserts it)."""
-    RECORD["verdicts"][check] = {"ok": bool(ok), "detail": detail[:4000]}
+    VERDICTS.verdict(check, ok, detail)
 
 
 def _write_record() -> Path:
-    out_dir = Path(os.environ.get(RECORD_ENV) or os.environ.get("DSPARK_GPU_ARTIFACTS") or LOG_DIR)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "test": "tests/gpu/test_dsv41_pp.py",
-        "issue": 42,
-        "commit": record_commit(REPO),
-        "date": record_date(),
-        "gpu": cuda_status()[1],
-        "command": record_command(),
-        "pair": "models/dsv41-pair/dsv41",
-        "k": K,
-        "max_tokens": MAX_TOKENS,
-        "base_args": BASE_ARGS,
-        "layout": pp_launch.layout(),
-        "selected_jobs": sorted(ONLY),
-        **RECORD,
-    }
-    path = out_dir / "dsv41_pp.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
-    print(f"DSV4.1 PP record: {path}")
-    return path
+    return VERDICTS.write(
+        REPO,
+        "tests/gpu/test_dsv41_pp.py",
+        {
+            "issue": 42,
+            "pair": "models/dsv41-pair/dsv41",
+            "k": K,
+            "max_tokens": MAX_TOKENS,
+            "base_args": BASE_ARGS,
+            "layout": pp_launch.layout(),
+            "selected_jobs": sorted(ONLY),
+            "jobs": RECORD["jobs"],
+        },
+        out=os.environ.get("DSPARK_GPU_DSV41_PP_OUT"),  # run_groups.sh: OUTDIR/<group>
+        fallback=LOG_DIR,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -50,13 +50,10 @@ from pathlib import Path
 import pytest
 from gpu_common import (
     GRAPH_COMPILATION_CONFIG,
+    GpuRecord,
     Jobs,
-    cuda_status,
     llm_result_summary,
     make_prompts,
-    record_command,
-    record_commit,
-    record_date,
     recorded_result,
     require_cuda,
 )
@@ -92,8 +89,8 @@ K3_PROBE_DIR = Path(__file__).resolve().parents[1] / "support" / "k3_probe"
 REPO = Path(__file__).resolve().parents[2]
 #: the run's JSON record (written when the module's jobs shut down): every job that ran, what it
 #: gave or how it failed, and every check's verdict, so docs/results pages quote this file
-RECORD: dict = {"jobs": {}, "verdicts": {}}
-RECORD_ENV = "DSPARK_GPU_DSV4K3_PP_OUT"  # run_groups.sh: OUTDIR/dsv4k3_pp
+RECORD: dict = {"jobs": {}}
+VERDICTS = GpuRecord("dsv4k3_pp.json")  # every check's verdict, set before it asserts
 
 
 def _job_summary(res) -> dict:
@@ -113,28 +110,23 @@ def _job(jobs: Jobs, name: str):
 
 def _verdict(check: str, ok: bool, detail: str) -> None:
     """A check's outcome for the record (set before the test asserts it)."""
-    RECORD["verdicts"][check] = {"ok": bool(ok), "detail": detail[:4000]}
+    VERDICTS.verdict(check, ok, detail)
 
 
 def _write_record() -> Path:
-    out_dir = Path(os.environ.get(RECORD_ENV) or os.environ.get("DSPARK_GPU_ARTIFACTS") or LOG_DIR)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "test": "tests/gpu/test_dsv4_k3_pp.py",
-        "commit": record_commit(REPO),
-        "date": record_date(),
-        "gpu": cuda_status()[1],
-        "command": record_command(),
-        "weights": WEIGHTS,
-        "k": K,
-        "selected_jobs": os.environ.get("DSPARK_DSV4K3_PP_JOBS", ""),
-        "skipped_patches": os.environ.get("VLLM_DSPARK_PP_SKIP_PATCHES", ""),
-        **RECORD,
-    }
-    path = out_dir / "dsv4k3_pp.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
-    print(f"DSV4/K3 PP record: {path}")
-    return path
+    return VERDICTS.write(
+        REPO,
+        "tests/gpu/test_dsv4_k3_pp.py",
+        {
+            "weights": WEIGHTS,
+            "k": K,
+            "selected_jobs": os.environ.get("DSPARK_DSV4K3_PP_JOBS", ""),
+            "skipped_patches": os.environ.get("VLLM_DSPARK_PP_SKIP_PATCHES", ""),
+            "jobs": RECORD["jobs"],
+        },
+        out=os.environ.get("DSPARK_GPU_DSV4K3_PP_OUT"),  # run_groups.sh: OUTDIR/<group>
+        fallback=LOG_DIR,
+    )
 
 
 # Diagnosis variants of the Kimi-K3 PP=2 failure (2026-12-03), each PP=2 DSpark eager with one
