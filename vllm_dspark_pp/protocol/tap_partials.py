@@ -333,16 +333,17 @@ def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | Non
         return None
     plan, why, where = plan_for(vllm_config, inner)
     dtype = vllm_config.model_config.dtype
-    row = {"tap": int(inner.config.hidden_size) * dtype_bytes(dtype)}
     if plan is None:
         if getattr(inner, "aux_hidden_state_layers", ()):
-            upstream = _upstream_of(vllm_config, inner)
-            _logger().info(
-                "DSpark tap partials off (%s): aux rows per boundary %s",
-                why,
-                describe_boundaries(upstream, False, row) if upstream else "none",
-            )
+            try:  # the start-up line only: nothing about it may stop a raw-tap start
+                row = {"tap": int(inner.config.hidden_size) * dtype_bytes(dtype)}
+                upstream = _upstream_of(vllm_config, inner)
+                rows = describe_boundaries(upstream, False, row) if upstream else "none"
+            except Exception as e:  # noqa: BLE001
+                rows = f"unknown ({type(e).__name__}: {e})"
+            _logger().info("DSpark tap partials off (%s): aux rows per boundary %s", why, rows)
         return None
+    row = {"tap": int(inner.config.hidden_size) * dtype_bytes(dtype)}
     row["partial"] = plan.partial_width * dtype_bytes(dtype)
     object.__setattr__(inner, PLAN_ATTR, plan)
     object.__setattr__(inner, SOURCE_ATTR, where)
@@ -446,10 +447,15 @@ def relay(handler: Any, received: Any, out: Any) -> Any:
 
 def log_sent_keys(out: Any) -> None:
     """One line: the keys this stage sends to the next and their bytes per token row."""
-    keys = ", ".join(
-        f"{k} {t.shape[-1] * t.element_size() if t.dim() else 0} B"
-        for k, t in sorted(out.tensors.items())
-    )
+    try:  # a log line: nothing about it may stop a step
+        keys = ", ".join(
+            f"{k} {t.shape[-1] * t.element_size() if t.dim() else 0} B"
+            if isinstance(t, torch.Tensor)
+            else f"{k} ({type(t).__name__})"
+            for k, t in sorted(getattr(out, "tensors", {}).items())
+        )
+    except Exception as e:  # noqa: BLE001
+        keys = f"unknown ({type(e).__name__}: {e})"
     _logger().info("DSpark PP stage %s sends per token row: %s", _rank(), keys)
 
 

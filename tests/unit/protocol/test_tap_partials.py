@@ -318,3 +318,32 @@ def test_last_stage_refuses_a_drafter_linear_it_cannot_split(make, why):
         tp.install_on_drafter(speculator, target)
     assert "VLLM_DSPARK_PP_TAP_PARTIALS=0" in str(err.value)
     assert not isinstance(drafter.fc, tp.PartialSumLinear)
+
+
+def test_with_raw_taps_the_start_up_and_step_lines_never_stop_the_engine(monkeypatch, caplog):
+    """The mode off (the default): what only feeds the log lines (a decoder config without the
+    fields the boundary description reads, an intermediate value that is not a tensor) is
+    logged as unknown instead of raising at start-up or at the first relay; before this, both
+    raised (AttributeError) on such a model."""
+    import types
+
+    import torch
+
+    from vllm_dspark_pp.protocol import tap_partials as tp
+
+    inner = types.SimpleNamespace(aux_hidden_state_layers=(1, 3), config=types.SimpleNamespace())
+    monkeypatch.setattr(tp, "_inner_decoder", lambda model: inner)
+    monkeypatch.setattr(
+        tp, "plan_for", lambda cfg, inner: (None, "VLLM_DSPARK_PP_TAP_PARTIALS=0", None)
+    )
+    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16))
+    lines = []
+    monkeypatch.setattr(
+        tp, "_logger", lambda: types.SimpleNamespace(info=lambda f, *a: lines.append(f % a))
+    )
+    assert tp.configure_stage(object(), object(), cfg) is None
+    assert lines and "DSpark tap partials off (VLLM_DSPARK_PP_TAP_PARTIALS=0)" in lines[-1]
+    assert "unknown (AttributeError" in lines[-1]
+    out = types.SimpleNamespace(tensors={"hidden_states": torch.zeros(2, 4), "meta": [1, 2]})
+    tp.log_sent_keys(out)
+    assert "hidden_states 16 B" in lines[-1] and "meta (list)" in lines[-1]
