@@ -23,8 +23,12 @@ SEEDS = PLAIN_SEEDS + ADAPTIVE_SEEDS
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_ranks_receive_exactly_what_the_last_rank_sent(world):
+def test_gloo_ranks_receive_exactly_what_the_last_rank_sent(world, monkeypatch):
+    """... and, with ``VLLM_DSPARK_PP_DRAFT_DIGEST`` on, every rank ends each case with the same
+    draft-post count and digest (protocol/draft_digest.py; the comparison's control:
+    tests/unit/protocol/test_draft_digest.py)."""
     assert len(ADAPTIVE_SEEDS) == 8
+    monkeypatch.setenv("VLLM_DSPARK_PP_DRAFT_DIGEST", "1")  # inherited by the spawned ranks
     results = run_processes(exchange_worker, world, lambda r: (SEEDS, None), timeout_s=260)
     assert sorted(results) == list(range(world)), f"ranks missing: {results}"
     for r, res in results.items():
@@ -32,6 +36,9 @@ def test_gloo_ranks_receive_exactly_what_the_last_rank_sent(world):
         assert res["problems"] == [], f"rank {r}: {res['problems'][:5]}"
         assert res["steps"] == 24 * len(SEEDS)
         assert res["verify_steps"] > 50, "too few adaptive verify steps to mean anything"
+    digests = {r: res.get("digests", []) for r, res in results.items()}
+    assert len(digests[0]) >= 8, digests  # the cases with drafts (k > 0)
+    assert all(d == digests[0] for d in digests.values()), digests
     logs = {r: res["log"] for r, res in results.items()}
     compare_sequences(logs)
     assert len(logs[0]) > 100, "too few collectives to mean anything"
