@@ -26,7 +26,8 @@ header), so all stages agree without a message; the start-up handshake compares 
 stage before the last reads its column block of ``W`` from the draft checkpoint
 (:func:`load_column_block`); the last stage slices its own block from the loaded drafter.
 Modes (``VLLM_DSPARK_PP_TAP_PARTIALS``): ``auto`` where some boundary would carry two or more
-tap rows, ``1`` wherever a tap is relayed, ``0`` never.
+tap rows, ``1`` wherever a tap is relayed, ``0`` never (the default until the mode has run on a
+GPU: CUDA graphs, bf16 and TP > 1 inside a stage are untested).
 """
 
 from __future__ import annotations
