@@ -118,21 +118,29 @@ def test_pd_pp_groups_run_the_pp_producer_module_for_their_pair(tmp_path):
     assert rc == sorted(f"{g} rc=0" for g in groups), rc
 
 
+def _one_module_group(tmp_path, group: str, module: str, out_knob: str) -> tuple[list, dict]:
+    """Runs ``group`` (faked) and checks what every one-module PP group shares: its module runs
+    once, its launcher logs go to the artifacts' ``group`` folder, its record folder
+    OUTDIR/``group`` exists before it starts, and the group's rc line; returns the module's
+    command line and environment."""
+    keys = ("DSPARK_GPU_PP_LOGS", out_knob, "DSPARK_GPU_PP_READY_S", "DSPARK_GPU_PP_STOCK_READY_S")
+    proc, calls = _fake_run(tmp_path, group, env_keys=keys)
+    runs = [c for c in calls if module in c]
+    assert len(runs) == 1, calls
+    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
+    assert env["DSPARK_GPU_PP_LOGS"].endswith(f"/{group}"), env
+    assert env[out_knob] == str(tmp_path / "out" / group), env
+    assert "--timeout=520" in runs[0]
+    assert (tmp_path / "out" / group).is_dir()
+    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == [f"{group} rc=0"]
+    return runs[0], env
+
+
 def test_pp_group_runs_its_module_with_its_record_folder(tmp_path):
     """Group pp (issue 25): tests/gpu/test_pp_one_gpu.py with its launcher logs in the artifacts
     and its record folder OUTDIR/pp (made before it starts: the test writes pp.json there)."""
-    keys = ("DSPARK_GPU_PP_LOGS", "DSPARK_GPU_PP_OUT", "DSPARK_GPU_PP_READY_S",
-            "DSPARK_GPU_PP_STOCK_READY_S")  # fmt: skip
-    proc, calls = _fake_run(tmp_path, "pp", env_keys=keys)
-    runs = [c for c in calls if "tests/gpu/test_pp_one_gpu.py" in c]
-    assert len(runs) == 1, calls
-    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
-    assert env["DSPARK_GPU_PP_LOGS"].endswith("/pp"), env
-    assert env["DSPARK_GPU_PP_OUT"] == str(tmp_path / "out" / "pp"), env
+    _, env = _one_module_group(tmp_path, "pp", "tests/gpu/test_pp_one_gpu.py", "DSPARK_GPU_PP_OUT")
     assert (env["DSPARK_GPU_PP_READY_S"], env["DSPARK_GPU_PP_STOCK_READY_S"]) == ("340", "420")
-    assert "--timeout=520" in runs[0]
-    assert (tmp_path / "out" / "pp").is_dir()
-    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["pp rc=0"]
 
 
 @pytest.mark.parametrize("ready", [None, "300"], ids=["default-deadline", "knob"])
@@ -142,22 +150,15 @@ def test_dsv41_pp_group_runs_its_module_with_its_deadlines_and_record_folder(
     """Group dsv41_pp (issue 42): tests/gpu/test_dsv41_pp.py with its launcher logs in the
     artifacts, its record folder OUTDIR/dsv41_pp (made before it starts), the plugin's and the
     stock control's start-up deadlines BUDGET - 200 unless DSPARK_GPU_DSV41_PP_READY_S says."""
-    keys = ("DSPARK_GPU_PP_LOGS", "DSPARK_GPU_DSV41_PP_OUT", "DSPARK_GPU_PP_READY_S",
-            "DSPARK_GPU_PP_STOCK_READY_S")  # fmt: skip
     monkeypatch.delenv("DSPARK_GPU_DSV41_PP_READY_S", raising=False)
     if ready is not None:
         monkeypatch.setenv("DSPARK_GPU_DSV41_PP_READY_S", ready)
-    proc, calls = _fake_run(tmp_path, "dsv41_pp", env_keys=keys)
-    runs = [c for c in calls if "tests/gpu/test_dsv41_pp.py" in c]
-    assert len(runs) == 1, calls
-    assert runs[0][:2] == ["-m", "pytest"] and "--timeout=520" in runs[0], runs[0]
-    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
-    assert env["DSPARK_GPU_PP_LOGS"].endswith("/dsv41_pp"), env
-    assert env["DSPARK_GPU_DSV41_PP_OUT"] == str(tmp_path / "out" / "dsv41_pp"), env
+    run, env = _one_module_group(
+        tmp_path, "dsv41_pp", "tests/gpu/test_dsv41_pp.py", "DSPARK_GPU_DSV41_PP_OUT"
+    )
+    assert run[:2] == ["-m", "pytest"], run
     want = ready or "340"
     assert (env["DSPARK_GPU_PP_READY_S"], env["DSPARK_GPU_PP_STOCK_READY_S"]) == (want, want)
-    assert (tmp_path / "out" / "dsv41_pp").is_dir()
-    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["dsv41_pp rc=0"]
 
 
 def test_gsm8k_dsv41_group_runs_the_three_v41_configs(tmp_path):
@@ -176,19 +177,11 @@ def test_gsm8k_dsv41_group_runs_the_three_v41_configs(tmp_path):
 
 
 def test_tp_pp_group_runs_its_module_with_its_deadlines_and_record_folder(tmp_path):
-    keys = ("DSPARK_GPU_PP_LOGS", "DSPARK_GPU_TP_PP_OUT", "DSPARK_GPU_PP_READY_S",
-            "DSPARK_GPU_PP_STOCK_READY_S")  # fmt: skip
-    proc, calls = _fake_run(tmp_path, "tp_pp", env_keys=keys)
-    runs = [c for c in calls if "tests/gpu/test_tp_pp_one_gpu.py" in c]
-    assert len(runs) == 1, calls
-    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
-    assert env["DSPARK_GPU_PP_LOGS"].endswith("/tp_pp"), env
-    assert env["DSPARK_GPU_TP_PP_OUT"] == str(tmp_path / "out" / "tp_pp"), env
+    _, env = _one_module_group(
+        tmp_path, "tp_pp", "tests/gpu/test_tp_pp_one_gpu.py", "DSPARK_GPU_TP_PP_OUT"
+    )
     # start-up deadlines inside the budget, with room to serve and stop after them
     assert (env["DSPARK_GPU_PP_READY_S"], env["DSPARK_GPU_PP_STOCK_READY_S"]) == ("370", "390")
-    assert "--timeout=520" in runs[0]
-    assert (tmp_path / "out" / "tp_pp").is_dir()
-    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["tp_pp rc=0"]
 
 
 def test_pd_tp_pp_group_runs_the_pd_module_with_its_tp_jobs_and_record_folder(tmp_path):
