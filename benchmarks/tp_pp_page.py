@@ -210,6 +210,22 @@ def _comms(comms: list) -> str:
     return ", ".join(f"{n} ranks / {nodes} nodes" for n, nodes in comms) or "none"
 
 
+def _digests(per_rank: dict | None) -> str:
+    """What the ranks' drafts digest lines say: agreement after the last count every rank
+    logged, the disagreements, or that the record predates the knob (2026-12-05)."""
+    if per_rank is None:
+        return "not in this record (it predates the knob)"
+    if not per_rank:
+        return "no rank logged one"
+    common = sorted(set.intersection(*(set(v) for v in per_rank.values())), key=int)
+    if not common:
+        return f"{len(per_rank)} ranks logged lines, but no count is common to all of them"
+    differ = [c for c in common if len({v[c] for v in per_rank.values()}) > 1]
+    if differ:
+        return f"**{len(per_rank)} ranks disagree** after {', '.join(map(str, differ))} draft posts"
+    return f"{len(per_rank)} ranks agree after {common[-1]} draft posts ({len(common)} lines each)"
+
+
 def evidence_rows(rec: dict) -> list[str]:
     served = [(n, j) for n, j in rec["jobs"].items() if j["selected"] and j.get("evidence")]
     if not served:
@@ -245,6 +261,7 @@ def evidence_rows(rec: dict) -> list[str]:
             + _per_launcher(ev["exchange_backends"], lambda b: ", ".join(b) or "none"),
             f"* NCCL socket transport (`NET/Socket`) logged: {socket}",
             f"* pinned dispatch counts: {pinned_txt}",
+            f"* drafts digest (`VLLM_DSPARK_PP_DRAFT_DIGEST`): {_digests(ev.get('draft_digests'))}",
             f"* every launcher alive after serving: {'yes' if job.get('alive_after') else 'no'};"
             f" processes left behind: {job.get('leftover_pids') or 'none'}",
             "",

@@ -96,3 +96,16 @@ def test_check_fails_on_a_stale_page_and_passes_on_a_fresh_one(tmp_path, record)
     record["jobs"]["tp2pp2_async"]["ready_s"] = 999.9
     path.write_text(json.dumps(record))
     assert tp_pp_page.main([str(path), "--out", str(out), "--check"]) == 1
+
+
+def test_the_drafts_digest_line_says_agree_disagree_or_predates(record):
+    """The committed record predates VLLM_DSPARK_PP_DRAFT_DIGEST; a record with the four ranks'
+    lines shows their agreement, and one rank planted with another digest shows as such."""
+    assert "drafts digest (`VLLM_DSPARK_PP_DRAFT_DIGEST`): not in this record" in _page(record)
+    planted = copy.deepcopy(record)
+    ranks = [f"PP rank {r // 2}, TP rank {r % 2}, global rank {r}" for r in range(4)]
+    ev = planted["jobs"]["tp2pp2_async"]["evidence"]
+    ev["draft_digests"] = {w: {"8": "0x1", "16": "0x2"} for w in ranks}
+    assert "4 ranks agree after 16 draft posts (2 lines each)" in _page(planted)
+    ev["draft_digests"][ranks[3]]["16"] = "0x3"
+    assert "**4 ranks disagree** after 16 draft posts" in _page(planted)
