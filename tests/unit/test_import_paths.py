@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,12 @@ REPO = Path(__file__).resolve().parents[2]
 MUTATORS = {"insert", "append", "extend", "remove", "pop", "clear"}
 # folders that hold no file of the repository (environments, build output, caches)
 SKIPPED = {"build", "__pycache__", "node_modules"}
+#: a path edit spelled inside a string (the code of a child process)
+STRING_EDIT = re.compile(
+    r"\bsys\.path\s*(\[[^\]\n]*\]\s*)?\+?=(?!=)"
+    r"|\bsys\.path\.(insert|append|extend|remove|pop|clear)\("
+    r"|\bsite\.addsitedir\("
+)
 
 
 def _is_sys_path(node: ast.AST, path_names: set[str]) -> bool:
@@ -42,6 +49,9 @@ def path_edits(source: str, filename: str = "<source>") -> list[str]:
     found = []
     for node in ast.walk(tree):
         hit = False
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a child script passed as a string (``python -c``): its path edits count too
+            hit = bool(STRING_EDIT.search(node.value))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             f = node.func
             hit = (f.attr in MUTATORS and _is_sys_path(f.value, path_names)) or (
@@ -73,7 +83,8 @@ def test_no_file_of_the_repository_edits_sys_path():
     bad = {
         str(p.relative_to(REPO)): edits
         for p in files
-        if (edits := path_edits(p.read_text(), str(p)))
+        if p != Path(__file__).resolve()  # this file's planted spellings
+        and (edits := path_edits(p.read_text(), str(p)))
     }
     assert not bad, bad
 
@@ -90,6 +101,9 @@ def test_no_file_of_the_repository_edits_sys_path():
         "from sys import path\npath.insert(0, 'x')\n",
         "import site\nsite.addsitedir('x')\n",
         "def f():\n    import sys\n    if 'x' not in sys.path:\n        sys.path.insert(0, 'x')\n",
+        # a child script in a string (tests/unit/producer/test_dsv41_pp_relay.py had one)
+        'CODE = """\nimport sys\nsys.path[:0] = [{repo!r}]\n"""\n',
+        "CODE = 'import sys; sys.path.insert(0, \"x\")'\n",
     ],
 )
 def test_each_spelling_of_a_path_edit_is_found(planted):
@@ -99,3 +113,4 @@ def test_each_spelling_of_a_path_edit_is_found(planted):
 def test_reading_sys_path_is_not_an_edit():
     source = "import sys\nfor entry in sys.path:\n    print(entry, sys.path[0], len(sys.path))\n"
     assert path_edits(source) == []
+    assert path_edits('DOC = "no file edits ``sys.path``; sys.path[0] == x"\n') == []

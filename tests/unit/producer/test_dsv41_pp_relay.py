@@ -229,8 +229,7 @@ def test_taps_reach_the_last_stage_as_one_partial_sum(configs, size, monkeypatch
 
 
 _WITHOUT_PLUGIN = """
-import sys, tempfile
-sys.path[:0] = [{repo!r}, {tests!r}]
+import tempfile
 from support.env import set_cpu_env_defaults
 set_cpu_env_defaults()
 import pytest, torch
@@ -254,8 +253,11 @@ print("ACCEPTED")
 def test_vllm_without_the_plugin_refuses_v41_dspark_over_pp(pair):
     """The recorded control: stock vLLM 0.34.0 (no plugin: VLLM_PLUGINS names none) builds the
     last stage without an embedding and refuses DSpark over PP at load."""
-    code = _WITHOUT_PLUGIN.format(repo=str(REPO), tests=str(REPO / "tests"), pair=pair.target)
-    env = dict(os.environ, VLLM_PLUGINS="none")
+    code = _WITHOUT_PLUGIN.format(pair=pair.target)
+    path = os.pathsep.join(
+        filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")])
+    )
+    env = dict(os.environ, VLLM_PLUGINS="none", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
