@@ -13,13 +13,16 @@ padded batches), stopping at EOS (at most 64 tokens). Engine settings are test_d
 (max model length 256, 256 MiB of KV per engine, memory share 0.05, vLLM's default block size and
 KV-cache dtype: ``auto`` resolves to V4.1's packed ``fp8_ds_mla`` record as for V4).
 
-Jobs (``DSPARK_DSV41_PP_JOBS=a,b`` selects; empty or ``all``: every one):
+Jobs (``DSPARK_DSV41_PP_JOBS=a,b`` selects; empty: all but ``tp2pp2_graphs``; ``all``: every
+one):
 
 * ``base``: PP=1 without speculation, eager, top-2 logprobs (the parity reference);
 * ``pp1``: PP=1 DSpark with CUDA graphs (the acceptance reference);
 * ``pp2_graphs`` / ``pp2_eager``: PP=2 DSpark, two launchers on GPU 0 (dspark_dev/pp_launch.py;
   ``DSPARK_GPU_PP_LAYOUT=per-stage`` for one GPU per stage), vLLM's default (async) scheduling;
 * ``pp2_sync_eager``: the same, eager, ``--no-async-scheduling``;
+* ``tp2pp2_graphs`` (only when named): TP=2 x PP=2 with CUDA graphs, four launchers, one rank
+  each, its handshake over 4 ranks;
 * ``stock_pp2``, the control: ``pp2_eager``'s launchers with the plugin left out
   (``VLLM_PLUGINS=no-such-plugin``).
 
@@ -80,17 +83,21 @@ BASE_ARGS = [
     "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
     "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(256 << 20),
 ]  # fmt: skip
-#: the PP=2 DSpark jobs: name -> (eager, extra launcher arguments)
+#: the PP=2 DSpark jobs: name -> (eager, extra launcher arguments, TP size); TP=2 x PP=2 is four
+#: launchers, one rank each (dspark_dev/pp_launch.py), and runs only when named (beside the
+#: others its start-up would crowd the one GPU)
 SERVED = {
-    "pp2_graphs": (False, []),
-    "pp2_eager": (True, []),
-    "pp2_sync_eager": (True, ["--no-async-scheduling"]),
+    "pp2_graphs": (False, [], 1),
+    "pp2_eager": (True, [], 1),
+    "pp2_sync_eager": (True, ["--no-async-scheduling"], 1),
+    "tp2pp2_graphs": (False, [], 2),
 }
 #: the stock control runs this job's launchers with the plugin left out
 STOCK_OF = "pp2_eager"
 JOBS_ENV = "DSPARK_DSV41_PP_JOBS"
 ALL_JOBS = ("base", "pp1", *SERVED, "stock_pp2")
-ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, ALL_JOBS)
+DEFAULT_JOBS = tuple(n for n in ALL_JOBS if n != "tp2pp2_graphs")
+ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-dsv41-pp-"))
 REPO = Path(__file__).resolve().parents[2]
 #: the run's JSON record, written when the module's jobs shut down: every job that ran, what it
@@ -114,15 +121,16 @@ def _launch_mode(eager: bool) -> list[str]:
     return ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
 
 
-def _served(name: str, pair, waves, eager: bool, extra: list[str]) -> dict:
-    """PP=2 DSpark served by two launchers (one per stage) on GPU 0; the launchers' handshake and
-    exchange lines read back from their logs."""
+def _served(name: str, pair, waves, eager: bool, extra: list[str], tp: int = 1) -> dict:
+    """PP=2 DSpark served by one launcher per rank (two, or four at TP=2) on GPU 0; the
+    launchers' handshake and exchange lines read back from their logs."""
     env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
     dep = pp_launch.deployment(
-        f"dsv41_{name}", pair.target, pp=2, spec=pair.speculative_config(K), log_dir=LOG_DIR,
-        device="gpu", base_args=[*BASE_ARGS, *_launch_mode(eager), *extra], env=env,
+        f"dsv41_{name}", pair.target, pp=2, tp=tp, spec=pair.speculative_config(K),
+        log_dir=LOG_DIR, device="gpu", base_args=[*BASE_ARGS, *_launch_mode(eager), *extra],
+        env=env,
     )  # fmt: skip
-    out: dict = {"name": name, "args": extra, "eager": eager}
+    out: dict = {"name": name, "args": extra, "eager": eager, "tp": tp}
     error: Exception | None = None
     try:
         dep.start()
@@ -135,7 +143,7 @@ def _served(name: str, pair, waves, eager: bool, extra: list[str]) -> dict:
     finally:
         out["leftover_pids"] = dep.stop()
         logs = [n.log_tail(10**8) for n in dep.nodes]
-        out["handshake"] = any("PP handshake: 2 ranks agree" in x for x in logs)
+        out["handshake"] = any(f"PP handshake: {2 * tp} ranks agree" in x for x in logs)
         out["backends"] = [
             x.split("DSpark PP exchange:")[1].splitlines()[0].rsplit(" ", 1)[-1]
             if "DSpark PP exchange:" in x
@@ -151,7 +159,7 @@ def _stock(pair) -> dict:
     """``STOCK_OF``'s launchers with the plugin left out: what their start gives
     (``pp_refusal.read_start``). Node 0 serves the API; vLLM's refusal comes when a stage loads
     the model, and the launcher that raised it exits."""
-    eager, extra = SERVED[STOCK_OF]
+    eager, extra, _ = SERVED[STOCK_OF]
     env = {**GPU_CHILD_ENV, "VLLM_PLUGINS": "no-such-plugin", "PYTHONFAULTHANDLER": "1"}
     dep = pp_launch.deployment(
         "dsv41_stock_pp2", pair.target, pp=2, spec=pair.speculative_config(K), log_dir=LOG_DIR,
@@ -238,8 +246,8 @@ def dsv41_jobs():
          "compilation_config": GRAPH_COMPILATION_CONFIG}, waves,
         timeout_s=READY_S + 60, sampling=sampling,
     )  # fmt: skip
-    for name, (eager, extra) in SERVED.items():
-        jobs.submit(name, _served, name, pair, waves, eager, extra)
+    for name, (eager, extra, tp) in SERVED.items():
+        jobs.submit(name, _served, name, pair, waves, eager, extra, tp)
     jobs.submit("stock_pp2", _stock, pair)
     yield jobs
     jobs.shutdown()
@@ -268,14 +276,14 @@ def test_pp1_dspark_is_lossless_and_accepts_like_a_trained_pair(dsv41_jobs):
 @pytest.mark.parametrize("job", list(SERVED))
 def test_pp2_greedy_parity_and_acceptance(dsv41_jobs, job):
     """A PP=2 DSpark job against the references: greedy equal to PP=1 no-spec, counters within 2
-    points of PP=1 DSpark per position, one handshake over 2 ranks, the exchange over NCCL on both
-    launchers, no process left."""
+    points of PP=1 DSpark per position, one handshake over every rank (2, or 4 at TP=2), the
+    exchange over NCCL on every launcher, no process left."""
     base, pp1 = _job(dsv41_jobs, "base"), _job(dsv41_jobs, "pp1")
     got = _job(dsv41_jobs, job)
     rep = compare_tokens(base.tokens, got["tokens"], base.logprobs)
     mine, ref = _sum(got["per_wave"]), pp1.metrics()
     ok, desc = counters_close(mine, ref)
-    wired = got["handshake"] and got["backends"] == ["nccl", "nccl"]
+    wired = got["handshake"] and got["backends"] == ["nccl"] * (2 * got.get("tp", 1))
     print(f"[dsv41 {job}] ready {got['ready_s']} s; vs PP=1 no-spec: {rep.describe()}")
     print(
         f"PP acceptance: dsv41 {job} {mine['num_accepted_tokens']}/{mine['num_draft_tokens']} "
