@@ -203,7 +203,9 @@ def pytest_configure(config):
                 self.text += f"NCCL INFO comm 0x1 rank 0 nRanks {size} nNodes {size}\n"
             self.text += "NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
             if pp > 1 and (MUTATION != "pp_one_stage" or rank == 0):
-                self.text += f"PP handshake: {tp * pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
+                self.text += (
+                    f"PP handshake: {tp * pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
+                )
             if rank == tp * pp - 1 and graph_batch.KEY in (spec or {}):
                 for n in (1, 10, 100):  # the patch logs its count at 1, 10, 100, ...
                     self.text += (
