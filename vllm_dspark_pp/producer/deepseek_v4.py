@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.models.deepseek_v4 import attention as dsv4_attention
 from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
@@ -79,24 +77,8 @@ class DeepseekV4ContextKVAttention(nn.Module, AttentionLayerBase):
         self.full_attention_class = full_cls.__name__
         self.backend_cls = full_cls.backend_cls
         self.prefix = prefix
-        self.n_heads = config.num_attention_heads
-        self.n_local_heads = self.n_heads // get_tensor_model_parallel_world_size()
-        self.head_dim = config.head_dim
-        self.rope_head_dim = config.qk_rope_head_dim
-        self.window_size = config.sliding_window
         # Draft layers sit past num_hidden_layers: never compressed (attention.py).
-        self.compress_ratio = 1
-        self.eps = config.rms_norm_eps
-        self.scale = self.head_dim**-0.5
-        self.padded_heads = full_cls.get_padded_num_q_heads(self.n_local_heads)
-        self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        self.rotary_emb = build_deepseek_v4_rope(
-            config,
-            head_dim=self.head_dim,
-            rope_head_dim=self.rope_head_dim,
-            max_position_embeddings=config.max_position_embeddings,
-            compress_ratio=self.compress_ratio,
-        )
+        drafter.set_mtp_attention_geometry(self, config, full_cls, 1, build_deepseek_v4_rope)
         # Same resolution (and the same cache_config write-back) as the full layer.
         self.kv_cache_dtype, self.kv_cache_torch_dtype = (
             dsv4_attention._resolve_dsv4_kv_cache_dtype(

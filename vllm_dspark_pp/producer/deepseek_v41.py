@@ -21,9 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.models.deepseek_v41 import attention as v41_attention
 from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
@@ -65,26 +63,9 @@ class DeepseekV41ContextKVAttention(nn.Module, AttentionLayerBase):
         self.prefix = prefix
         layer_id = extract_layer_index(prefix)
         ratios = getattr(config, "compress_ratios", None)
-        self.compress_ratio = (
-            int(ratios[layer_id]) if ratios is not None and layer_id < len(ratios) else 0
-        )
+        ratio = int(ratios[layer_id]) if ratios is not None and layer_id < len(ratios) else 0
         self.is_kv_source = False  # draft layers sit past num_hidden_layers
-        self.n_heads = config.num_attention_heads
-        self.n_local_heads = self.n_heads // get_tensor_model_parallel_world_size()
-        self.head_dim = config.head_dim
-        self.rope_head_dim = config.qk_rope_head_dim
-        self.window_size = config.sliding_window
-        self.eps = config.rms_norm_eps
-        self.scale = self.head_dim**-0.5
-        self.padded_heads = full_cls.get_padded_num_q_heads(self.n_local_heads)
-        self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        self.rotary_emb = build_deepseek_v4_rope(
-            config,
-            head_dim=self.head_dim,
-            rope_head_dim=self.rope_head_dim,
-            max_position_embeddings=config.max_position_embeddings,
-            compress_ratio=self.compress_ratio,
-        )
+        drafter.set_mtp_attention_geometry(self, config, full_cls, ratio, build_deepseek_v4_rope)
         # The class's own answers (properties that read nothing of the instance).
         packed = full_cls.packed_kv_cache_dtype.fget(self)
         self.kv_cache_dtype, self.kv_cache_torch_dtype = v41_attention._resolve_dsv4_kv_cache_dtype(

@@ -422,6 +422,35 @@ def register_fp8_scales(layer: Any) -> None:
         layer.register_buffer(name, torch.ones(1, dtype=torch.float32), persistent=False)
 
 
+def set_mtp_attention_geometry(
+    layer: Any, config: Any, full_cls: Any, compress_ratio: int, build_rope: Any
+) -> None:
+    """The head, window and rotary attributes the context-KV insert reads of a DeepSeek mtp draft
+    layer's attention, as the class vLLM selects (``full_cls``) sets them at this TP size: heads,
+    padded query heads, head and rope dims, window, eps and scale, the ``kv_norm`` weights and the
+    rotary table built by the family's ``build_rope`` at ``compress_ratio``."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    layer.compress_ratio = compress_ratio
+    layer.n_heads = config.num_attention_heads
+    layer.n_local_heads = layer.n_heads // get_tensor_model_parallel_world_size()
+    layer.head_dim = config.head_dim
+    layer.rope_head_dim = config.qk_rope_head_dim
+    layer.window_size = config.sliding_window
+    layer.eps = config.rms_norm_eps
+    layer.scale = layer.head_dim**-0.5
+    layer.padded_heads = full_cls.get_padded_num_q_heads(layer.n_local_heads)
+    layer.kv_norm = RMSNorm(layer.head_dim, layer.eps)
+    layer.rotary_emb = build_rope(
+        config,
+        head_dim=layer.head_dim,
+        rope_head_dim=layer.rope_head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        compress_ratio=compress_ratio,
+    )
+
+
 class MtpContextLayer(nn.Module):
     """A DeepSeek mtp draft layer holding only ``attn = attn_cls(vllm_config, prefix)``; a
     family's layer is a subclass that names ``attn_cls``."""
