@@ -88,8 +88,8 @@ class DeepseekV4ContextKVAttention(nn.Module, AttentionLayerBase):
             )
         )
         self.swa_cache_layer = DeepseekV4SWACache(
-            head_dim=self.head_dim,
-            window_size=self.window_size,
+            head_dim=config.head_dim,
+            window_size=config.sliding_window,
             dtype=self.kv_cache_torch_dtype,
             prefix=f"{prefix}.swa_cache",
             cache_config=cache_config,

@@ -85,8 +85,8 @@ class DeepseekV41ContextKVAttention(nn.Module, AttentionLayerBase):
             and not cache_config.enable_prefix_caching
         )
         self.swa_cache_layer = DeepseekV4SWACache(
-            head_dim=self.head_dim,
-            window_size=self.window_size,
+            head_dim=config.head_dim,
+            window_size=config.sliding_window,
             dtype=self.kv_cache_torch_dtype,
             prefix=f"{prefix}.swa_cache",
             cache_config=cache_config,
