@@ -26,7 +26,8 @@ def test_hard_limit_kills_the_whole_process_group(tiny_models):
     # (faulthandler's frame lines read 'File "...", line N in func', a traceback's ', in func')
     # (how many processes existed at 8 s depends on the machine's speed)
     assert re.search(r"asked [1-9]\d* process", str(info.value)), str(info.value)
-    assert re.search(r'\.py", line \d+ in \w+\n', str(info.value)), str(info.value)
+    # (a process still importing at 8 s, as on a slow or loaded machine, is in '<module>' frames)
+    assert re.search(r'\.py", line \d+ in (\w+|<module>)\n', str(info.value)), str(info.value)
     assert time.monotonic() - t0 < 40
     # Killed workers may linger as zombies until PID 1 reaps them (killpg(pgid, 0) still succeeds
     # then); what must hold is that nothing of the group still runs.
