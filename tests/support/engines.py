@@ -25,7 +25,9 @@ Each run is computed once (:class:`SharedRuns`): the first one asked for starts 
 run the session's tests will ask for, two at a time, longest first (``support.e2e.run_together``):
 a full session's first e2e test that needs one waits for all of them (the eight above, the
 protocol e2e case and the producer-decodes case, which their modules register with
-:func:`shared_case`), and every later one finds its run done.
+:func:`shared_case`), and every later one finds its run done. Every synchronous run here has its
+engine core in the case's own process (:data:`ONE_PROCESS`); ``pair_pp2_async`` keeps vLLM's
+engine-core process.
 """
 
 from __future__ import annotations
@@ -115,13 +117,13 @@ def run_pair(timeout_s, *, pp, spec, sampling=PAIR_SAMPLING, env=None, **kw):
     return run_generate(cfg, pair_prompts(), timeout_s, sampling=sampling, env=env, **kw)
 
 
-def run_random(tiny, timeout_s, *, pp, spec, extra=None, **kw):
+def run_random(tiny, timeout_s, *, pp, spec, extra=None, env=None, **kw):
     cfg = {"model": tiny.target, "pipeline_parallel_size": pp}
     if spec:
         cfg["speculative_config"] = {"method": "dspark", "model": tiny.draft}
     cfg.update(extra or {})
     kw.setdefault("sampling", {"max_tokens": RANDOM_MAX_TOKENS})
-    return run_generate(cfg, RANDOM_PROMPTS, timeout_s, env=plugin_env(), **kw)
+    return run_generate(cfg, RANDOM_PROMPTS, timeout_s, env={**plugin_env(), **(env or {})}, **kw)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -169,6 +171,13 @@ def _timeout(request) -> float:
     return request.getfixturevalue("e2e_timeout_s")
 
 
+#: Synchronous runs keep their engine core in the case's own process (vLLM's in-process client,
+#: the same ``EngineCore.step_fn``: one vLLM import less per case, 8-10 s of start-up on the
+#: 2-core machine). The async run keeps vLLM's separate engine-core process (it steps ahead of
+#: the client), and a separate engine core under synchronous PP is what every ``vllm serve`` of
+#: the e2e tier runs (tests/e2e/test_multi_node.py, test_reliability.py, test_quickstart.py).
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 #: the PP=3 run relays its aux taps as partial sums (VLLM_DSPARK_PP_TAP_PARTIALS=1; the other
 #: PP runs keep the default raw taps), so CI's PP=3 parity checks cover both relays' sum
 PP3_ENV = {"VLLM_DSPARK_PP_TAP_PARTIALS": "1"}
@@ -177,7 +186,7 @@ PP3_ENV = {"VLLM_DSPARK_PP_TAP_PARTIALS": "1"}
 @shared_case("pair_pp3_sync", cost_s=50)
 def _pair_pp3_sync(request):
     t = _timeout(request)
-    return lambda: run_pair(t, pp=3, spec=True, env=PP3_ENV)
+    return lambda: run_pair(t, pp=3, spec=True, env={**PP3_ENV, **ONE_PROCESS})
 
 
 @shared_case("pair_pp2_async", cost_s=45)
@@ -189,38 +198,41 @@ def _pair_pp2_async(request):
 @shared_case("pair_pp2_sync", cost_s=44)
 def _pair_pp2_sync(request):
     t = _timeout(request)
-    return lambda: run_pair(t, pp=2, spec=True, extra_waves=[seeded_wave()])
+    return lambda: run_pair(t, pp=2, spec=True, env=ONE_PROCESS, extra_waves=[seeded_wave()])
 
 
 @shared_case("pair_pp1", cost_s=37)
 def _pair_pp1(request):
     t = _timeout(request)
-    return lambda: run_pair(t, pp=1, spec=True, extra_waves=[seeded_wave()])
+    return lambda: run_pair(t, pp=1, spec=True, env=ONE_PROCESS, extra_waves=[seeded_wave()])
 
 
 @shared_case("pair_reference", cost_s=37)
 def _pair_reference(request):
     t = _timeout(request)
-    return lambda: run_pair(t, pp=1, spec=False, sampling={**PAIR_SAMPLING, "logprobs": 2})
+    sampling = {**PAIR_SAMPLING, "logprobs": 2}
+    return lambda: run_pair(t, pp=1, spec=False, env=ONE_PROCESS, sampling=sampling)
 
 
 @shared_case("random_pp2_unchunked", cost_s=27)
 def _random_pp2_unchunked(request):
     tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
-    return lambda: run_random(tiny, t, pp=2, spec=True, extra=UNCHUNKED)
+    return lambda: run_random(tiny, t, pp=2, spec=True, extra=UNCHUNKED, env=ONE_PROCESS)
 
 
 @shared_case("random_pp1", cost_s=25)
 def _random_pp1(request):
     tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
-    return lambda: run_random(tiny, t, pp=1, spec=True, extra=CHUNKED)
+    return lambda: run_random(tiny, t, pp=1, spec=True, extra=CHUNKED, env=ONE_PROCESS)
 
 
 @shared_case("random_reference", cost_s=23)
 def _random_reference(request):
     tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
     sampling = {"max_tokens": RANDOM_MAX_TOKENS, "logprobs": 2}
-    return lambda: run_random(tiny, t, pp=1, spec=False, extra=CHUNKED, sampling=sampling)
+    return lambda: run_random(
+        tiny, t, pp=1, spec=False, extra=CHUNKED, sampling=sampling, env=ONE_PROCESS
+    )
 
 
 def _asked_for(session, name: str) -> bool:

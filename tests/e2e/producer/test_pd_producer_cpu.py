@@ -86,6 +86,7 @@ from pathlib import Path
 import pytest
 from support import tiny_pair
 from support.e2e import result_of, run_generate, run_together
+from support.engines import ONE_PROCESS
 
 from vllm_dspark_pp.producer.load import builds_in_log
 
@@ -215,11 +216,14 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
         store.mkdir()
     nan_spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
     one_token = {"timeout_s": e2e_timeout_s, "sampling": {"max_tokens": 1}, "env": ENV}
+    # the PP=1 reference and control runs: engine core in the case's process (engines.ONE_PROCESS);
+    # the PP=2 producer and the decoders keep vLLM's engine-core process
+    one_proc = dict(one_token, env={**ENV, **ONE_PROCESS})
     runs = run_together(
         {
-            "agg": lambda: _aggregated(e2e_timeout_s, extra_waves=[NAN_WAVE]),
+            "agg": lambda: _aggregated(e2e_timeout_s, extra_waves=[NAN_WAVE], env=ONE_PROCESS),
             "ref": lambda: run_generate(
-                dict(BASE, kv_transfer_config=_kv("kv_both", stores["ref"])), PROMPTS, **one_token
+                dict(BASE, kv_transfer_config=_kv("kv_both", stores["ref"])), PROMPTS, **one_proc
             ),
             "prod": lambda: run_generate(
                 dict(
@@ -237,7 +241,7 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
                     kv_transfer_config=_kv("kv_producer", stores["nan-norm"]),
                 ),
                 NAN_PROMPTS,
-                **one_token,
+                **one_proc,
             ),
         }
     )
