@@ -85,17 +85,24 @@ Per step and rank:
   broadcast to one after it, summed over the step (includes waiting for the peer to join);
   ``x_wait_ms``: how long the main stream stalled on the received tokens (events around
   ``get_prev_sampled_outputs``, which makes the main stream wait for the broadcast's event).
+* the DSpark tap side channel (``VLLM_DSPARK_PP_TAP_PARTIALS=side``, protocol/tap_partials.py):
+  ``side_send_bytes:dspark_tap_partial`` (what a stage that makes taps sends straight to the
+  last stage), ``side_recv_bytes:dspark_tap_partial`` (what the last stage posts receives for,
+  all senders), ``side_wait_ms``: how long the last stage's main stream stalled on them, from an
+  event right before the drafter's wait to one right after it (it waits only there, after its
+  forward and sampling). With the partials in the intermediate tensors instead (``1``/``auto``)
+  they are ``pp_*_bytes:dspark_tap_partial`` and their wait is part of ``pp_recv_wait_ms``.
 
 On the CPU platform host clocks replace events (gloo is synchronous: the spans are host time).
 The host wait in ``irecv_tensor_dict`` falls before the step's ``t0`` (vLLM's worker posts the
 receive before the model runner's step), so it is reported beside the step, not in its share.
-The stalls (``pp_recv_wait_ms + x_wait_ms``) are an upper bound of what the exchange costs a
-stage: with both stages on one GPU they also hold the time the peer spends computing before it
-sends. ``pp_recv_rows`` is the received tensors' first dimension once usable (after vLLM's
-``wait_for_comm``: before it, vLLM 0.34.0's receive buffers are flat, ``rows x hidden``
-elements, even at TP=1). The first step, and the first whose rows differ from the batch's
-padded token count, are logged once (shapes usable and as posted, ``num_tokens``,
-``num_tokens_padded``).
+The stalls (``pp_recv_wait_ms + x_wait_ms + side_wait_ms``) are an upper bound of what the
+exchange costs a stage: with both stages on one GPU they also hold the time the peer spends
+computing before it sends. ``pp_recv_rows`` is the received tensors' first dimension once
+usable (after vLLM's ``wait_for_comm``: before it, vLLM 0.34.0's receive buffers are flat,
+``rows x hidden`` elements, even at TP=1). The first step, and the first whose rows differ
+from the batch's padded token count, are logged once (shapes usable and as posted,
+``num_tokens``, ``num_tokens_padded``).
 """
 
 from __future__ import annotations
@@ -532,6 +539,8 @@ def dspark_bench_ctl(self, cmd: str, arg: Any = None) -> Any:
 X_NAMES = ("sampled", "counts", "drafts")  # the order both stock vLLM and the plugin post them
 GOAL_E_SHARE = 0.03  # issue 29 goal (e): the exchange under 3% of a decode step at C >= 8
 GOAL_E_MIN_C = 8
+#: the spans in which a stage's main stream waits on the exchange (summed into the stall share)
+STALLS = ("pp_recv_wait_ms", "x_wait_ms", "side_wait_ms")
 
 
 def _tensor_bytes(t) -> int:
@@ -563,16 +572,15 @@ def step_exchange(records: list[dict]) -> dict:
 
 def summarize_exchange(steps: list[dict], main_num_reqs: int | None) -> dict | None:
     """Medians of every exchange metric over the steps of the main batch size, and the
-    stall / step share (``(pp_recv_wait_ms + x_wait_ms) / step_ms`` per step, median)."""
+    stall / step share (``(pp_recv_wait_ms + x_wait_ms + side_wait_ms) / step_ms`` per step,
+    median)."""
     sel = [s for s in steps if s.get("x") and int(s.get("num_reqs") or 0) == main_num_reqs]
     if not sel:
         return None
     keys = sorted({k for s in sel for k in s["x"]})
     med = {k: round(statistics.median(float(s["x"].get(k, 0.0)) for s in sel), 4) for k in keys}
     shares = [
-        (s["x"].get("pp_recv_wait_ms", 0.0) + s["x"].get("x_wait_ms", 0.0)) / s["step_ms"]
-        for s in sel
-        if s.get("step_ms")
+        sum(s["x"].get(k, 0.0) for k in STALLS) / s["step_ms"] for s in sel if s.get("step_ms")
     ]
     return {
         "steps": len(sel),
@@ -747,7 +755,37 @@ def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
 
     handler.get_prev_sampled_outputs = get_prev_sampled_outputs
     installed.append("exchange_broadcasts")
+    side = getattr(handler, "_dspark_tap_side", None)
+    if side is not None:
+        installed += _install_side(side)
     return installed
+
+
+def _install_side(side) -> list[str]:
+    """Bytes and the last stage's stall of the DSpark tap side channel (its instance methods:
+    a sender's ``send``, the last stage's ``post`` and ``take``)."""
+    orig_send, orig_post, orig_take = side.send, side.post, side.take
+    key = "dspark_tap_partial"
+
+    def send(rows):
+        out = orig_send(rows)
+        _xrecord("bytes", metric=f"side_send_bytes:{key}", value=_tensor_bytes(out))
+        return out
+
+    def post(batch):
+        step = orig_post(batch)
+        nbytes = sum(_tensor_bytes(b) for b in step.buffers)
+        _xrecord("bytes", metric=f"side_recv_bytes:{key}", value=nbytes)
+        return step
+
+    def take(batch):
+        a = _mark()
+        out = orig_take(batch)
+        _xrecord("span", metric="side_wait_ms", a=a, b=_mark())
+        return out
+
+    side.send, side.post, side.take = send, post, take
+    return ["tap_side_channel"]
 
 
 def _patch_worker(module) -> None:

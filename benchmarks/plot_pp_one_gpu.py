@@ -46,6 +46,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.adaptive_bench import adaptive_markdown
+from benchmarks.dspark_bench_hooks import STALLS
 
 GOAL_B = 0.9
 GOAL_E_SHARE = 0.03  # issue 29 goal (e): the exchange under 3% of a decode step at C >= 8
@@ -336,7 +337,7 @@ def exchange_rows(merged: dict) -> list[dict]:
             def total(prefix: str, med=med) -> int:
                 return int(sum(v for k, v in med.items() if k.startswith(prefix)))
 
-            stall = med.get("pp_recv_wait_ms", 0.0) + med.get("x_wait_ms", 0.0)
+            stall = sum(med.get(k, 0.0) for k in STALLS)
             out.append(
                 {
                     "what": label(config, al),
@@ -358,6 +359,11 @@ def exchange_rows(merged: dict) -> list[dict]:
                     "pp_recv_host_ms": med.get("pp_recv_host_ms"),
                     "x_bcast_ms": med.get("x_bcast_ms"),
                     "x_wait_ms": med.get("x_wait_ms"),
+                    # the DSpark tap side channel (VLLM_DSPARK_PP_TAP_PARTIALS=side): bytes a stage
+                    # sends straight to the last one, what the last one receives, its stall
+                    "side_send_bytes": total("side_send_bytes:"),
+                    "side_recv_bytes": total("side_recv_bytes:"),
+                    "side_wait_ms": med.get("side_wait_ms"),
                     "stall_ms": stall,
                     "step_ms": step,
                     "draft_ms": ((summ.get("main") or {}).get("draft_ms")),
@@ -418,13 +424,17 @@ def exchange_section(merged: dict) -> list[str]:
         "stream stalled on the activations, *ready* = from posting the receive to the data "
         "being usable, *host* = host time of posting it (blocks on the sender's metadata); "
         "*bcast* = broadcast side-stream time, *tok wait* = main-stream stall on the received "
-        "tokens; *share* = (act wait + tok wait) / step: an upper bound of the exchange's share, "
-        "since with both stages on one GPU a stall also holds the peer's compute (the *host* "
-        "wait comes before the step's window and is not in the share).",
+        "tokens; *side B* / *side wait ms* = the DSpark tap side channel's bytes (sent by a "
+        "stage that makes taps, received by the last stage) and the last stage's stall on them "
+        "right before its drafter (VLLM_DSPARK_PP_TAP_PARTIALS=side; 0 and - otherwise); "
+        "*share* = (act wait + tok wait + side wait) / step: an upper bound of the exchange's "
+        "share, since with both stages on one GPU a stall also holds the peer's compute (the "
+        "*host* wait comes before the step's window and is not in the share).",
         "",
         "| configuration | C | rank | batch | sent B | recv B (rows) | tok B | act wait ms | "
-        "ready ms | host ms | bcast ms | tok wait ms | draft ms | step ms | share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "ready ms | host ms | bcast ms | tok wait ms | side B | side wait ms | draft ms | "
+        "step ms | share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in xr:
         rows = _f(r["pp_recv_rows"], " ({:.0f})")
@@ -433,7 +443,9 @@ def exchange_section(merged: dict) -> list[str]:
             f"{r['pp_recv_bytes']}{'' if rows == '-' else rows} | {r['x_bytes']} | "
             f"{_f(r['pp_recv_wait_ms'], '{:.3f}')} | {_f(r['pp_recv_ready_ms'], '{:.3f}')} | "
             f"{_f(r['pp_recv_host_ms'], '{:.3f}')} | {_f(r['x_bcast_ms'], '{:.3f}')} | "
-            f"{_f(r['x_wait_ms'], '{:.3f}')} | {_f(r.get('draft_ms'), '{:.3f}')} | "
+            f"{_f(r['x_wait_ms'], '{:.3f}')} | "
+            f"{r.get('side_send_bytes', 0) + r.get('side_recv_bytes', 0)} | "
+            f"{_f(r.get('side_wait_ms'), '{:.3f}')} | {_f(r.get('draft_ms'), '{:.3f}')} | "
             f"{_f(r['step_ms'], '{:.3f}')} | "
             f"{_f(r['stall_share'], '{:.1%}')} |"
         )

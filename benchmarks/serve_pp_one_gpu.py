@@ -55,6 +55,14 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   the producer's plus the decoder's (``--pd-kv-gib`` per side, the decoder
   ``--pd-decoder-share`` of it, whole MiB; :func:`kv_plan`).
 
+* ``pp2_dspark_taps_dict`` / ``pp2_dspark_taps_side`` (group ``tap_partials``, with
+  ``pp2_dspark``): ``pp2_dspark`` with ``VLLM_DSPARK_PP_TAP_PARTIALS=1`` (the first stage's aux
+  taps cross as one partial sum inside the intermediate tensors) / ``=side`` (the partial goes
+  straight to the last stage on its own process group, off the critical path); the exchange
+  table then has the bytes per step stage to stage and on the side channel, and the last
+  stage's waits (``pp_recv_wait_ms``, ``side_wait_ms``). The partial sums read the draft's first
+  linear from its checkpoint: run them on a pair with weights (``--model-dir``; with a
+  dummy-weight shape they keep raw taps and their launchers log why).
 * ``pp1_dspark_adaptive`` / ``pp2_dspark_adaptive``: ``pp1_dspark`` / ``pp2_dspark`` with
   ``"enable_adaptive_verification": true`` (vLLM's default CUDA-graph mode, which has the full
   graphs it needs; not with ``--cpu``), ``VLLM_DSPARK_PP_ADAPTIVE_PP=1`` on every launcher, and
@@ -202,6 +210,7 @@ class Config:
     env: tuple[tuple[str, str], ...] = ()  # launcher variables of this configuration only
 
 
+TAPS_ENV = "VLLM_DSPARK_PP_TAP_PARTIALS"
 #: The fixed-k configurations of the k sweep (issue 44 item 5): ``pp{P}_dspark_k{J}``.
 SWEEP_KS = tuple(range(1, 8))
 
@@ -225,6 +234,12 @@ CONFIGS = {
             adaptive=True,
             env=(("VLLM_DSPARK_PP_ADAPTIVE_LAG", "0"),),
         ),  # fmt: skip
+        # aux taps as one partial sum (issue 44 item 4) in the intermediate tensors ("1") and
+        # on the side channel straight to the last stage ("side"); the draft's first linear is
+        # read from its checkpoint, so they need a pair with weights (--model-dir: a dummy-weight
+        # shape keeps raw taps, and its launchers log why)
+        Config("pp2_dspark_taps_dict", 2, True, env=((TAPS_ENV, "1"),)),
+        Config("pp2_dspark_taps_side", 2, True, env=((TAPS_ENV, "side"),)),
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
@@ -245,6 +260,10 @@ GROUPS = {
     "ksweep_pp1": (*(f"pp1_dspark_k{j}" for j in SWEEP_KS), "pp1_dspark_adaptive"),
     "ksweep_pp2": (*(f"pp2_dspark_k{j}" for j in SWEEP_KS), "pp2_dspark_adaptive"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
+    # raw taps (vLLM's relay), one partial in the intermediate tensors, one on the side channel:
+    # bytes per step stage to stage and on the side channel, and the last stage's waits
+    # (the exchange table); meant for --interleave with --model-dir (a pair with weights)
+    "tap_partials": ("pp2_dspark", "pp2_dspark_taps_dict", "pp2_dspark_taps_side"),
     # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
     # cut at the deadline and must not take the reference's measurements with it
     "pd": ("agg_dspark_kv", "pd_dspark"),
@@ -1191,7 +1210,12 @@ def prepare_models(a, work: Path):
 
     if a.model_dir:
         d = Path(a.model_dir).resolve()
-        return ShapePaths(d.name, str(d / "target"), str(d / "dspark-draft")), None
+        target, draft = d / "target", d / "dspark-draft"
+        if not target.is_dir():  # a folder of make_tiny_models (benchmarks.serve_pp's wide pair)
+            from vllm_dspark_pp.tiny_models import DRAFT_DIR_NAME, TARGET_DIR_NAME
+
+            target, draft = d / TARGET_DIR_NAME, d / DRAFT_DIR_NAME
+        return ShapePaths(d.name, str(target), str(draft)), None
     from benchmarks import shape_tokenizer
 
     paths = write_shape(a.shape, work / "shapes")

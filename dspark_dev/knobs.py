@@ -98,7 +98,10 @@ DSPARK_GPU_PAIR_DTYPE | float32 | dtype of the tiny pair in the GPU tier's PD jo
 DSPARK_GPU_NEAR_TIE | 0.125 | Parity: a top-2 logprob gap under this (nats) counts as a near tie.
 DSPARK_GPU_PP_LAYOUT | unset (shared) | PP launchers' GPU layout: `shared` (every stage on GPU 0)
     or `per-stage` (stage R on GPU R).
-DSPARK_GPU_PP_JOBS | unset | PP one-GPU test jobs to start (`a,b`, `all`); empty: all.
+DSPARK_GPU_PP_JOBS | unset | PP one-GPU test jobs to start (`a,b`, `all`); empty: all but the
+    tap-partials jobs (`pp3_taps_dict`, `pp3_taps_side`).
+DSPARK_GPU_TAP_PARTIALS_JOBS | ref,pp1_async,pp3_async,pp3_taps_dict,pp3_taps_side | run_groups.sh
+    tap_partials: its DSPARK_GPU_PP_JOBS.
 DSPARK_GPU_PP_LOGS | unset (a new temporary folder) | Folder for the PP GPU tests' launcher logs.
 DSPARK_GPU_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the PP one-GPU test
     writes its JSON record pp.json.

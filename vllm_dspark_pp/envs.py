@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     VLLM_DSPARK_PP_STACKS_ON_SIGUSR1: bool = False
     VLLM_DSPARK_PP_DRAFT_DIGEST: int = 0
     VLLM_DSPARK_PP_TAP_PARTIALS: str = "0"
+    VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S: float = 60.0
 
 PREFIX = "VLLM_DSPARK_PP_"
 HANDSHAKE_TIMEOUT_DEFAULT_S = 120.0
@@ -96,6 +97,24 @@ def _admitted_timeout_s() -> float:
     return float("60" if raw is None else raw)
 
 
+def _tap_side_timeout_s() -> float:
+    """``VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S``: seconds > 0; unset or blank is 60; anything else
+    raises ``ValueError`` naming the variable."""
+    name = "VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S"
+    raw = _raw(name)
+    if raw is None or raw.strip() == "":
+        return 60.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(
+            f"{name}={raw!r} is not a number of seconds > 0; use e.g. 60 (the default)"
+        )
+    return value
+
+
 def parse_adaptive_lag(raw: str | None) -> int:
     """``VLLM_DSPARK_PP_ADAPTIVE_LAG`` from its text: unset or blank is 1; anything but 0 or 1
     raises ``ValueError`` naming the variable."""
@@ -157,9 +176,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # drafter's first linear layer (W_s @ its taps, plus what it received) instead of its taps,
     # where that makes some stage boundary carry fewer rows; "1": wherever taps are relayed.
     # Drafters whose first op is not a known bias-free unquantized linear keep raw taps
-    # (logged). Set the same value on every node (the start-up handshake compares it).
-    # (protocol/tap_partials.py)
+    # (logged). "side": as "1", but each stage that makes taps sends its own W_s @ taps straight
+    # to the last stage on a process group of its own (a side stream on CUDA), outside the
+    # tensors the next stage's forward waits for; only the last stage's drafter waits for them
+    # (falls back to "1", logged, where the last stage makes no tap of its own or prefill
+    # context parallelism is on). Set the same value on every node (the start-up handshake
+    # compares it). (protocol/tap_partials.py)
     "VLLM_DSPARK_PP_TAP_PARTIALS": lambda: parse_tap_partials(_raw("VLLM_DSPARK_PP_TAP_PARTIALS")),
+    # Seconds the last PP stage's drafter waits on the host (CPU platform, gloo) for the side
+    # channel's partial sums of a step whose senders already ran (VLLM_DSPARK_PP_TAP_PARTIALS=
+    # side); a longer wait is a bug and stops the engine naming the knob. On CUDA the wait is a
+    # stream dependency (the NCCL watchdog and the peer watch bound it). (protocol/tap_partials.py)
+    "VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S": lambda: _tap_side_timeout_s(),
 }
 
 
@@ -178,20 +206,21 @@ def _draft_digest_every(raw: str | None) -> int:
     return value
 
 
-TAP_PARTIALS_VALUES = ("auto", "1", "0")
+TAP_PARTIALS_VALUES = ("auto", "1", "0", "side")
 #: unset or blank: raw taps (the partial sums have run on CPU only; docs/performance-bound.md)
 TAP_PARTIALS_DEFAULT = "0"
 
 
 def parse_tap_partials(raw: str | None) -> str:
     """``VLLM_DSPARK_PP_TAP_PARTIALS`` from its text: unset or blank is
-    :data:`TAP_PARTIALS_DEFAULT`; anything but ``auto``, ``1`` or ``0`` raises ``ValueError``
-    naming the variable."""
+    :data:`TAP_PARTIALS_DEFAULT`; anything but ``auto``, ``1``, ``0`` or ``side`` raises
+    ``ValueError`` naming the variable."""
     value = TAP_PARTIALS_DEFAULT if raw is None or raw.strip() == "" else raw.strip().lower()
     if value not in TAP_PARTIALS_VALUES:
         raise ValueError(
-            f"VLLM_DSPARK_PP_TAP_PARTIALS={raw!r} is not one of auto, 1, 0 (auto: relay one "
-            "partial sum where that sends fewer bytes; 1: wherever taps are relayed; 0: raw taps)"
+            f"VLLM_DSPARK_PP_TAP_PARTIALS={raw!r} is not one of auto, 1, 0, side (auto: relay one "
+            "partial sum where that sends fewer bytes; 1: wherever taps are relayed; 0: raw taps; "
+            "side: partial sums sent straight to the last stage, off the critical path)"
         )
     return value
 

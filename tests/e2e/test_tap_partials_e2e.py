@@ -17,6 +17,19 @@ and 3, so in vLLM's relay the one boundary carries two tap rows; with partial su
 
 The PP=2 pair costs two engine starts (about 80 s), so CI leaves it out (``e2e_full``); the PP=3
 run covers the partial sums there.
+
+The side channel (``VLLM_DSPARK_PP_TAP_PARTIALS=side``: each stage that makes taps sends its
+``W_s @ taps`` straight to the last stage, outside the intermediate tensors):
+
+* ``side_pp2`` (``3,1``: one sender with two taps) and ``side_pp3`` (stages 0 | 1-2 | 3: two
+  senders, stage 1 no longer relays stage 0's tap) give the PP=1 no-spec tokens and the raw-tap
+  run's (PP=1 DSpark's) counters per position; the first stages' logged dict keys are only
+  ``hidden_states`` and ``residual`` (the partial row is gone from the critical path) and each
+  sender logs its side-channel row instead. Opt-in (two engine starts, about 80 s);
+* in CI the shared PP=2 async run (``pair_pp2_async``, 2,2 split, async scheduling, a seeded
+  sampling wave) runs the side channel (tests/support/engines.py ``PP2_ASYNC_ENV``): its tokens,
+  counters and seeded wave are checked against PP=1's by test_pp_parity.py and
+  test_sampling.py, its keys here (:func:`test_pp2_async_run_sends_partials_on_the_side`).
 """
 
 from __future__ import annotations
@@ -113,3 +126,90 @@ def test_pp3_run_sends_partials(pair_pp3_sync):
             "residual": row,
             "dspark_tap_partial": row,
         }
+
+
+# ------------------------------------------------------------------ the side channel
+
+SIDE_COVERED_BY = (
+    "test_pp2_async_run_sends_partials_on_the_side and tests/e2e/test_pp_parity.py::"
+    "test_pp2_dspark_async_scheduling_is_lossless (the PP=2 async run sends its partials on the "
+    "side channel: tokens and counters equal PP=1's)"
+)
+ROW = 128 * 4  # hidden 128, float32
+TARGET_ONLY = {"hidden_states": ROW, "residual": ROW}
+
+
+@pytest.fixture(scope="module")
+def side_pp2(e2e_timeout_s):
+    return _run(e2e_timeout_s, {**PARTITION, "VLLM_DSPARK_PP_TAP_PARTIALS": "side"})
+
+
+@pytest.fixture(scope="module")
+def side_pp3(e2e_timeout_s):
+    ok, why = tiny_pair.available()
+    if not ok:
+        pytest.fail(why)
+    cfg = {
+        "model": tiny_pair.TARGET,
+        "pipeline_parallel_size": 3,
+        "speculative_config": tiny_pair.spec_config(),
+        **PAIR_LLM,
+    }
+    env = {**plugin_env(), "VLLM_DSPARK_PP_TAP_PARTIALS": "side"}
+    return run_generate(cfg, pair_prompts(), e2e_timeout_s, sampling=PAIR_SAMPLING, env=env)
+
+
+def side_rows(log: str, stage: int) -> dict[str, int]:
+    """What PP stage ``stage`` logged at its first side-channel send (key: bytes per token row)."""
+    lines = re.findall(
+        rf"DSpark PP stage {stage} sends on the side channel per token row: (.*)", log
+    )
+    assert lines, f"stage {stage} logged no side-channel send"
+    return {k: int(b) for k, b in re.findall(r"^(\w+) (\d+) B", lines[0])}
+
+
+def assert_side_keys(log: str, senders: tuple[int, ...], relays: tuple[int, ...] = ()) -> None:
+    """Every stage before the last sends the target's tensors only on the critical path; each
+    sender sends one partial row on the side channel, a stage without taps none."""
+    assert "DSpark tap partials on, side channel" in log, "the side channel is not on"
+    for stage in (*senders, *relays):
+        assert sent_keys(log, stage) == TARGET_ONLY, (stage, sent_keys(log, stage))
+    for stage in senders:
+        assert side_rows(log, stage) == {"dspark_tap_partial": ROW}, stage
+    for stage in relays:
+        assert f"DSpark PP stage {stage} sends on the side channel" not in log, stage
+
+
+@pytest.mark.e2e_full(covered_by=SIDE_COVERED_BY)
+def test_side_pp2_is_lossless_and_counts_like_raw_taps(pair_reference, pair_pp1, side_pp2):
+    assert_same_tokens(pair_reference, side_pp2, "PP=2 3,1 tap partials on the side channel", None)
+    print(f"PP=2 3,1 side channel: {describe(side_pp2.metrics)}")
+    # pair_pp1 reads raw taps; PP=2 3,1 raw taps counts like it (test above)
+    assert_same_counters(pair_pp1, side_pp2, "PP=2 3,1 side channel")
+
+
+@pytest.mark.e2e_full(covered_by=SIDE_COVERED_BY)
+def test_side_pp2_boundary_carries_no_partial(side_pp2):
+    """The one boundary carries hidden_states and residual only; stage 0's two taps go to the
+    last stage as one side-channel row (the in-dict control: test_partials_pp2_boundary_...)."""
+    assert_side_keys(side_pp2.log_text, senders=(0,))
+    assert "receives on the side channel: dspark_tap_partial 512 B per token row from stage 0" in (
+        side_pp2.log_text
+    )
+
+
+@pytest.mark.e2e_full(covered_by=SIDE_COVERED_BY)
+def test_side_pp3_is_lossless_and_no_boundary_carries_a_tap(pair_reference, pair_pp1, side_pp3):
+    assert_same_tokens(pair_reference, side_pp3, "PP=3 tap partials on the side channel", None)
+    print(f"PP=3 side channel: {describe(side_pp3.metrics)}")
+    assert_same_counters(pair_pp1, side_pp3, "PP=3 side channel")
+    # stages 0 and 1 each make one tap and send it straight to stage 2: boundary 1 -> 2 carries
+    # no relayed partial (with "1" it carries one, with raw taps two rows)
+    assert_side_keys(side_pp3.log_text, senders=(0, 1))
+    assert "from stages 0, 1" in side_pp3.log_text
+
+
+def test_pp2_async_run_sends_partials_on_the_side(pair_pp2_async):
+    """CI's side-channel coverage, from the shared PP=2 async run (2,2 split: stage 0 makes tap
+    1, the last stage taps 3 and 4); its tokens and counters: test_pp_parity.py."""
+    assert_side_keys(pair_pp2_async.log_text, senders=(0,))

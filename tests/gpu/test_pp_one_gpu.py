@@ -16,6 +16,11 @@ Jobs, all started at once on the GPU (``DSPARK_GPU_PP_JOBS=a,b`` selects some):
 * ``pp2_async``, ``pp2_sync``, ``pp3_async``, ``pp3_sync``: the plugin's PP DSpark; ``pp2_async``
   also takes a client abort mid-stream and then serves the first wave again;
 * ``pp2_fixed8``: PP=2 async with ``dspark_pp_fixed_graph_batch`` 8;
+* ``pp3_taps_dict`` / ``pp3_taps_side`` (not started by default; group ``tap_partials``): PP=3
+  async with the aux taps as one partial sum of the drafter's first linear in the intermediate
+  tensors (``VLLM_DSPARK_PP_TAP_PARTIALS=1``) / straight to the last stage on the side channel
+  (``=side``), under CUDA graphs and NCCL: the same greedy and acceptance checks as every served
+  job, and the keys each stage logs at its first send (issue 44 item 4);
 * ``stock_async`` / ``stock_sync``: the same PP=2 DSpark launchers with the plugin left out
   (``VLLM_PLUGINS``), the control: what stock vLLM 0.34.0 does here is recorded (answers
   correctly, corrupts, crashes, or hangs: then every process's stacks, via faulthandler);
@@ -88,11 +93,16 @@ SERVED = {
     "pp3_async": (3, True, {}),
     "pp3_sync": (3, False, {}),
     "pp2_fixed8": (2, True, {graph_batch.KEY: 8}),
+    "pp3_taps_dict": (3, True, {}),
+    "pp3_taps_side": (3, True, {}),
 }
+#: the served jobs' VLLM_DSPARK_PP_TAP_PARTIALS (the others keep the default, raw taps)
+TAP_JOBS = {"pp3_taps_dict": "1", "pp3_taps_side": "side"}
 REPO = Path(__file__).resolve().parents[2]
 JOBS_ENV = "DSPARK_GPU_PP_JOBS"
 ALL_JOBS = ("ref", "pp1_async", "pp1_sync", *SERVED, "stock_async", "stock_sync", "fault")
-ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, ALL_JOBS)
+DEFAULT_JOBS = tuple(j for j in ALL_JOBS if j not in TAP_JOBS)
+ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-pp-gpu-"))
 RECORD = GpuRecord("pp.json")
 
@@ -215,6 +225,20 @@ def _evidence(dep, pp: int, tp: int = 1) -> dict:
         "pinned": [int(x) for x in re.findall(r"(\d+) pinned dispatches so far", text)],
         # VLLM_DSPARK_PP_DRAFT_DIGEST's lines (the TP x PP jobs set it): {rank: {posts: digest}}
         "draft_digests": draft_digest.parse_lines(text),
+        # tap partials (protocol/tap_partials.py): the mode line, and per stage the keys (bytes
+        # per token row) it sent to the next stage and on the side channel at its first send
+        "tap_mode": sorted(set(re.findall(r"DSpark tap partials (on, side channel|on|off)", text))),
+        "tap_sent": _tap_rows(text, r"DSpark PP stage (\d+) sends per token row: (.*)"),
+        "tap_side": _tap_rows(
+            text, r"DSpark PP stage (\d+) sends on the side channel per token row: (.*)"
+        ),
+    }
+
+
+def _tap_rows(text: str, pattern: str) -> dict[str, dict[str, int]]:
+    return {
+        stage: {k: int(b) for k, b in re.findall(r"(\w+) (\d+) B\b", rows.split(" (to ")[0])}
+        for stage, rows in re.findall(pattern, text)
     }
 
 
@@ -396,6 +420,7 @@ def _shape(name: str) -> dict:
         "pp": pp, "scheduling": "vLLM's default" if name == "ref" else "async" if flag else "sync",
         "cuda_graphs": not (name == "ref" or DRYRUN_CPU), "dtype": PAIR_DTYPE,
         "speculation": name != "ref", "plugin": True, **extra,
+        **({"tap_partials": TAP_JOBS[name]} if name in TAP_JOBS else {}),
     }  # fmt: skip
 
 
@@ -466,7 +491,10 @@ def pp_jobs():
             {**graphs, "speculative_config": tiny_pair.spec_config(), "async_scheduling": flag},
         )
     for name, (pp, flag, extra) in SERVED.items():
-        jobs.submit(name, _served, name, pp, flag, extra, waves, guard, abort=name == "pp2_async")
+        env = {"VLLM_DSPARK_PP_TAP_PARTIALS": TAP_JOBS[name]} if name in TAP_JOBS else {}
+        jobs.submit(
+            name, _served, name, pp, flag, extra, waves, guard, abort=name == "pp2_async", env=env
+        )
     for mode, flag in (("async", True), ("sync", False)):
         jobs.submit(f"stock_{mode}", _stock, f"stock_{mode}", flag, waves, guard)
     jobs.submit("fault", _fault, guard)
@@ -567,6 +595,34 @@ def test_stages_talk_over_nccl(pp_jobs, name):
     problems = _stage_problems(ev, pp)
     RECORD.verdict(f"nccl[{name}]", not problems, "; ".join(problems) or json.dumps(ev))
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", list(TAP_JOBS))
+def test_tap_partials_cross_the_stages_as_configured(pp_jobs, name):
+    """``pp3_taps_dict``: stages 0 and 1 each send ``hidden_states``, ``residual`` and one
+    ``dspark_tap_partial`` row (raw taps would be one and two tap rows); ``pp3_taps_side``: they
+    send ``hidden_states`` and ``residual`` only, and each its own partial row on the side
+    channel to the last stage."""
+    jobs, _, _ = pp_jobs
+    got = jobs.result(name, timeout=1200)
+    ev = got["evidence"]
+    side = TAP_JOBS[name] == "side"
+    problems = []
+    if ev["tap_mode"] != (["on, side channel"] if side else ["on"]):
+        problems.append(f"mode lines {ev['tap_mode']}")
+    for stage in ("0", "1"):
+        keys = set(ev["tap_sent"].get(stage, {}))
+        want = {"hidden_states", "residual"} | (set() if side else {"dspark_tap_partial"})
+        if keys != want:
+            problems.append(
+                f"stage {stage} sent {sorted(keys)} to the next stage, not {sorted(want)}"
+            )
+        if side and set(ev["tap_side"].get(stage, {})) != {"dspark_tap_partial"}:
+            problems.append(f"stage {stage} logged no side-channel partial: {ev['tap_side']}")
+    line = f"{name}: sent {ev['tap_sent']}, side channel {ev['tap_side']}"
+    RECORD.verdict(f"tap_partials[{name}]", not problems, "; ".join([line, *problems]))
+    print(line)
+    assert not problems, problems
 
 
 def test_fixed_graph_batch_dispatch_fired_inside_the_engine(pp_jobs):

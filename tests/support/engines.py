@@ -9,7 +9,9 @@ cut: 16 running requests x (1 + k) tokens = the budget):
 * ``pair_reference``: PP=1 without speculation (top-2 logprobs, to diagnose a mismatch);
 * ``pair_pp1``: PP=1 DSpark; ``pair_pp2_sync`` / ``pair_pp3_sync``: PP=2/3 DSpark, synchronous
   scheduling (the CPU default); ``pair_pp2_async``: PP=2 DSpark with async scheduling forced on
-  (its ``config["async_scheduling"]`` records what vLLM used).
+  (its ``config["async_scheduling"]`` records what vLLM used). Aux taps: raw at PP=2 sync,
+  partial sums in the intermediate tensors at PP=3 (:data:`PP3_ENV`), partial sums on the side
+  channel at PP=2 async (:data:`PP2_ASYNC_ENV`).
 
 Used by tests/e2e/test_pp_parity.py (tokens and counters) and tests/evals/gsm8k (accuracy and
 acceptance gates of the ``ci: cpu`` configurations, scored from these same runs). ``pair_pp1``,
@@ -181,6 +183,10 @@ ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 #: the PP=3 run relays its aux taps as partial sums (VLLM_DSPARK_PP_TAP_PARTIALS=1; the other
 #: PP runs keep the default raw taps), so CI's PP=3 parity checks cover both relays' sum
 PP3_ENV = {"VLLM_DSPARK_PP_TAP_PARTIALS": "1"}
+#: ... and the PP=2 async run sends them on the side channel (straight to the last stage, outside
+#: the intermediate tensors: protocol/tap_partials.py), so CI covers all three ways under async
+#: scheduling and the seeded wave too
+PP2_ASYNC_ENV = {"VLLM_DSPARK_PP_TAP_PARTIALS": "side"}
 
 
 @shared_case("pair_pp3_sync", cost_s=50)
@@ -192,7 +198,9 @@ def _pair_pp3_sync(request):
 @shared_case("pair_pp2_async", cost_s=45)
 def _pair_pp2_async(request):
     t = _timeout(request)
-    return lambda: run_pair(t, pp=2, spec=True, async_scheduling=True, extra_waves=[seeded_wave()])
+    return lambda: run_pair(
+        t, pp=2, spec=True, async_scheduling=True, extra_waves=[seeded_wave()], env=PP2_ASYNC_ENV
+    )
 
 
 @shared_case("pair_pp2_sync", cost_s=44)

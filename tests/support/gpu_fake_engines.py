@@ -213,6 +213,9 @@ def pytest_configure(config):
                         f"{spec[graph_batch.KEY]} requests (64 tokens): {n} pinned dispatches "
                         "so far\n"
                     )
+            taps = (env or {}).get("VLLM_DSPARK_PP_TAP_PARTIALS")
+            if pp > 1 and taps in ("1", "side"):
+                self.text += _tap_lines(rank // tp, pp, taps)
             if pp > 1 and (env or {}).get("VLLM_DSPARK_PP_DRAFT_DIGEST"):
                 digest = 0x1234ABCD + (rank == tp * pp - 1 and "digest_differs" in MUTATIONS)
                 self.text += (
@@ -222,6 +225,27 @@ def pytest_configure(config):
 
         def log_tail(self, n):
             return self.text
+
+    def _tap_lines(stage: int, pp: int, mode: str) -> str:
+        """What a stage of the tiny pair (hidden 128, float32) logs with tap partials on (the
+        plugin's formats, protocol/tap_partials.py); ``taps_in_dict``: the side channel's
+        stages still send the partial in the intermediate tensors."""
+        row = "hidden_states 512 B, residual 512 B"
+        if stage == pp - 1:
+            return (
+                "DSpark tap partials on, side channel (VLLM_DSPARK_PP_TAP_PARTIALS=side): ...\n"
+                if mode == "side"
+                else "DSpark tap partials on (VLLM_DSPARK_PP_TAP_PARTIALS=1): ...\n"
+            )
+        if mode == "1" or MUTATION == "taps_in_dict":
+            row = f"dspark_tap_partial 512 B, {row}"
+        text = f"DSpark PP stage {stage} sends per token row: {row}\n"
+        if mode == "side":
+            text += (
+                f"DSpark PP stage {stage} sends on the side channel per token row: "
+                f"dspark_tap_partial 512 B (to PP rank {pp - 1}, first step 27 rows, 13824 B)\n"
+            )
+        return text
 
     class Deployment:
         def __init__(self, name, target, **kw):

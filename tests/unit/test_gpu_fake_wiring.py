@@ -35,6 +35,9 @@ TP_PP = ["tests/gpu/test_tp_pp_one_gpu.py"]
 PP = ["tests/gpu/test_pp_one_gpu.py"]
 PP_SERVED = ["pp2_async", "pp2_sync", "pp3_async", "pp3_sync", "pp2_fixed8"]
 PP_JOBS = ",".join(["ref", "pp1_async", "pp1_sync", *PP_SERVED])
+# issue 44 item 4: group tap_partials (test_pp_one_gpu.py's opt-in jobs)
+TAP_SERVED = ["pp3_async", "pp3_taps_dict", "pp3_taps_side"]
+TAP_JOBS = ",".join(["ref", "pp1_async", *TAP_SERVED])
 # every TP x PP job but the stock control (its fake would wait on a /health that never answers)
 TP_PP_JOBS = ",".join(
     ["ref", "pp1_async", "pp1_sync", "tp2pp2_async", "tp2pp2_sync_eager", "tp2pp2_sync",
@@ -61,6 +64,11 @@ RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
     ),
     "pp": (PP, {"DSPARK_GPU_PP_JOBS": PP_JOBS}),
     "pp-pp2_low": (PP, {"DSPARK_GPU_PP_JOBS": PP_JOBS, "DSPARK_FAKE_MUTATION": "pp2_low"}),
+    "pp-taps": (PP, {"DSPARK_GPU_PP_JOBS": TAP_JOBS}),
+    "pp-taps-taps_in_dict": (
+        PP,
+        {"DSPARK_GPU_PP_JOBS": TAP_JOBS, "DSPARK_FAKE_MUTATION": "taps_in_dict"},
+    ),
     "tp_pp-default-jobs": (TP_PP, {}),
     "tp_pp-all-but-stock": (TP_PP, {"DSPARK_GPU_TP_PP_JOBS": TP_PP_JOBS}),
     **{
@@ -233,6 +241,38 @@ def test_the_pp_acceptance_verdicts_fail_on_low_acceptance(fake_runs, run):
     bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert bad == sorted(f"acceptance[{n}]" for n in PP_SERVED), bad
     assert "PP acceptance: PP=3 pp3_sync" in record["verdicts"]["acceptance[pp3_sync]"]["detail"]
+
+
+@pytest.mark.parametrize("run", ["pp-taps"])
+def test_fake_engines_pass_the_tap_partials_group(fake_runs, run):
+    """Group tap_partials (issue 44 item 4): PP=3 with raw taps, the partial in the intermediate
+    tensors and on the side channel; each served job's greedy, acceptance and NCCL verdicts and
+    the two tap jobs' key checks, all ok, with the mode in each tap job's shape."""
+    got = fake_runs(run)
+    record = _record(got, "pp.json")
+    assert got["rc"] == 0 and not got.get("failed") and not got["errors"], got["last"]
+    checks = {f"{c}[{n}]" for n in TAP_SERVED for c in ("greedy", "acceptance", "nccl")}
+    taps = {"tap_partials[pp3_taps_dict]", "tap_partials[pp3_taps_side]"}
+    assert checks | taps | {"nccl_stubs"} == set(record["verdicts"]), record["verdicts"]
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    jobs = record["jobs"]
+    assert jobs["pp3_taps_side"]["shape"]["tap_partials"] == "side"
+    assert jobs["pp3_taps_side"]["evidence"]["tap_side"] == {
+        "0": {"dspark_tap_partial": 512}, "1": {"dspark_tap_partial": 512}
+    }  # fmt: skip
+    assert "tap_partials" not in jobs["pp3_async"]["shape"]
+
+
+@pytest.mark.parametrize("run", ["pp-taps-taps_in_dict"])
+def test_the_side_channel_check_fails_when_the_partial_stays_in_the_dict(fake_runs, run):
+    """The control: the side-channel job's stages still send the partial to the next stage;
+    only its key check fails."""
+    got = fake_runs(run)
+    record = _record(got, "pp.json")
+    assert got["rc"] != 0 and got.get("failed") == 1, got["last"]
+    bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert bad == ["tap_partials[pp3_taps_side]"], bad
+    assert "dspark_tap_partial" in record["verdicts"][bad[0]]["detail"]
 
 
 @pytest.mark.parametrize("run", ["tp_pp-default-jobs", "tp_pp-all-but-stock"])

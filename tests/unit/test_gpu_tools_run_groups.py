@@ -205,3 +205,25 @@ def test_a_misspelt_group_fails_the_call_before_anything_starts(tmp_path):
     proc, calls = _fake_run(tmp_path, "acceptance", "gsm8k_k4")
     assert proc.returncode == 2 and "unknown group 'gsm8k_k4'" in proc.stderr
     assert calls == [] and not (tmp_path / "out").exists()
+
+
+def test_tap_partials_group_runs_the_pp_module_with_its_opt_in_jobs(tmp_path, monkeypatch):
+    """Group tap_partials (issue 44 item 4): test_pp_one_gpu.py with the raw-tap PP=3 job, the
+    two tap-partials jobs (not started by the pp group) and the references, its own record
+    folder and artifacts."""
+    monkeypatch.delenv("DSPARK_GPU_TAP_PARTIALS_JOBS", raising=False)
+    monkeypatch.setenv("DSPARK_GPU_PP_JOBS", "ref")  # the pp group's setting is not taken
+    keys = ("DSPARK_GPU_PP_JOBS", "DSPARK_GPU_PP_LOGS", "DSPARK_GPU_PP_OUT")
+    proc, calls = _fake_run(tmp_path, "tap_partials", env_keys=keys)
+    runs = [c for c in calls if "tests/gpu/test_pp_one_gpu.py" in c]
+    assert len(runs) == 1, calls
+    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
+    jobs = env["DSPARK_GPU_PP_JOBS"].split(",")
+    assert jobs == ["ref", "pp1_async", "pp3_async", "pp3_taps_dict", "pp3_taps_side"], env
+
+    module = (REPO / "tests" / "gpu" / "test_pp_one_gpu.py").read_text()
+    assert all(f'"{j}"' in module for j in jobs), jobs  # jobs the module knows
+    assert 'TAP_JOBS = {"pp3_taps_dict": "1", "pp3_taps_side": "side"}' in module
+    assert env["DSPARK_GPU_PP_LOGS"].endswith("/tap_partials")
+    assert env["DSPARK_GPU_PP_OUT"] == str(tmp_path / "out" / "tap_partials")
+    assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["tap_partials rc=0"]

@@ -7,6 +7,7 @@ recorded sample. Host clocks (no GPU); nothing is timed against a threshold."""
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -263,3 +264,43 @@ def test_the_served_driver_keeps_the_hooks_shape_log_line():
         "{'hidden_states': [32, 4096]} for a batch of 4 requests, 32 tokens (32 after padding)"
     )
     assert serve.useful_lines("noise\n" + line + "\nmore noise") == [line]
+
+
+class _Side:
+    """Stand-in DSpark tap side channel (protocol/tap_partials.TapSideChannel's three calls)."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+
+    def send(self, rows):
+        return torch.zeros(rows, self.width, dtype=torch.bfloat16)
+
+    def post(self, batch):
+        bufs = [torch.empty(batch.num_tokens, self.width, dtype=torch.bfloat16)] * 2  # 2 senders
+        return SimpleNamespace(buffers=bufs)
+
+    def take(self, batch):
+        time.sleep(0.002)  # the last stage's stall on the side channel
+        return torch.zeros(batch.num_tokens, self.width)
+
+
+def test_the_tap_side_channel_records_its_bytes_and_the_last_stages_wait(stage, monkeypatch):
+    """VLLM_DSPARK_PP_TAP_PARTIALS=side: what a sender sends and the last stage receives on the
+    side channel, and the last stage's stall before its drafter, which joins the stall share."""
+    side = _Side(32, 16)
+    assert hooks._install_side(side) == ["tap_side_channel"]
+    batch = SimpleNamespace(num_tokens=32)
+    hooks._STATE["cur"] = {}
+    side.send(32)
+    side.post(batch)
+    side.take(batch)
+    x = step_exchange_of(hooks._STATE["cur"])
+    assert x["side_send_bytes:dspark_tap_partial"] == 32 * 16 * 2
+    assert x["side_recv_bytes:dspark_tap_partial"] == 2 * 32 * 16 * 2
+    assert x["side_wait_ms"] >= 2.0
+    steps = [{"num_reqs": 4, "step_ms": 10.0, "x": {"pp_recv_wait_ms": 0.1, "side_wait_ms": 0.2}}]
+    assert hooks.summarize_exchange(steps, 4)["stall_share"] == pytest.approx(0.03)
+
+
+def step_exchange_of(cur: dict) -> dict:
+    return hooks.step_exchange(hooks._resolve_exchange(cur.get("x", [])))

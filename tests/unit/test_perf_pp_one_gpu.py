@@ -858,3 +858,20 @@ def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
             assert all(r["stream"] and r["ok"] for r in hops["records"])
     md = plot.markdown(plot.load([out / "serve_pp_one_gpu_pd.json"]), ["pd.json"])
     assert "| 3.99 | 8 |" in md and "| 100.0% | 0 | 0 | 1 / 1 |" in md
+
+
+def test_dry_run_tap_partials_group_sets_the_mode_on_every_launcher(capsys, tmp_path):
+    """Group ``tap_partials``: raw taps, the partial in the intermediate tensors and on the side
+    channel, the knob on both launchers of its deployment only; a make_tiny_models folder (the
+    wide pair's layout) is taken as the model folder."""
+    from vllm_dspark_pp.tiny_models import DRAFT_DIR_NAME, TARGET_DIR_NAME
+
+    for name in (TARGET_DIR_NAME, DRAFT_DIR_NAME):
+        (tmp_path / name).mkdir()
+    out = _dry(capsys, "--configs", "tap_partials", "--model-dir", str(tmp_path))
+    launchers = _launchers(out)
+    want = {"pp2_dspark": None, "pp2_dspark_taps_dict": "1", "pp2_dspark_taps_side": "side"}
+    for cfg, mode in want.items():
+        for node in (f"{cfg} node 0", f"{cfg} node 1 (headless)"):
+            assert launchers[node]["env"].get("VLLM_DSPARK_PP_TAP_PARTIALS") == mode, node
+            assert str(tmp_path / TARGET_DIR_NAME) in launchers[node]["argv"], node

@@ -35,6 +35,11 @@
 #         producer_memory (issue 29 item 4: the producer's drafter at the Qwen3-8B shape by the
 #         allocator, beside producer_kv: its context KV bitwise equal to the full drafter's, and
 #         producer_mla: the DeepSeek-V4 / Kimi-K3 context-only drafters on CUDA),
+#         tap_partials (issue 44 item 4: the aux taps as one partial sum of the drafter's first
+#         linear at PP=3 under CUDA graphs and NCCL, in the intermediate tensors and on the side
+#         channel straight to the last stage, beside raw taps and the PP=1 references;
+#         tests/gpu/test_pp_one_gpu.py's jobs by DSPARK_GPU_TAP_PARTIALS_JOBS; its JSON record in
+#         OUTDIR/tap_partials/pp.json, the launchers' logs in artifacts.tgz),
 #         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control),
 #         lost_stage / lost_stage_control / lost_stage_stock (issue 28 case 3b: PP rank 1 killed
 #         across two launchers; tests/gpu/test_pp_lost_stage_gpu.py, the control with the peer
@@ -73,7 +78,7 @@ OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
 STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
-KNOWN=(pd_mooncake dsv4k3 nixl pp tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 pd_pp_dsv41 pd_tp_pp dsv4k3_pp
+KNOWN=(pd_mooncake dsv4k3 nixl pp tap_partials tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 pd_pp_dsv41 pd_tp_pp dsv4k3_pp
   dsv41_pp router dsv4_router producer_memory pp_adaptive lost_stage lost_stage_control
   lost_stage_stock load pd_kill pd_decoder_kill sampling acceptance dsv4_check gsm8k_k3 gsm8k_dsv4
   gsm8k_dsv41)
@@ -138,6 +143,15 @@ for g in "$@"; do
   pp)
     mkdir -p "$ART/pp" "$OUTDIR/pp" # every launcher's log comes back in artifacts.tgz
     DSPARK_GPU_PP_LOGS="$ART/pp" DSPARK_GPU_PP_OUT="$OUTDIR/pp" DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
+      run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
+    ;;
+  tap_partials)
+    # the PP module's opt-in jobs: raw taps, the partial in the intermediate tensors and on the
+    # side channel (PP=3: two stages make taps), with the PP=1 references they are checked against
+    mkdir -p "$ART/tap_partials" "$OUTDIR/tap_partials"
+    DSPARK_GPU_PP_JOBS=${DSPARK_GPU_TAP_PARTIALS_JOBS:-ref,pp1_async,pp3_async,pp3_taps_dict,pp3_taps_side} \
+      DSPARK_GPU_PP_LOGS="$ART/tap_partials" DSPARK_GPU_PP_OUT="$OUTDIR/tap_partials" \
+      DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   tp_pp)

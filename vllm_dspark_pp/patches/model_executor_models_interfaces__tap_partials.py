@@ -4,7 +4,10 @@ WHAT: ``EagleModelMixin.collect_remote_aux_hidden_states`` returns ``[dspark_tap
 (the ``IntermediateTensors`` row the previous stage sent) on the last stage of a target whose
 decoder carries a tap-partial plan (:mod:`vllm_dspark_pp.protocol.tap_partials`, set by the
 ``v1_worker_gpu_pp_utils__tap_partials`` patch), so the target's forward returns
-``[partial] + its own taps`` to the drafter. Without a plan it is vLLM's method.
+``[partial] + its own taps`` to the drafter. With the side channel
+(``VLLM_DSPARK_PP_TAP_PARTIALS=side``) it returns ``[]`` there: nothing of the taps crossed the
+stages in the ``IntermediateTensors``, and the drafter patch puts the partial received on the side
+channel in front of the stage's own taps. Without a plan it is vLLM's method.
 
 WHY: vLLM 0.34.0 looks up one ``aux_hidden_states_<i>`` row per upstream tap
 (interfaces.py ``collect_remote_aux_hidden_states``) and raises when one is missing; with
@@ -16,7 +19,8 @@ UPSTREAM: none yet (with the relay hook of ``v1_worker_gpu_pp_utils__tap_partial
 
 RETIRE WHEN: vLLM relays a partial sum of the drafter's context projection itself.
 
-TESTED BY: tests/unit/protocol/test_tap_partials.py, tests/e2e/test_tap_partials_e2e.py
+TESTED BY: tests/unit/protocol/test_tap_partials.py, tests/unit/protocol/test_tap_side.py,
+tests/e2e/test_tap_partials_e2e.py
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ def _patch(module) -> None:
     def make(orig):
         def collect_remote_aux_hidden_states(self, intermediate_tensors):
             plan = getattr(self, PLAN_ATTR, None)
+            if plan is not None and plan.is_last and plan.side:
+                return []
             if plan is None or not plan.is_last or not plan.receives:
                 return orig(self, intermediate_tensors)
             assert intermediate_tensors is not None

@@ -10,8 +10,13 @@ receives ``dspark_tap_partial`` in place of ``aux_hidden_states_<i>`` (its
 linear from the draft checkpoint. ``PPHandler.relay_aux_hidden_states`` (every non-last rank,
 after the forward) then sends ``hidden_states``, ``residual`` and one ``dspark_tap_partial`` row
 (what it received plus its block times its own taps) instead of its taps and the upstream taps.
-With the mode off both methods are vLLM's. Either way the first relay of each process logs the
-keys it sends and their bytes per token row.
+With ``VLLM_DSPARK_PP_TAP_PARTIALS=side`` ``configure_stage`` first makes the side channel's
+process group on every rank (a sibling of the PP group), a stage after the first receives only
+the target's own tensors, and the relay drops the taps from what it returns, keeping a stage's
+own taps for the side channel's send (``v1_worker_gpu_model_runner__tap_partials``); each rank
+logs the keys it receives on the critical path and what goes on the side channel, with bytes per
+token row. With the mode off both methods are vLLM's. Either way the first relay of each process
+logs the keys it sends and their bytes per token row.
 
 WHY: vLLM 0.34.0 relays every aux tap of an earlier stage to the last one as its own row
 (``pp_utils.py:108-131``, ``eagle3_utils.py:56-99``): a boundary after ``m`` taps carries ``m``
@@ -23,7 +28,8 @@ linear).
 
 RETIRE WHEN: vLLM relays a partial sum of the drafter's context projection itself.
 
-TESTED BY: tests/unit/protocol/test_tap_partials.py, tests/e2e/test_tap_partials_e2e.py
+TESTED BY: tests/unit/protocol/test_tap_partials.py, tests/unit/protocol/test_tap_side.py,
+tests/e2e/test_tap_partials_e2e.py
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def _patch(module) -> None:
             from vllm_dspark_pp.protocol import tap_partials
 
             self._dspark_tap_plan = None
+            self._dspark_tap_side = None
             tap_partials.configure_stage(self, model, get_current_vllm_config())
 
         return configure_aux_hidden_state_relay

@@ -27,7 +27,29 @@ stage before the last reads its column block of ``W`` from the draft checkpoint
 (:func:`load_column_block`); the last stage slices its own block from the loaded drafter.
 Modes (``VLLM_DSPARK_PP_TAP_PARTIALS``): ``auto`` where some boundary would carry two or more
 tap rows, ``1`` wherever a tap is relayed, ``0`` never (the default until the mode has run on a
-GPU: CUDA graphs, bf16 and TP > 1 inside a stage are untested).
+GPU: CUDA graphs, bf16 and TP > 1 inside a stage are untested), ``side`` as ``1`` but off the
+critical path (below).
+
+The side channel (``side``). With ``auto``/``1`` the partial still rides in the
+``IntermediateTensors`` the next stage's forward waits for (vLLM's worker waits on every received
+key before it copies them into its static buffers), though only the last stage's drafter reads
+it. With ``side`` the dict carries the target's own tensors only; every stage ``s`` that makes
+taps sends ``W_s @ its taps`` (``n`` rows: the step's real token count, which every stage
+computes alike from the same scheduler output) straight to the last PP rank on a process group
+of its own (:class:`TapSideChannel`: a sibling of the PP group, on a side stream on CUDA, gloo on
+CPU). The last stage posts one receive per sender when its ``prepare_inputs`` has built the
+step's batch (before its forward) and waits for them right before the drafter reads the taps
+(``propose``), where it sums them in stage order (the order the relay adds them in) and hands
+the drafter ``[partial] + its own taps``. Sends happen exactly when vLLM's worker sends the
+dict (a non-dummy ``execute_model`` returning ``IntermediateTensors``), receives exactly when
+the last stage runs a non-dummy forward: both are decided by the same scheduler output on every
+stage, so the per-pair FIFO order matches with any number of micro-batches in flight. Each
+pending receive is tagged with its step's batch; a drafter that finds the head of the queue
+belongs to another step (a forward whose drafter never ran) drains it, and a drafter with no
+receive posted for its step raises instead of waiting. Dummy, profile and warm-up-by-dummy runs
+send and receive nothing (the drafter reads a zero partial there). Falls back to ``1`` (logged,
+decided alike on every rank) where the last stage makes no tap of its own (its forward would
+return no aux list) or prefill context parallelism is on (the last stage's batch is rebuilt).
 """
 
 from __future__ import annotations
@@ -35,8 +57,12 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -51,6 +77,10 @@ TAP_KEY = "aux_hidden_states_"
 PLAN_ATTR = "_dspark_tap_plan"
 #: ... and where its checkpoint tensor is (``(folder, LinearInCheckpoint)``).
 SOURCE_ATTR = "_dspark_tap_source"
+#: ... and its side channel (``VLLM_DSPARK_PP_TAP_PARTIALS=side``), read by the drafter patch.
+SIDE_ATTR = "_dspark_tap_side"
+#: The side channel's process group description.
+SIDE_GROUP_DESC = "dspark_tap_side"
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
@@ -79,7 +109,8 @@ def upstream_counts(aux_layers: Sequence[int], stage_starts: Sequence[int]) -> l
 
 
 def choose_mode(knob: str, upstream: Sequence[int]) -> tuple[bool, str]:
-    """Whether to relay partial sums, and why (for the start-up line)."""
+    """Whether to relay partial sums (``side``: as ``1``, on the side channel), and why (for the
+    start-up line)."""
     if knob == "0":
         return False, "VLLM_DSPARK_PP_TAP_PARTIALS=0"
     if not any(upstream):
@@ -109,14 +140,23 @@ class TapPlan:
     is_first: bool
     is_last: bool
     upstream: tuple[int, ...]  # taps made before each boundary (raw rows per boundary)
+    side: bool = False  # partials go straight to the last stage on the side channel
+    senders: tuple[int, ...] = ()  # side: the PP stages (rank in group) that make taps, not last
 
     @property
     def receives(self) -> bool:
-        return not self.is_first and self.base > 0
+        """Receives a partial in the ``IntermediateTensors`` (never with the side channel)."""
+        return not self.side and not self.is_first and self.base > 0
 
     @property
     def sends(self) -> bool:
-        return not self.is_last and self.base + self.count > 0
+        """Sends a partial in the ``IntermediateTensors`` (never with the side channel)."""
+        return not self.side and not self.is_last and self.base + self.count > 0
+
+    @property
+    def side_sends(self) -> bool:
+        """Sends its own ``W_s @ taps`` to the last stage on the side channel."""
+        return self.side and not self.is_last and self.count > 0
 
     def columns(self) -> tuple[int, int]:
         """This stage's column range of ``W``."""
@@ -163,6 +203,277 @@ class PartialSumLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"partial_width={self.partial_width}, own_columns={self.weight.shape[1]}"
+
+
+# ---------------------------------------------------------------- the side channel
+
+
+@dataclass
+class PendingStep:
+    """The last stage's receives of one step: one buffer per sender, in stage order."""
+
+    batch: Any  # the step's input batch (what the drafter is called with)
+    rows: int
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)
+
+
+class TapSideChannel:
+    """One rank's end of the side channel (``VLLM_DSPARK_PP_TAP_PARTIALS=side``).
+
+    A stage that makes taps (not the last) keeps its own taps at the relay
+    (:meth:`stage_taps`) and, once vLLM's worker is about to send the step's dict, sends
+    ``block @ concat(taps[:rows])`` to the last PP rank (:meth:`send`). The last stage posts
+    one receive per sender when it has built the step's batch (:meth:`post`) and waits for them
+    only when its drafter reads the taps (:meth:`take`), summing them in stage order. On CUDA
+    sends and receives are posted on a side stream (which first waits for the main stream: the
+    sender's sum is queued there; the receive buffers come from the allocator on the side
+    stream and are recorded for the main one), and the drafter's wait is a dependency of the
+    main stream on the receive, not a host wait. On CPU (gloo) the host waits, at most
+    ``VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S`` seconds.
+    """
+
+    def __init__(
+        self,
+        plan: TapPlan,
+        group: Any,
+        ranks: Sequence[int],
+        device: Any,
+        dtype: torch.dtype,
+        *,
+        block: torch.Tensor | None = None,
+        main_stream: Any = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.plan = plan
+        self.group = group
+        self.ranks = tuple(int(r) for r in ranks)  # the PP group's global ranks, by stage
+        if len(self.ranks) != len(plan.upstream) + 1:
+            raise TapPartialsError(
+                f"the side channel's PP group has {len(self.ranks)} ranks but the plan "
+                f"{len(plan.upstream) + 1} stages"
+            )
+        self.dst = self.ranks[-1]
+        self.sources = tuple(self.ranks[s] for s in plan.senders)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block = block
+        self.timeout_s = timeout_s
+        self.on_cuda = self.device.type == "cuda"
+        self.main_stream = main_stream
+        self.stream = None
+        if self.on_cuda:
+            if self.main_stream is None:
+                self.main_stream = torch.cuda.current_stream(self.device)
+            self.stream = torch.cuda.Stream(self.device)
+        # steps in flight at most: the PP batch queue holds pp_size; twice that and some is
+        # room, a longer queue means sends or drafter calls are lost (drained with a warning)
+        self.limit = 2 * len(self.ranks) + 2
+        self._own: list[torch.Tensor] | None = None
+        self._sends: deque[tuple[Any, torch.Tensor]] = deque()
+        self._recvs: deque[PendingStep] = deque()
+        self.stats = {
+            "sent_steps": 0,
+            "sent_bytes": 0,
+            "recv_steps": 0,
+            "recv_bytes": 0,
+            "host_wait_s": 0.0,
+            "stale_steps": 0,
+        }
+        self._logged: set[str] = set()
+
+    # -- both ends
+    @contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """The context every post runs in: the side stream, after the main one, on CUDA."""
+        if not self.on_cuda:
+            yield
+            return
+        assert self.stream is not None and self.main_stream is not None
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(self.main_stream)
+            yield
+
+    def _timeout(self) -> float:
+        if self.timeout_s is not None:
+            return float(self.timeout_s)
+        from vllm_dspark_pp import envs
+
+        return envs.VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S
+
+    def _wait(self, work: Any, what: str) -> None:
+        if self.on_cuda:
+            work.wait()  # the current stream waits for the transfer; the host does not
+            return
+        timeout = self._timeout()
+        t0 = time.perf_counter()
+        try:
+            work.wait(timeout=timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise TapPartialsError(
+                f"PP stage {_rank()} waited {timeout:g} s for {what} on the DSpark tap side "
+                f"channel ({type(e).__name__}: {e}). Its partner never posted the matching "
+                "send or receive (a bug: please report it with every rank's log) or the link is "
+                "that slow (raise VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S); set "
+                "VLLM_DSPARK_PP_TAP_PARTIALS=1 on every node to send the partials in the "
+                "intermediate tensors instead"
+            ) from e
+        finally:
+            self.stats["host_wait_s"] += time.perf_counter() - t0
+
+    def _once(self, key: str, msg: str, *args: Any, warn: bool = False) -> None:
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        log = _logger()
+        (log.warning if warn else log.info)(msg, *args)
+
+    # -- a stage that makes taps (not the last)
+    def stage_taps(self, own: Sequence[torch.Tensor]) -> None:
+        """The relay's own taps of this step (sent by :meth:`send`, dropped by a dummy run)."""
+        self._own = list(own)
+
+    def drop_taps(self) -> None:
+        self._own = None
+
+    def send(self, rows: int) -> torch.Tensor:
+        """Send ``block @ concat(own taps[:rows])`` to the last stage; returns what was sent."""
+        own, self._own = self._own, None
+        if own is None:
+            raise TapPartialsError(
+                f"PP stage {_rank()} must send its tap partial on the side channel but its relay "
+                "kept no taps this step; set VLLM_DSPARK_PP_TAP_PARTIALS=1 on every node"
+            )
+        rows = int(rows)
+        contribution = partial_sum([t[:rows] for t in own], self.block, None).contiguous()
+        with self._side_stream():
+            work = torch.distributed.isend(contribution, dst=self.dst, group=self.group)
+            if self.stream is not None:
+                contribution.record_stream(self.stream)
+        self._sends.append((work, contribution))
+        nbytes = contribution.numel() * contribution.element_size()
+        self.stats["sent_steps"] += 1
+        self.stats["sent_bytes"] += nbytes
+        self._once(
+            "send",
+            "DSpark PP stage %s sends on the side channel per token row: %s %s (to PP rank %s, "
+            "first step %d rows, %d B)",
+            _rank(),
+            PARTIAL_KEY,
+            _row_bytes(contribution),
+            self.dst,
+            rows,
+            nbytes,
+        )
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+        while len(self._sends) > self.limit:
+            self._wait(self._sends.popleft()[0], "an old side-channel send to complete")
+        return contribution
+
+    # -- the last stage
+    def post(self, batch: Any) -> PendingStep:
+        """Post this step's receives (one per sender, ``batch.num_tokens`` rows each)."""
+        rows = int(batch.num_tokens)
+        step = PendingStep(batch, rows)
+        with self._side_stream():
+            for src in self.sources:
+                buf = torch.empty(
+                    (rows, self.plan.partial_width), dtype=self.dtype, device=self.device
+                )
+                step.works.append(torch.distributed.irecv(buf, src=src, group=self.group))
+                if self.on_cuda:
+                    buf.record_stream(self.main_stream)
+                step.buffers.append(buf)
+        self._recvs.append(step)
+        self.stats["recv_steps"] += 1
+        self.stats["recv_bytes"] += sum(b.numel() * b.element_size() for b in step.buffers)
+        while len(self._recvs) > self.limit:
+            self._drain(self._recvs.popleft(), "the side-channel queue is full")
+        return step
+
+    def _drain(self, step: PendingStep, why: str) -> None:
+        for w in step.works:
+            self._wait(w, "a stale side-channel receive")
+        self.stats["stale_steps"] += 1
+        self._once(
+            "stale",
+            "DSpark tap partials: dropped the side-channel partials of a step whose drafter "
+            "never read them (%s; logged once)",
+            why,
+            warn=True,
+        )
+
+    def take(self, batch: Any) -> torch.Tensor:
+        """The partial sum of ``batch``'s step (``[rows, partial_width]``): waits for its
+        receives (and drains older steps whose drafter never ran)."""
+        while self._recvs:
+            step = self._recvs.popleft()
+            if step.batch is not batch:
+                self._drain(step, "a later step's drafter came first")
+                continue
+            for src, w in zip(self.sources, step.works, strict=True):
+                self._wait(w, f"the partial of PP rank {src}")
+            partial = step.buffers[0]
+            for buf in step.buffers[1:]:
+                partial = partial + buf  # stage order: what the relay of "1" adds up
+            return partial
+        raise TapPartialsError(
+            f"PP stage {_rank()}: the drafter reads the taps of a step for which no partial "
+            "was received on the side channel (its forward did not post one); set "
+            "VLLM_DSPARK_PP_TAP_PARTIALS=1 on every node"
+        )
+
+    def dummy_partial(self, rows: int) -> torch.Tensor:
+        """A dummy or profile run's partial: zeros (nothing is sent for those runs)."""
+        return torch.zeros(
+            (int(rows), self.plan.partial_width), dtype=self.dtype, device=self.device
+        )
+
+
+def side_of(obj: Any) -> TapSideChannel | None:
+    """The side channel of a model runner (through its PP handler) or a speculator."""
+    side = getattr(obj, "_dspark_tap_side", None)
+    if side is None:
+        side = getattr(getattr(obj, "pp_handler", None), "_dspark_tap_side", None)
+    return side if isinstance(side, TapSideChannel) else None
+
+
+def after_forward(runner: Any, out: Any, dummy_run: bool) -> None:
+    """A non-last stage after ``execute_model``: send this step's partial exactly when vLLM's
+    worker sends the dict (a non-dummy step that returned ``IntermediateTensors``); a dummy run
+    (profile, capture, DP padding) drops what the relay kept."""
+    side = side_of(runner)
+    if side is None or side.plan.is_last:
+        return
+    from vllm.sequence import IntermediateTensors
+
+    if dummy_run or not isinstance(out, IntermediateTensors):
+        side.drop_taps()
+        return
+    if side.plan.side_sends:
+        side.send(int(runner.execute_model_state.input_batch.num_tokens))
+
+
+def after_prepare_inputs(runner: Any, input_batch: Any) -> None:
+    """The last stage, once a (non-dummy) step's batch is built, before its forward: post the
+    step's side-channel receives."""
+    side = side_of(runner)
+    if side is not None and side.plan.is_last:
+        side.post(input_batch)
+
+
+def drafter_taps(speculator: Any, input_batch: Any, aux_hidden_states: Any, dummy_run: bool) -> Any:
+    """The aux list the last stage's drafter reads: ``[partial] + own taps`` with the side
+    channel (the partial waited for here, right before the drafter reads it), else unchanged."""
+    side = side_of(speculator)
+    if side is None:
+        return aux_hidden_states
+    own = list(aux_hidden_states or [])
+    if dummy_run:
+        rows = own[0].shape[0] if own else int(input_batch.num_tokens_after_padding)
+        return [side.dummy_partial(rows), *own]
+    return [side.take(input_batch), *own]
 
 
 # ---------------------------------------------------------------- the draft checkpoint
@@ -285,6 +596,10 @@ def plan_for(vllm_config: Any, inner: Any) -> tuple[TapPlan | None, str, Any]:
     on, why = choose_mode(knob, upstream)
     if not on:
         return None, why, None
+    side = False
+    senders: tuple[int, ...] = ()
+    if knob == "side":
+        side, senders, why = side_layout(aux, starts, num_layers, vllm_config.parallel_config)
     family = families.family_for(families.draft_architectures(spec))
     linear = family.context_linear if family is not None else None
     if linear is None:
@@ -306,8 +621,36 @@ def plan_for(vllm_config: Any, inner: Any) -> tuple[TapPlan | None, str, Any]:
         is_first=pp.is_first_rank,
         is_last=pp.is_last_rank,
         upstream=tuple(upstream),
+        side=side,
+        senders=senders,
     )
     return plan, f"{why}; {family.name} {linear} = {hit.key}", (folder, hit)
+
+
+def side_layout(
+    aux: Sequence[int], starts: Sequence[int], num_layers: int, parallel_config: Any = None
+) -> tuple[bool, tuple[int, ...], str]:
+    """``(side, senders, why)`` for ``VLLM_DSPARK_PP_TAP_PARTIALS=side``: whether the partials
+    can travel on the side channel (else they ride in the ``IntermediateTensors`` as with ``1``),
+    which stages send one, and the reason for the start-up line. Pure in what every rank has."""
+    bounds = [*starts, num_layers]
+    counts = [stage_slots(aux, bounds[r], bounds[r + 1], r == 0)[1] for r in range(len(starts))]
+    senders = tuple(r for r in range(len(starts) - 1) if counts[r])
+    pcp = int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
+    fallback = "partial sums ride in the intermediate tensors as with 1"
+    if counts[-1] == 0:
+        why = (
+            "VLLM_DSPARK_PP_TAP_PARTIALS=side, but the last stage makes no aux tap of its own "
+            f"(its forward would hand the drafter no aux list to join): {fallback}"
+        )
+        return False, (), why
+    if pcp > 1:
+        why = (
+            f"VLLM_DSPARK_PP_TAP_PARTIALS=side, but prefill context parallelism is on (size "
+            f"{pcp}: the last stage rebuilds its batch for the drafter): {fallback}"
+        )
+        return False, (), why
+    return True, senders, "VLLM_DSPARK_PP_TAP_PARTIALS=side"
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -328,7 +671,12 @@ def describe_boundaries(plan_upstream: Sequence[int], partials: bool, row_bytes:
 
 def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | None:
     """Called on every PP rank after vLLM set the aux layers: decide, log, and install this
-    rank's share (the receive buffers, the column block, the plan on the decoder)."""
+    rank's share (the receive buffers, the column block, the plan on the decoder, the side
+    channel)."""
+    # A collective of every world rank (each runs this at the same point of load_model): made
+    # whenever the knob says side, before anything below may decide differently or raise, so no
+    # rank can be left waiting in it.
+    group = _side_group(handler) if _side_knob() else None
     inner = _inner_decoder(model)
     if inner is None:
         return None
@@ -350,13 +698,32 @@ def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | Non
     object.__setattr__(inner, SOURCE_ATTR, where)
     if plan.receives:
         _reserve_partial_slot(model, plan)
+    if plan.side and not plan.is_first:
+        _drop_tap_slots(model)
     handler._dspark_tap_plan = plan
     handler._dspark_tap_block = None
-    if plan.sends and plan.count:
+    if (plan.sends or plan.side_sends) and plan.count:
         folder, hit = where
         handler._dspark_tap_block = load_column_block(
             folder, hit, plan, dtype, _device(handler, model)
         )
+    if plan.side:
+        assert group is not None  # plan_for chooses side only where the knob says side
+        from vllm.distributed.parallel_state import get_pp_group
+
+        side = TapSideChannel(
+            plan,
+            group,
+            get_pp_group().ranks,
+            _device(handler, model),
+            dtype,
+            block=handler._dspark_tap_block,
+            main_stream=getattr(handler, "main_stream", None),
+        )
+        handler._dspark_tap_side = side
+        object.__setattr__(inner, SIDE_ATTR, side)
+        _log_side(plan, why, row, _critical_keys(model, plan, dtype, _device(handler, model)))
+        return plan
     if plan.is_last:
         _logger().info(
             "DSpark tap partials on (%s): aux bytes per token row per boundary, raw taps -> "
@@ -408,6 +775,103 @@ def _upstream_of(vllm_config: Any, inner: Any) -> list[int]:
     return upstream_counts(inner.aux_hidden_state_layers, starts)
 
 
+def _side_knob() -> bool:
+    from vllm_dspark_pp import envs
+
+    return envs.VLLM_DSPARK_PP_TAP_PARTIALS == "side"
+
+
+def _side_group(handler: Any) -> Any:
+    """The side channel's process group (made once per handler): a sibling of the PP group's
+    device group (NCCL on CUDA, gloo on CPU), so side-channel sends and receives never queue
+    behind, or in front of, the stage-to-stage tensors on one communicator."""
+    group = getattr(handler, "_dspark_tap_side_group", None)
+    if group is None:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if pp.world_size < 2:
+            return None
+        group = pp.make_sibling_device_group(group_desc=SIDE_GROUP_DESC)
+        handler._dspark_tap_side_group = group
+    return group
+
+
+def _drop_tap_slots(model: Any) -> None:
+    """The receive buffers of a stage after the first, side channel: the target's own tensors
+    only (no relayed tap, no partial)."""
+    make = model.make_empty_intermediate_tensors
+
+    def make_empty_without_taps(batch_size, dtype, device):
+        tensors = make(batch_size, dtype, device)
+        for key in [k for k in tensors.tensors if k.startswith(TAP_KEY) or k == PARTIAL_KEY]:
+            del tensors.tensors[key]
+        return tensors
+
+    model.make_empty_intermediate_tensors = make_empty_without_taps
+
+
+def _row_bytes(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"({type(t).__name__})"
+    return f"{t.shape[-1] * t.element_size() if t.dim() else 0} B"
+
+
+def _critical_keys(model: Any, plan: TapPlan, dtype: torch.dtype, device: Any) -> str:
+    """What this stage receives from the previous one (its receive buffers' keys and bytes per
+    token row), for the start-up line; '' on the first stage."""
+    if plan.is_first:
+        return ""
+    try:  # a log line: nothing about it may stop a start
+        tensors = model.make_empty_intermediate_tensors(1, dtype, device).tensors
+        return ", ".join(f"{k} {_row_bytes(t)}" for k, t in sorted(tensors.items()))
+    except Exception as e:  # noqa: BLE001
+        return f"unknown ({type(e).__name__}: {e})"
+
+
+def describe_side(plan: TapPlan, row_bytes: int) -> str:
+    """``'stage 0 -> 2: dspark_tap_partial 512 B | ...'``: the side channel's rows per sender."""
+    last = len(plan.upstream)
+    return " | ".join(f"stage {s} -> {last}: {PARTIAL_KEY} {row_bytes} B" for s in plan.senders)
+
+
+def _log_side(plan: TapPlan, why: str, row: dict, critical: str) -> None:
+    log = _logger()
+    side = describe_side(plan, row["partial"])
+    if plan.is_last:
+        log.info(
+            "DSpark tap partials on, side channel (%s): aux bytes per token row per boundary, "
+            "raw taps: %s  =>  critical path: no aux keys at any boundary (the target's own "
+            "tensors only); side channel, straight to the last stage: %s (its drafter waits "
+            "for them right before it reads the taps)",
+            why,
+            describe_boundaries(plan.upstream, False, row),
+            side,
+        )
+    parts = []
+    if critical:
+        parts.append(f"receives on the critical path: {critical}")
+    if plan.side_sends:
+        parts.append(
+            f"sends on the side channel: {PARTIAL_KEY} {row['partial']} B per token row to the "
+            "last stage"
+        )
+    if plan.is_last:
+        parts.append(
+            f"receives on the side channel: {PARTIAL_KEY} {row['partial']} B per token row from "
+            f"stage{'s' if len(plan.senders) > 1 else ''} "
+            f"{', '.join(str(s) for s in plan.senders)}"
+        )
+    log.info(
+        "DSpark tap partials (side channel): stage %s makes tap slots %d..%d (%d); %s",
+        _rank(),
+        plan.base,
+        plan.base + plan.count - 1,
+        plan.count,
+        "; ".join(parts) or "nothing of the taps crosses this stage",
+    )
+
+
 def _reserve_partial_slot(model: Any, plan: TapPlan) -> None:
     """The receive buffers of a stage after the first: the partial in place of the taps."""
     make = model.make_empty_intermediate_tensors
@@ -438,6 +902,12 @@ def relay(handler: Any, received: Any, out: Any) -> Any:
     if own_keys != expected:
         raise TapPartialsError(f"this stage made tap rows {own_keys}, the plan says {expected}")
     own = [tensors.pop(k) for k in own_keys]
+    if plan.side:
+        # the side channel sends W_s @ own taps after the step (TapSideChannel.send, called
+        # where vLLM's worker sends this dict); nothing of the taps stays in it
+        if plan.side_sends:
+            handler._dspark_tap_side.stage_taps(own)
+        return IntermediateTensors(tensors)
     if plan.sends:
         incoming = received[PARTIAL_KEY] if plan.receives else None
         if incoming is not None:
@@ -450,10 +920,7 @@ def log_sent_keys(out: Any) -> None:
     """One line: the keys this stage sends to the next and their bytes per token row."""
     try:  # a log line: nothing about it may stop a step
         keys = ", ".join(
-            f"{k} {t.shape[-1] * t.element_size() if t.dim() else 0} B"
-            if isinstance(t, torch.Tensor)
-            else f"{k} ({type(t).__name__})"
-            for k, t in sorted(getattr(out, "tensors", {}).items())
+            f"{k} {_row_bytes(t)}" for k, t in sorted(getattr(out, "tensors", {}).items())
         )
     except Exception as e:  # noqa: BLE001
         keys = f"unknown ({type(e).__name__}: {e})"
@@ -487,6 +954,14 @@ def install_on_drafter(speculator: Any, target_model: Any) -> None:
     weight = module.weight
     block = load_column_block(folder, hit, plan, weight.dtype, weight.device)
     setattr(drafter, name, PartialSumLinear(block, plan.partial_width))
+    if plan.side:
+        side = getattr(inner, SIDE_ATTR, None)
+        if side is None:
+            raise TapPartialsError(
+                "the last stage's plan says the partials come on the side channel but none was "
+                "set up; set VLLM_DSPARK_PP_TAP_PARTIALS=1 on every node"
+            )
+        speculator._dspark_tap_side = side
     staging = getattr(speculator, "_aux_staging", None)
     if staging is not None:
         width = plan.partial_width + block.shape[1]

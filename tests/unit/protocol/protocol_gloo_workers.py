@@ -164,6 +164,12 @@ HANDSHAKE_SCENARIOS = {
         (),
     ),
     "tap_partials": ({2: {"tap_partials": "0"}}, ()),
+    # the side channel against partials in the intermediate tensors: the last stage would wait
+    # for side-channel sends that never come, the first would send rows nobody copies
+    "tap_side": (
+        {0: {"tap_partials": "side"}, 1: {"tap_partials": "1"}, 2: {"tap_partials": "1"}},
+        (),
+    ),
     "silent_rank": ({}, (1,)),
     "silent_last": ({}, (2,)),
 }
@@ -397,3 +403,185 @@ def run_processes(target, world: int, args_for_rank, timeout_s: float) -> dict[i
                 p.kill()
                 p.join(timeout=10)
     return results
+
+
+# ------------------------------------------------------------------ the tap side channel
+#: (tap counts per stage, hidden, partial width) of the side-channel worlds: the trained tiny
+#: pair's PP=2 `3,1` split (two taps on stage 0) and its PP=3 split (one tap per stage).
+TAP_SIDE_LAYOUTS = {2: ((2, 1), 8, 6), 3: ((1, 1, 1), 8, 6)}
+
+
+def tap_side_script(seed: int, num_steps: int, fault_step: int | None = None) -> list[dict]:
+    """The steps every rank replays alike: real forwards of 1..40 tokens (own taps padded by
+    0..7 rows, as under CUDA graphs), dummy runs, and real steps whose drafter is skipped."""
+    import random
+
+    rng = random.Random(seed)
+    steps = []
+    for t in range(num_steps):
+        kind = rng.choices(["real", "dummy", "skip"], weights=[8, 1, 1])[0]
+        if t == fault_step:
+            kind = "real"
+        steps.append({"t": t, "kind": kind, "rows": rng.randint(1, 40), "pad": rng.randint(0, 7)})
+    return steps
+
+
+def _side_taps(step: dict, slot: int, hidden: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step["t"] + slot)
+    return torch.randn(step["rows"] + step["pad"], hidden, generator=g)
+
+
+def tap_side_worker(
+    rank: int,
+    world: int,
+    port: int,
+    seed: int,
+    num_steps: int,
+    depth: int,
+    fault: str | None,
+    timeout_s: float,
+    queue,
+) -> None:
+    """One PP rank of a side-channel world (gloo): the relay, the runner hooks and the drafter
+    hook of protocol/tap_partials.py on stand-in runner and speculator objects, replaying
+    :func:`tap_side_script`. The last rank posts each step's receives when it "builds the
+    batch" and takes them ``depth - 1`` steps later (the PP batch queue's micro-batches in
+    flight); every partial it hands the drafter must equal, bit for bit, the sum the
+    intermediate-tensor relay (``1``) would have delivered, and the drafter's first linear of
+    ``[partial | own taps]`` the full linear of all taps. ``fault`` plants a control:
+    ``zeros`` (the drafter reads a zero buffer), ``no_post`` (the last rank posts no receive),
+    ``stop_send`` (stage 0 sends nothing from step 3 on)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    result: dict = {"rank": rank, "ok": False, "checked": 0, "dummies": 0, "problems": []}
+    try:
+        dist = _init(rank, world, port, timeout_s=timeout_s + 30)
+        group = dist.new_group(list(range(world)), backend="gloo")
+        from vllm.sequence import IntermediateTensors
+
+        from vllm_dspark_pp.protocol import tap_partials as tp
+
+        counts, hidden, pw = TAP_SIDE_LAYOUTS[world]
+        n_taps = sum(counts)
+        weight = torch.randn(pw, n_taps * hidden, generator=torch.Generator().manual_seed(seed))
+        bases = [sum(counts[:r]) for r in range(world)]
+        upstream = tuple(sum(counts[: r + 1]) for r in range(world - 1))
+        senders = tuple(r for r in range(world - 1) if counts[r])
+        last = world - 1
+        plans = [
+            tp.TapPlan(n_taps, hidden, pw, bases[r], counts[r], r == 0, r == last, upstream)
+            for r in range(world)
+        ]
+        plan = tp.TapPlan(
+            n_taps, hidden, pw, bases[rank], counts[rank], rank == 0, rank == last, upstream,
+            side=True, senders=senders,
+        )  # fmt: skip
+        block = tp.column_block(weight, plan.base, plan.count, hidden)
+        side = tp.TapSideChannel(
+            plan, group, range(world), "cpu", torch.float32, block=block, timeout_s=timeout_s
+        )
+        handler = SimpleNamespace(
+            _dspark_tap_plan=plan, _dspark_tap_block=block, _dspark_tap_side=side
+        )
+        runner = SimpleNamespace(pp_handler=handler, execute_model_state=None)
+        speculator = SimpleNamespace(_dspark_tap_side=side)
+        if fault == "zeros" and rank == last:
+            side.take = lambda batch: torch.zeros(batch.num_tokens, pw)
+        script = tap_side_script(seed, num_steps, fault_step=3 if fault == "stop_send" else None)
+
+        def own_taps(step, r):
+            return [_side_taps(step, bases[r] + i, hidden) for i in range(counts[r])]
+
+        def relay_reference(step):
+            """What the last stage's drafter gets from the ``1`` relay (the chain of partial
+            sums, stage by stage, as protocol/tap_partials.relay computes them)."""
+            partial = None
+            for r in range(world - 1):
+                if not plans[r].sends:
+                    continue
+                blk = tp.column_block(weight, bases[r], counts[r], hidden) if counts[r] else None
+                taps = [t[: step["rows"]] for t in own_taps(step, r)]
+                partial = tp.partial_sum(taps, blk, partial)
+            return partial
+
+        def execute(step):
+            dummy = step["kind"] == "dummy"
+            batch = SimpleNamespace(
+                num_tokens=step["rows"], num_tokens_after_padding=step["rows"] + step["pad"]
+            )
+            hs = torch.zeros(step["rows"] + step["pad"], hidden)
+            if rank == last:
+                if not dummy and fault != "no_post":
+                    tp.after_prepare_inputs(runner, batch)  # the hook of prepare_inputs
+                return batch
+            out = IntermediateTensors(
+                {
+                    "hidden_states": hs,
+                    "residual": hs,
+                    **{
+                        f"{tp.TAP_KEY}{bases[rank] + i}": t
+                        for i, t in enumerate(own_taps(step, rank))
+                    },
+                }
+            )
+            received = IntermediateTensors({"hidden_states": hs, "residual": hs})
+            sent = tp.relay(handler, received, out)
+            if sorted(sent.tensors) != ["hidden_states", "residual"]:
+                result["problems"].append(
+                    f"step {step['t']}: the dict holds {sorted(sent.tensors)}"
+                )
+            runner.execute_model_state = SimpleNamespace(input_batch=batch)
+            skip = fault == "stop_send" and rank == 0 and step["t"] >= 3
+            tp.after_forward(runner, sent, dummy_run=dummy or skip)
+            return batch
+
+        def sample(step, batch):
+            if rank != last or step["kind"] == "skip":
+                return
+            own = own_taps(step, last)
+            aux = tp.drafter_taps(speculator, batch, own, dummy_run=step["kind"] == "dummy")
+            partial, n = aux[0], step["rows"]
+            if step["kind"] == "dummy":
+                result["dummies"] += 1
+                if aux[0].abs().sum() != 0 or aux[0].shape[0] != own[0].shape[0]:
+                    result["problems"].append(f"step {step['t']}: dummy partial not zeros")
+                return
+            want = relay_reference(step)
+            if partial.shape != want.shape or not torch.equal(partial, want):
+                result["problems"].append(f"step {step['t']}: partial differs from the relay's")
+            lin = tp.PartialSumLinear(
+                tp.column_block(weight, bases[last], counts[last], hidden), pw
+            )
+            got = lin(torch.cat([partial[:n], *[t[:n] for t in aux[1:]]], dim=-1))
+            full = F.linear(torch.cat([t[:n] for t in [*own_taps_all(step)]], dim=-1), weight)
+            if not torch.allclose(got, full, rtol=1e-5, atol=1e-5):
+                result["problems"].append(f"step {step['t']}: drafter input != full linear")
+            result["checked"] += 1
+
+        def own_taps_all(step):
+            return [t for r in range(world) for t in own_taps(step, r)]
+
+        t0 = time.monotonic()
+        in_flight: list = []
+        for step in script:
+            if step["kind"] == "dummy":  # a dummy run: outside the batch queue, at once
+                sample(step, execute(step))
+                continue
+            in_flight.append((step, execute(step)))
+            if len(in_flight) >= depth:
+                sample(*in_flight.pop(0))
+        while in_flight:
+            sample(*in_flight.pop(0))
+        result["elapsed"] = time.monotonic() - t0
+        result["stats"] = dict(side.stats)
+        dist.barrier(group=group)
+        result["ok"] = True
+    except Exception:
+        result["error"] = traceback.format_exc()
+    _report(queue, result)

@@ -89,6 +89,17 @@ def test_ranks_disagreeing_on_tap_partials_fail_every_rank(outcomes):
         assert got[r]["elapsed"] < TIMEOUT
 
 
+def test_ranks_disagreeing_on_the_tap_side_channel_fail_every_rank(outcomes):
+    """VLLM_DSPARK_PP_TAP_PARTIALS=side on one rank, 1 on the others: the side channel's sends
+    and receives would have no partner."""
+    got = outcomes["tap_side"]
+    for r in range(3):
+        assert got[r]["outcome"] == "error", got[r]
+        msg = got[r]["message"]
+        assert "PP rank 0 has tap_partials='side'" in msg and "has tap_partials='1'" in msg, msg
+        assert got[r]["elapsed"] < TIMEOUT
+
+
 @pytest.mark.timeout(200)
 def test_a_silent_rank_fails_the_others_fast(outcomes):
     got = outcomes["silent_rank"]
