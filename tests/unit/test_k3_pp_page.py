@@ -42,3 +42,34 @@ def test_a_run_without_what_the_page_needs_is_refused(tmp_path, drop):
     (tmp_path / k3_pp_page.FIX).write_text(json.dumps(fix))
     with pytest.raises(k3_pp_page.RecordError, match=drop):
         k3_pp_page.load(tmp_path)
+
+
+def _copy_records(tmp_path):
+    for path in k3_pp_page.RESULTS.glob("k3_pp*gpu*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    group = sorted(tmp_path.glob(k3_pp_page.GROUP_RECORDS))
+    assert group, "no dsv4k3_pp group record is committed"
+    return group[-1]
+
+
+def test_a_group_job_that_fails_its_check_or_raises_shows_failed(tmp_path):
+    path = _copy_records(tmp_path)
+    rec = json.loads(path.read_text())
+    job = next(j for j, v in rec["verdicts"].items() if v["ok"])
+    rec["verdicts"][job] = {"ok": False, "detail": "PLANTED DETAIL"}
+    raised = next(j for j in rec["selected_jobs"].split(",") if j not in rec["verdicts"])
+    rec["jobs"][raised] = {"error": "PLANTED ERROR"}
+    path.write_text(json.dumps(rec))
+    page = k3_pp_page.markdown(k3_pp_page.load(tmp_path))
+    assert f"| `{job}` | FAILED |" in page and f"{job}: PLANTED DETAIL" in page
+    assert f"| `{raised}` | FAILED |" in page and f"{raised}: PLANTED ERROR" in page
+
+
+@pytest.mark.parametrize("drop", ["commit", "gpu", "command", "jobs"])
+def test_a_group_record_without_what_the_page_needs_is_refused(tmp_path, drop):
+    path = _copy_records(tmp_path)
+    rec = json.loads(path.read_text())
+    del rec[drop]
+    path.write_text(json.dumps(rec))
+    with pytest.raises(k3_pp_page.RecordError, match=drop):
+        k3_pp_page.load(tmp_path)
