@@ -37,9 +37,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from support import tiny_pair
-from support.e2e import run_generate
-from support.engines import PAIR_LLM, PAIR_SAMPLING, pair_prompts, plugin_env
+from support.engines import run_pair
 from support.parity_cpu import assert_same_counters, assert_same_tokens, describe
 
 pytestmark = pytest.mark.e2e
@@ -47,19 +45,8 @@ pytestmark = pytest.mark.e2e
 PARTITION = {"VLLM_PP_LAYER_PARTITION": "3,1"}
 
 
-def _run(timeout_s: float, env: dict):
-    ok, why = tiny_pair.available()
-    if not ok:
-        pytest.fail(why)
-    cfg = {
-        "model": tiny_pair.TARGET,
-        "pipeline_parallel_size": 2,
-        "speculative_config": tiny_pair.spec_config(),
-        **PAIR_LLM,
-    }
-    return run_generate(
-        cfg, pair_prompts(), timeout_s, sampling=PAIR_SAMPLING, env={**plugin_env(), **env}
-    )
+def _run(timeout_s: float, env: dict, pp: int = 2):
+    return run_pair(timeout_s, pp=pp, spec=True, env=env)
 
 
 PP2_COVERED_BY = (
@@ -146,17 +133,7 @@ def side_pp2(e2e_timeout_s):
 
 @pytest.fixture(scope="module")
 def side_pp3(e2e_timeout_s):
-    ok, why = tiny_pair.available()
-    if not ok:
-        pytest.fail(why)
-    cfg = {
-        "model": tiny_pair.TARGET,
-        "pipeline_parallel_size": 3,
-        "speculative_config": tiny_pair.spec_config(),
-        **PAIR_LLM,
-    }
-    env = {**plugin_env(), "VLLM_DSPARK_PP_TAP_PARTIALS": "side"}
-    return run_generate(cfg, pair_prompts(), e2e_timeout_s, sampling=PAIR_SAMPLING, env=env)
+    return _run(e2e_timeout_s, {"VLLM_DSPARK_PP_TAP_PARTIALS": "side"}, pp=3)
 
 
 def side_rows(log: str, stage: int) -> dict[str, int]:
