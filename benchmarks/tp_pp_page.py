@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""docs/results/tp_pp.md from the TP x PP tier's JSON records (issue 40).
+"""docs/results/tp_pp.md and pp_gpu.md from the one-GPU PP tier's JSON records (issue 40).
 
-    python -m benchmarks.tp_pp_page            # rewrite docs/results/tp_pp.md
-    python -m benchmarks.tp_pp_page --check    # exit 1 when the committed page is stale
+    python -m benchmarks.tp_pp_page            # rewrite both pages
+    python -m benchmarks.tp_pp_page --check    # exit 1 when a committed page is stale
+    python -m benchmarks.tp_pp_page --group pp [RECORD ...]   # one page, from the files given
 
-Reads every ``docs/results/tp_pp*.json`` (or the files given), each one record written by
-tests/gpu/test_tp_pp_one_gpu.py (its ``tp_pp.json``, copied here), and writes one section per
-record, newest first: the run (commit, date, GPU, command, knobs), a row per job that ran (shape,
+Group ``tp_pp`` reads every ``docs/results/tp_pp*.json``, each one record written by
+tests/gpu/test_tp_pp_one_gpu.py (its ``tp_pp.json``, copied here); group ``pp`` reads every
+``docs/results/pp_gpu*.json``, written by tests/gpu/test_pp_one_gpu.py (its ``pp.json``). Both
+tests write the same record shape, and each page has one section per record, newest first: the run (commit, date, GPU, command, knobs), a row per job that ran (shape,
 scheduling, graphs or eager, start-up seconds, tokens, the greedy verdict against PP=1 without
 speculation, the spec-decode counters and their per-position split against the PP=1 DSpark
 reference), the counters per wave, the launchers' evidence (handshake sizes, vLLM's rank lines,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +37,44 @@ DSPARK_REFS = ("pp1_async", "pp1_sync")  # PP=1 DSpark: the counters' references
 LAYOUTS = {
     "shared": "every launcher on GPU 0, NCCL over loopback sockets",
     "per-stage": "launcher R on GPU R",
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    """One GPU group's page: where its records are, what the page is called and says."""
+
+    name: str
+    pattern: str
+    page: Path
+    title: str
+    intro: str
+    ranks_verdict: str  # the prefix of the per-job verdict on the launchers' logs
+
+
+GROUPS = {
+    "tp_pp": Group(
+        "tp_pp",
+        PATTERN,
+        PAGE,
+        "TP x PP on one GPU: DSpark on a TP=2 x PP=2 target (issue 40)",
+        "Each section is one JSON record written by tests/gpu/test_tp_pp_one_gpu.py (group `tp_pp` "
+        "of tools/gpu/run_groups.sh): four `vllm serve -tp 2 -pp 2 --nnodes 4` launchers, one "
+        "rank each, the trained tiny pair. PD with a TP x PP producer (group `pd_tp_pp`) is not "
+        "in these records: [producer.md](../producer.md).",
+        "ranks",
+    ),
+    "pp": Group(
+        "pp",
+        "pp_gpu*.json",
+        RESULTS / "pp_gpu.md",
+        "PP=2 and PP=3 on one GPU: DSpark on a pipeline-parallel target (issues 25, 40)",
+        "Each section is one JSON record written by tests/gpu/test_pp_one_gpu.py (group `pp` of "
+        "tools/gpu/run_groups.sh): one `vllm serve -pp N --nnodes N` launcher per stage, every "
+        "launcher its own NCCL host on GPU 0, the trained tiny pair; beside the served jobs, the "
+        "stock-vLLM controls and a launcher started without the plugin (`fault`).",
+        "nccl",
+    ),
 }
 
 
@@ -69,7 +110,13 @@ def load(paths: list[Path]) -> list[tuple[str, dict]]:
 
 
 def _shape(shape: dict) -> str:
-    return f"TP={shape['tp']} x PP={shape['pp']}"
+    return f"TP={shape['tp']} x PP={shape['pp']}" if "tp" in shape else f"PP={shape['pp']}"
+
+
+def _plugin(shape: dict) -> str:
+    """``on``/``off``, or what the record says when only some launchers had it."""
+    p = shape["plugin"]
+    return p if isinstance(p, str) else ("on" if p else "off")
 
 
 def _describe(shape: dict) -> str:
@@ -79,7 +126,9 @@ def _describe(shape: dict) -> str:
             f"{shape['scheduling']} scheduling",
             "CUDA graphs" if shape["cuda_graphs"] else "eager",
             "DSpark" if shape["speculation"] else "no speculation",
-            "plugin on" if shape["plugin"] else "plugin left out (stock vLLM)",
+            "plugin left out (stock vLLM)"
+            if shape["plugin"] is False
+            else f"plugin {_plugin(shape)}",
         ]
     )
 
@@ -149,6 +198,10 @@ def job_rows(rec: dict) -> list[str]:
             greedy = "the reference"
         elif name in DSPARK_REFS:
             greedy = "not compared (a counters reference)"
+        elif s["plugin"] is False:
+            greedy = "the stock control, below"
+        elif name in verdicts:
+            greedy = f"not served; its own check, below: {_ok(verdicts[name])}"
         else:
             greedy = _greedy_cell(verdicts.get(f"greedy[{name}]"))
         if "error" in job:
@@ -168,7 +221,7 @@ def job_rows(rec: dict) -> list[str]:
         graphs = "CUDA graphs" if s["cuda_graphs"] else "eager"
         lines.append(
             f"| `{name}` | {_shape(s)} | {s['scheduling']} | {graphs} | "
-            f"{'on' if s['plugin'] else 'off'} | "
+            f"{_plugin(s)} | "
             f"{'DSpark' if s['speculation'] else 'none'} | {'-' if ready is None else ready} | "
             f"{job.get('num_tokens', '-')} | {greedy} | {accepted} | {drafts} | {per_pos} | "
             f"{counters} |"
@@ -226,7 +279,7 @@ def _digests(per_rank: dict | None) -> str:
     return f"{len(per_rank)} ranks agree after {common[-1]} draft posts ({len(common)} lines each)"
 
 
-def evidence_rows(rec: dict) -> list[str]:
+def evidence_rows(rec: dict, group: Group) -> list[str]:
     served = [(n, j) for n, j in rec["jobs"].items() if j["selected"] and j.get("evidence")]
     if not served:
         return []
@@ -248,7 +301,7 @@ def evidence_rows(rec: dict) -> list[str]:
         pinned_txt = f"`{pinned}`" + (
             "" if has_fixed or pinned else " (the record configures no fixed graph batch)"
         )
-        verdict = _ok(rec["verdicts"].get(f"ranks[{name}]"))
+        verdict = _ok(rec["verdicts"].get(f"{group.ranks_verdict}[{name}]"))
         socket = "yes" if ev["nccl_socket"] else "no"
         lines += [
             f"`{name}` ({_shape(job['shape'])}); test verdict {verdict}:",
@@ -296,6 +349,10 @@ def other_checks(rec: dict) -> list[str]:
     if stock:
         lines += ["", "### Stock vLLM control (plugin left out)", ""]
         lines += [f"* `{k[6:-1]}`: {v['detail']}" for k, v in stock.items()]
+    rest = {k: v for k, v in verdicts.items() if "[" not in k and k not in ("abort", "nccl_stubs")}
+    if rest:
+        lines += ["", "### Other checks", ""]
+        lines += [f"* `{k}`: test verdict {_ok(v)}: `{v['detail']}`" for k, v in rest.items()]
     return lines
 
 
@@ -319,7 +376,7 @@ def not_run(rec: dict) -> list[str]:
     return lines
 
 
-def section(name: str, rec: dict) -> list[str]:
+def section(name: str, rec: dict, group: Group) -> list[str]:
     verdicts = rec["verdicts"]
     oks = [v.get("ok") for v in verdicts.values()]
     knobs = ", ".join(f"`{k}={v}`" for k, v in sorted((rec.get("knobs") or {}).items()))
@@ -352,47 +409,50 @@ def section(name: str, rec: dict) -> list[str]:
         "waves (an engine's own for PP=1).",
     ]
     lines += wave_rows(rec)
-    return lines + evidence_rows(rec) + abort_rows(rec) + other_checks(rec) + not_run(rec)
+    rest = evidence_rows(rec, group) + abort_rows(rec) + other_checks(rec) + not_run(rec)
+    return lines + rest
 
 
-def markdown(records: list[tuple[str, dict]]) -> str:
+def markdown(records: list[tuple[str, dict]], group: Group = GROUPS["tp_pp"]) -> str:
     files = ", ".join(f"docs/results/{n}" for n, _ in records)
     lines = [
         f"<!-- generated by benchmarks/tp_pp_page.py from {files}; do not edit by hand -->",
-        "# TP x PP on one GPU: DSpark on a TP=2 x PP=2 target (issue 40)",
+        f"# {group.title}",
         "",
-        "Each section is one JSON record written by tests/gpu/test_tp_pp_one_gpu.py (group `tp_pp` "
-        "of tools/gpu/run_groups.sh): four `vllm serve -tp 2 -pp 2 --nnodes 4` launchers, one "
-        "rank each, the trained tiny pair. This page is generated "
-        "(`python -m benchmarks.tp_pp_page`; tests/unit/test_tp_pp_page.py checks it is current). "
-        "PD with a TP x PP producer (group `pd_tp_pp`) is not in these records: "
-        "[producer.md](../producer.md).",
+        group.intro + " This page is generated (`python -m benchmarks.tp_pp_page`; "
+        "tests/unit/test_tp_pp_page.py checks it is current).",
     ]
     for name, rec in records:
-        lines += section(name, rec)
+        lines += section(name, rec, group)
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("records", nargs="*", type=Path, help=f"default: docs/results/{PATTERN}")
-    ap.add_argument("--out", type=Path, default=PAGE)
-    ap.add_argument("--check", action="store_true", help="exit 1 when --out differs")
+    ap.add_argument("records", nargs="*", type=Path, help="default: the group's records")
+    ap.add_argument("--group", choices=sorted(GROUPS), help="one page only (default: every page)")
+    ap.add_argument("--out", type=Path, help="with --group: where to write (default: its page)")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a page differs")
     args = ap.parse_args(argv)
-    paths = args.records or sorted(RESULTS.glob(PATTERN))
-    if not paths:
-        print(f"no records ({RESULTS / PATTERN})", file=sys.stderr)
-        return 2
-    text = markdown(load(paths))
-    if args.check:
-        current = args.out.read_text() if args.out.is_file() else ""
-        if current != text:
-            print(f"{args.out} is stale: run python -m benchmarks.tp_pp_page", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    if (args.records or args.out) and not args.group:
+        ap.error("records and --out need --group")
+    rc = 0
+    for group in [GROUPS[args.group]] if args.group else GROUPS.values():
+        paths = args.records or sorted(RESULTS.glob(group.pattern))
+        out = args.out or group.page
+        if not paths:
+            print(f"no records ({RESULTS / group.pattern})", file=sys.stderr)
+            return 2
+        text = markdown(load(paths), group)
+        if args.check:
+            current = out.read_text() if out.is_file() else ""
+            if current != text:
+                print(f"{out} is stale: run python -m benchmarks.tp_pp_page", file=sys.stderr)
+                rc = 1
+            continue
+        out.write_text(text)
+        print(f"wrote {out}")
+    return rc
 
 
 if __name__ == "__main__":

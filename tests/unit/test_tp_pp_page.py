@@ -1,5 +1,6 @@
-"""docs/results/tp_pp.md is benchmarks/tp_pp_page.py's output from the committed TP x PP records,
-and the page follows its records: a planted change of a record changes the page or is refused."""
+"""docs/results/tp_pp.md and pp_gpu.md are benchmarks/tp_pp_page.py's output from the committed
+records of the groups `tp_pp` and `pp`, and a page follows its records: a planted change of a
+record changes the page or is refused."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from benchmarks import tp_pp_page
 
 RECORD = tp_pp_page.RESULTS / "tp_pp_gpu.json"
+PP = tp_pp_page.GROUPS["pp"]
+PP_RECORD = tp_pp_page.RESULTS / "pp_gpu_2026-12-06.json"
 
 
 def _records() -> list[Path]:
@@ -91,11 +94,12 @@ def test_a_record_missing_or_contradicting_a_field_is_refused(tmp_path, record, 
 def test_check_fails_on_a_stale_page_and_passes_on_a_fresh_one(tmp_path, record):
     path, out = tmp_path / "tp_pp_gpu.json", tmp_path / "tp_pp.md"
     path.write_text(json.dumps(record))
-    assert tp_pp_page.main([str(path), "--out", str(out)]) == 0
-    assert tp_pp_page.main([str(path), "--out", str(out), "--check"]) == 0
+    args = ["--group", "tp_pp", str(path), "--out", str(out)]
+    assert tp_pp_page.main(args) == 0
+    assert tp_pp_page.main([*args, "--check"]) == 0
     record["jobs"]["tp2pp2_async"]["ready_s"] = 999.9
     path.write_text(json.dumps(record))
-    assert tp_pp_page.main([str(path), "--out", str(out), "--check"]) == 1
+    assert tp_pp_page.main([*args, "--check"]) == 1
 
 
 def test_the_drafts_digest_line_says_agree_disagree_or_predates(record):
@@ -109,3 +113,47 @@ def test_the_drafts_digest_line_says_agree_disagree_or_predates(record):
     assert "4 ranks agree after 16 draft posts (2 lines each)" in _page(planted)
     ev["draft_digests"][ranks[3]]["16"] = "0x3"
     assert "**4 ranks disagree** after 16 draft posts" in _page(planted)
+
+
+@pytest.fixture
+def pp_record() -> dict:
+    return json.loads(PP_RECORD.read_text())
+
+
+def test_the_committed_pp_page_is_the_generators_output():
+    records = sorted(tp_pp_page.RESULTS.glob(PP.pattern))
+    assert PP_RECORD in records
+    want = tp_pp_page.markdown(tp_pp_page.load(records), PP)
+    assert PP.page.read_text() == want, "run: python -m benchmarks.tp_pp_page"
+
+
+def test_the_pp_page_shows_its_stock_controls_fault_and_pinned_dispatches(pp_record):
+    page = tp_pp_page.markdown([(PP_RECORD.name, pp_record)], PP)
+    stock = page.split("### Stock vLLM control", 1)[1]
+    assert "* `sync`: " + pp_record["verdicts"]["stock[sync]"]["detail"] in stock
+    other = page.split("### Other checks", 1)[1]
+    for key in ("pinned", "fault"):
+        assert f"* `{key}`: test verdict pass: " in other
+    assert "| `fault` | PP=2 | async | CUDA graphs | node 0 only |" in page
+    assert "| `stock_sync` | PP=2 | sync | CUDA graphs | off |" in page
+
+
+def test_a_failed_pp_check_is_named(pp_record):
+    planted = copy.deepcopy(pp_record)
+    planted["verdicts"]["pinned"]["ok"] = False
+    page = tp_pp_page.markdown([(PP_RECORD.name, planted)], PP)
+    assert "**failed checks**: `pinned`" in page
+    assert "* `pinned`: test verdict **FAIL**: " in page
+
+
+def test_check_covers_every_page_and_fails_on_one_stale_page(monkeypatch, tmp_path):
+    """``--check`` without ``--group`` checks both pages: a stale pp page alone fails it."""
+    pages = {}
+    for name, g in tp_pp_page.GROUPS.items():
+        page = tmp_path / g.page.name
+        page.write_text(g.page.read_text())
+        pages[name] = tp_pp_page.Group(g.name, g.pattern, page, g.title, g.intro, g.ranks_verdict)
+    monkeypatch.setattr(tp_pp_page, "GROUPS", pages)
+    assert tp_pp_page.main(["--check"]) == 0
+    pages["pp"].page.write_text(pages["pp"].page.read_text() + "hand edit\n")
+    assert tp_pp_page.main(["--check"]) == 1
