@@ -8,7 +8,8 @@
 Group ``tp_pp`` reads every ``docs/results/tp_pp*.json``, each one record written by
 tests/gpu/test_tp_pp_one_gpu.py (its ``tp_pp.json``, copied here); group ``pp`` reads every
 ``docs/results/pp_gpu*.json``, written by tests/gpu/test_pp_one_gpu.py (its ``pp.json``). Both
-tests write the same record shape, and each page has one section per record, newest first: the run (commit, date, GPU, command, knobs), a row per job that ran (shape,
+tests write the same record shape, and each page has one section per record, newest first: the
+run (commit, date, GPU, command, knobs), a row per job that ran (shape,
 scheduling, graphs or eager, start-up seconds, tokens, the greedy verdict against PP=1 without
 speculation, the spec-decode counters and their per-position split against the PP=1 DSpark
 reference), the counters per wave, the launchers' evidence (handshake sizes, vLLM's rank lines,
