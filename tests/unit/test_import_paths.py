@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -69,12 +70,13 @@ def path_edits(source: str, filename: str = "<source>") -> list[str]:
 
 
 def python_files(root: Path) -> list[Path]:
-    """Every ``*.py`` under ``root`` outside hidden folders (.venv, .git) and build output."""
-    return sorted(
-        p
-        for p in root.rglob("*.py")
-        if not any(part.startswith(".") or part in SKIPPED for part in p.relative_to(root).parts)
-    )
+    """Every ``*.py`` under ``root`` outside hidden folders (.venv, .git) and build output; those
+    folders are pruned, not walked (the venv alone held about 14 s of walking)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED]
+        found += [Path(folder) / f for f in files if f.endswith(".py")]
+    return sorted(found)
 
 
 def test_no_file_of_the_repository_edits_sys_path():
