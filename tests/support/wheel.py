@@ -13,8 +13,9 @@ from pathlib import Path
 import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
-# not copied for a build: the bundled weights (20 MB, no package) and what git ignores anyway
-SKIPPED_IN_COPY = ("models", ".git", ".venv", "build", "__pycache__", "*.egg-info", ".*_cache")
+# not copied for a build: the bundled weights (20 MB, no package), hidden folders (.git, .venv, a
+# GPU kit's pieces, caches) and what git ignores anyway
+SKIPPED_IN_COPY = ("models", ".*", "build", "__pycache__", "*.egg-info")
 
 
 def wheel_packages() -> list[str]:
