@@ -264,9 +264,11 @@ def load_dsv4_pair(out: str):
     return load_pair(os.path.join(out, DSV4_DIR), DSV4TrainConfig, DSV4TrainTarget, DSV4TrainDraft)
 
 
-def load_pair(d: str, cfg_cls, target_cls, draft_cls):
+def load_pair(d: str, cfg_cls, target_cls, draft_cls, fixed: dict | None = None):
     """(target, draft) of ``target_cls`` / ``draft_cls`` from the model directory ``d``: the
-    configs from its ``training.json``, every tensor by its exported name."""
+    configs from its ``training.json``, every tensor by its exported name. ``fixed``: tensors
+    the checkpoint also holds that no training module has (V4.1's vision stand-in); each must be
+    in the checkpoint with exactly this value."""
     import json
 
     from safetensors.torch import load_file
@@ -279,6 +281,9 @@ def load_pair(d: str, cfg_cls, target_cls, draft_cls):
         draft_cls(cfg, DSV4DraftView(**extra["draft_config"])),
     )
     sd = load_file(os.path.join(d, "model.safetensors"))
+    for name, value in (fixed or {}).items():
+        if name not in sd or not torch.equal(sd.pop(name), value):
+            raise ValueError(f"{d}: {name} is not in the checkpoint or differs from the export")
     refs = _named_tensors(target.vllm_state_dict)
     refs.update(_named_tensors(draft.core.vllm_state_dict))
     if set(refs) != set(sd):

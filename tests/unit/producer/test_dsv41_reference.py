@@ -1,8 +1,9 @@
 """The pure-torch DeepSeek-V4.1 reference (dspark_dev/training/dsv41_models.py) against vLLM
 0.34.0's own V4.1 classes built on CPU (tests/support/tiny_dsv41.py), float32, seeded weights:
 
-* the exported checkpoint fills every parameter of vLLM's ``DeepseekV41ForCausalLM`` (text part)
-  and of its DSpark drafter with the intended values (``dsv41_check``);
+* the exported checkpoint fills every parameter of vLLM's ``DeepseekV41ForCausalLM`` (the text
+  model and the vision stand-in, ``dsv41_train.vision_tensors``) and of its DSpark drafter with
+  the intended values (``dsv41_check``);
 * vLLM's real model forward and drafter forward (its ``DeepseekV4DecoderLayer.forward``, layer
   loop, taps and final collapse) with the mHC kernels answered by vLLM's own torch references
   (``mhc_pre_delayed_torch``, ``mhc_post_torch``) and each layer's attention and MoE answered by
@@ -47,6 +48,7 @@ def ref(tmp_path_factory):
                     p.normal_(0, 0.5)
     sd = D.M.vllm_checkpoint(target, draft.core)
     sd["embed.weight"] = draft.target_embed_with_mask(target)
+    sd.update(D.vision_tensors(cfg.hidden_size))  # the vision stand-in the exported config names
     sd = {k: v.float().contiguous() for k, v in sd.items()}
     out = tmp_path_factory.mktemp("dsv41-ref")
     path = write_model_dir(str(out / "dsv41"), D.dsv41_hf_config(cfg), sd, str(TOKENIZER))
@@ -80,20 +82,27 @@ def test_checkpoint_fills_every_vllm_parameter(vcfg, ref, drafter, monkeypatch):
     assert problems == []
 
 
-def test_a_dropped_tensor_is_reported(vcfg, ref, monkeypatch):
+@pytest.mark.parametrize(
+    "dropped, param",
+    [
+        ("layers.1.attn.indexer.wk.weight", "language_model.model.layers.1.attn.indexer.wk.weight"),
+        ("image_start", "image_start"),  # the vision stand-in, named as vLLM's loader checks it
+        ("aligner.w1.weight", "aligner.w1.weight"),  # one vLLM's loader does not check
+    ],
+)
+def test_a_dropped_tensor_is_reported(vcfg, ref, dropped, param, monkeypatch):
     """Control: the check sees a checkpoint tensor the loader never got."""
     from vllm.config import set_current_vllm_config
 
     from dspark_dev.training import dsv41_check as C
 
     sd = dict(ref[2])
-    del sd["layers.1.attn.indexer.wk.weight"]
+    del sd[dropped]
     model = v41.build_stage(vcfg, 0, 1, monkeypatch)
     with set_current_vllm_config(vcfg):
         problems = C.load_problems(model, sd, drafter=False, n_layers=2)
-    wk = "language_model.model.layers.1.attn.indexer.wk.weight"
-    assert f"vLLM parameter {wk} has no exported value" in problems
-    assert f"load_weights did not load {wk}" in problems
+    assert f"vLLM parameter {param} has no exported value" in problems
+    assert f"load_weights did not load {param}" in problems
 
 
 # ------------------------------------------------------------- vLLM's forward, kernels stood in

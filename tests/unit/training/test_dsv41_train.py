@@ -1,7 +1,7 @@
 """The DeepSeek-V4.1 training family (dspark_dev/training/dsv41_train.py), without vLLM: the
 exported config is V4.1's (``compress_ratios`` per layer with the MTP stages, no V4 layer typing),
-the checkpoint round-trips into the training modules, and the reference refuses what it does not
-model (ratio 2, a compressed layer reading another layer's cache)."""
+the checkpoint (with its vision stand-in) round-trips into the training modules, and the reference
+refuses what it does not model (ratio 2, a compressed layer reading another layer's cache)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,34 @@ def test_exported_config_is_v41():
     assert hf["dspark_block_size"] == 7 == view.block_size
     assert not {"layer_types", "mlp_layer_types", "compress_rates"} & set(hf)
     assert cfg.num_hash_layers == 0
+    # the vision stand-in: no ViT block (vLLM's text-path switches read vision_n_layers)
+    assert hf["vision_config"] == D.VISION_CONFIG and hf["vision_config"]["num_hidden_layers"] == 0
+
+
+def test_vision_stand_in_is_reproducible_and_leaves_the_rng_alone():
+    """``vision_tensors`` gives the same tensors at every export, with the shapes vLLM's
+    vision-language class registers for the exported ``vision_config`` (patch 14, downsample 3:
+    vLLM's defaults), and draws nothing from the global RNG the training seeds."""
+    torch.manual_seed(7)
+    a = D.vision_tensors(256)
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    b = D.vision_tensors(256)
+    torch.testing.assert_close(torch.rand(3), after)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {k: tuple(v.shape) for k, v in a.items()} == {
+        "image_start": (256,),
+        "image_end": (256,),
+        "image_newline": (256,),
+        "vision.patch_embed.proj.weight": (16, 3 * 14 * 14),
+        "vision.patch_embed.proj.bias": (16,),
+        "vision.norm.weight": (16,),
+        "aligner.w1.weight": (256, 16 * 3 * 3),
+        "aligner.w1.bias": (256,),
+        "aligner.w2.weight": (256, 256),
+        "aligner.w2.bias": (256,),
+    }
+    assert {v.dtype for v in a.values()} == {torch.bfloat16}
 
 
 def test_written_pair_round_trips(tmp_path):
@@ -43,6 +71,11 @@ def test_written_pair_round_trips(tmp_path):
     extra = {"target_config": cfg.to_dict(), "draft_config": view.to_dict()}
     D.write_dsv41_pair(str(tmp_path), target, draft, str(TOKENIZER), extra)
     assert (tmp_path / "README.md").read_text().startswith("# Tiny DeepSeek-V4.1 pair")
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / D.DSV41_DIR / "model.safetensors"
+    sd = load_file(str(ckpt))
+    assert all(torch.equal(sd[k], v) for k, v in D.vision_tensors(cfg.hidden_size).items())
     t2, d2 = D.load_dsv41_pair(str(tmp_path))
     ids = torch.randint(3, 400, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -53,6 +86,11 @@ def test_written_pair_round_trips(tmp_path):
         o2 = d2(ids, d2.context(a2), anchors, t2.head.weight)
     for x, y in zip(o1, o2, strict=True):
         torch.testing.assert_close(x, y)
+    # control: a checkpoint without the stand-in (or with other values) does not load
+    del sd["image_start"]
+    save_file(sd, str(ckpt), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="image_start is not in the checkpoint"):
+        D.load_dsv41_pair(str(tmp_path))
 
 
 @pytest.mark.parametrize(
