@@ -130,6 +130,8 @@ DSPARK_GPU_PD_PP_JOBS | unset | PD-with-PP-producer test jobs (`a,b`, `all`); em
     pd_pp's jobs.
 DSPARK_GPU_PD_PP_PAIR | tiny | Pair of the PD-with-PP-producer test: `tiny`, `dsv4`, `dsv41` or
     `k3`.
+DSPARK_GPU_PD_K3_BLOCKING | unset | `1`: the K3 PD-with-PP-producer test's producer runs eager with
+    `CUDA_LAUNCH_BLOCKING=1` (its setting before the stream pin).
 DSPARK_GPU_PD_PP_READY_S | 420 | PD-with-PP-producer test: seconds its servers may take to be
     ready.
 DSPARK_GPU_PD_TP_PP_JOBS | pair_baseline,pair_spec,pd_tp2pp2_tp2 | run_groups.sh pd_tp_pp: its

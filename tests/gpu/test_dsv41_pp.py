@@ -74,14 +74,18 @@ K = mla_pairs.TRAINED_K
 MAX_TOKENS = 64  # the held-out answers stop at EOS before that
 READY_S = float(os.environ.get("DSPARK_GPU_PP_READY_S", "330"))
 STOCK_READY_S = float(os.environ.get("DSPARK_GPU_PP_STOCK_READY_S", "420"))
+#: ``language_model_only`` (mla_pairs.ENGINE_KWARGS): the tiny V4.1 pair is text only; without it
+#: vLLM profiles V4.1's image encoder at start and needs an image token the tiny tokenizer lacks
 LLM_BASE = {
     "max_model_len": 256,
     "gpu_memory_utilization": 0.05,
     "kv_cache_memory_bytes": 256 << 20,
+    **mla_pairs.engine_kwargs(FAM),
 }
 BASE_ARGS = [
     "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
     "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(256 << 20),
+    *mla_pairs.serve_args(FAM),
 ]  # fmt: skip
 #: the PP=2 DSpark jobs: name -> (eager, extra launcher arguments, TP size); TP=2 x PP=2 is four
 #: launchers, one rank each (dspark_dev/pp_launch.py), and runs only when named (beside the

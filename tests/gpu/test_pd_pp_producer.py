@@ -26,10 +26,11 @@ The pair, one knob: ``DSPARK_GPU_PD_PP_PAIR`` (``tiny``, the default; ``dsv4``; 
   DeepSeek-V4's transfer block size is the plugin's Mooncake patch's business (its compressed
   layers' groups; vllm_dspark_pp/patches/distributed_kv_transfer_kv_connector_v1_mooncake_
   mooncake_connector.py), applied on every launcher as at PP=1: nothing to pass here.
-  For ``k3`` the producer's two launchers run eager with ``CUDA_LAUNCH_BLOCKING=1``: vLLM 0.34.0's
-  Kimi-K3 path races at PP > 1 with or without the plugin (docs/results/gpu.md, "Kimi-K3 PP=2: a
-  race, and stock vLLM has it too"; only synchronous kernels served it correctly), so this is the
-  one K3 PP=2 setting known to serve; the PP=1 decoder keeps CUDA graphs.
+  ``k3`` runs with the same settings as ``dsv4`` (CUDA graphs on both sides): until 2026-12-05
+  its producer ran eager with ``CUDA_LAUNCH_BLOCKING=1`` around vLLM 0.34.0's Kimi-K3 failure at
+  PP > 1, which the plugin's worker-stream pin fixed (docs/k3-pp-race.md; the trained pair at PP=2
+  with graphs: docs/results/k3_pp_trained_gpu.json). ``DSPARK_GPU_PD_K3_BLOCKING=1`` brings the
+  old producer settings back.
 * ``dsv41``: the trained tiny DeepSeek-V4.1 pair (models/dsv41-pair/dsv41, issue 42), with
   ``dsv4``'s settings (both sides CUDA graphs; the V4.1 family's context-KV-only drafter on the
   producer's last stage, vllm_dspark_pp/producer/deepseek_v41.py). vLLM has no CPU
@@ -157,12 +158,11 @@ MLA_PD_MODE = (
     if os.environ.get("DSPARK_DSV4K3_PD_EAGER", "") == "1"
     else ["--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)]
 )
-# Kimi-K3's producer launchers only (module docstring): vLLM 0.34.0's Kimi-K3 path races at PP > 1
-# (PP rank 0 reads out-of-range token ids, stock vLLM too); eager with every kernel synchronous is
-# the one setting that served K3 PP=2 correctly (test_dsv4_k3_pp.py's ``blocking`` diagnosis).
-# Not a fix: another session diagnoses the race. The PP=1 decoder does not race and keeps graphs.
-K3_PRODUCER_ARGS = ["--enforce-eager"]
-K3_PRODUCER_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
+# Kimi-K3's producer launchers (module docstring): as dsv4's since the stream pin; the old
+# eager + synchronous-kernel producer only with DSPARK_GPU_PD_K3_BLOCKING=1
+K3_BLOCKING = os.environ.get("DSPARK_GPU_PD_K3_BLOCKING", "") == "1"
+K3_PRODUCER_ARGS = ["--enforce-eager"] if K3_BLOCKING else []
+K3_PRODUCER_ENV = {"CUDA_LAUNCH_BLOCKING": "1"} if K3_BLOCKING else {}
 #: dsv4 / k3: the NaN-norm control's acceptance ceiling (test_dsv4_k3_engine.py's trained rule)
 NAN_CONTROL_MAX_PCT = 2.0
 #: dsv4 / k3: how far below the PD run the subtle control must fall (test_dsv4_k3_engine.py's rule)
@@ -194,7 +194,7 @@ def _label() -> str:
     """The ``PD acceptance:`` line's setting (issue 25's tiny line unchanged)."""
     if not MLA:
         return "async scheduling"
-    extra = ", producer eager + CUDA_LAUNCH_BLOCKING=1" if PAIR == "k3" else ""
+    extra = ", producer eager + CUDA_LAUNCH_BLOCKING=1" if PAIR == "k3" and K3_BLOCKING else ""
     return f"{PAIR}, trained bf16, k={MLA_K}{extra}"
 
 
@@ -251,15 +251,17 @@ def _setup() -> Setup:
         draft=pair.draft,
         spec=spec,
         prompts=mla_pairs.heldout_waves(pair)[-1],  # the 7-request wave, as the PP=1 PD sends
-        llm={**MLA_LLM, "model": pair.target},
+        llm={**MLA_LLM, **mla_pairs.engine_kwargs(PAIR), "model": pair.target},
         spec_llm={"speculative_config": spec, "compilation_config": GRAPH_COMPILATION_CONFIG},
         sampling=MLA_SAMPLING,
         max_tokens=MLA_SAMPLING["max_tokens"],
-        # DeepSeek-V4 / V4.1: both sides in one mode, as at PP=1; Kimi-K3: the producer eager
-        common=MLA_COMMON if k3 else [*MLA_COMMON, *MLA_PD_MODE],
+        # both sides in one mode, as at PP=1; Kimi-K3 with DSPARK_GPU_PD_K3_BLOCKING=1: the
+        # producer eager, the decoder in MLA_PD_MODE
+        common=[*MLA_COMMON, *mla_pairs.serve_args(PAIR)]
+        + ([] if k3 and K3_BLOCKING else MLA_PD_MODE),
         producer_args=K3_PRODUCER_ARGS if k3 else [],
         producer_env=K3_PRODUCER_ENV if k3 else {},
-        decoder_args=MLA_PD_MODE if k3 else [],
+        decoder_args=MLA_PD_MODE if k3 and K3_BLOCKING else [],
         name=f"pdpp_{PAIR}",
     )
 

@@ -37,6 +37,31 @@ WRITER = {
     "dsv4": "dsv4_train",
     "dsv41": "train_tiny_pair --family dsv41",
 }
+#: family -> ``vllm.LLM`` keyword arguments every engine of the family's tiny pair needs. vLLM
+#: 0.34.0 registers DeepSeek-V4.1 as a vision-language model (its ``vl_model.py`` wrapper builds
+#: the vision tower and the ``image_*`` parameters unconditionally, and the first PP rank profiles
+#: the image encoder at start with dummy images, which needs the image token: the tiny pair's
+#: tokenizer has none, so that start stops with ``Token not found in tokenizer``). The tiny pair is
+#: text only, and ``language_model_only`` is vLLM's own switch for a text-only deployment (the
+#: vision part becomes a placeholder, and PD connectors treat the model as text only).
+ENGINE_KWARGS: dict[str, dict] = {"dsv41": {"language_model_only": True}}
+
+
+def engine_kwargs(fam: str) -> dict:
+    """:data:`ENGINE_KWARGS` of ``fam`` (a copy; empty for a family that needs none)."""
+    return dict(ENGINE_KWARGS.get(fam, {}))
+
+
+def serve_args(fam: str) -> list[str]:
+    """:func:`engine_kwargs` as ``vllm serve`` flags (each is a boolean switch that is on)."""
+    out = []
+    for key, value in engine_kwargs(fam).items():
+        if value is not True:
+            raise ValueError(f"{fam}: {key}={value!r} has no serve spelling here")
+        out.append("--" + key.replace("_", "-"))
+    return out
+
+
 #: issue 26: what a trained pair must reach in vLLM
 MIN_ACCEPTANCE_LENGTH = 3.0
 TRAINED_K = 7
