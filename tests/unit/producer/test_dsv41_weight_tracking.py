@@ -171,3 +171,20 @@ def test_the_checkpoint_before_the_vision_stand_in_fails(
         "aligner.w2.bias",
     }
     assert unfilled == missing | (projections if stage0 else set())
+
+
+def test_the_gpu_engines_start_text_only_so_no_image_encoder_is_profiled():
+    """The second start failure the H100 would hit after weight loading: on the first PP rank
+    vLLM profiles the image encoder of a model that ``supports_multimodal_inputs`` (vLLM 0.34.0
+    ``v1/worker/gpu/model_runner.py`` ``profile_run``), with dummy images whose placeholder token
+    the tiny tokenizer lacks. The V4.1 GPU engines pass ``mla_pairs.engine_kwargs("dsv41")``
+    (``language_model_only``); control: without it the same config supports image inputs."""
+    from support import mla_pairs
+
+    pair = v41.t.TinyPair(str(BUNDLED), str(BUNDLED), "dsv41-pair")
+    assert v41.engine_config(pair, pp=1).model_config.supports_multimodal_inputs  # the control
+    kw = mla_pairs.engine_kwargs("dsv41")
+    assert kw == {"language_model_only": True}
+    assert mla_pairs.serve_args("dsv41") == ["--language-model-only"]
+    cfg = v41.engine_config(pair, pp=1, **kw)
+    assert not cfg.model_config.supports_multimodal_inputs
