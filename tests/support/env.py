@@ -17,7 +17,13 @@ from dspark_dev import cpu_env as _dev_cpu_env
 # The one copy lives in the package's dev tooling (the demo uses it too); the CPU e2e tier gives
 # its engine children CPU_ENV + CPU_E2E_EXTRA.
 CPU_ENV = _dev_cpu_env.CPU_ENV
-CPU_E2E_EXTRA = _dev_cpu_env.CPU_ENGINE_EXTRA
+# ... with one OpenMP thread per engine process: the e2e tier runs two engines at a time on the
+# 2-core CI machine, each with one to three workers, and at torch's default (one thread per core)
+# their OpenMP threads outnumber the cores. Measured 2026-12-06 on the 2-core machine, the pool's
+# files and the launcher tests, interleaved (default, 1 thread): 434 / 404 s, 387 / 338 s; the
+# shared-run pool 307 / 274 s, 278 / 224 s (docs/testing.md, "Durations"). `vllm serve` launchers
+# keep the default: the four-launcher test took 91 / 96 s and 74 / 79 s.
+CPU_E2E_EXTRA = {**_dev_cpu_env.CPU_ENGINE_EXTRA, "OMP_NUM_THREADS": "1"}
 
 
 def test_device() -> str:
