@@ -101,6 +101,7 @@ def _batched_plans(target: str, draft: str) -> dict[str, list[str]]:
         ],
         "pp1_measured_draft": [target, *spec, "--draft-cost-layers", "2"],
         "negative_draft_cost": [target, *spec, "-pp", "2", "--draft-cost-layers", "-1"],
+        "tp3": [target, *spec, "-tp", "3"],
     }
 
 
@@ -142,9 +143,9 @@ def test_plan_text_output_names_the_verdict(plans):
     assert "not checked on this machine (GPU-only)" in proc.stdout
 
 
-def test_plan_rejects_tp_that_does_not_divide_heads_with_vllms_message(tiny_models):
-    # the real entry point (`python -m vllm_dspark_pp.cli.main`), in a process of its own
-    proc = _plan(tiny_models.target, "--speculative-config", _spec(tiny_models.draft), "-tp", "3")
+def test_plan_rejects_tp_that_does_not_divide_heads_with_vllms_message(plans):
+    # batched (the real entry point in a process of its own: the partition test below)
+    proc = plans["tp3"]
     assert proc.returncode == 1
     assert "REJECTED" in proc.stdout
     assert "divisible by tensor parallel size (3)" in proc.stdout
