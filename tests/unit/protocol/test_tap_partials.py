@@ -229,9 +229,10 @@ def test_checkpoint_lookup_on_the_tiny_pair():
     assert isinstance(tp.find_linear(str(TINY_DRAFT), "main_proj", 384), str)
 
 
-def test_last_stage_collects_the_partial_as_its_one_upstream_tap():
+def _decoder():
+    """A model with vLLM's ``EagleModelMixin`` (the tap-partials patch applied) that expects two
+    upstream taps."""
     from vllm.model_executor.models import interfaces
-    from vllm.sequence import IntermediateTensors
 
     from vllm_dspark_pp.patches import model_executor_models_interfaces__tap_partials as patch
 
@@ -242,6 +243,13 @@ def test_last_stage_collects_the_partial_as_its_one_upstream_tap():
 
     d = Decoder()
     d._aux_upstream_total_cached = 2
+    return d
+
+
+def test_last_stage_collects_the_partial_as_its_one_upstream_tap():
+    from vllm.sequence import IntermediateTensors
+
+    d = _decoder()
     p, t0, t1 = torch.ones(2, 5), torch.zeros(2, 4), torch.ones(2, 4)
     it = IntermediateTensors(
         {tp.PARTIAL_KEY: p, "aux_hidden_states_0": t0, "aux_hidden_states_1": t1}
@@ -251,6 +259,21 @@ def test_last_stage_collects_the_partial_as_its_one_upstream_tap():
     object.__setattr__(d, tp.PLAN_ATTR, _plan(is_last=True, base=2, count=1))
     assert d.collect_remote_aux_hidden_states(it)[0] is p
     assert len(d.collect_remote_aux_hidden_states(it)) == 1
+
+
+def test_last_stage_collects_no_upstream_tap_from_the_dict_on_the_side_channel():
+    """With ``VLLM_DSPARK_PP_TAP_PARTIALS=side`` the partial arrives outside the intermediate
+    tensors (test_tap_side.py), so the last stage reads no upstream tap from the dict."""
+    from vllm.sequence import IntermediateTensors
+
+    d = _decoder()
+    side = dict(base=2, count=1, is_last=True, upstream=(2,), senders=(0,))
+    object.__setattr__(d, tp.PLAN_ATTR, _plan(**side, side=True))
+    assert d.collect_remote_aux_hidden_states(IntermediateTensors({})) == []
+    # control: the in-dict plan still reads the partial from the dict
+    p = torch.ones(2, 5)
+    object.__setattr__(d, tp.PLAN_ATTR, _plan(**side, side=False))
+    assert d.collect_remote_aux_hidden_states(IntermediateTensors({tp.PARTIAL_KEY: p}))[0] is p
 
 
 class _Linear(torch.nn.Module):

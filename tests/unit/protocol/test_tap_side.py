@@ -151,29 +151,6 @@ def test_side_plans_send_and_receive_nothing_in_the_dict():
     assert in_dict.sends and not in_dict.side_sends
 
 
-def test_last_stage_collects_no_upstream_tap_from_the_dict():
-    from vllm.model_executor.models import interfaces
-    from vllm.sequence import IntermediateTensors
-
-    from vllm_dspark_pp.patches import model_executor_models_interfaces__tap_partials as patch
-
-    patch.apply()
-
-    class Decoder(interfaces.EagleModelMixin):
-        pass
-
-    d = Decoder()
-    d._aux_upstream_total_cached = 2
-    object.__setattr__(d, tp.PLAN_ATTR, _plan(base=2, count=1, is_first=False, is_last=True))
-    assert d.collect_remote_aux_hidden_states(IntermediateTensors({})) == []
-    # control: the in-dict plan still reads the partial from the dict
-    p = torch.ones(2, 5)
-    object.__setattr__(
-        d, tp.PLAN_ATTR, _plan(base=2, count=1, is_first=False, is_last=True, side=False)
-    )
-    assert d.collect_remote_aux_hidden_states(IntermediateTensors({tp.PARTIAL_KEY: p}))[0] is p
-
-
 # ------------------------------------------------------------------ the patches' glue
 
 
