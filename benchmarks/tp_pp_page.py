@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,8 @@ class Group:
     page: Path
     title: str
     intro: str
-    ranks_verdict: str  # the prefix of the per-job verdict on the launchers' logs
+    ranks_verdict: str = ""  # kind "pp": the prefix of the per-job verdict on the launchers' logs
+    kind: str = "pp"  # which record shape its test writes: a key of KINDS
 
 
 GROUPS = {
@@ -83,31 +85,61 @@ class RecordError(ValueError):
     """A record the page cannot be written from."""
 
 
+#: what every record of every group holds
+RECORD_KEYS = ("commit", "date", "gpu", "command", "jobs", "verdicts", "selected_jobs")
+#: what a file of log lines extracted from a run holds (``record``: the record it belongs to)
+EXTRACT_KEYS = ("what", "commit", "date", "gpu", "source", "extracted_by", "record", "lines")
+EXTRACTED = "extracted files"  # where load() puts a record's extracted-lines files
+
+
 def need(obj: dict, key: str, where: str):
     if not isinstance(obj, dict) or key not in obj:
         raise RecordError(f"{where}: no {key!r}")
     return obj[key]
 
 
-def load(paths: list[Path]) -> list[tuple[str, dict]]:
-    """``(file name, record)`` per file, newest first; checks what the page relies on."""
-    out = []
+def check_selected(name: str, rec: dict) -> None:
+    """Every job says whether it was selected, and those that say so are ``selected_jobs``."""
+    jobs = rec["jobs"]
+    marked = sorted(j for j, v in jobs.items() if need(v, "selected", f"{name}: job {j}"))
+    if marked != sorted(rec["selected_jobs"]):
+        raise RecordError(
+            f"{name}: selected_jobs {sorted(rec['selected_jobs'])} but the jobs marked "
+            f"selected are {marked}"
+        )
+
+
+def check_pp(name: str, rec: dict) -> None:
+    check_selected(name, rec)
+    for j, v in rec["jobs"].items():
+        need(v, "shape", f"{name}: job {j}")
+
+
+def load(paths: list[Path], group: Group | None = None) -> list[tuple[str, dict]]:
+    """``(file name, record)`` per file, newest first; checks what the group's page relies on.
+
+    A file of log lines extracted from a run (no ``jobs``; its ``record`` names the record it
+    belongs to) is checked and kept under that record's ``EXTRACTED`` key, not as a section."""
+    kind = KINDS[(group or GROUPS["tp_pp"]).kind]
+    records, extracts = {}, []
     for path in paths:
         rec = json.loads(Path(path).read_text())
         name = Path(path).name
-        for key in ("commit", "date", "gpu", "command", "jobs", "verdicts", "selected_jobs"):
+        if "jobs" not in rec and "lines" in rec:
+            for key in EXTRACT_KEYS:
+                need(rec, key, name)
+            extracts.append((name, rec))
+            continue
+        for key in RECORD_KEYS:
             need(rec, key, name)
-        jobs = rec["jobs"]
-        marked = sorted(j for j, v in jobs.items() if need(v, "selected", f"{name}: job {j}"))
-        if marked != sorted(rec["selected_jobs"]):
-            raise RecordError(
-                f"{name}: selected_jobs {sorted(rec['selected_jobs'])} but the jobs marked "
-                f"selected are {marked}"
-            )
-        for j, v in jobs.items():
-            need(v, "shape", f"{name}: job {j}")
-        out.append((name, rec))
-    return sorted(out, key=lambda nr: (nr[1]["date"], nr[0]), reverse=True)
+        kind.check(name, rec)
+        records[name] = rec
+    for name, ex in extracts:
+        if ex["record"] not in records:
+            raise RecordError(f"{name}: its record {ex['record']} is not among the records read")
+        rec = records[ex["record"]]
+        records[ex["record"]] = {**rec, EXTRACTED: [*rec.get(EXTRACTED, []), (name, ex)]}
+    return sorted(records.items(), key=lambda nr: (nr[1]["date"], nr[0]), reverse=True)
 
 
 def _shape(shape: dict) -> str:
@@ -377,14 +409,10 @@ def not_run(rec: dict) -> list[str]:
     return lines
 
 
-def section(name: str, rec: dict, group: Group) -> list[str]:
-    verdicts = rec["verdicts"]
-    oks = [v.get("ok") for v in verdicts.values()]
+def run_head(name: str, rec: dict, layout: str) -> list[str]:
+    """A section's heading and the run: commit, GPU and layout, command, knobs."""
     knobs = ", ".join(f"`{k}={v}`" for k, v in sorted((rec.get("knobs") or {}).items()))
-    spec = rec.get("spec") or {}
-    graphs = (rec.get("graph_config") or {}).get("decode_cudagraph_capture_request_sizes")
-    layout = rec.get("layout", "?")
-    lines = [
+    return [
         "",
         f"## {rec['date']}: [{name}]({name})",
         "",
@@ -392,16 +420,51 @@ def section(name: str, rec: dict, group: Group) -> list[str]:
         f"* GPU: {rec['gpu']}; layout `{layout}` ({LAYOUTS.get(layout, 'unknown layout')})",
         f"* command (on the GPU machine): `{rec['command']}`",
         f"* knobs (the run's `DSPARK_GPU_*` variables): {knobs or 'none'}",
-        f"* speculation: {spec.get('method', '?')}, k = {spec.get('num_speculative_tokens', '?')},"
-        f" draft `{spec.get('model', '?')}`; waves of {', '.join(map(str, rec.get('waves', [])))}"
-        f" prompts, at most {rec.get('max_tokens', '?')} tokens each; decode CUDA graphs for "
-        f"{graphs} requests",
+    ]
+
+
+def check_count(verdicts: dict) -> list[str]:
+    """How many checks the record holds, passed and failed, and the failed ones by name."""
+    oks = [v.get("ok") for v in verdicts.values()]
+    lines = [
         f"* checks: {len(oks)} recorded, {oks.count(True)} passed, {oks.count(False)} failed"
-        + (f", {oks.count(None)} recorded without a verdict" if None in oks else ""),
+        + (f", {oks.count(None)} recorded without a verdict" if None in oks else "")
     ]
     bad = [k for k, v in verdicts.items() if v.get("ok") is False]
     if bad:
         lines.append(f"* **failed checks**: {', '.join(f'`{k}`' for k in bad)}")
+    return lines
+
+
+def extracted_rows(rec: dict) -> list[str]:
+    """The extracted-lines files that name this record: what, where from, how, the lines."""
+    lines = []
+    for name, ex in rec.get(EXTRACTED, []):
+        lines += [
+            "",
+            f"### Lines extracted from this run's logs: [{name}]({name})",
+            "",
+            f"{ex['what']} (commit `{ex['commit']}`, {ex['date']}, {ex['gpu']}); from "
+            f"{ex['source']}, by `{ex['extracted_by']}`:",
+            "",
+            "```",
+            *ex["lines"],
+            "```",
+        ]
+    return lines
+
+
+def section(name: str, rec: dict, group: Group) -> list[str]:
+    spec = rec.get("spec") or {}
+    graphs = (rec.get("graph_config") or {}).get("decode_cudagraph_capture_request_sizes")
+    lines = run_head(name, rec, rec.get("layout", "?"))
+    lines += [
+        f"* speculation: {spec.get('method', '?')}, k = {spec.get('num_speculative_tokens', '?')},"
+        f" draft `{spec.get('model', '?')}`; waves of {', '.join(map(str, rec.get('waves', [])))}"
+        f" prompts, at most {rec.get('max_tokens', '?')} tokens each; decode CUDA graphs for "
+        f"{graphs} requests",
+    ]
+    lines += check_count(rec["verdicts"])
     lines += ["", "### Jobs", ""] + job_rows(rec)
     lines += [
         "",
@@ -411,11 +474,23 @@ def section(name: str, rec: dict, group: Group) -> list[str]:
     ]
     lines += wave_rows(rec)
     rest = evidence_rows(rec, group) + abort_rows(rec) + other_checks(rec) + not_run(rec)
-    return lines + rest
+    return lines + rest + extracted_rows(rec)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A record shape: what load() checks beyond RECORD_KEYS, and the section it makes."""
+
+    check: Callable[[str, dict], None]
+    section: Callable[[str, dict, Group], list[str]]
+
+
+KINDS = {"pp": Kind(check_pp, section)}
 
 
 def markdown(records: list[tuple[str, dict]], group: Group = GROUPS["tp_pp"]) -> str:
-    files = ", ".join(f"docs/results/{n}" for n, _ in records)
+    names = [n for name, rec in records for n in (name, *[e for e, _ in rec.get(EXTRACTED, [])])]
+    files = ", ".join(f"docs/results/{n}" for n in names)
     lines = [
         f"<!-- generated by benchmarks/tp_pp_page.py from {files}; do not edit by hand -->",
         f"# {group.title}",
@@ -424,7 +499,7 @@ def markdown(records: list[tuple[str, dict]], group: Group = GROUPS["tp_pp"]) ->
         "tests/unit/test_tp_pp_page.py checks it is current).",
     ]
     for name, rec in records:
-        lines += section(name, rec, group)
+        lines += KINDS[group.kind].section(name, rec, group)
     return "\n".join(lines) + "\n"
 
 
@@ -444,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         if not paths:
             print(f"no records ({RESULTS / group.pattern})", file=sys.stderr)
             return 2
-        text = markdown(load(paths), group)
+        text = markdown(load(paths, group), group)
         if args.check:
             current = out.read_text() if out.is_file() else ""
             if current != text:
