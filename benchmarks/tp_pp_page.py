@@ -1,30 +1,45 @@
 #!/usr/bin/env python3
-"""docs/results/tp_pp.md and pp_gpu.md from the one-GPU PP tier's JSON records (issue 40).
+"""The one-GPU PP tier's pages from its JSON records: tp_pp.md, pp_gpu.md and pd_pp_gpu.md under
+docs/results (issues 25, 26, 40, 42).
 
-    python -m benchmarks.tp_pp_page            # rewrite both pages
+    python -m benchmarks.tp_pp_page            # rewrite every page
     python -m benchmarks.tp_pp_page --check    # exit 1 when a committed page is stale
     python -m benchmarks.tp_pp_page --group pp [RECORD ...]   # one page, from the files given
 
-Group ``tp_pp`` reads every ``docs/results/tp_pp*.json``, each one record written by
-tests/gpu/test_tp_pp_one_gpu.py (its ``tp_pp.json``, copied here); group ``pp`` reads every
-``docs/results/pp_gpu*.json``, written by tests/gpu/test_pp_one_gpu.py (its ``pp.json``). Both
-tests write the same record shape, and each page has one section per record, newest first: the
-run (commit, date, GPU, command, knobs), a row per job that ran (shape,
-scheduling, graphs or eager, start-up seconds, tokens, the greedy verdict against PP=1 without
-speculation, the spec-decode counters and their per-position split against the PP=1 DSpark
-reference), the counters per wave, the launchers' evidence (handshake sizes, vLLM's rank lines,
-NCCL communicators, the exchange's backend, pinned dispatches), the abort, the NCCL stub check,
-the stock control when it ran, and the jobs the record says were not selected. Nothing on the
-page is typed by hand: a figure that is not in a record is not on the page. A record that lacks a
-field the page needs, or contradicts itself (a job listed as selected but marked otherwise), is
-refused with :class:`RecordError`. tests/unit/test_tp_pp_page.py checks the committed page is this
-module's output.
+Each group (``GROUPS``) reads the records of one GPU test from ``docs/results`` and writes one
+page, a section per record, newest first; its ``kind`` names the record shape (``KINDS``: what
+:func:`load` checks, what a section holds):
+
+* ``tp_pp`` (``tp_pp*.json``, tests/gpu/test_tp_pp_one_gpu.py) and ``pp`` (``pp_gpu*.json``,
+  tests/gpu/test_pp_one_gpu.py), kind ``pp``: the run (commit, date, GPU, command, knobs), a row
+  per job that ran (shape, scheduling, graphs or eager, start-up seconds, tokens, the greedy
+  verdict against PP=1 without speculation, the spec-decode counters and their per-position
+  split against the PP=1 DSpark reference), the counters per wave, the launchers' evidence
+  (handshake sizes, vLLM's rank lines, NCCL communicators, the exchange's backend, pinned
+  dispatches), the abort, the NCCL stub check, the stock control when it ran, and the jobs the
+  record says were not selected;
+* ``pd_pp`` (``pd_pp_gpu*.json``, tests/gpu/test_pd_pp_producer.py: groups ``pd_pp``,
+  ``pd_pp_<pair>``, ``pd_tp_pp``), kind ``pd_pp``: a row per PD job (shape, producer draft,
+  dtype, scheduling, graphs, the greedy verdict, the decoder's counters against aggregated PP=1
+  DSpark, or the first line of the job's error), the KV the decoder pulled against its prompt
+  tokens with Mooncake's failed transfers and the proxy's counts, the producer's and decoder's
+  rank lines, drafter and exchange evidence, the controls' and other verdicts, the jobs not
+  selected or skipped.
+
+A file of log lines extracted from a run (``what``, ``source``, ``extracted_by``, ``lines`` and
+the ``record`` it belongs to; no ``jobs``) that matches a group's pattern is shown, whole, in its
+record's section. Nothing on a page is typed by hand: a figure that is not in a record is not on
+the page (shares and differences are computed here from the counters). A
+record that lacks a field its page needs, or contradicts itself (a job listed as selected but
+marked otherwise), is refused with :class:`RecordError`. tests/unit/test_tp_pp_page.py checks the
+committed pages are this module's output.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +79,7 @@ GROUPS = {
         "Each section is one JSON record written by tests/gpu/test_tp_pp_one_gpu.py (group `tp_pp` "
         "of tools/gpu/run_groups.sh): four `vllm serve -tp 2 -pp 2 --nnodes 4` launchers, one "
         "rank each, the trained tiny pair. PD with a TP x PP producer (group `pd_tp_pp`) is not "
-        "in these records: [producer.md](../producer.md).",
+        "in these records: [pd_pp_gpu.md](pd_pp_gpu.md).",
         "ranks",
     ),
     "pp": Group(
@@ -77,6 +92,20 @@ GROUPS = {
         "launcher its own NCCL host on GPU 0, the trained tiny pair; beside the served jobs, the "
         "stock-vLLM controls and a launcher started without the plugin (`fault`).",
         "nccl",
+    ),
+    "pd_pp": Group(
+        "pd_pp",
+        "pd_pp_gpu*.json",
+        RESULTS / "pd_pp_gpu.md",
+        "PD with a pipeline-parallel producer on one GPU, over MooncakeConnector",
+        "Each section is one JSON record written by tests/gpu/test_pd_pp_producer.py (its groups "
+        "in tools/gpu/run_groups.sh: `pd_pp`, `pd_pp_<pair>`, `pd_tp_pp`): a prefill-only "
+        "producer (the context-KV-only drafter) as one `vllm serve` launcher per rank, a DSpark "
+        "decoder and the proxy between them; the references are offline engines of the same "
+        "pair. Acceptance shares, their differences and the KV shares are computed here from the "
+        "records' counters. A file of log lines extracted from a run (it names its record) is "
+        "shown in that record's section.",
+        kind="pd_pp",
     ),
 }
 
@@ -477,6 +506,313 @@ def section(name: str, rec: dict, group: Group) -> list[str]:
     return lines + rest + extracted_rows(rec)
 
 
+# --- kind "pd_pp": tests/gpu/test_pd_pp_producer.py (PD with a PP or TP x PP producer) ---------
+
+#: the offline engines the PD jobs are compared with (test_pd_pp_producer.py's ``pd_jobs``)
+PD_REFS = {
+    "pair_baseline": "aggregated PP=1, no speculation: the greedy reference",
+    "pair_spec": "aggregated PP=1 DSpark: the acceptance reference",
+}
+PD_ACCEPTANCE_REF = "pair_spec"
+PD_DRAFTS = {"real": "the pair's", "nan": "NaN-norm (control)", "subtle": "aux taps exchanged"}
+PD_SERVED = ("decoder_spec", "prefill_spec", "decoder_kv", "proxy", "producer_evidence")
+PD_SHAPE = ("label", "producer_draft", "dtype", "scheduling")
+PD_RUN = {"k": "k = {}", "num_prompts": "{} prompts", "max_tokens": "at most {} tokens each"}
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+_SOURCE = re.compile(r'source="(\w+)"')
+
+
+def check_counters(c: dict, where: str) -> None:
+    for key in COUNTERS:
+        need(c, key, where)
+
+
+def check_pd(name: str, rec: dict) -> None:
+    need(rec, "pair", name)
+    check_selected(name, rec)
+    for j, v in rec["jobs"].items():
+        where = f"{name}: job {j}"
+        if j in PD_REFS:
+            if v["selected"] and "error" not in v and j == PD_ACCEPTANCE_REF:
+                check_counters(need(v, "counters", where), where)
+            continue
+        shape = need(v, "shape", where)
+        for key in PD_SHAPE:
+            need(shape, key, f"{where}: shape")
+        if "cuda_graphs" not in shape:
+            for key in ("producer_cuda_graphs", "decoder_cuda_graphs"):
+                need(shape, key, f"{where}: shape")
+        if v["selected"] and "error" not in v and "skipped" not in v:
+            for key in PD_SERVED:
+                need(v, key, where)
+            check_counters(v["decoder_spec"], f"{where}: decoder_spec")
+            check_counters(v["prefill_spec"], f"{where}: prefill_spec")
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "(empty)"
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(x.strip() for x in text.splitlines() if x.strip())
+
+
+def _share(c: dict) -> float | None:
+    drafted = c["num_draft_tokens"]
+    return 100 * c["num_accepted_tokens"] / drafted if drafted else None
+
+
+def _points(got: dict, ref: dict) -> str:
+    """The acceptance of ``got`` against ``ref`` in percentage points."""
+    a, b = _share(got), _share(ref)
+    return "-" if a is None or b is None else f"{a - b:+.2f} points"
+
+
+def _yes(flag: object) -> str:
+    """``yes``/``no`` for a boolean, anything else as the record has it."""
+    return ("yes" if flag else "no") if isinstance(flag, bool) else str(flag)
+
+
+def _graphs(shape: dict) -> str:
+    if "cuda_graphs" in shape:
+        return _yes(shape["cuda_graphs"])
+    return f"{_yes(shape['producer_cuda_graphs'])} / {_yes(shape['decoder_cuda_graphs'])}"
+
+
+def _pd_verdict_keys(name: str, verdicts: dict) -> list[str]:
+    """The per-job checks shown beside the launchers' evidence (greedy and acceptance are in the
+    jobs table)."""
+    keys = [k for k in verdicts if k.endswith(f"[{name}]")]
+    return [k for k in keys if k.split("[", 1)[0] not in ("greedy", "acceptance")]
+
+
+def pd_job_rows(rec: dict) -> list[str]:
+    jobs, verdicts = rec["jobs"], rec["verdicts"]
+    ref = (jobs.get(PD_ACCEPTANCE_REF) or {}).get("counters")
+    lines = [
+        "| job | shape | producer draft | dtype | scheduling | CUDA graphs (producer / decoder) | "
+        "tokens | greedy: test verdict | decoder accepted / drafted | drafts | "
+        f"accepted per position | counters vs aggregated (`{PD_ACCEPTANCE_REF}`) |",
+        "|---|---|---|---|---|---|---:|---|---:|---:|---|---|",
+    ]
+    for name, job in jobs.items():
+        if not job["selected"]:
+            continue
+        c = job.get("counters") if name in PD_REFS else job.get("decoder_spec")
+        if name in PD_REFS:
+            shape, draft, dtype, sched, graphs = PD_REFS[name], "-", "-", "-", "-"
+            greedy = "the reference" if name != PD_ACCEPTANCE_REF else "-"
+        else:
+            s = job["shape"]
+            shape, dtype, sched, graphs = s["label"], s["dtype"], s["scheduling"], _graphs(s)
+            draft = PD_DRAFTS.get(s["producer_draft"], s["producer_draft"])
+            v = verdicts.get(f"greedy[{name}]")
+            greedy = "no verdict" if v is None else f"{_ok(v)}: {_one_line(v['detail'])}"
+            if v is None and s["producer_draft"] != "real":
+                greedy = "in its control's check, below"
+        if "error" in job:
+            greedy, c = f"**no result**: {_first_line(job['error'])}", None
+        elif "skipped" in job:
+            greedy, c = f"skipped: {job['skipped']}", None
+        if c is None:
+            accepted = drafts = per_pos = vs = "-"
+        else:
+            accepted, drafts, per_pos = _pct(c), str(c["num_drafts"]), _positions(c)
+            if name == PD_ACCEPTANCE_REF:
+                vs = "the reference"
+            elif ref is None:
+                vs = "no reference"
+            else:
+                vs = f"{compare_counters(c, ref)}; {_points(c, ref)}"
+                v = verdicts.get(f"acceptance[{name}]")
+                vs += "" if v is None else f"; test: {_ok(v)}"
+        cells = [f"`{name}`", shape, draft, dtype, sched, graphs, job.get("num_tokens", "-")]
+        cells += [greedy, accepted, drafts, per_pos, vs]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return lines
+
+
+def _by_source(kv: dict) -> dict[str, float]:
+    """vLLM's ``prompt_tokens_by_source_total`` summed per source over its labels."""
+    out: dict[str, float] = {}
+    for key, value in kv.items():
+        m = _SOURCE.search(key)
+        if key.startswith("vllm:prompt_tokens_by_source_total") and m:
+            out[m.group(1)] = out.get(m.group(1), 0) + value
+    return out
+
+
+def _n(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
+def _served_pd(rec: dict) -> list[tuple[str, dict]]:
+    return [
+        (n, j)
+        for n, j in rec["jobs"].items()
+        if n not in PD_REFS and j["selected"] and "error" not in j and "skipped" not in j
+    ]
+
+
+def kv_rows(rec: dict) -> list[str]:
+    served = _served_pd(rec)
+    if not served:
+        return []
+    lines = [
+        "",
+        "### KV pulled by the decoder, and the proxy",
+        "",
+        "From the decoder's `/metrics`: prompt tokens by source (`external_kv_transfer`: pulled "
+        "from the producer over Mooncake; `local_compute`: computed by the decoder itself), the "
+        "external prefix cache, Mooncake's failed transfers and receives; from the proxy: its "
+        "requests and hops.",
+        "",
+        "| job | KV pulled / prompt tokens | computed by the decoder | external prefix cache hits "
+        "/ queries | failed transfers | failed receives | proxy: requests, prefill ok, decode ok "
+        "| proxy errors | hops recorded / dropped |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for name, job in served:
+        kv, px = job["decoder_kv"], job["proxy"]
+        src = _by_source(kv)
+        prompt = kv.get("vllm:prompt_tokens_total")
+        pulled = src.get("external_kv_transfer")
+        share = f" ({100 * pulled / prompt:.1f}%)" if pulled is not None and prompt else ""
+        hits = kv.get("vllm:external_prefix_cache_hits_total")
+        queries = kv.get("vllm:external_prefix_cache_queries_total")
+        cells = [
+            f"`{name}`",
+            f"{_n(pulled)} / {_n(prompt)}{share}",
+            _n(src.get("local_compute")),
+            f"{_n(hits)} / {_n(queries)}",
+            _n(kv.get("vllm:mooncake_num_failed_transfers_total")),
+            _n(kv.get("vllm:mooncake_num_failed_recvs_total")),
+            f"{px.get('requests', '-')}, {px.get('prefill_ok', '-')}, {px.get('decode_ok', '-')}",
+            "none" if not px.get("errors") else _one_line("; ".join(map(str, px["errors"]))),
+            f"{px.get('hops_recorded', '-')} / {px.get('hops_dropped', '-')}",
+        ]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return lines
+
+
+def producer_rows(rec: dict) -> list[str]:
+    served = _served_pd(rec)
+    if not served:
+        return []
+    lines = [
+        "",
+        "### The producer's and the decoder's launchers",
+        "",
+        "Read from every launcher's log by the test (producer launcher R holds the producer's "
+        "global rank R). Rank lines: vLLM's `rank R in world size W is assigned as ... PP rank P "
+        "... TP rank T`; drafter: the plugin's `Built the context-KV-only DSpark drafter` line; "
+        "exchange: the backend of the plugin's `DSpark PP exchange: ... over B` line; handshake: "
+        "the N of each `PP handshake: N ranks agree` line; the producer's own spec-decode "
+        "counters (a prefill-only producer drafts nothing).",
+        "",
+    ]
+    for name, job in served:
+        ev, pre = job["producer_evidence"], job["prefill_spec"]
+        checks = ", ".join(
+            f"`{k.split('[', 1)[0]}` {_ok(rec['verdicts'][k])}"
+            for k in _pd_verdict_keys(name, rec["verdicts"])
+        )
+        markers = job.get("prefill_log_markers") or {}
+        lines += [
+            f"`{name}` ({job['shape']['label']}); test verdicts: {checks or 'none'}:",
+            "",
+            "* producer rank lines per launcher: "
+            + _per_launcher(ev.get("producer_ranks", []), _rank_line),
+            "* context-KV-only drafter built, per producer launcher: "
+            + _per_launcher(ev.get("producer_built_drafter", []), _yes),
+            "* exchange backend per producer launcher: "
+            + _per_launcher(ev.get("producer_exchange", []), lambda b: ", ".join(b) or "none"),
+            f"* handshake sizes: `{ev.get('handshake_sizes')}`",
+            "* decoder rank lines per launcher: "
+            + _per_launcher(ev.get("decoder_ranks", []), _rank_line),
+            "* the producer's log: "
+            + ("; ".join(f"`{m}` {'found' if ok else '**missing**'}" for m, ok in markers.items())
+               or "no markers recorded"),
+            f"* the producer's spec-decode counters: {pre['num_drafts']} drafts, "
+            f"{pre['num_draft_tokens']} drafted tokens",
+            f"* timings: {job.get('timings', '-')}",
+            "",
+        ]  # fmt: skip
+    return lines[:-1]
+
+
+def pd_other_checks(rec: dict) -> list[str]:
+    """Every verdict not shown beside its job: the controls', the NCCL stubs'."""
+    shown = {f"{k}[{n}]" for n in rec["jobs"] for k in ("greedy", "acceptance")}
+    shown |= {k for n, _ in _served_pd(rec) for k in _pd_verdict_keys(n, rec["verdicts"])}
+    rest = {k: v for k, v in rec["verdicts"].items() if k not in shown}
+    if not rest:
+        return []
+    lines = ["", "### Controls and other checks", ""]
+    return lines + [
+        f"* `{k}`: test verdict {_ok(v)}: {_one_line(v.get('detail', ''))}" for k, v in rest.items()
+    ]
+
+
+def pd_not_run(rec: dict) -> list[str]:
+    jobs = rec["jobs"]
+    idle = [(n, j) for n, j in jobs.items() if not j["selected"]]
+    skipped = [(n, j) for n, j in jobs.items() if j["selected"] and "skipped" in j]
+    failed = [(n, j) for n, j in jobs.items() if j["selected"] and "error" in j]
+    lines = ["", "### Not run", ""]
+    lines.append(
+        f"Jobs of the test this record did not select ({len(idle)}; `selected: false`):"
+        if idle
+        else "Every job of the test was selected."
+    )
+    if idle:
+        lines.append("")
+        for n, j in idle:
+            s = j.get("shape")
+            what = PD_REFS.get(n) if s is None else (
+                f"{s['label']}, {PD_DRAFTS.get(s['producer_draft'], s['producer_draft'])} draft"
+            )  # fmt: skip
+            lines.append(f"* `{n}`: {what}")
+    if skipped:
+        lines += ["", "Selected but skipped by the test:", ""]
+        lines += [f"* `{n}`: {j['skipped']}" for n, j in skipped]
+    if failed:
+        lines += ["", "Selected but without a result (the error's first line):", ""]
+        lines += [f"* `{n}`: {_first_line(j['error'])}" for n, j in failed]
+    return lines
+
+
+def pd_section(name: str, rec: dict, group: Group) -> list[str]:
+    layouts = sorted({j["shape"].get("layout", "?") for j in rec["jobs"].values() if "shape" in j})
+    lines = run_head(name, rec, ", ".join(layouts) or "?")
+    issue = f"issue {rec['issue']}" + (f" item {rec['item']}" if "item" in rec else "")
+    pair = f"pair `{rec['pair']}`"
+    if "target" in rec:
+        pair += f": target `{rec['target']}`, draft `{rec.get('draft', '?')}`"
+    run = [fmt.format(rec[k]) for k, fmt in PD_RUN.items() if k in rec]
+    missing = [f"`{k}`" for k in PD_RUN if k not in rec]
+    lines += [
+        f"* {issue}; {pair}; " + ", ".join(run)
+        + (f" ({', '.join(missing)}: not in this record)" if missing else ""),
+        "* engine arguments common to every engine: "
+        + (f"`{' '.join(rec['common_args'])}`" if rec.get("common_args") else "not in this record"),
+    ]  # fmt: skip
+    lines += check_count(rec["verdicts"])
+    lines += ["", "### Jobs", ""] + pd_job_rows(rec)
+    lines += [
+        "",
+        "Decoder counters: the decoder's spec-decode counters over the run; the aggregated "
+        "reference's are its engine's own. Points: the decoder's acceptance minus the "
+        "reference's.",
+    ]
+    lines += kv_rows(rec) + producer_rows(rec) + pd_other_checks(rec) + pd_not_run(rec)
+    return lines + extracted_rows(rec)
+
+
 @dataclass(frozen=True)
 class Kind:
     """A record shape: what load() checks beyond RECORD_KEYS, and the section it makes."""
@@ -485,7 +821,10 @@ class Kind:
     section: Callable[[str, dict, Group], list[str]]
 
 
-KINDS = {"pp": Kind(check_pp, section)}
+KINDS = {
+    "pp": Kind(check_pp, section),
+    "pd_pp": Kind(check_pd, pd_section),
+}
 
 
 def markdown(records: list[tuple[str, dict]], group: Group = GROUPS["tp_pp"]) -> str:
