@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The one-GPU PP tier's pages from its JSON records: tp_pp.md, pp_gpu.md and pd_pp_gpu.md under
-docs/results (issues 25, 26, 40, 42).
+"""The one-GPU PP tier's pages from its JSON records: tp_pp.md, pp_gpu.md, pd_pp_gpu.md and
+dsv41_pp_gpu.md under docs/results (issues 25, 26, 40, 42).
 
     python -m benchmarks.tp_pp_page            # rewrite every page
     python -m benchmarks.tp_pp_page --check    # exit 1 when a committed page is stale
@@ -24,12 +24,16 @@ page, a section per record, newest first; its ``kind`` names the record shape (`
   DSpark, or the first line of the job's error), the KV the decoder pulled against its prompt
   tokens with Mooncake's failed transfers and the proxy's counts, the producer's and decoder's
   rank lines, drafter and exchange evidence, the controls' and other verdicts, the jobs not
-  selected or skipped.
+  selected or skipped;
+* ``dsv41_pp`` (``dsv41_pp_gpu*.json``, tests/gpu/test_dsv41_pp.py), kind ``dsv41_pp``: a row per
+  job (launchers and their exchange backends, scheduling, graphs, counters, acceptance length
+  against PP=1 DSpark), the accepted tokens per position beside the reference, the stock
+  control's refusal lines, every verdict.
 
 A file of log lines extracted from a run (``what``, ``source``, ``extracted_by``, ``lines`` and
 the ``record`` it belongs to; no ``jobs``) that matches a group's pattern is shown, whole, in its
 record's section. Nothing on a page is typed by hand: a figure that is not in a record is not on
-the page (shares and differences are computed here from the counters). A
+the page (shares, differences and acceptance lengths are computed here from the counters). A
 record that lacks a field its page needs, or contradicts itself (a job listed as selected but
 marked otherwise), is refused with :class:`RecordError`. tests/unit/test_tp_pp_page.py checks the
 committed pages are this module's output.
@@ -106,6 +110,19 @@ GROUPS = {
         "records' counters. A file of log lines extracted from a run (it names its record) is "
         "shown in that record's section.",
         kind="pd_pp",
+    ),
+    "dsv41_pp": Group(
+        "dsv41_pp",
+        "dsv41_pp_gpu*.json",
+        RESULTS / "dsv41_pp_gpu.md",
+        "DeepSeek-V4.1 DSpark at PP=2 on one GPU (issue 42)",
+        "Each section is one JSON record written by tests/gpu/test_dsv41_pp.py (group `dsv41_pp` "
+        "of tools/gpu/run_groups.sh): the bundled trained V4.1 pair; the PP=1 references as "
+        "offline engines, the DSpark jobs as one `vllm serve` launcher per stage, and the same "
+        "launchers with the plugin left out (stock vLLM), which must refuse at start. Acceptance "
+        "shares, lengths and the differences per position are computed here from the records' "
+        "counters.",
+        kind="dsv41_pp",
     ),
 }
 
@@ -813,6 +830,184 @@ def pd_section(name: str, rec: dict, group: Group) -> list[str]:
     return lines + extracted_rows(rec)
 
 
+# --- kind "dsv41_pp": tests/gpu/test_dsv41_pp.py (DeepSeek-V4.1 DSpark at PP=2) ---------------
+
+#: the offline PP=1 engines the served jobs are compared with (test_dsv41_pp.py's jobs)
+DSV41_REFS = {
+    "base": "PP=1, no speculation: the greedy reference",
+    "pp1": "PP=1 DSpark: the counters' reference",
+}
+DSV41_DSPARK_REF = "pp1"
+
+
+def check_dsv41(name: str, rec: dict) -> None:
+    jobs = rec["jobs"]
+    if sorted(jobs) != sorted(rec["selected_jobs"]):
+        raise RecordError(
+            f"{name}: selected_jobs {sorted(rec['selected_jobs'])} but jobs {sorted(jobs)}"
+        )
+    for j, v in jobs.items():
+        where = f"{name}: job {j}"
+        if "error" in v:
+            continue
+        if "outcome" in v:
+            need(v, "line", where)
+            continue
+        need(v, "num_tokens", where)
+        check_counters(need(v, "counters", where), f"{where}: counters")
+        if j not in DSV41_REFS:
+            for key in ("eager", "tp", "args", "backends"):
+                need(v, key, where)
+
+
+def _acceptance_length(c: dict) -> str:
+    return f"{1 + c['num_accepted_tokens'] / c['num_drafts']:.3f}" if c["num_drafts"] else "-"
+
+
+def _dsv41_served(rec: dict) -> list[tuple[str, dict]]:
+    return [(n, j) for n, j in rec["jobs"].items() if "counters" in j and "error" not in j]
+
+
+def dsv41_job_rows(rec: dict) -> list[str]:
+    jobs, verdicts = rec["jobs"], rec["verdicts"]
+    ref = (jobs.get(DSV41_DSPARK_REF) or {}).get("counters")
+    lines = [
+        "| job | what | launchers: exchange backend each | TP | scheduling | graphs | start-up s | "
+        "handshake logged / processes left | tokens | test verdict: greedy vs `base` | "
+        "accepted / drafted | drafts | acceptance length | counters vs "
+        f"`{DSV41_DSPARK_REF}` (PP=1 DSpark) |",
+        "|---|---|---|---:|---|---|---:|---|---:|---|---:|---:|---:|---|",
+    ]
+    for name, job in jobs.items():
+        v = verdicts.get(name)
+        greedy = "no verdict" if v is None else f"{_ok(v)}: {v['detail'].split('; ', 1)[0]}"
+        c = job.get("counters")
+        if name in DSV41_REFS:
+            what, launchers, tp, sched, graphs, proc = DSV41_REFS[name], "-", "-", "-", "-", "-"
+            ready = job.get("startup_s", "-")
+            greedy = "the reference" if name == "base" else greedy
+        elif "outcome" in job:
+            what, launchers, tp, sched, graphs, ready, proc = ("stock vLLM, below",) + ("-",) * 6
+            greedy, c = f"{job['outcome']}: {_ok(verdicts.get('stock_refuses'))}, below", None
+        else:
+            what = "DSpark, one `vllm serve` launcher per stage"
+            launchers = f"{len(job.get('backends', []))}: {', '.join(job.get('backends', []))}"
+            tp = job.get("tp", "-")
+            sched = "sync" if "--no-async-scheduling" in job.get("args", []) else "async"
+            graphs = "eager" if job.get("eager") else "CUDA graphs"
+            ready = job.get("ready_s", "-")
+            proc = f"{_yes(job.get('handshake', '-'))} / {job.get('leftover_pids') or 'none'}"
+        if "error" in job:
+            greedy, c = f"**no result**: {_first_line(job['error'])}", None
+        if c is None or (name in DSV41_REFS and not c["num_drafts"]):
+            accepted = drafts = length = vs = "-"
+        else:
+            accepted, drafts, length = _pct(c), str(c["num_drafts"]), _acceptance_length(c)
+            if name == DSV41_DSPARK_REF:
+                vs = "the reference"
+            elif name == "base":
+                vs = "-"
+            elif ref is None:
+                vs = "no reference"
+            else:
+                vs = f"{compare_counters(c, ref)}; {_points(c, ref)}"
+        cells = [f"`{name}`", what, launchers, tp, sched, graphs, ready, proc]
+        cells += [job.get("num_tokens", "-"), greedy, accepted, drafts, length, vs]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return lines
+
+
+def position_rows(rec: dict) -> list[str]:
+    """Accepted tokens per draft position, each DSpark job beside the reference (its difference
+    in brackets where it differs)."""
+    jobs = rec["jobs"]
+    ref = (jobs.get(DSV41_DSPARK_REF) or {}).get("counters")
+    served = [(n, j["counters"]) for n, j in _dsv41_served(rec) if j["counters"]["num_drafts"]]
+    if ref is None or not served:
+        return []
+    rpos = ref["accepted_per_pos"]
+
+    def cell(c: dict, i: int) -> str:
+        pos = c["accepted_per_pos"]
+        if i >= len(pos):
+            return "-"
+        diff = pos[i] - rpos[i] if i < len(rpos) else None
+        return str(pos[i]) + ("" if not diff else f" ({diff:+d})")
+
+    width = max(len(c["accepted_per_pos"]) for _, c in served)
+    head = [
+        "position",
+        *[f"`{n}`" + (" (reference)" if n == DSV41_DSPARK_REF else "") for n, _ in served],
+    ]
+    lines = [
+        "",
+        f"Accepted tokens per draft position, against `{DSV41_DSPARK_REF}` (the difference in "
+        "brackets where it differs):",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---:|" + "---:|" * len(served),
+    ]
+    for i in range(width):
+        lines.append(f"| {i + 1} | " + " | ".join(cell(c, i) for _, c in served) + " |")
+    total = [f"{c['num_accepted_tokens']} / {c['num_drafts']}" for _, c in served]
+    return lines + ["| accepted / drafts | " + " | ".join(total) + " |"]
+
+
+def stock_rows(rec: dict) -> list[str]:
+    stock = [(n, j) for n, j in rec["jobs"].items() if "outcome" in j]
+    lines = []
+    for name, job in stock:
+        v = rec["verdicts"].get("stock_refuses")
+        lines += [
+            "",
+            "### Stock vLLM control (plugin left out)",
+            "",
+            f"`{name}`" + (f", `{job['mirrors']}`'s launchers" if "mirrors" in job else "")
+            + f": outcome **{job['outcome']}**; test verdict `stock_refuses`: {_ok(v)}",
+            "",
+            f"* the line: `{job['line']}`",
+            f"* launchers that exited: {'; '.join(job.get('exited') or []) or 'none recorded'}",
+            f"* processes left behind: {job.get('leftover_pids') or 'none'}",
+        ]  # fmt: skip
+        if job.get("evidence"):
+            lines += ["", "Every launcher's refusal line:", "", "```", *job["evidence"], "```"]
+    return lines
+
+
+def dsv41_verdicts(rec: dict) -> list[str]:
+    """Every check's verdict with the test's own words."""
+    if not rec["verdicts"]:
+        return []
+    lines = ["", "### Test verdicts", ""]
+    return lines + [
+        f"* `{k}`: {_ok(v)}: {_one_line(v.get('detail', ''))}" for k, v in rec["verdicts"].items()
+    ]
+
+
+def dsv41_section(name: str, rec: dict, group: Group) -> list[str]:
+    lines = run_head(name, rec, rec.get("layout", "?"))
+    lines += [
+        f"* issue {rec.get('issue', '-')}; pair `{rec.get('pair', '?')}`; k = {rec.get('k', '?')};"
+        f" at most {rec.get('max_tokens', '?')} tokens each",
+        "* engine arguments of every job: "
+        + (f"`{' '.join(rec['base_args'])}`" if rec.get("base_args") else "not in this record"),
+    ]
+    lines += check_count(rec["verdicts"])
+    lines += ["", "### Jobs", ""] + dsv41_job_rows(rec)
+    lines += [
+        "",
+        "start-up s: a served job's `ready_s` (launch to every launcher ready), a PP=1 engine's "
+        "`startup_s`. Acceptance length: 1 + accepted / drafts. Points: the job's acceptance "
+        "minus the reference's.",
+    ]
+    lines += position_rows(rec) + stock_rows(rec) + dsv41_verdicts(rec)
+    failed = [(n, j) for n, j in rec["jobs"].items() if "error" in j]
+    if failed:
+        lines += ["", "### Selected but without a result (the error's first line)", ""]
+        lines += [f"* `{n}`: {_first_line(j['error'])}" for n, j in failed]
+    return lines + extracted_rows(rec)
+
+
 @dataclass(frozen=True)
 class Kind:
     """A record shape: what load() checks beyond RECORD_KEYS, and the section it makes."""
@@ -824,6 +1019,7 @@ class Kind:
 KINDS = {
     "pp": Kind(check_pp, section),
     "pd_pp": Kind(check_pd, pd_section),
+    "dsv41_pp": Kind(check_dsv41, dsv41_section),
 }
 
 

@@ -1,6 +1,7 @@
-"""docs/results/tp_pp.md, pp_gpu.md and pd_pp_gpu.md are benchmarks/tp_pp_page.py's output from
-the committed records of the groups `tp_pp`, `pp` and `pd_pp`, and a page follows its records: a
-planted change of a record changes the page or is refused."""
+"""docs/results/tp_pp.md, pp_gpu.md, pd_pp_gpu.md and dsv41_pp_gpu.md are
+benchmarks/tp_pp_page.py's output from the committed records of the groups `tp_pp`, `pp`, `pd_pp`
+and `dsv41_pp`, and a page follows its records: a planted change of a record changes the page or
+is refused."""
 
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def test_check_covers_every_page_and_fails_on_one_stale_page(monkeypatch, tmp_pa
         pages[name] = dataclasses.replace(g, page=page)
     monkeypatch.setattr(tp_pp_page, "GROUPS", pages)
     assert tp_pp_page.main(["--check"]) == 0
-    for name in ("pp", "pd_pp"):
+    for name in ("pp", "pd_pp", "dsv41_pp"):
         text = pages[name].page.read_text()
         pages[name].page.write_text(text + "hand edit\n")
         assert tp_pp_page.main(["--check"]) == 1, name
@@ -170,6 +171,8 @@ PD = tp_pp_page.GROUPS["pd_pp"]
 PD_QWEN3 = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_qwen3.json"
 PD_DSV41 = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_dsv41.json"
 PD_ERRORS = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_dsv41_decoder_errors.json"
+DSV41 = tp_pp_page.GROUPS["dsv41_pp"]
+DSV41_RECORD = tp_pp_page.RESULTS / "dsv41_pp_gpu_2026-12-06.json"
 
 
 @pytest.mark.parametrize(
@@ -177,9 +180,10 @@ PD_ERRORS = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_dsv41_decoder_errors.json
     [
         ("pd_pp", ["pd_pp_gpu_2026-12-06_qwen3.json", "pd_pp_gpu_2026-12-06_k3.json",
                    PD_DSV41.name, PD_ERRORS.name, "pd_pp_gpu_2026-12-06_tp2pp2.json"]),
+        ("dsv41_pp", [DSV41_RECORD.name]),
     ],
 )  # fmt: skip
-def test_the_committed_pd_page_is_the_generators_output(group, wanted):
+def test_the_committed_pd_and_dsv41_pages_are_the_generators_output(group, wanted):
     g = tp_pp_page.GROUPS[group]
     records = sorted(tp_pp_page.RESULTS.glob(g.pattern))
     assert [p.name for p in records if p.name in wanted] == sorted(wanted)
@@ -322,3 +326,73 @@ def test_an_extracted_lines_file_is_refused_without_its_fields_or_record(tmp_pat
     paths[0].write_text(json.dumps(ex))
     with pytest.raises(tp_pp_page.RecordError, match="extracted_by|is not among"):
         tp_pp_page.load(paths, PD)
+
+
+# --- dsv41_pp_gpu.md: tests/gpu/test_dsv41_pp.py's records -------------------------------------
+
+
+@pytest.fixture
+def dsv41_record() -> dict:
+    return json.loads(DSV41_RECORD.read_text())
+
+
+def _v41(rec: dict) -> str:
+    return tp_pp_page.markdown([(DSV41_RECORD.name, rec)], DSV41)
+
+
+def test_the_dsv41_page_compares_each_position_with_pp1(dsv41_record):
+    page = _v41(dsv41_record)
+    assert _row(page, "pp2_graphs").endswith(
+        "| 375/763 (49.15%) | 109 | 4.440 | equal; +0.00 points |"
+    )
+    assert "per position differs at [2, 3, 5, 6]; +0.00 points" in _row(page, "pp2_sync_eager")
+    assert "| 3 | 56 | 56 | 56 | 55 (-1) |" in page
+    assert "| 7 | 30 | 30 | 30 | 31 (+1) |" in page
+    planted = copy.deepcopy(dsv41_record)
+    planted["jobs"]["pp2_graphs"]["counters"]["accepted_per_pos"][0] -= 2
+    planted["jobs"]["pp2_graphs"]["counters"]["num_accepted_tokens"] -= 2
+    page = _v41(planted)
+    assert "| 1 | 95 | 93 (-2) | 95 | 95 |" in page
+    row = _row(page, "pp2_graphs")
+    assert "num_accepted_tokens 373 vs 375; per position differs at [0]; -0.26 points" in row
+
+
+def test_the_dsv41_page_shows_the_stock_refusal(dsv41_record):
+    stock = _v41(dsv41_record).split("### Stock vLLM control", 1)[1]
+    assert f"* the line: `{dsv41_record['jobs']['stock_pp2']['line']}`" in stock
+    assert "outcome **REFUSED**; test verdict `stock_refuses`: pass" in stock
+    planted = copy.deepcopy(dsv41_record)
+    planted["jobs"]["stock_pp2"]["outcome"] = "SERVED"
+    planted["verdicts"]["stock_refuses"]["ok"] = False
+    page = _v41(planted)
+    assert "outcome **SERVED**; test verdict `stock_refuses`: **FAIL**" in page
+    assert "**failed checks**: `stock_refuses`" in page
+
+
+def test_a_failed_dsv41_job_shows_its_error_not_figures(dsv41_record):
+    dsv41_record["jobs"]["pp2_eager"] = {"error": "RuntimeError: PLANTED\ntraceback"}
+    page = _v41(dsv41_record)
+    assert "| **no result**: RuntimeError: PLANTED | - | - | - | - |" in _row(page, "pp2_eager")
+    assert "`pp2_eager` |" not in page.split("Accepted tokens per draft position", 1)[1]
+    assert "* `pp2_eager`: RuntimeError: PLANTED" in page
+    assert "traceback" not in page
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        _drop("commit"),
+        _drop("jobs", "pp2_graphs", "counters"),
+        _drop("jobs", "pp2_graphs", "backends"),
+        _drop("jobs", "pp1", "counters", "num_drafts"),
+        _drop("jobs", "stock_pp2", "line"),
+        lambda r: r["selected_jobs"].remove("pp2_eager"),
+    ],
+    ids=["commit", "counters", "backends", "num_drafts", "stock line", "job not selected"],
+)
+def test_a_dsv41_record_missing_or_contradicting_a_field_is_refused(tmp_path, dsv41_record, plant):
+    plant(dsv41_record)
+    path = tmp_path / DSV41_RECORD.name
+    path.write_text(json.dumps(dsv41_record))
+    with pytest.raises(tp_pp_page.RecordError):
+        tp_pp_page.load([path], DSV41)
