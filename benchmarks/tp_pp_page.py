@@ -1,31 +1,51 @@
 #!/usr/bin/env python3
-"""docs/results/tp_pp.md and pp_gpu.md from the one-GPU PP tier's JSON records (issue 40).
+"""The one-GPU PP tier's pages from its JSON records: tp_pp.md, pp_gpu.md, pd_pp_gpu.md and
+dsv41_pp_gpu.md under docs/results (issues 25, 26, 40, 42).
 
-    python -m benchmarks.tp_pp_page            # rewrite both pages
+    python -m benchmarks.tp_pp_page            # rewrite every page
     python -m benchmarks.tp_pp_page --check    # exit 1 when a committed page is stale
     python -m benchmarks.tp_pp_page --group pp [RECORD ...]   # one page, from the files given
 
-Group ``tp_pp`` reads every ``docs/results/tp_pp*.json``, each one record written by
-tests/gpu/test_tp_pp_one_gpu.py (its ``tp_pp.json``, copied here); group ``pp`` reads every
-``docs/results/pp_gpu*.json``, written by tests/gpu/test_pp_one_gpu.py (its ``pp.json``). Both
-tests write the same record shape, and each page has one section per record, newest first: the
-run (commit, date, GPU, command, knobs), a row per job that ran (shape,
-scheduling, graphs or eager, start-up seconds, tokens, the greedy verdict against PP=1 without
-speculation, the spec-decode counters and their per-position split against the PP=1 DSpark
-reference), the counters per wave, the launchers' evidence (handshake sizes, vLLM's rank lines,
-NCCL communicators, the exchange's backend, pinned dispatches), the abort, the NCCL stub check,
-the stock control when it ran, and the jobs the record says were not selected. Nothing on the
-page is typed by hand: a figure that is not in a record is not on the page. A record that lacks a
-field the page needs, or contradicts itself (a job listed as selected but marked otherwise), is
-refused with :class:`RecordError`. tests/unit/test_tp_pp_page.py checks the committed page is this
-module's output.
+Each group (``GROUPS``) reads the records of one GPU test from ``docs/results`` and writes one
+page, a section per record, newest first; its ``kind`` names the record shape (``KINDS``: what
+:func:`load` checks, what a section holds):
+
+* ``tp_pp`` (``tp_pp*.json``, tests/gpu/test_tp_pp_one_gpu.py) and ``pp`` (``pp_gpu*.json``,
+  tests/gpu/test_pp_one_gpu.py), kind ``pp``: the run (commit, date, GPU, command, knobs), a row
+  per job that ran (shape, scheduling, graphs or eager, start-up seconds, tokens, the greedy
+  verdict against PP=1 without speculation, the spec-decode counters and their per-position
+  split against the PP=1 DSpark reference), the counters per wave, the launchers' evidence
+  (handshake sizes, vLLM's rank lines, NCCL communicators, the exchange's backend, pinned
+  dispatches), the abort, the NCCL stub check, the stock control when it ran, and the jobs the
+  record says were not selected;
+* ``pd_pp`` (``pd_pp_gpu*.json``, tests/gpu/test_pd_pp_producer.py: groups ``pd_pp``,
+  ``pd_pp_<pair>``, ``pd_tp_pp``), kind ``pd_pp``: a row per PD job (shape, producer draft,
+  dtype, scheduling, graphs, the greedy verdict, the decoder's counters against aggregated PP=1
+  DSpark, or the first line of the job's error), the KV the decoder pulled against its prompt
+  tokens with Mooncake's failed transfers and the proxy's counts, the producer's and decoder's
+  rank lines, drafter and exchange evidence, the controls' and other verdicts, the jobs not
+  selected or skipped;
+* ``dsv41_pp`` (``dsv41_pp_gpu*.json``, tests/gpu/test_dsv41_pp.py), kind ``dsv41_pp``: a row per
+  job (launchers and their exchange backends, scheduling, graphs, counters, acceptance length
+  against PP=1 DSpark), the accepted tokens per position beside the reference, the stock
+  control's refusal lines, every verdict.
+
+A file of log lines extracted from a run (``what``, ``source``, ``extracted_by``, ``lines`` and
+the ``record`` it belongs to; no ``jobs``) that matches a group's pattern is shown, whole, in its
+record's section. Nothing on a page is typed by hand: a figure that is not in a record is not on
+the page (shares, differences and acceptance lengths are computed here from the counters). A
+record that lacks a field its page needs, or contradicts itself (a job listed as selected but
+marked otherwise), is refused with :class:`RecordError`. tests/unit/test_tp_pp_page.py checks the
+committed pages are this module's output.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +70,8 @@ class Group:
     page: Path
     title: str
     intro: str
-    ranks_verdict: str  # the prefix of the per-job verdict on the launchers' logs
+    ranks_verdict: str = ""  # kind "pp": the prefix of the per-job verdict on the launchers' logs
+    kind: str = "pp"  # which record shape its test writes: a key of KINDS
 
 
 GROUPS = {
@@ -62,7 +83,7 @@ GROUPS = {
         "Each section is one JSON record written by tests/gpu/test_tp_pp_one_gpu.py (group `tp_pp` "
         "of tools/gpu/run_groups.sh): four `vllm serve -tp 2 -pp 2 --nnodes 4` launchers, one "
         "rank each, the trained tiny pair. PD with a TP x PP producer (group `pd_tp_pp`) is not "
-        "in these records: [producer.md](../producer.md).",
+        "in these records: [pd_pp_gpu.md](pd_pp_gpu.md).",
         "ranks",
     ),
     "pp": Group(
@@ -76,11 +97,45 @@ GROUPS = {
         "stock-vLLM controls and a launcher started without the plugin (`fault`).",
         "nccl",
     ),
+    "pd_pp": Group(
+        "pd_pp",
+        "pd_pp_gpu*.json",
+        RESULTS / "pd_pp_gpu.md",
+        "PD with a pipeline-parallel producer on one GPU, over MooncakeConnector",
+        "Each section is one JSON record written by tests/gpu/test_pd_pp_producer.py (its groups "
+        "in tools/gpu/run_groups.sh: `pd_pp`, `pd_pp_<pair>`, `pd_tp_pp`): a prefill-only "
+        "producer (the context-KV-only drafter) as one `vllm serve` launcher per rank, a DSpark "
+        "decoder and the proxy between them; the references are offline engines of the same "
+        "pair. Acceptance shares, their differences and the KV shares are computed here from the "
+        "records' counters. A file of log lines extracted from a run (it names its record) is "
+        "shown in that record's section.",
+        kind="pd_pp",
+    ),
+    "dsv41_pp": Group(
+        "dsv41_pp",
+        "dsv41_pp_gpu*.json",
+        RESULTS / "dsv41_pp_gpu.md",
+        "DeepSeek-V4.1 DSpark at PP=2 on one GPU (issue 42)",
+        "Each section is one JSON record written by tests/gpu/test_dsv41_pp.py (group `dsv41_pp` "
+        "of tools/gpu/run_groups.sh): the bundled trained V4.1 pair; the PP=1 references as "
+        "offline engines, the DSpark jobs as one `vllm serve` launcher per stage, and the same "
+        "launchers with the plugin left out (stock vLLM), which must refuse at start. Acceptance "
+        "shares, lengths and the differences per position are computed here from the records' "
+        "counters.",
+        kind="dsv41_pp",
+    ),
 }
 
 
 class RecordError(ValueError):
     """A record the page cannot be written from."""
+
+
+#: what every record of every group holds
+RECORD_KEYS = ("commit", "date", "gpu", "command", "jobs", "verdicts", "selected_jobs")
+#: what a file of log lines extracted from a run holds (``record``: the record it belongs to)
+EXTRACT_KEYS = ("what", "commit", "date", "gpu", "source", "extracted_by", "record", "lines")
+EXTRACTED = "extracted files"  # where load() puts a record's extracted-lines files
 
 
 def need(obj: dict, key: str, where: str):
@@ -89,25 +144,48 @@ def need(obj: dict, key: str, where: str):
     return obj[key]
 
 
-def load(paths: list[Path]) -> list[tuple[str, dict]]:
-    """``(file name, record)`` per file, newest first; checks what the page relies on."""
-    out = []
+def check_selected(name: str, rec: dict) -> None:
+    """Every job says whether it was selected, and those that say so are ``selected_jobs``."""
+    jobs = rec["jobs"]
+    marked = sorted(j for j, v in jobs.items() if need(v, "selected", f"{name}: job {j}"))
+    if marked != sorted(rec["selected_jobs"]):
+        raise RecordError(
+            f"{name}: selected_jobs {sorted(rec['selected_jobs'])} but the jobs marked "
+            f"selected are {marked}"
+        )
+
+
+def check_pp(name: str, rec: dict) -> None:
+    check_selected(name, rec)
+    for j, v in rec["jobs"].items():
+        need(v, "shape", f"{name}: job {j}")
+
+
+def load(paths: list[Path], group: Group | None = None) -> list[tuple[str, dict]]:
+    """``(file name, record)`` per file, newest first; checks what the group's page relies on.
+
+    A file of log lines extracted from a run (no ``jobs``; its ``record`` names the record it
+    belongs to) is checked and kept under that record's ``EXTRACTED`` key, not as a section."""
+    kind = KINDS[(group or GROUPS["tp_pp"]).kind]
+    records, extracts = {}, []
     for path in paths:
         rec = json.loads(Path(path).read_text())
         name = Path(path).name
-        for key in ("commit", "date", "gpu", "command", "jobs", "verdicts", "selected_jobs"):
+        if "jobs" not in rec and "lines" in rec:
+            for key in EXTRACT_KEYS:
+                need(rec, key, name)
+            extracts.append((name, rec))
+            continue
+        for key in RECORD_KEYS:
             need(rec, key, name)
-        jobs = rec["jobs"]
-        marked = sorted(j for j, v in jobs.items() if need(v, "selected", f"{name}: job {j}"))
-        if marked != sorted(rec["selected_jobs"]):
-            raise RecordError(
-                f"{name}: selected_jobs {sorted(rec['selected_jobs'])} but the jobs marked "
-                f"selected are {marked}"
-            )
-        for j, v in jobs.items():
-            need(v, "shape", f"{name}: job {j}")
-        out.append((name, rec))
-    return sorted(out, key=lambda nr: (nr[1]["date"], nr[0]), reverse=True)
+        kind.check(name, rec)
+        records[name] = rec
+    for name, ex in extracts:
+        if ex["record"] not in records:
+            raise RecordError(f"{name}: its record {ex['record']} is not among the records read")
+        rec = records[ex["record"]]
+        records[ex["record"]] = {**rec, EXTRACTED: [*rec.get(EXTRACTED, []), (name, ex)]}
+    return sorted(records.items(), key=lambda nr: (nr[1]["date"], nr[0]), reverse=True)
 
 
 def _shape(shape: dict) -> str:
@@ -377,14 +455,10 @@ def not_run(rec: dict) -> list[str]:
     return lines
 
 
-def section(name: str, rec: dict, group: Group) -> list[str]:
-    verdicts = rec["verdicts"]
-    oks = [v.get("ok") for v in verdicts.values()]
+def run_head(name: str, rec: dict, layout: str) -> list[str]:
+    """A section's heading and the run: commit, GPU and layout, command, knobs."""
     knobs = ", ".join(f"`{k}={v}`" for k, v in sorted((rec.get("knobs") or {}).items()))
-    spec = rec.get("spec") or {}
-    graphs = (rec.get("graph_config") or {}).get("decode_cudagraph_capture_request_sizes")
-    layout = rec.get("layout", "?")
-    lines = [
+    return [
         "",
         f"## {rec['date']}: [{name}]({name})",
         "",
@@ -392,16 +466,51 @@ def section(name: str, rec: dict, group: Group) -> list[str]:
         f"* GPU: {rec['gpu']}; layout `{layout}` ({LAYOUTS.get(layout, 'unknown layout')})",
         f"* command (on the GPU machine): `{rec['command']}`",
         f"* knobs (the run's `DSPARK_GPU_*` variables): {knobs or 'none'}",
-        f"* speculation: {spec.get('method', '?')}, k = {spec.get('num_speculative_tokens', '?')},"
-        f" draft `{spec.get('model', '?')}`; waves of {', '.join(map(str, rec.get('waves', [])))}"
-        f" prompts, at most {rec.get('max_tokens', '?')} tokens each; decode CUDA graphs for "
-        f"{graphs} requests",
+    ]
+
+
+def check_count(verdicts: dict) -> list[str]:
+    """How many checks the record holds, passed and failed, and the failed ones by name."""
+    oks = [v.get("ok") for v in verdicts.values()]
+    lines = [
         f"* checks: {len(oks)} recorded, {oks.count(True)} passed, {oks.count(False)} failed"
-        + (f", {oks.count(None)} recorded without a verdict" if None in oks else ""),
+        + (f", {oks.count(None)} recorded without a verdict" if None in oks else "")
     ]
     bad = [k for k, v in verdicts.items() if v.get("ok") is False]
     if bad:
         lines.append(f"* **failed checks**: {', '.join(f'`{k}`' for k in bad)}")
+    return lines
+
+
+def extracted_rows(rec: dict) -> list[str]:
+    """The extracted-lines files that name this record: what, where from, how, the lines."""
+    lines = []
+    for name, ex in rec.get(EXTRACTED, []):
+        lines += [
+            "",
+            f"### Lines extracted from this run's logs: [{name}]({name})",
+            "",
+            f"{ex['what']} (commit `{ex['commit']}`, {ex['date']}, {ex['gpu']}); from "
+            f"{ex['source']}, by `{ex['extracted_by']}`:",
+            "",
+            "```",
+            *ex["lines"],
+            "```",
+        ]
+    return lines
+
+
+def section(name: str, rec: dict, group: Group) -> list[str]:
+    spec = rec.get("spec") or {}
+    graphs = (rec.get("graph_config") or {}).get("decode_cudagraph_capture_request_sizes")
+    lines = run_head(name, rec, rec.get("layout", "?"))
+    lines += [
+        f"* speculation: {spec.get('method', '?')}, k = {spec.get('num_speculative_tokens', '?')},"
+        f" draft `{spec.get('model', '?')}`; waves of {', '.join(map(str, rec.get('waves', [])))}"
+        f" prompts, at most {rec.get('max_tokens', '?')} tokens each; decode CUDA graphs for "
+        f"{graphs} requests",
+    ]
+    lines += check_count(rec["verdicts"])
     lines += ["", "### Jobs", ""] + job_rows(rec)
     lines += [
         "",
@@ -411,11 +520,512 @@ def section(name: str, rec: dict, group: Group) -> list[str]:
     ]
     lines += wave_rows(rec)
     rest = evidence_rows(rec, group) + abort_rows(rec) + other_checks(rec) + not_run(rec)
-    return lines + rest
+    return lines + rest + extracted_rows(rec)
+
+
+# --- kind "pd_pp": tests/gpu/test_pd_pp_producer.py (PD with a PP or TP x PP producer) ---------
+
+#: the offline engines the PD jobs are compared with (test_pd_pp_producer.py's ``pd_jobs``)
+PD_REFS = {
+    "pair_baseline": "aggregated PP=1, no speculation: the greedy reference",
+    "pair_spec": "aggregated PP=1 DSpark: the acceptance reference",
+}
+PD_ACCEPTANCE_REF = "pair_spec"
+PD_DRAFTS = {"real": "the pair's", "nan": "NaN-norm (control)", "subtle": "aux taps exchanged"}
+PD_SERVED = ("decoder_spec", "prefill_spec", "decoder_kv", "proxy", "producer_evidence")
+PD_SHAPE = ("label", "producer_draft", "dtype", "scheduling")
+PD_RUN = {"k": "k = {}", "num_prompts": "{} prompts", "max_tokens": "at most {} tokens each"}
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+_SOURCE = re.compile(r'source="(\w+)"')
+
+
+def check_counters(c: dict, where: str) -> None:
+    for key in COUNTERS:
+        need(c, key, where)
+
+
+def check_pd(name: str, rec: dict) -> None:
+    need(rec, "pair", name)
+    check_selected(name, rec)
+    for j, v in rec["jobs"].items():
+        where = f"{name}: job {j}"
+        if j in PD_REFS:
+            if v["selected"] and "error" not in v and j == PD_ACCEPTANCE_REF:
+                check_counters(need(v, "counters", where), where)
+            continue
+        shape = need(v, "shape", where)
+        for key in PD_SHAPE:
+            need(shape, key, f"{where}: shape")
+        if "cuda_graphs" not in shape:
+            for key in ("producer_cuda_graphs", "decoder_cuda_graphs"):
+                need(shape, key, f"{where}: shape")
+        if v["selected"] and "error" not in v and "skipped" not in v:
+            for key in PD_SERVED:
+                need(v, key, where)
+            check_counters(v["decoder_spec"], f"{where}: decoder_spec")
+            check_counters(v["prefill_spec"], f"{where}: prefill_spec")
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "(empty)"
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(x.strip() for x in text.splitlines() if x.strip())
+
+
+def _share(c: dict) -> float | None:
+    drafted = c["num_draft_tokens"]
+    return 100 * c["num_accepted_tokens"] / drafted if drafted else None
+
+
+def _points(got: dict, ref: dict) -> str:
+    """The acceptance of ``got`` against ``ref`` in percentage points."""
+    a, b = _share(got), _share(ref)
+    return "-" if a is None or b is None else f"{a - b:+.2f} points"
+
+
+def _yes(flag: object) -> str:
+    """``yes``/``no`` for a boolean, anything else as the record has it."""
+    return ("yes" if flag else "no") if isinstance(flag, bool) else str(flag)
+
+
+def _graphs(shape: dict) -> str:
+    if "cuda_graphs" in shape:
+        return _yes(shape["cuda_graphs"])
+    return f"{_yes(shape['producer_cuda_graphs'])} / {_yes(shape['decoder_cuda_graphs'])}"
+
+
+def _pd_verdict_keys(name: str, verdicts: dict) -> list[str]:
+    """The per-job checks shown beside the launchers' evidence (greedy and acceptance are in the
+    jobs table)."""
+    keys = [k for k in verdicts if k.endswith(f"[{name}]")]
+    return [k for k in keys if k.split("[", 1)[0] not in ("greedy", "acceptance")]
+
+
+def pd_job_rows(rec: dict) -> list[str]:
+    jobs, verdicts = rec["jobs"], rec["verdicts"]
+    ref = (jobs.get(PD_ACCEPTANCE_REF) or {}).get("counters")
+    lines = [
+        "| job | shape | producer draft | dtype | scheduling | CUDA graphs (producer / decoder) | "
+        "tokens | greedy: test verdict | decoder accepted / drafted | drafts | "
+        f"accepted per position | counters vs aggregated (`{PD_ACCEPTANCE_REF}`) |",
+        "|---|---|---|---|---|---|---:|---|---:|---:|---|---|",
+    ]
+    for name, job in jobs.items():
+        if not job["selected"]:
+            continue
+        c = job.get("counters") if name in PD_REFS else job.get("decoder_spec")
+        if name in PD_REFS:
+            shape, draft, dtype, sched, graphs = PD_REFS[name], "-", "-", "-", "-"
+            greedy = "the reference" if name != PD_ACCEPTANCE_REF else "-"
+        else:
+            s = job["shape"]
+            shape, dtype, sched, graphs = s["label"], s["dtype"], s["scheduling"], _graphs(s)
+            draft = PD_DRAFTS.get(s["producer_draft"], s["producer_draft"])
+            v = verdicts.get(f"greedy[{name}]")
+            greedy = "no verdict" if v is None else f"{_ok(v)}: {_one_line(v['detail'])}"
+            if v is None and s["producer_draft"] != "real":
+                greedy = "in its control's check, below"
+        if "error" in job:
+            greedy, c = f"**no result**: {_first_line(job['error'])}", None
+        elif "skipped" in job:
+            greedy, c = f"skipped: {job['skipped']}", None
+        if c is None:
+            accepted = drafts = per_pos = vs = "-"
+        else:
+            accepted, drafts, per_pos = _pct(c), str(c["num_drafts"]), _positions(c)
+            if name == PD_ACCEPTANCE_REF:
+                vs = "the reference"
+            elif ref is None:
+                vs = "no reference"
+            else:
+                vs = f"{compare_counters(c, ref)}; {_points(c, ref)}"
+                v = verdicts.get(f"acceptance[{name}]")
+                vs += "" if v is None else f"; test: {_ok(v)}"
+        cells = [f"`{name}`", shape, draft, dtype, sched, graphs, job.get("num_tokens", "-")]
+        cells += [greedy, accepted, drafts, per_pos, vs]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return lines
+
+
+def _by_source(kv: dict) -> dict[str, float]:
+    """vLLM's ``prompt_tokens_by_source_total`` summed per source over its labels."""
+    out: dict[str, float] = {}
+    for key, value in kv.items():
+        m = _SOURCE.search(key)
+        if key.startswith("vllm:prompt_tokens_by_source_total") and m:
+            out[m.group(1)] = out.get(m.group(1), 0) + value
+    return out
+
+
+def _n(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
+def _served_pd(rec: dict) -> list[tuple[str, dict]]:
+    return [
+        (n, j)
+        for n, j in rec["jobs"].items()
+        if n not in PD_REFS and j["selected"] and "error" not in j and "skipped" not in j
+    ]
+
+
+def kv_rows(rec: dict) -> list[str]:
+    served = _served_pd(rec)
+    if not served:
+        return []
+    lines = [
+        "",
+        "### KV pulled by the decoder, and the proxy",
+        "",
+        "From the decoder's `/metrics`: prompt tokens by source (`external_kv_transfer`: pulled "
+        "from the producer over Mooncake; `local_compute`: computed by the decoder itself), the "
+        "external prefix cache, Mooncake's failed transfers and receives; from the proxy: its "
+        "requests and hops.",
+        "",
+        "| job | KV pulled / prompt tokens | computed by the decoder | external prefix cache hits "
+        "/ queries | failed transfers | failed receives | proxy: requests, prefill ok, decode ok "
+        "| proxy errors | hops recorded / dropped |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for name, job in served:
+        kv, px = job["decoder_kv"], job["proxy"]
+        src = _by_source(kv)
+        prompt = kv.get("vllm:prompt_tokens_total")
+        pulled = src.get("external_kv_transfer")
+        share = f" ({100 * pulled / prompt:.1f}%)" if pulled is not None and prompt else ""
+        hits = kv.get("vllm:external_prefix_cache_hits_total")
+        queries = kv.get("vllm:external_prefix_cache_queries_total")
+        cells = [
+            f"`{name}`",
+            f"{_n(pulled)} / {_n(prompt)}{share}",
+            _n(src.get("local_compute")),
+            f"{_n(hits)} / {_n(queries)}",
+            _n(kv.get("vllm:mooncake_num_failed_transfers_total")),
+            _n(kv.get("vllm:mooncake_num_failed_recvs_total")),
+            f"{px.get('requests', '-')}, {px.get('prefill_ok', '-')}, {px.get('decode_ok', '-')}",
+            "none" if not px.get("errors") else _one_line("; ".join(map(str, px["errors"]))),
+            f"{px.get('hops_recorded', '-')} / {px.get('hops_dropped', '-')}",
+        ]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return lines
+
+
+def producer_rows(rec: dict) -> list[str]:
+    served = _served_pd(rec)
+    if not served:
+        return []
+    lines = [
+        "",
+        "### The producer's and the decoder's launchers",
+        "",
+        "Read from every launcher's log by the test (producer launcher R holds the producer's "
+        "global rank R). Rank lines: vLLM's `rank R in world size W is assigned as ... PP rank P "
+        "... TP rank T`; drafter: the plugin's `Built the context-KV-only DSpark drafter` line; "
+        "exchange: the backend of the plugin's `DSpark PP exchange: ... over B` line; handshake: "
+        "the N of each `PP handshake: N ranks agree` line; the producer's own spec-decode "
+        "counters (a prefill-only producer drafts nothing).",
+        "",
+    ]
+    for name, job in served:
+        ev, pre = job["producer_evidence"], job["prefill_spec"]
+        checks = ", ".join(
+            f"`{k.split('[', 1)[0]}` {_ok(rec['verdicts'][k])}"
+            for k in _pd_verdict_keys(name, rec["verdicts"])
+        )
+        markers = job.get("prefill_log_markers") or {}
+        lines += [
+            f"`{name}` ({job['shape']['label']}); test verdicts: {checks or 'none'}:",
+            "",
+            "* producer rank lines per launcher: "
+            + _per_launcher(ev.get("producer_ranks", []), _rank_line),
+            "* context-KV-only drafter built, per producer launcher: "
+            + _per_launcher(ev.get("producer_built_drafter", []), _yes),
+            "* exchange backend per producer launcher: "
+            + _per_launcher(ev.get("producer_exchange", []), lambda b: ", ".join(b) or "none"),
+            f"* handshake sizes: `{ev.get('handshake_sizes')}`",
+            "* decoder rank lines per launcher: "
+            + _per_launcher(ev.get("decoder_ranks", []), _rank_line),
+            "* the producer's log: "
+            + ("; ".join(f"`{m}` {'found' if ok else '**missing**'}" for m, ok in markers.items())
+               or "no markers recorded"),
+            f"* the producer's spec-decode counters: {pre['num_drafts']} drafts, "
+            f"{pre['num_draft_tokens']} drafted tokens",
+            f"* timings: {job.get('timings', '-')}",
+            "",
+        ]  # fmt: skip
+    return lines[:-1]
+
+
+def pd_other_checks(rec: dict) -> list[str]:
+    """Every verdict not shown beside its job: the controls', the NCCL stubs'."""
+    shown = {f"{k}[{n}]" for n in rec["jobs"] for k in ("greedy", "acceptance")}
+    shown |= {k for n, _ in _served_pd(rec) for k in _pd_verdict_keys(n, rec["verdicts"])}
+    rest = {k: v for k, v in rec["verdicts"].items() if k not in shown}
+    if not rest:
+        return []
+    lines = ["", "### Controls and other checks", ""]
+    return lines + [
+        f"* `{k}`: test verdict {_ok(v)}: {_one_line(v.get('detail', ''))}" for k, v in rest.items()
+    ]
+
+
+def pd_not_run(rec: dict) -> list[str]:
+    jobs = rec["jobs"]
+    idle = [(n, j) for n, j in jobs.items() if not j["selected"]]
+    skipped = [(n, j) for n, j in jobs.items() if j["selected"] and "skipped" in j]
+    failed = [(n, j) for n, j in jobs.items() if j["selected"] and "error" in j]
+    lines = ["", "### Not run", ""]
+    lines.append(
+        f"Jobs of the test this record did not select ({len(idle)}; `selected: false`):"
+        if idle
+        else "Every job of the test was selected."
+    )
+    if idle:
+        lines.append("")
+        for n, j in idle:
+            s = j.get("shape")
+            what = PD_REFS.get(n) if s is None else (
+                f"{s['label']}, {PD_DRAFTS.get(s['producer_draft'], s['producer_draft'])} draft"
+            )  # fmt: skip
+            lines.append(f"* `{n}`: {what}")
+    if skipped:
+        lines += ["", "Selected but skipped by the test:", ""]
+        lines += [f"* `{n}`: {j['skipped']}" for n, j in skipped]
+    if failed:
+        lines += ["", "Selected but without a result (the error's first line):", ""]
+        lines += [f"* `{n}`: {_first_line(j['error'])}" for n, j in failed]
+    return lines
+
+
+def pd_section(name: str, rec: dict, group: Group) -> list[str]:
+    layouts = sorted({j["shape"].get("layout", "?") for j in rec["jobs"].values() if "shape" in j})
+    lines = run_head(name, rec, ", ".join(layouts) or "?")
+    issue = f"issue {rec['issue']}" + (f" item {rec['item']}" if "item" in rec else "")
+    pair = f"pair `{rec['pair']}`"
+    if "target" in rec:
+        pair += f": target `{rec['target']}`, draft `{rec.get('draft', '?')}`"
+    run = [fmt.format(rec[k]) for k, fmt in PD_RUN.items() if k in rec]
+    missing = [f"`{k}`" for k in PD_RUN if k not in rec]
+    lines += [
+        f"* {issue}; {pair}; " + ", ".join(run)
+        + (f" ({', '.join(missing)}: not in this record)" if missing else ""),
+        "* engine arguments common to every engine: "
+        + (f"`{' '.join(rec['common_args'])}`" if rec.get("common_args") else "not in this record"),
+    ]  # fmt: skip
+    lines += check_count(rec["verdicts"])
+    lines += ["", "### Jobs", ""] + pd_job_rows(rec)
+    lines += [
+        "",
+        "Decoder counters: the decoder's spec-decode counters over the run; the aggregated "
+        "reference's are its engine's own. Points: the decoder's acceptance minus the "
+        "reference's.",
+    ]
+    lines += kv_rows(rec) + producer_rows(rec) + pd_other_checks(rec) + pd_not_run(rec)
+    return lines + extracted_rows(rec)
+
+
+# --- kind "dsv41_pp": tests/gpu/test_dsv41_pp.py (DeepSeek-V4.1 DSpark at PP=2) ---------------
+
+#: the offline PP=1 engines the served jobs are compared with (test_dsv41_pp.py's jobs)
+DSV41_REFS = {
+    "base": "PP=1, no speculation: the greedy reference",
+    "pp1": "PP=1 DSpark: the counters' reference",
+}
+DSV41_DSPARK_REF = "pp1"
+
+
+def check_dsv41(name: str, rec: dict) -> None:
+    jobs = rec["jobs"]
+    if sorted(jobs) != sorted(rec["selected_jobs"]):
+        raise RecordError(
+            f"{name}: selected_jobs {sorted(rec['selected_jobs'])} but jobs {sorted(jobs)}"
+        )
+    for j, v in jobs.items():
+        where = f"{name}: job {j}"
+        if "error" in v:
+            continue
+        if "outcome" in v:
+            need(v, "line", where)
+            continue
+        need(v, "num_tokens", where)
+        check_counters(need(v, "counters", where), f"{where}: counters")
+        if j not in DSV41_REFS:
+            for key in ("eager", "tp", "args", "backends"):
+                need(v, key, where)
+
+
+def _acceptance_length(c: dict) -> str:
+    return f"{1 + c['num_accepted_tokens'] / c['num_drafts']:.3f}" if c["num_drafts"] else "-"
+
+
+def _dsv41_served(rec: dict) -> list[tuple[str, dict]]:
+    return [(n, j) for n, j in rec["jobs"].items() if "counters" in j and "error" not in j]
+
+
+def dsv41_job_rows(rec: dict) -> list[str]:
+    jobs, verdicts = rec["jobs"], rec["verdicts"]
+    ref = (jobs.get(DSV41_DSPARK_REF) or {}).get("counters")
+    lines = [
+        "| job | what | launchers: exchange backend each | TP | scheduling | graphs | start-up s | "
+        "handshake logged / processes left | tokens | test verdict: greedy vs `base` | "
+        "accepted / drafted | drafts | acceptance length | counters vs "
+        f"`{DSV41_DSPARK_REF}` (PP=1 DSpark) |",
+        "|---|---|---|---:|---|---|---:|---|---:|---|---:|---:|---:|---|",
+    ]
+    for name, job in jobs.items():
+        v = verdicts.get(name)
+        greedy = "no verdict" if v is None else f"{_ok(v)}: {v['detail'].split('; ', 1)[0]}"
+        c = job.get("counters")
+        if name in DSV41_REFS:
+            what, launchers, tp, sched, graphs, proc = DSV41_REFS[name], "-", "-", "-", "-", "-"
+            ready = job.get("startup_s", "-")
+            greedy = "the reference" if name == "base" else greedy
+        elif "outcome" in job:
+            what, launchers, tp, sched, graphs, ready, proc = ("stock vLLM, below",) + ("-",) * 6
+            greedy, c = f"{job['outcome']}: {_ok(verdicts.get('stock_refuses'))}, below", None
+        else:
+            what = "DSpark, one `vllm serve` launcher per stage"
+            launchers = f"{len(job.get('backends', []))}: {', '.join(job.get('backends', []))}"
+            tp = job.get("tp", "-")
+            sched = "sync" if "--no-async-scheduling" in job.get("args", []) else "async"
+            graphs = "eager" if job.get("eager") else "CUDA graphs"
+            ready = job.get("ready_s", "-")
+            proc = f"{_yes(job.get('handshake', '-'))} / {job.get('leftover_pids') or 'none'}"
+        if "error" in job:
+            greedy, c = f"**no result**: {_first_line(job['error'])}", None
+        if c is None or (name in DSV41_REFS and not c["num_drafts"]):
+            accepted = drafts = length = vs = "-"
+        else:
+            accepted, drafts, length = _pct(c), str(c["num_drafts"]), _acceptance_length(c)
+            if name == DSV41_DSPARK_REF:
+                vs = "the reference"
+            elif name == "base":
+                vs = "-"
+            elif ref is None:
+                vs = "no reference"
+            else:
+                vs = f"{compare_counters(c, ref)}; {_points(c, ref)}"
+        cells = [f"`{name}`", what, launchers, tp, sched, graphs, ready, proc]
+        cells += [job.get("num_tokens", "-"), greedy, accepted, drafts, length, vs]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return lines
+
+
+def position_rows(rec: dict) -> list[str]:
+    """Accepted tokens per draft position, each DSpark job beside the reference (its difference
+    in brackets where it differs)."""
+    jobs = rec["jobs"]
+    ref = (jobs.get(DSV41_DSPARK_REF) or {}).get("counters")
+    served = [(n, j["counters"]) for n, j in _dsv41_served(rec) if j["counters"]["num_drafts"]]
+    if ref is None or not served:
+        return []
+    rpos = ref["accepted_per_pos"]
+
+    def cell(c: dict, i: int) -> str:
+        pos = c["accepted_per_pos"]
+        if i >= len(pos):
+            return "-"
+        diff = pos[i] - rpos[i] if i < len(rpos) else None
+        return str(pos[i]) + ("" if not diff else f" ({diff:+d})")
+
+    width = max(len(c["accepted_per_pos"]) for _, c in served)
+    head = [
+        "position",
+        *[f"`{n}`" + (" (reference)" if n == DSV41_DSPARK_REF else "") for n, _ in served],
+    ]
+    lines = [
+        "",
+        f"Accepted tokens per draft position, against `{DSV41_DSPARK_REF}` (the difference in "
+        "brackets where it differs):",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---:|" + "---:|" * len(served),
+    ]
+    for i in range(width):
+        lines.append(f"| {i + 1} | " + " | ".join(cell(c, i) for _, c in served) + " |")
+    total = [f"{c['num_accepted_tokens']} / {c['num_drafts']}" for _, c in served]
+    return lines + ["| accepted / drafts | " + " | ".join(total) + " |"]
+
+
+def stock_rows(rec: dict) -> list[str]:
+    stock = [(n, j) for n, j in rec["jobs"].items() if "outcome" in j]
+    lines = []
+    for name, job in stock:
+        v = rec["verdicts"].get("stock_refuses")
+        lines += [
+            "",
+            "### Stock vLLM control (plugin left out)",
+            "",
+            f"`{name}`" + (f", `{job['mirrors']}`'s launchers" if "mirrors" in job else "")
+            + f": outcome **{job['outcome']}**; test verdict `stock_refuses`: {_ok(v)}",
+            "",
+            f"* the line: `{job['line']}`",
+            f"* launchers that exited: {'; '.join(job.get('exited') or []) or 'none recorded'}",
+            f"* processes left behind: {job.get('leftover_pids') or 'none'}",
+        ]  # fmt: skip
+        if job.get("evidence"):
+            lines += ["", "Every launcher's refusal line:", "", "```", *job["evidence"], "```"]
+    return lines
+
+
+def dsv41_verdicts(rec: dict) -> list[str]:
+    """Every check's verdict with the test's own words."""
+    if not rec["verdicts"]:
+        return []
+    lines = ["", "### Test verdicts", ""]
+    return lines + [
+        f"* `{k}`: {_ok(v)}: {_one_line(v.get('detail', ''))}" for k, v in rec["verdicts"].items()
+    ]
+
+
+def dsv41_section(name: str, rec: dict, group: Group) -> list[str]:
+    lines = run_head(name, rec, rec.get("layout", "?"))
+    lines += [
+        f"* issue {rec.get('issue', '-')}; pair `{rec.get('pair', '?')}`; k = {rec.get('k', '?')};"
+        f" at most {rec.get('max_tokens', '?')} tokens each",
+        "* engine arguments of every job: "
+        + (f"`{' '.join(rec['base_args'])}`" if rec.get("base_args") else "not in this record"),
+    ]
+    lines += check_count(rec["verdicts"])
+    lines += ["", "### Jobs", ""] + dsv41_job_rows(rec)
+    lines += [
+        "",
+        "start-up s: a served job's `ready_s` (launch to every launcher ready), a PP=1 engine's "
+        "`startup_s`. Acceptance length: 1 + accepted / drafts. Points: the job's acceptance "
+        "minus the reference's.",
+    ]
+    lines += position_rows(rec) + stock_rows(rec) + dsv41_verdicts(rec)
+    failed = [(n, j) for n, j in rec["jobs"].items() if "error" in j]
+    if failed:
+        lines += ["", "### Selected but without a result (the error's first line)", ""]
+        lines += [f"* `{n}`: {_first_line(j['error'])}" for n, j in failed]
+    return lines + extracted_rows(rec)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A record shape: what load() checks beyond RECORD_KEYS, and the section it makes."""
+
+    check: Callable[[str, dict], None]
+    section: Callable[[str, dict, Group], list[str]]
+
+
+KINDS = {
+    "pp": Kind(check_pp, section),
+    "pd_pp": Kind(check_pd, pd_section),
+    "dsv41_pp": Kind(check_dsv41, dsv41_section),
+}
 
 
 def markdown(records: list[tuple[str, dict]], group: Group = GROUPS["tp_pp"]) -> str:
-    files = ", ".join(f"docs/results/{n}" for n, _ in records)
+    names = [n for name, rec in records for n in (name, *[e for e, _ in rec.get(EXTRACTED, [])])]
+    files = ", ".join(f"docs/results/{n}" for n in names)
     lines = [
         f"<!-- generated by benchmarks/tp_pp_page.py from {files}; do not edit by hand -->",
         f"# {group.title}",
@@ -424,7 +1034,7 @@ def markdown(records: list[tuple[str, dict]], group: Group = GROUPS["tp_pp"]) ->
         "tests/unit/test_tp_pp_page.py checks it is current).",
     ]
     for name, rec in records:
-        lines += section(name, rec, group)
+        lines += KINDS[group.kind].section(name, rec, group)
     return "\n".join(lines) + "\n"
 
 
@@ -444,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
         if not paths:
             print(f"no records ({RESULTS / group.pattern})", file=sys.stderr)
             return 2
-        text = markdown(load(paths), group)
+        text = markdown(load(paths, group), group)
         if args.check:
             current = out.read_text() if out.is_file() else ""
             if current != text:

@@ -73,3 +73,28 @@ def test_a_group_record_without_what_the_page_needs_is_refused(tmp_path, drop):
     path.write_text(json.dumps(rec))
     with pytest.raises(k3_pp_page.RecordError, match=drop):
         k3_pp_page.load(tmp_path)
+
+
+def test_the_tp2pp2_record_is_a_run_with_its_failure_and_its_cause():
+    name = "k3_tp2pp2_gpu_2026-12-06.json"
+    page = k3_pp_page.markdown(k3_pp_page.load())
+    assert name in [n for n, _ in k3_pp_page.load()]
+    section = page.split(f"({name})", 1)[1]
+    assert "| `k3_tp2pp2_graphs` | FAILED |" in section
+    cause = "ValueError: Following weights were not initialized from checkpoint: "
+    assert "k3_tp2pp2_graphs, further in its error: (Worker_PP1_TP0 pid=7767) " in section
+    assert cause + "{'model.layers.2.self_attn.in_proj_qkvgfab.weight.6'}" in section
+
+
+def _error_run(error: str) -> dict:
+    rec = {k: "x" for k in ("commit", "date", "gpu", "command", "weights", "k")}
+    rec.update(selected_jobs="j", jobs={"j": {"error": error}})
+    return k3_pp_page._group_run("r.json", rec)
+
+
+def test_an_error_adds_only_the_exception_lines_its_cut_leaves_out():
+    short = _error_run("RuntimeError: early\nValueError: within the cut")
+    assert short["lines"] == ["j: RuntimeError: early\nValueError: within the cut"]
+    long = _error_run("RuntimeError: early\n" + "log line\n" * 60 + "ValueError: the cause\nend")
+    assert long["results"] == {"j": "FAILED"}
+    assert long["lines"][1:] == ["j, further in its error: ValueError: the cause"]

@@ -1,10 +1,12 @@
-"""docs/results/tp_pp.md and pp_gpu.md are benchmarks/tp_pp_page.py's output from the committed
-records of the groups `tp_pp` and `pp`, and a page follows its records: a planted change of a
-record changes the page or is refused."""
+"""docs/results/tp_pp.md, pp_gpu.md, pd_pp_gpu.md and dsv41_pp_gpu.md are
+benchmarks/tp_pp_page.py's output from the committed records of the groups `tp_pp`, `pp`, `pd_pp`
+and `dsv41_pp`, and a page follows its records: a planted change of a record changes the page or
+is refused."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -152,8 +154,245 @@ def test_check_covers_every_page_and_fails_on_one_stale_page(monkeypatch, tmp_pa
     for name, g in tp_pp_page.GROUPS.items():
         page = tmp_path / g.page.name
         page.write_text(g.page.read_text())
-        pages[name] = tp_pp_page.Group(g.name, g.pattern, page, g.title, g.intro, g.ranks_verdict)
+        pages[name] = dataclasses.replace(g, page=page)
     monkeypatch.setattr(tp_pp_page, "GROUPS", pages)
     assert tp_pp_page.main(["--check"]) == 0
-    pages["pp"].page.write_text(pages["pp"].page.read_text() + "hand edit\n")
-    assert tp_pp_page.main(["--check"]) == 1
+    for name in ("pp", "pd_pp", "dsv41_pp"):
+        text = pages[name].page.read_text()
+        pages[name].page.write_text(text + "hand edit\n")
+        assert tp_pp_page.main(["--check"]) == 1, name
+        pages[name].page.write_text(text)
+    assert tp_pp_page.main(["--check"]) == 0
+
+
+# --- pd_pp_gpu.md: tests/gpu/test_pd_pp_producer.py's records ---------------------------------
+
+PD = tp_pp_page.GROUPS["pd_pp"]
+PD_QWEN3 = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_qwen3.json"
+PD_DSV41 = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_dsv41.json"
+PD_ERRORS = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_dsv41_decoder_errors.json"
+DSV41 = tp_pp_page.GROUPS["dsv41_pp"]
+DSV41_RECORD = tp_pp_page.RESULTS / "dsv41_pp_gpu_2026-12-06.json"
+
+
+@pytest.mark.parametrize(
+    "group, wanted",
+    [
+        ("pd_pp", ["pd_pp_gpu_2026-12-06_qwen3.json", "pd_pp_gpu_2026-12-06_k3.json",
+                   PD_DSV41.name, PD_ERRORS.name, "pd_pp_gpu_2026-12-06_tp2pp2.json"]),
+        ("dsv41_pp", [DSV41_RECORD.name]),
+    ],
+)  # fmt: skip
+def test_the_committed_pd_and_dsv41_pages_are_the_generators_output(group, wanted):
+    g = tp_pp_page.GROUPS[group]
+    records = sorted(tp_pp_page.RESULTS.glob(g.pattern))
+    assert [p.name for p in records if p.name in wanted] == sorted(wanted)
+    want = tp_pp_page.markdown(tp_pp_page.load(records, g), g)
+    assert g.page.read_text() == want, "run: python -m benchmarks.tp_pp_page"
+    assert all(f"docs/results/{n}" in want.splitlines()[0] for n in wanted)
+
+
+def _pd(rec: dict, name: str = PD_QWEN3.name) -> str:
+    return tp_pp_page.markdown([(name, rec)], PD)
+
+
+def _row(page: str, job: str) -> str:
+    """The first table row of ``job`` (the jobs table)."""
+    return next(x for x in page.splitlines() if x.startswith(f"| `{job}` |"))
+
+
+@pytest.fixture
+def pd_record() -> dict:
+    return json.loads(PD_QWEN3.read_text())
+
+
+def test_a_pd_job_row_computes_its_acceptance_against_aggregated(pd_record):
+    row = _row(_pd(pd_record), "pd_pp2")
+    assert "| 177/196 (90.31%) | 28 | [28, 28, 25, 24, 24, 24, 24] |" in row
+    assert row.endswith("| equal; +0.00 points; test: pass |")
+    control = _row(_pd(pd_record), "pd_pp2_control")
+    assert "15/1386 (1.08%)" in control and "-89.22 points" in control
+
+
+def test_a_planted_pd_counter_change_shows_on_the_page(pd_record):
+    planted = copy.deepcopy(pd_record)
+    c = planted["jobs"]["pd_pp2"]["decoder_spec"]
+    c["accepted_per_pos"][3] -= 1
+    c["num_accepted_tokens"] -= 1
+    row = _row(_pd(planted), "pd_pp2")
+    assert "| 176/196 (89.80%) |" in row
+    assert "num_accepted_tokens 176 vs 177; per position differs at [3]; -0.51 points" in row
+
+
+def test_the_kv_table_shows_what_the_decoder_pulled_and_failed(pd_record):
+    page = _pd(pd_record)
+    assert "| `pd_pp2` | 190 / 190 (100.0%) | 0 | 190 / 190 | 0 | 0 | 7, 7, 7 | none |" in page
+    planted = copy.deepcopy(pd_record)
+    kv = planted["jobs"]["pd_pp2"]["decoder_kv"]
+    ext = next(k for k in kv if 'source="external_kv_transfer"' in k)
+    local = next(k for k in kv if 'source="local_compute"' in k)
+    kv[ext], kv[local] = 150.0, 40.0
+    kv["vllm:mooncake_num_failed_transfers_total"] = 2.0
+    assert "| `pd_pp2` | 150 / 190 (78.9%) | 40 | 190 / 190 | 2 | 0 |" in _pd(planted)
+
+
+def test_a_failed_pd_job_shows_its_error_not_figures(pd_record):
+    planted = copy.deepcopy(pd_record)
+    planted["jobs"]["pd_pp2"]["error"] = "PLANTED: HTTP 500\nlog tail line"
+    page = _pd(planted)
+    row = _row(page, "pd_pp2")
+    assert "| **no result**: PLANTED: HTTP 500 | - | - | - | - |" in row
+    assert "log tail line" not in page
+    assert "| `pd_pp2` |" not in page.split("### KV pulled", 1)[1].split("### Controls", 1)[0]
+    assert "* `pd_pp2`: PLANTED: HTTP 500" in page.split("### Not run", 1)[1]
+
+
+def test_the_committed_dsv41_pd_record_shows_its_failures_and_the_decoders_lines():
+    recs = tp_pp_page.load([PD_DSV41, PD_ERRORS], PD)
+    assert [n for n, _ in recs] == [PD_DSV41.name]
+    page = tp_pp_page.markdown(recs, PD)
+    for job in ("pd_pp2", "pd_pp2_control", "pd_pp2_subtle"):
+        assert "| **no result**: CaseFailure: PD run failed at step" in _row(page, job)
+    assert _row(page, "pd_pp1").endswith("| equal; +0.00 points; test: pass |")
+    extracted = page.split("### Lines extracted from this run's logs", 1)[1]
+    for line in json.loads(PD_ERRORS.read_text())["lines"]:
+        assert line in extracted  # whole, not cut
+    assert "producer=0, consumer=-1" in extracted
+
+
+def test_pd_jobs_not_selected_or_skipped_are_listed(pd_record):
+    not_run = _pd(pd_record).split("### Not run", 1)[1]
+    assert "* `pd_pp1`: producer TP1 -> decoder TP1, the pair's draft" in not_run
+    assert "* `pd_pp2_subtle`: " + pd_record["jobs"]["pd_pp2_subtle"]["skipped"] in not_run
+
+
+def test_a_failed_pd_control_is_named(pd_record):
+    planted = copy.deepcopy(pd_record)
+    planted["verdicts"]["nan_control"]["ok"] = False
+    page = _pd(planted)
+    assert "**failed checks**: `nan_control`" in page
+    assert "* `nan_control`: test verdict **FAIL**: NaN-norm control" in page
+
+
+def _drop(*path):
+    def plant(rec):
+        obj = rec
+        for key in path[:-1]:
+            obj = obj[key]
+        del obj[path[-1]]
+
+    return plant
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        _drop("pair"),
+        _drop("jobs", "pd_pp2", "decoder_kv"),
+        _drop("jobs", "pd_pp2", "producer_evidence"),
+        _drop("jobs", "pd_pp2", "decoder_spec", "accepted_per_pos"),
+        _drop("jobs", "pd_pp1", "shape"),
+        _drop("jobs", "pd_pp2", "shape", "label"),
+        _drop("jobs", "pair_spec", "counters"),
+        lambda r: r["jobs"]["pd_pp1"].update(selected=True),  # not in selected_jobs
+    ],
+    ids=["pair", "decoder_kv", "producer_evidence", "per position", "shape", "label",
+         "reference counters", "selected without selected_jobs"],
+)  # fmt: skip
+def test_a_pd_record_missing_or_contradicting_a_field_is_refused(tmp_path, pd_record, plant):
+    plant(pd_record)
+    path = tmp_path / PD_QWEN3.name
+    path.write_text(json.dumps(pd_record))
+    with pytest.raises(tp_pp_page.RecordError):
+        tp_pp_page.load([path], PD)
+
+
+def test_a_failed_pd_job_needs_no_counters(tmp_path, pd_record):
+    job = pd_record["jobs"]["pd_pp2"]
+    pd_record["jobs"]["pd_pp2"] = {"selected": True, "shape": job["shape"], "error": "boom"}
+    path = tmp_path / PD_QWEN3.name
+    path.write_text(json.dumps(pd_record))
+    assert tp_pp_page.load([path], PD)[0][0] == PD_QWEN3.name
+
+
+@pytest.mark.parametrize("plant", ["no extracted_by", "record not read"])
+def test_an_extracted_lines_file_is_refused_without_its_fields_or_record(tmp_path, plant):
+    ex = json.loads(PD_ERRORS.read_text())
+    paths = [tmp_path / PD_ERRORS.name]
+    if plant == "no extracted_by":
+        del ex["extracted_by"]
+        paths.append(tmp_path / PD_DSV41.name)
+        paths[-1].write_text(PD_DSV41.read_text())
+    paths[0].write_text(json.dumps(ex))
+    with pytest.raises(tp_pp_page.RecordError, match="extracted_by|is not among"):
+        tp_pp_page.load(paths, PD)
+
+
+# --- dsv41_pp_gpu.md: tests/gpu/test_dsv41_pp.py's records -------------------------------------
+
+
+@pytest.fixture
+def dsv41_record() -> dict:
+    return json.loads(DSV41_RECORD.read_text())
+
+
+def _v41(rec: dict) -> str:
+    return tp_pp_page.markdown([(DSV41_RECORD.name, rec)], DSV41)
+
+
+def test_the_dsv41_page_compares_each_position_with_pp1(dsv41_record):
+    page = _v41(dsv41_record)
+    assert _row(page, "pp2_graphs").endswith(
+        "| 375/763 (49.15%) | 109 | 4.440 | equal; +0.00 points |"
+    )
+    assert "per position differs at [2, 3, 5, 6]; +0.00 points" in _row(page, "pp2_sync_eager")
+    assert "| 3 | 56 | 56 | 56 | 55 (-1) |" in page
+    assert "| 7 | 30 | 30 | 30 | 31 (+1) |" in page
+    planted = copy.deepcopy(dsv41_record)
+    planted["jobs"]["pp2_graphs"]["counters"]["accepted_per_pos"][0] -= 2
+    planted["jobs"]["pp2_graphs"]["counters"]["num_accepted_tokens"] -= 2
+    page = _v41(planted)
+    assert "| 1 | 95 | 93 (-2) | 95 | 95 |" in page
+    row = _row(page, "pp2_graphs")
+    assert "num_accepted_tokens 373 vs 375; per position differs at [0]; -0.26 points" in row
+
+
+def test_the_dsv41_page_shows_the_stock_refusal(dsv41_record):
+    stock = _v41(dsv41_record).split("### Stock vLLM control", 1)[1]
+    assert f"* the line: `{dsv41_record['jobs']['stock_pp2']['line']}`" in stock
+    assert "outcome **REFUSED**; test verdict `stock_refuses`: pass" in stock
+    planted = copy.deepcopy(dsv41_record)
+    planted["jobs"]["stock_pp2"]["outcome"] = "SERVED"
+    planted["verdicts"]["stock_refuses"]["ok"] = False
+    page = _v41(planted)
+    assert "outcome **SERVED**; test verdict `stock_refuses`: **FAIL**" in page
+    assert "**failed checks**: `stock_refuses`" in page
+
+
+def test_a_failed_dsv41_job_shows_its_error_not_figures(dsv41_record):
+    dsv41_record["jobs"]["pp2_eager"] = {"error": "RuntimeError: PLANTED\ntraceback"}
+    page = _v41(dsv41_record)
+    assert "| **no result**: RuntimeError: PLANTED | - | - | - | - |" in _row(page, "pp2_eager")
+    assert "`pp2_eager` |" not in page.split("Accepted tokens per draft position", 1)[1]
+    assert "* `pp2_eager`: RuntimeError: PLANTED" in page
+    assert "traceback" not in page
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        _drop("commit"),
+        _drop("jobs", "pp2_graphs", "counters"),
+        _drop("jobs", "pp2_graphs", "backends"),
+        _drop("jobs", "pp1", "counters", "num_drafts"),
+        _drop("jobs", "stock_pp2", "line"),
+        lambda r: r["selected_jobs"].remove("pp2_eager"),
+    ],
+    ids=["commit", "counters", "backends", "num_drafts", "stock line", "job not selected"],
+)
+def test_a_dsv41_record_missing_or_contradicting_a_field_is_refused(tmp_path, dsv41_record, plant):
+    plant(dsv41_record)
+    path = tmp_path / DSV41_RECORD.name
+    path.write_text(json.dumps(dsv41_record))
+    with pytest.raises(tp_pp_page.RecordError):
+        tp_pp_page.load([path], DSV41)
