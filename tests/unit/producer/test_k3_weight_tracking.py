@@ -59,6 +59,10 @@ def test_tp2_loads_the_bundled_k3_target(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e_full(
+    covered_by="test_tp2_loads_the_bundled_k3_target: the same patch and checks at TP=2 (the "
+    "padding depends on the TP size only); this variant adds the H100's PP=2 layout"
+)
 def test_tp2_pp2_loads_the_bundled_k3_target(tmp_path):
     """The H100 job's layout: four ranks (20-45 s on two busy cores)."""
     records = k3_tp_load.run(4, 2, 2, tmp_path)
