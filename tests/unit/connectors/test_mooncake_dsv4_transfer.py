@@ -1,20 +1,27 @@
-"""DeepSeek-V4 PD over MooncakeConnector, walked on CPU past start-up (issue 16): the pre-flight
-for tests/gpu/test_dsv4_k3_engine.py::test_pd_over_mooncake[dsv4].
+"""DeepSeek-V4 and V4.1 PD over MooncakeConnector, walked on CPU past start-up: the pre-flight
+for tests/gpu/test_dsv4_k3_engine.py::test_pd_over_mooncake[dsv4] (issue 16) and for
+tests/gpu/test_pd_pp_producer.py with a PP=2 producer (``DSPARK_GPU_PD_PP_PAIR=dsv4`` / ``dsv41``,
+issue 42).
 
-Both sides are the real tiny DeepSeek-V4 GPU target (``make_tiny_dsv4_pair(gpu=True)``) built on
-CPU with a DSpark speculative config: the prefiller (kv_producer) with our context-KV-only
-drafter, the decoder (kv_consumer) with vLLM's full DSpark drafter. Each plan comes from vLLM's
-planner (block-outermost layout resolved from the layers' backends, as the engine core does),
-``cache_config.block_size`` is rewritten as EngineCore rewrites it (4), each KV cache is
-allocated by vLLM's ``allocate_kv_cache`` (kernel blocks from ``prepare_kernel_block_sizes``),
-and each ``MooncakeConnectorWorker`` / ``MooncakeConnectorScheduler`` is vLLM's (patched) class
-built by its own ``__init__``. Block ids come from vLLM's ``KVCacheManager`` called as the
-scheduler calls it (prefill with the config's lookahead on the prefiller; an async remote load
-without lookahead on the decoder), and the request goes through both schedulers'
+Cases (``CASES``): the tiny DeepSeek-V4 GPU target (``make_tiny_dsv4_pair(gpu=True)``) with a
+PP=1 and with a PP=2 producer, and the bundled DeepSeek-V4.1 pair (models/dsv41-pair, what the
+H100 served on 2026-12-06) with a PP=2 producer; the decoder is PP=1. Each side is built on CPU
+with a DSpark speculative config: the prefiller (kv_producer) with our context-KV-only drafter,
+the decoder (kv_consumer) with vLLM's full DSpark drafter, each PP stage as that stage (vLLM's
+CUDA model class with a stand-in PP group; the drafter on the last stage). Each side's plans
+come from vLLM's planner over its stages (block-outermost layout resolved from every stage's
+backends, as the engine core does), ``cache_config.block_size`` is rewritten as EngineCore
+rewrites it, each stage's KV cache is allocated by vLLM's ``allocate_kv_cache`` (kernel blocks
+from ``prepare_kernel_block_sizes``), and each ``MooncakeConnectorWorker`` /
+``MooncakeConnectorScheduler`` is vLLM's (patched) class built by its own ``__init__``. V4.1's
+MLA block and its sparse-MLA and indexer kernel blocks are the H100's (64), which the CPU
+platform would not pick. Block ids come from vLLM's ``KVCacheManager`` called as the scheduler
+calls it (prefill with the config's lookahead on the prefiller; an async remote load without
+lookahead on the decoder), and the request goes through both schedulers'
 ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` / ``build_connector_meta`` and the
-prefiller's ``request_finished``; the pull through the decoder's ``_build_pull_metadata`` and the
-prefiller's ``record_send_reqs`` / ``send_kv_to_decode`` (regions, block pairing, transfer
-descriptors, response).
+prefiller's ``request_finished``; the pull through the decoder's ``_build_pull_metadata`` and
+every prefiller stage's ``record_send_reqs`` / ``send_kv_to_decode`` (regions, block pairing,
+transfer descriptors, response).
 
 Stood in for: the Mooncake ``TransferEngine`` object (not installed here; a write is a byte copy
 between the two CPU buffers), the CUDA device index the worker records, the prefiller's ZMQ
@@ -33,15 +40,13 @@ import ctypes
 
 import pytest
 import torch
+from support import mla_pairs
+from support import tiny_dsv41 as v41
 
 from dspark_dev import tiny_mla_targets as t
-from dspark_dev.tiny_dsv4_cpu import (
-    build_dsv4_target,
-    construct_on_cpu,
-    engine_config,
-    plan_as_engine_core,
-)
+from dspark_dev.tiny_dsv4_cpu import construct_on_cpu, engine_config
 from vllm_dspark_pp.connectors import mooncake_blocks as mb
+from vllm_dspark_pp.connectors import mooncake_regions
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 PROMPT_LEN = 100
@@ -100,38 +105,153 @@ def mc(plugin):
     return importlib.import_module(MODULE)
 
 
-def _side(tmp_path, pair, role, drafter_cls, monkeypatch):
-    """(config, KV-cache config, {layer: spec}) for one side, after the engine core's
-    block-size rewrite, with the target's and the drafter's layers in the forward context."""
+def _layer_specs(cfg, ctx):
+    """{layer: KV-cache spec} of the KV-cache layers in ``ctx``, as the worker collects them."""
     from vllm.config import set_current_vllm_config
 
+    with set_current_vllm_config(cfg):
+        return {
+            n: s
+            for n, layer in ctx.items()
+            if hasattr(layer, "get_kv_cache_spec") and (s := layer.get_kv_cache_spec(cfg))
+        }
+
+
+def _build_dsv4(cfg, cls, rank, pp, monkeypatch):
+    import vllm.models.deepseek_v4.nvidia.model as dsv4
+
+    with v41.as_stage(monkeypatch, rank, pp):
+        construct_on_cpu(cfg, cls or dsv4.DeepseekV4ForCausalLM, monkeypatch)
+
+
+class _Hopper:
+    """The platform as an H100 answers V4.1's sparse MLA and indexer backends: capability family
+    9.x (their kernel block is 64 there, 128 elsewhere: deepseek_v41/sparse_mla.py,
+    v1/attention/backends/mla/indexer.py); every other answer is the real one's."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def is_device_capability_family(self, capability, device_id=0):
+        return capability // 10 == 9
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+#: the KV-cache block of V4.1's MLA layers on the H100 (pd_decode.log of 2026-12-06: "kv cache
+#: group sizes (32, 32, 32, 32, 64)"); the CPU platform would force its own MLA kernel's 16
+DSV41_H100_BLOCK = 64
+
+
+def _as_h100(fam, monkeypatch):
+    if fam == "dsv41":
+        import vllm.models.deepseek_v41.sparse_mla as sparse_mla
+        import vllm.v1.attention.backends.mla.indexer as indexer
+
+        for module in (sparse_mla, indexer):
+            monkeypatch.setattr(module, "current_platform", _Hopper(module.current_platform))
+
+
+def _build_dsv41(cfg, cls, rank, pp, monkeypatch):
+    if cls is None:
+        v41.build_stage(cfg, rank, pp, monkeypatch)
+    else:
+        v41.build_drafter(cfg, cls, monkeypatch)
+
+
+def _families():
+    """family -> (builder, the decoder's drafter class, the producer's context-KV-only class,
+    engine arguments)."""
+    from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM as v4_full
+    from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM as v41_full
+
+    from vllm_dspark_pp.producer import deepseek_v4, deepseek_v41
+
+    return {
+        "dsv4": (_build_dsv4, v4_full, deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM, {}),
+        "dsv41": (
+            _build_dsv41,
+            v41_full,
+            deepseek_v41.DSparkDeepseekV41ContextKVForCausalLM,
+            mla_pairs.engine_kwargs("dsv41"),
+        ),
+    }
+
+
+def _side(pair, fam, role, pp, monkeypatch):
+    """One PD side at PP=``pp`` as its engine core plans it: each stage's model built as that
+    stage (vLLM's CUDA classes on CPU; the drafter on the last stage), the layout resolved from
+    every stage's backends, vLLM's planner over the stages, the block-size rewrite. Returns
+    (config, [(stage plan, stage layers' specs, stage drafter's specs)], scheduler plan)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+    )
+
+    build, full_cls, context_cls, engine_kw = _families()[fam]
+    drafter_cls = context_cls if role == "kv_producer" else full_cls
     extra = {"bootstrap_server_address": "127.0.0.1:1"} if role == "kv_producer" else {}
     cfg = engine_config(
         pair,
         kv_cache_dtype="fp8_ds_mla",
         speculative_config=pair.speculative_config(4),
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp",
         kv_transfer_config={
             "kv_connector": "MooncakeConnector",
             "kv_role": role,
             "kv_connector_extra_config": extra,
         },
+        **engine_kw,
     )
-    specs = build_dsv4_target(cfg, monkeypatch)
-    target_ctx = dict(cfg.compilation_config.static_forward_context)
-    construct_on_cpu(cfg, drafter_cls, monkeypatch)
-    ctx = cfg.compilation_config.static_forward_context
-    with set_current_vllm_config(cfg):
-        draft_specs = {
-            n: s
-            for n, layer in ctx.items()
-            if hasattr(layer, "get_kv_cache_spec") and (s := layer.get_kv_cache_spec(cfg))
-        }
-    ctx.update(target_ctx)
-    specs = {**specs, **draft_specs}
+    if fam == "dsv41":
+        cfg.cache_config.block_size = DSV41_H100_BLOCK
+    ctx_all: dict = {}
+    stages = []
+    for rank in range(pp):
+        build(cfg, None, rank, pp, monkeypatch)
+        ctx = dict(cfg.compilation_config.static_forward_context)
+        draft_specs = {}
+        if rank == pp - 1:
+            build(cfg, drafter_cls, rank, pp, monkeypatch)
+            draft_ctx = cfg.compilation_config.static_forward_context
+            draft_specs = _layer_specs(cfg, draft_ctx)
+            ctx.update(draft_ctx)
+        ctx_all.update(ctx)
+        stages.append(({**_layer_specs(cfg, ctx)}, draft_specs))
+    cfg.compilation_config.static_forward_context = ctx_all
     assert cfg.model_config.use_mla  # MooncakeConnector then leaves the layout to the backends
-    layout, kv_cfg, _, cfg.cache_config.block_size = plan_as_engine_core(cfg, specs, KV_BYTES)
+    specs = [s for s, _ in stages]
+    supported = [
+        [x.name for x in get_supported_kv_cache_layouts({ctx_all[n].get_attn_backend() for n in s})]
+        for s in specs
+    ]
+    layout = resolve_kv_cache_layout(cfg, supported, [x for s in specs for x in s.values()])
     assert layout.is_block_outermost
-    return cfg, kv_cfg, draft_specs
+    with set_current_vllm_config(cfg):
+        groups = get_global_kv_cache_groups(cfg, specs)
+        plans = get_kv_cache_configs(cfg, specs, [KV_BYTES] * pp, groups)
+    sched_cfg = generate_scheduler_kv_cache_config(plans)
+    # the engine core's rewrite: the smallest prefix-cacheable group block
+    cfg.cache_config.block_size = min(
+        g.kv_cache_spec.block_size
+        for g in sched_cfg.kv_cache_groups
+        if g.kv_cache_spec.prefix_cacheable
+    )
+    # then the hash block and the cache-hit alignment, into every plan (vllm/v1/engine/core.py)
+    sched_block, hash_block = resolve_kv_cache_block_sizes(sched_cfg, cfg)
+    align = resolve_cache_hit_alignment_tokens(sched_cfg, cfg, sched_block, hash_block)
+    for plan in (*plans, sched_cfg):
+        plan.hash_block_size, plan.cache_hit_alignment_tokens = hash_block, align
+    return cfg, [(plan, s, d) for plan, (s, d) in zip(plans, stages, strict=True)], sched_cfg
 
 
 def _kernel_block_sizes(cfg, kv_cfg):
@@ -162,15 +282,16 @@ def _allocate(cfg, kv_cfg):
     )
 
 
-def _worker(mc, cfg, kv_cfg, monkeypatch, engine_id):
+def _worker(mc, cfg, kv_cfg, monkeypatch, engine_id, rank=0, pp=1):
     from vllm.config import set_current_vllm_config
 
     monkeypatch.setattr(mc, "TransferEngine", _new_engine)
     # the worker records its CUDA device for the sender threads; CPU has none
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     monkeypatch.setattr(mc.current_platform, "set_device", lambda *a: None, raising=False)
-    with set_current_vllm_config(cfg):
+    with set_current_vllm_config(cfg), v41.as_stage(monkeypatch, rank, pp):
         w = mc.MooncakeConnectorWorker(cfg, engine_id, kv_cfg)
+    assert (w.pp_rank, w.pp_size) == (rank, pp)
     return w
 
 
@@ -186,33 +307,64 @@ def _register(w, caches):
     w.register_kv_caches(caches)
 
 
-@pytest.fixture(scope="module")
-def pd(mc, tmp_path_factory, plugin, dist_env):
-    from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM
+#: case -> (family, producer PP size). The decoder is PP=1. ``dsv41-pp2`` is the H100 failure of
+#: 2026-12-06 (group pd_pp_dsv41): the bundled V4.1 pair, a PP=2 producer.
+CASES = {"dsv4-pp1": ("dsv4", 1), "dsv4-pp2": ("dsv4", 2), "dsv41-pp2": ("dsv41", 2)}
 
-    from vllm_dspark_pp.producer import deepseek_v4
 
-    pair = t.make_tiny_dsv4_pair(tmp_path_factory.mktemp("mc-dsv4-pd"), gpu=True)
-    ctx_cls = deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM
+def _pair(fam, tmp_path_factory):
+    if fam == "dsv4":
+        return t.make_tiny_dsv4_pair(tmp_path_factory.mktemp("mc-dsv4-pd"), gpu=True)
+    pair, why = mla_pairs.trained_pair(fam)
+    if pair is None:
+        pytest.skip(why)
+    return pair
+
+
+def _build_pd(mc, fam, pp, tmp_path_factory, monkeypatch):
+    """Both sides, built, planned, allocated, their (patched) workers registered: the producer
+    ``p`` with a stage per PP rank, the decoder ``d`` with one."""
+    import vllm.model_executor.models.utils as vllm_utils
+
+    # vLLM caches each model's PP-missing layers by id(model): a stage built here could get the
+    # id of an earlier (freed) stage and inherit its missing layers
+    monkeypatch.setattr(vllm_utils, "_model_to_pp_missing_layer_names", {})
+    pair = _pair(fam, tmp_path_factory)
+    _as_h100(fam, monkeypatch)
     out = {}
-    with pytest.MonkeyPatch.context() as m:
-        for name, role, cls in (
-            ("p", "kv_producer", ctx_cls),
-            ("d", "kv_consumer", DSparkDeepseekV4ForCausalLM),
-        ):
-            cfg, kv_cfg, draft_specs = _side(tmp_path_factory, pair, role, cls, m)
+    for name, role, size in (("p", "kv_producer", pp), ("d", "kv_consumer", 1)):
+        cfg, stages, sched_cfg = _side(pair, fam, role, size, monkeypatch)
+        built = []
+        for rank, (kv_cfg, specs, draft) in enumerate(stages):
             caches = _allocate(cfg, kv_cfg)
-            w = _worker(mc, cfg, kv_cfg, m, f"engine-{name}")
+            w = _worker(mc, cfg, kv_cfg, monkeypatch, f"engine-{name}", rank, size)
             _register(w, caches)
-            s = mc.MooncakeConnectorScheduler(cfg, f"engine-{name}", kv_cfg)
-            out[name] = dict(cfg=cfg, kv=kv_cfg, caches=caches, w=w, s=s, draft=draft_specs)
+            built.append(dict(kv=kv_cfg, caches=caches, w=w, specs=specs, draft=draft))
+        s = mc.MooncakeConnectorScheduler(cfg, f"engine-{name}", sched_cfg)
+        out[name] = dict(cfg=cfg, stages=built, sched_kv=sched_cfg, s=s)
+    return out
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pd(request, mc, tmp_path_factory, plugin, dist_env):
+    fam, pp = CASES[request.param]
+    with pytest.MonkeyPatch.context() as m:
+        out = _build_pd(mc, fam, pp, tmp_path_factory, m)
+        out["case"] = request.param
         yield out
-        for side in out.values():
-            side["w"].shutdown()
+        for side in ("p", "d"):
+            for stage in out[side]["stages"]:
+                stage["w"].shutdown()
 
 
+def _only(side):
+    (stage,) = side["stages"]
+    return stage
+
+
+@pytest.mark.parametrize("pd", ["dsv4-pp1"], indirect=True)
 def test_both_sides_plan_the_same_groups_with_the_draft_groups(pd):
-    p, d = pd["p"], pd["d"]
+    p, d = _only(pd["p"]), _only(pd["d"])
     assert (
         sorted(p["draft"])
         == sorted(d["draft"])
@@ -230,42 +382,144 @@ def test_both_sides_plan_the_same_groups_with_the_draft_groups(pd):
     ]
     # the draft groups are SWA 64: the transfer block stays the compressed MLA block
     assert sorted(set(mb.group_block_sizes(p["kv"]))) == [4, 8, 64, 256]
-    assert p["cfg"].cache_config.block_size == 4  # the engine core's rewrite
-    for side in (p, d):
-        assert mb.transfer_block_size(side["kv"], 4) == 256
-        assert (side["w"].block_size, side["w"]._physical_blocks_per_logical_kv_block) == (256, 1)
+    assert pd["p"]["cfg"].cache_config.block_size == 4  # the engine core's rewrite
+    for side in (pd["p"], pd["d"]):
+        w = _only(side)["w"]
+        assert mb.transfer_block_size(_only(side)["kv"], 4) == 256
+        assert (w.block_size, w._physical_blocks_per_logical_kv_block) == (256, 1)
         assert side["s"].block_size == 256
 
 
-def test_registration_covers_every_layer_with_its_page(pd):
-    """Every layer of every transfer group is in one registered region: its own, or (same
-    address, row and page: the block-outermost packing overlays groups) a region shared by the
-    groups whose layers it holds. Each region is block-major over the one backing allocation."""
-    for side in (pd["p"], pd["d"]):
-        w, kv = side["w"], side["kv"]
-        specs = w._layer_specs
-        buf = next(iter(side["caches"].values())).untyped_storage()
-        assert w.seen_base_addresses == [buf.data_ptr()]  # one allocation, registered whole
-        assert w._kv_data_lens == [buf.nbytes()]
-        regions = list(
-            zip(
-                w.kv_caches_base_addr,
-                w.block_len_per_layer,
-                w.kv_block_len_per_layer,
-                w.region_shared_groups,
-                strict=True,
-            )
+def _regions(w):
+    return list(
+        zip(
+            w.kv_caches_base_addr,
+            w.block_len_per_layer,
+            w.kv_block_len_per_layer,
+            w.registered_layer_names,
+            w.registered_group_indices,
+            w.region_shared_groups,
+            strict=True,
         )
-        for name, spec in specs.items():
-            tensor = next(tt for tt in kv.kv_cache_tensors if name in tt.layers)
-            # the transfer length is the view's bytes per block (the page without its padding)
-            page = side["caches"][name][0]
-            assert page.is_contiguous() and page.nbytes <= spec.page_size_bytes, name
-            key = (buf.data_ptr() + tensor.offset, tensor.block_stride, page.nbytes)
-            gid = kv.transfer_group_index_by_layer[name]
-            hits = [r for r in regions if r[:3] == key and gid in r[3]]
-            assert len(hits) == 1, (name, key, gid)
-            assert spec.page_size_bytes <= tensor.block_stride
+    )
+
+
+def test_registration_names_every_layer_view_once_by_its_own_layer(pd):
+    """Every layer of every transfer group has exactly one registered region: its page (address,
+    row, page bytes), named by that layer, with that layer's group alone. Several groups' views
+    of one page share its address (the block-outermost packing overlays the groups), each still
+    a region of its own (the patch; vLLM registers them once under the first layer's name). Each
+    region is block-major over the stage's one backing allocation."""
+    for side in (pd["p"], pd["d"]):
+        for stage in side["stages"]:
+            w, kv = stage["w"], stage["kv"]
+            buf = next(iter(stage["caches"].values())).untyped_storage()
+            assert w.seen_base_addresses == [buf.data_ptr()]  # one allocation, registered whole
+            assert w._kv_data_lens == [buf.nbytes()]
+            regions = _regions(w)
+            assert sorted(r[3] for r in regions) == sorted(w._layer_specs)
+            for name, spec in w._layer_specs.items():
+                tensor = next(tt for tt in kv.kv_cache_tensors if name in tt.layers)
+                # the transfer length is the view's bytes per block (the page without padding)
+                page = stage["caches"][name][0]
+                assert page.is_contiguous() and page.nbytes <= spec.page_size_bytes, name
+                gid = kv.transfer_group_index_by_layer[name]
+                key = (buf.data_ptr() + tensor.offset, tensor.block_stride, page.nbytes)
+                (hit,) = [r for r in regions if r[3] == name]
+                assert hit == (*key, name, gid, (gid,)), (hit, key, gid)
+                assert spec.page_size_bytes <= tensor.block_stride
+
+
+def _pull_meta(mc, d, pulls, include_layout=True):
+    """The decoder's pull metadata as it crosses the side channel."""
+    meta = _only(d)["w"]._build_pull_metadata(pulls, include_layout=include_layout)
+    return mc.msgspec.msgpack.Decoder(mc.MooncakeXferMetadata).decode(
+        mc.msgspec.msgpack.Encoder().encode(meta)
+    )
+
+
+def _views(stage):
+    """The stage's layer views (address, row, page, group), as registered."""
+    w = stage["w"]
+    return mooncake_regions.page_views(
+        {n: c for n, c in stage["caches"].items() if n in w._layer_specs},
+        w.kv_cache_config.transfer_group_index_by_layer,
+    )
+
+
+def _covered(views, regions):
+    """The layers whose view lies inside one of ``regions`` (a region of the view's group, or a
+    shared one listing it): what a transfer of those regions moves."""
+    return {
+        v.layer
+        for v in views
+        for r in regions
+        if r.block_len == v.row_bytes
+        and r.base_addr <= v.address
+        and v.address + v.page_bytes <= r.base_addr + r.kv_block_len
+        and (v.group == r.group_index or v.group in r.shared_group_ids)
+    }
+
+
+def _stage_pairs(mc, pd):
+    """What each producer stage makes of the decoder's layout (vLLM's
+    ``_prepare_transfer_regions``: pairing by layer name, PP sizes that differ included):
+    [(stage, local regions, remote regions, error)]."""
+    meta = _pull_meta(mc, pd["d"], {})
+    out = []
+    for stage in pd["p"]["stages"]:
+        local, remote, err = stage["w"]._prepare_transfer_regions(meta)
+        out.append((stage, local, remote, err))
+    return out
+
+
+def test_producer_stages_pair_every_decoder_view_exactly_once(mc, pd):
+    """No producer stage refuses the decoder's layout, each stage sends every view of its own
+    layers into the decoder view of the same layer and group, and the stages together fill every
+    decoder view (the decoder gets each layer's KV from the stage that computed it)."""
+    d_views = _views(_only(pd["d"]))
+    filled: list[str] = []
+    for rank, (stage, local, remote, err) in enumerate(_stage_pairs(mc, pd)):
+        assert err is None, f"stage {rank}: {err}"
+        for lr, rr in zip(local, remote, strict=True):
+            assert (lr.layer_name, lr.group_index) == (rr.layer_name, rr.group_index), rank
+        held = set(stage["specs"])
+        assert _covered(_views(stage), local) == held, rank
+        assert _covered(d_views, remote) == held, rank
+        filled += sorted(held)
+    assert sorted(filled) == sorted(v.layer for v in d_views)  # each layer once
+
+
+@pytest.mark.parametrize("case", ["dsv4-pp2", "dsv41-pp2"])
+def test_control_without_the_split_stage_0_is_refused_and_stage_1_drops_views(
+    mc, case, tmp_path_factory, plugin, dist_env
+):
+    """Control, vLLM's registration alone (the split turned off): stage 0 is refused with the
+    H100's message (pd_decode.log, 2026-12-06, V4.1), and stage 1 pairs without complaint but
+    leaves out the views it registered under a shared region the decoder has no name for."""
+    fam, pp = CASES[case]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mooncake_regions, "split_shared_regions", lambda *a, **k: 0)
+        pd = _build_pd(mc, fam, pp, tmp_path_factory, m)
+        try:
+            (s0, _, _, err0), (s1, local1, _, err1) = _stage_pairs(mc, pd)
+        finally:
+            for side in ("p", "d"):
+                for stage in pd[side]["stages"]:
+                    stage["w"].shutdown()
+    prefix = "language_model." if fam == "dsv41" else ""
+    swa0 = f"{prefix}model.layers.0.attn.swa_cache"
+    g0 = s0["kv"].transfer_group_index_by_layer[swa0]
+    assert err0 == (
+        f"Mooncake registered group index mismatch for {swa0}: producer={g0}, consumer=-1."
+    )
+    assert err1 is None
+    dropped = set(s1["specs"]) - _covered(_views(s1), local1)
+    assert dropped == {
+        f"{prefix}model.layers.1.attn.swa_cache",
+        "model.layers.2.attn.swa_cache",
+        "model.layers.3.attn.swa_cache",
+    }
 
 
 def _request(rid, params):
@@ -281,13 +535,10 @@ def _kv_manager(side):
     """vLLM's scheduler-side KV-cache manager for this side's plan, built as the scheduler
     builds it (vllm/v1/core/sched/scheduler.py)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        resolve_kv_cache_block_sizes,
-    )
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     cfg = side["cfg"]
-    sched_cfg = generate_scheduler_kv_cache_config([side["kv"]])
+    sched_cfg = side["sched_kv"]  # generate_scheduler_kv_cache_config over the stages' plans
     scheduler_block, hash_block = resolve_kv_cache_block_sizes(sched_cfg, cfg)
     return KVCacheManager(
         kv_cache_config=sched_cfg,
@@ -371,32 +622,31 @@ def _pages(caches, kv, group_ids):
     return out
 
 
-def test_pd_request_transfers_every_group_page_for_page(mc, pd):
-    """One 100-token request: P prefills and finishes (max_tokens 1), D pulls. Every D page of
-    every group in D's pull equals the P page it pairs with (in order, after the sliding-window
-    clipping both schedulers apply); every other byte of D's cache is unchanged."""
+def _pull(mc, pd, tid):
+    """One 100-token request through both schedulers: P prefills and finishes (max_tokens 1),
+    every P stage's worker records the send, D schedules the remote prefill. Returns (P's block
+    ids per group, D's pull, [(P block, D block)] per group)."""
     from vllm.v1.request import RequestStatus
 
     p, d = pd["p"], pd["d"]
-    tid = "xfer-1"
-    # -- prefiller scheduler: the request is scheduled, then finishes (the PD proxy asks for 1)
     preq = _request("p-req", {"do_remote_decode": True, "transfer_id": tid})
     p["s"].on_new_request(preq)
     assert p["s"].get_num_new_matched_tokens(preq, 0) == (0, False)
     _, p_ids = _prefill_on_p(p, preq)
-    step1 = p["s"].build_connector_meta(None)  # the prefill step: P's worker expects a send
+    step1 = p["s"].build_connector_meta(None)  # the prefill step: P's workers expect a send
     assert step1.reqs_to_send == {"p-req": (tid, [])}
-    _run(p["w"], p["w"].record_send_reqs(step1), "sender_loop")
+    for stage in p["stages"]:
+        _run(stage["w"], stage["w"].record_send_reqs(step1), "sender_loop")
     preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay_free, _ = p["s"].request_finished(preq, tuple(p_ids))
     assert delay_free
     p_meta = p["s"].build_connector_meta(None)
     (transfer_id, p_send_ids) = p_meta.reqs_to_send["p-req"]
     assert transfer_id == tid
-    assert len(p_send_ids) == len(p["kv"].kv_cache_groups)
-    _run(p["w"], p["w"].record_send_reqs(p_meta), "sender_loop")
+    assert len(p_send_ids) == len(p["sched_kv"].kv_cache_groups)
+    for stage in p["stages"]:
+        _run(stage["w"], stage["w"].record_send_reqs(p_meta), "sender_loop")
 
-    # -- decoder scheduler: remote prefill of the same prompt
     dreq = _request(
         "d-req",
         {
@@ -408,10 +658,15 @@ def test_pd_request_transfers_every_group_page_for_page(mc, pd):
     )
     d["s"].on_new_request(dreq)
     n_ext, load_async = d["s"].get_num_new_matched_tokens(dreq, 0)
-    assert (n_ext, load_async) == (PROMPT_LEN, True)  # no bounded replay in this plan
+    # With a sliding-window replay (V4.1's prefix_replay_tokens) P prefills and D loads all but
+    # the last prompt token, which D recomputes (the scheduler's on_new_request and
+    # _get_remote_prefill_token_count); no bounded replay in the DeepSeek-V4 plans.
+    loaded = PROMPT_LEN - 1 if d["s"]._bounded_replay else PROMPT_LEN
+    assert d["s"]._bounded_replay == (pd["case"].startswith("dsv41"))
+    assert preq.num_prompt_tokens == loaded
+    assert (n_ext, load_async) == (loaded, True)
     _alloc_on_d(d, dreq, n_ext)
-    d_meta = d["s"].build_connector_meta(None)
-    pull = d_meta.reqs_to_recv["engine-p"]["d-req"]
+    pull = d["s"].build_connector_meta(None).reqs_to_recv["engine-p"]["d-req"]
     # Per group, D asks for the blocks it still needs (sliding-window and compressor-state
     # groups: only the window's); P holds at least those, and vLLM pairs D's with P's last ones
     # (_build_transfer_params). What P holds before them must be out of its window (null blocks),
@@ -423,45 +678,74 @@ def test_pd_request_transfers_every_group_page_for_page(mc, pd):
         assert all(b == 0 for b in pg[: len(pg) - len(dg)]), (gi, pg, dg)
         assert 0 not in tail and 0 not in dg, (gi, pg, dg)
         pairs.append(list(zip(tail, dg, strict=True)))
-    block_sizes = [g.kv_cache_spec.block_size for g in p["kv"].kv_cache_groups]
-    for gi, bs in enumerate(block_sizes):  # full-attention groups: every block of the prompt
-        if bs == 256:
-            assert len(pairs[gi]) == -(-PROMPT_LEN // bs)
+    for gi, g in enumerate(p["sched_kv"].kv_cache_groups):  # full attention: the whole prompt
+        if g.kv_cache_spec.block_size == mb.transfer_block_size(p["sched_kv"], 4):
+            assert len(pairs[gi]) == -(-loaded // g.kv_cache_spec.block_size)
+    return p_send_ids, pull, pairs
 
-    # -- the pull: D's metadata (with its layout) to P's real send path; bytes move by memmove
+
+def _send_from_every_stage(mc, pd, pull):
+    """D's pull metadata (with its layout) to every P stage's real send path (D pulls from each
+    stage of a PP producer); bytes move by memmove. Returns each stage's response."""
+    meta = _pull_meta(mc, pd["d"], {"d-req": pull})
+    out = []
+    for stage in pd["p"]["stages"]:
+        sock = _Sock()
+        _run(stage["w"], stage["w"].send_kv_to_decode(b"d", sock, meta), "sender_loop")
+        (resp,) = [
+            mc.msgspec.msgpack.Decoder(mc.MooncakeXferResponse).decode(m) for _, m in sock.sent
+        ]
+        out.append(resp)
+    return out
+
+
+def test_pd_request_transfers_every_group_page_for_page(mc, pd):
+    """One 100-token request: P prefills and finishes, D pulls from every P stage. Every stage
+    answers FINISH, every D page of every layer and group in D's pull equals the page of the P
+    stage that holds that layer (in order, after the sliding-window clipping both schedulers
+    apply), and no byte of D's cache outside the pulled blocks' rows changes."""
+    p, d = pd["p"], pd["d"]
+    p_send_ids, pull, pairs = _pull(mc, pd, "xfer-1")
     gen = torch.Generator().manual_seed(0)
-    p_buf, d_buf = _backing(p["caches"]), _backing(d["caches"])
-    p_buf.copy_(torch.randint(0, 256, p_buf.shape, dtype=torch.uint8, generator=gen))
+    for stage in p["stages"]:
+        buf = _backing(stage["caches"])
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    dst_stage = _only(d)
+    d_buf = _backing(dst_stage["caches"])
     d_buf.zero_()
     d_before = d_buf.clone()
-    xfer_meta = d["w"]._build_pull_metadata({"d-req": pull}, include_layout=True)
-    xfer_meta = mc.msgspec.msgpack.Decoder(mc.MooncakeXferMetadata).decode(
-        mc.msgspec.msgpack.Encoder().encode(xfer_meta)
-    )  # as it crosses the side channel
-    sock = _Sock()
-    engine = p["w"].engine
-    n_writes = len(engine.writes)
-    _run(p["w"], p["w"].send_kv_to_decode(b"d", sock, xfer_meta), "sender_loop")
-    (resp,) = [mc.msgspec.msgpack.Decoder(mc.MooncakeXferResponse).decode(m) for _, m in sock.sent]
-    assert resp.status == mc.MooncakeXferResponseStatus.FINISH, resp
-    assert resp.err_reqs is None and resp.ok_reqs == ["d-req"], resp
-    assert len(engine.writes) == n_writes + 1
-    assert "p-req" in p["w"].finished_sending_reqs
+    responses = _send_from_every_stage(mc, pd, pull)
 
-    # -- what a correct transfer needs: pairwise page equality per layer, nothing else touched
-    src = _pages(p["caches"], p["kv"], p_send_ids)
-    dst = _pages(d["caches"], d["kv"], pull.local_block_ids)
+    # what a correct transfer needs: pairwise page equality per layer, nothing else touched
+    src = {}
+    for stage in p["stages"]:
+        src.update(_pages(stage["caches"], stage["kv"], p_send_ids))
+    dst = _pages(dst_stage["caches"], dst_stage["kv"], pull.local_block_ids)
     touched = torch.zeros_like(d_buf, dtype=torch.bool)
-    for gi, g in enumerate(d["kv"].kv_cache_groups):
+    wrong = set()
+    for gi, g in enumerate(dst_stage["kv"].kv_cache_groups):
         for name in g.layer_names:
             for pb, db in pairs[gi]:
-                assert torch.equal(dst[(name, db)], src[(name, pb)]), (name, pb, db)
-                view = d["caches"][name][db]
+                if not torch.equal(dst[(name, db)], src[(name, pb)]):
+                    wrong.add(name)
+                view = dst_stage["caches"][name][db]
                 start = view.data_ptr() - d_buf.data_ptr()
                 touched[start : start + view.nbytes] = True
+    errors = [
+        (r, resp.err_msg)
+        for r, resp in enumerate(responses)
+        if resp.status != mc.MooncakeXferResponseStatus.FINISH or resp.err_reqs
+    ]
+    assert not errors, f"P stages refused the pull: {errors}"
+    assert not wrong, f"D pages that differ from P's after every stage answered: {sorted(wrong)}"
+    for resp in responses:
+        assert resp.status == mc.MooncakeXferResponseStatus.FINISH, resp
+        assert resp.ok_reqs == ["d-req"], resp
+    for stage in p["stages"]:
+        assert "p-req" in stage["w"].finished_sending_reqs
     # Rows are block-outermost: one row per block id, each id owned by one group at a time, so
     # vLLM may copy a pulled block's whole row (its padding too); no other row may change.
-    row = d["kv"].kv_cache_tensors[0].block_stride
+    row = dst_stage["kv"].kv_cache_tensors[0].block_stride
     pulled_rows = torch.zeros_like(d_buf, dtype=torch.bool)
     for gi in range(len(pairs)):
         for _, db in pairs[gi]:
