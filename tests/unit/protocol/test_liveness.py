@@ -277,11 +277,17 @@ def test_executor_patch_wires_the_watch_and_the_message(monkeypatch):
     calls = []
     monkeypatch.setattr(liveness, "stop_all", lambda: calls.append("stop_all"))
     monkeypatch.setattr(liveness, "log_executor_stopping", lambda w: calls.append(("log", w)))
+    # WorkerProc.shutdown ends with vLLM's destroy_model_parallel / destroy_distributed_environment:
+    # in this process they would tear down the session's one-process world (support.vllm_configs
+    # dist_env) under every later test that builds vLLM layers.
+    monkeypatch.setattr(mpe, "destroy_model_parallel", lambda: calls.append("destroy_mp"))
+    monkeypatch.setattr(mpe, "destroy_distributed_environment", lambda: calls.append("destroy_env"))
     worker = SimpleNamespace(
         rpc_broadcast_mq=None, worker_response_mq=None, worker=SimpleNamespace(shutdown=list)
     )
     mpe.WorkerProc.shutdown(worker)
-    assert calls == ["stop_all"]
+    assert calls == ["stop_all", "destroy_mp", "destroy_env"]
+    del calls[1:]
     ex = mpe.MultiprocExecutor.__new__(mpe.MultiprocExecutor)
     ex.is_failed, ex.workers = True, []
     ex.shutdown()
