@@ -11,7 +11,7 @@ tests/gpu/test_dsv4_k3_pp.py wrote itself (``GROUP_PATTERNS``: the PP=2 jobs, th
 job), and writes one section per run, oldest first: what changed, the command, a verdict per test
 and the printed lines, unchanged (a job's error also by the exception lines that the cut leaves
 out). Nothing on the page is typed by hand except the headings; a record without a field the page
-needs is refused with :class:`RecordError`. tests/unit/test_k3_pp_page.py checks that the
+needs is refused with :class:`RecordError`. tests/unit/benchmarks/test_k3_pp_page.py checks that the
 committed page is this module's output.
 """
 

@@ -18,9 +18,9 @@ What it builds, with the ``tokenizers`` package (a vLLM dependency):
 * ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` (no BOS added, like Qwen3).
 
 Decode-then-encode gives back every non-special id sequence exactly (``--check`` verifies that
-on random sequences, and ``tests/unit/test_perf_pp_one_gpu.py`` in CI), so a random-dataset
-prompt of 1024 tokens is 1024 tokens for the server as well. The text means nothing, which is
-fine: the weights are random and the acceptance is synthetic.
+on random sequences, and ``tests/unit/benchmarks/test_perf_pp_one_gpu.py`` in CI), so a
+random-dataset prompt of 1024 tokens is 1024 tokens for the server as well. The text means
+nothing, which is fine: the weights are random and the acceptance is synthetic.
 """
 
 from __future__ import annotations

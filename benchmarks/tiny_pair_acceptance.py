@@ -15,7 +15,8 @@ GPU: the same without the CPU variables (``--dtype`` defaults to float32 either 
 
 ``--family k3`` measures the Kimi-K3 pair (``<pair>/k3-target`` + ``<pair>/k3-dspark``, written by
 ``train_tiny_pair --family k3``; GPU only: vLLM 0.34.0's CPU engine cannot serve Kimi-K3, see
-tests/unit/training/test_k3_equivalence.py), in bfloat16 unless ``--dtype`` says otherwise.
+tests/unit/dspark_dev/training/test_k3_equivalence.py), in bfloat16 unless ``--dtype`` says
+otherwise.
 ``--compare-training`` also runs the pure-torch training modules (float32) on the same prompts:
 their greedy tokens against vLLM's no-speculation tokens, and their simulated greedy DSpark
 acceptance (``train_tiny_pair.simulate_acceptance``) beside vLLM's; on CUDA only when a tiny

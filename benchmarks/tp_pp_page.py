@@ -35,8 +35,8 @@ the ``record`` it belongs to; no ``jobs``) that matches a group's pattern is sho
 record's section. Nothing on a page is typed by hand: a figure that is not in a record is not on
 the page (shares, differences and acceptance lengths are computed here from the counters). A
 record that lacks a field its page needs, or contradicts itself (a job listed as selected but
-marked otherwise), is refused with :class:`RecordError`. tests/unit/test_tp_pp_page.py checks the
-committed pages are this module's output.
+marked otherwise), is refused with :class:`RecordError`. tests/unit/benchmarks/test_tp_pp_page.py
+checks the committed pages are this module's output.
 """
 
 from __future__ import annotations
@@ -1031,7 +1031,7 @@ def markdown(records: list[tuple[str, dict]], group: Group = GROUPS["tp_pp"]) ->
         f"# {group.title}",
         "",
         group.intro + " This page is generated (`python -m benchmarks.tp_pp_page`; "
-        "tests/unit/test_tp_pp_page.py checks it is current).",
+        "tests/unit/benchmarks/test_tp_pp_page.py checks it is current).",
     ]
     for name, rec in records:
         lines += KINDS[group.kind].section(name, rec, group)

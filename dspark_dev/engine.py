@@ -63,7 +63,7 @@ def child_env(base: dict, extra: dict | None = None) -> dict:
     return env
 
 
-# The child's module (tests/unit/test_engine_runner.py runs a stand-in).
+# The child's module (tests/unit/dspark_dev/test_engine_runner.py runs a stand-in).
 WORKER_MODULE = "dspark_dev.engine_worker"
 # How long a child that reported its result may take over vLLM's own shutdown before its group is
 # killed (return_at_shutdown): vLLM 0.34.0 gives its workers 15 s

@@ -1,7 +1,7 @@
 """Where the checkout reads environment variables of ours (``DSPARK_*``, ``VLLM_DSPARK_*``).
 
 Used by :mod:`dspark_dev.knobs` (the "read in" column of docs/knobs.md) and by
-tests/unit/test_knobs.py (every name read is registered; the runtime reads only through
+tests/unit/repo/test_knobs.py (every name read is registered; the runtime reads only through
 ``vllm_dspark_pp/envs.py``). What counts:
 
 * Python, by AST: ``os.environ.get(N)``, ``os.environ[N]``, ``os.environ.setdefault(N)``,

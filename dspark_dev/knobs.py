@@ -7,7 +7,7 @@ docs/knobs.md lists both and is generated here::
 
     python -m dspark_dev.knobs --markdown > docs/knobs.md
 
-tests/unit/test_knobs.py fails when a ``DSPARK_*`` / ``VLLM_DSPARK_*`` variable is read (Python
+tests/unit/repo/test_knobs.py fails when a ``DSPARK_*`` / ``VLLM_DSPARK_*`` variable is read (Python
 or shell) without an entry here or in ``envs.py``, when an entry is no longer named anywhere,
 when a literal default at a read site is not the one written here, and when the page is stale.
 A new knob: add a :class:`Knob` below (default as the reader has it: ``unset``, a literal, or
@@ -230,8 +230,8 @@ DSPARK_TEST_MISMATCH_RANK | -1 | tools/gpu/run_pp2_aggregated.py's probe: the PP
 DSPARK_FAKE_MODELS | unset | GPU-fake plugin: folder holding the pairs the fake engines read.
 DSPARK_FAKE_MUTATION | unset | GPU-fake plugin: break one thing, to show a check fails
     (`subtle_same`, `pos6_zero`, ...).
-DSPARK_FAKE_WIRING_PARALLEL | 2 | tests/unit/test_gpu_fake_wiring.py: how many fake-engine child
-    runs run at once.
+DSPARK_FAKE_WIRING_PARALLEL | 2 | tests/unit/support/test_gpu_fake_wiring.py: how many
+    fake-engine child runs run at once.
 DSPARK_FAKE_CALLS | unset (none written) | GPU-fake plugin: write the recorded engine calls as JSON
     here.
 DSPARK_FAKE_NCCL_GUARD | set by the fake guard | Marker the GPU-fake NCCL guard puts in a
@@ -331,9 +331,9 @@ def markdown(scan: knob_scan.Scan | None = None) -> str:
         "# Environment variables",
         "",
         "Generated (`python -m dspark_dev.knobs --markdown > docs/knobs.md`; "
-        "tests/unit/test_knobs.py checks it is current) from `vllm_dspark_pp/envs.py` (runtime) "
-        "and `dspark_dev/knobs.py` (tests and tooling). A variable of ours read anywhere else "
-        "fails that test.",
+        "tests/unit/repo/test_knobs.py checks it is current) from `vllm_dspark_pp/envs.py` "
+        "(runtime) and `dspark_dev/knobs.py` (tests and tooling). A variable of ours read "
+        "anywhere else fails that test.",
         "",
         "## Runtime (read by the plugin in every vLLM process)",
         "",

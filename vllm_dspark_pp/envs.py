@@ -6,7 +6,7 @@ evaluates the variable then and returns it typed. The comment above each entry o
 :data:`environment_variables` is its documentation; docs/knobs.md is generated from it (in a
 checkout: ``python -m dspark_dev.knobs --markdown > docs/knobs.md``). Every runtime knob has the
 prefix ``VLLM_DSPARK_PP_``; no other module of the package reads the environment
-(tests/unit/test_knobs.py checks both).
+(tests/unit/repo/test_knobs.py checks both).
 
 A renamed knob keeps its old name for one release (:data:`deprecated_environment_variables`): read
 under its old name, it logs a deprecation warning once per process.

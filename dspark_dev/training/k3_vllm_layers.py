@@ -1,10 +1,11 @@
 """vLLM 0.34.0's own Kimi-K3 modules on CPU (float32, one process, no engine), loaded with an
 exported tiny K3 pair, and the forwards composed from them.
 
-vLLM's CPU engine cannot serve Kimi-K3 in 0.34.0 (tests/unit/training/test_k3_equivalence.py says
-why), so :class:`K3VllmPair` builds vLLM's ``KimiLinearForCausalLM`` and ``K3DSparkForCausalLM``
-directly, loads the checkpoints through their ``load_weights``, shares the target's embeddings and
-``lm_head`` with the drafter through vLLM's own helpers (as ``load_dspark_model`` does), and runs:
+vLLM's CPU engine cannot serve Kimi-K3 in 0.34.0
+(tests/unit/dspark_dev/training/test_k3_equivalence.py says why), so :class:`K3VllmPair` builds
+vLLM's ``KimiLinearForCausalLM`` and ``K3DSparkForCausalLM`` directly, loads the checkpoints
+through their ``load_weights``, shares the target's embeddings and ``lm_head`` with the drafter
+through vLLM's own helpers (as ``load_dspark_model`` does), and runs:
 embeddings, RMSNorms, every linear (fused / stacked as vLLM loads them), the KDA projections split
 as ``KimiK3DeltaAttention.forward`` splits them, vLLM's ``causal_conv1d_update`` for the short
 convolution, vLLM's ``fused_recurrent_kda`` Triton kernel (Triton's interpreter) for the KDA

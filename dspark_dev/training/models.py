@@ -1,7 +1,7 @@
 """Pure-torch training modules of the tiny pair: a Qwen3 target and a Qwen3 DSpark drafter.
 
 Both compute what vLLM 0.34.0 computes at inference with the same weights (checked by
-tests/unit/training/test_dspark_equivalence.py against CPU vLLM):
+tests/unit/dspark_dev/training/test_dspark_equivalence.py against CPU vLLM):
 
 * ``TinyQwen3`` mirrors ``vllm/model_executor/models/qwen3.py`` (pre-norm decoder, per-head q/k
   RMSNorm before neox RoPE, SwiGLU MLP, tied embeddings). ``aux_layer_ids`` are vLLM's aux ids: id

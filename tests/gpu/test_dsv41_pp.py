@@ -41,7 +41,8 @@ or failure, each check's verdict, the stock control's message) goes to
         bash tools/gpu/run_groups.sh $OUT dsv41_pp
 
 The kit needs its ``mla`` group (TileLang: V4.1's mHC kernels, as V4's). On CPU the wiring runs
-with fake engines (tests/unit/test_gpu_fake_wiring.py); collected without CUDA, every test skips.
+with fake engines (tests/unit/support/test_gpu_fake_wiring.py); collected without CUDA, every
+test skips.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ graph's input buffer is flagged alone after a replay.
 
 The layer work runs in a child process (one distributed world per process, a hard deadline); a
 child that crashes or overruns fails the test with its log. Without CUDA everything here is
-skipped with the reason; tests/unit/test_dsv4_moe_layer_cpu.py checks the comparisons and controls
-on CPU tensors, and its opt-in hand run drives the same layer through vLLM's CPU MoE path.
+skipped with the reason; tests/unit/support/test_dsv4_moe_layer_cpu.py checks the comparisons
+and controls on CPU tensors, and its opt-in hand run drives the same layer through vLLM's CPU MoE
+path.
 """
 
 from __future__ import annotations

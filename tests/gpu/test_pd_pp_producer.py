@@ -755,7 +755,7 @@ def test_tp_pp_pd_every_prompt_kv_came_over_mooncake(pd_jobs, name):
     """Every request went producer -> decoder, no transfer failed, and the decoder computed at
     most one prompt token per request itself (``prompt_tokens_by_source``: the rest came from
     the pulled KV). Control: the fake engines' ``kv_recomputed`` (the decoder prefills the
-    prompts itself) fails it (tests/unit/test_gpu_fake_wiring.py)."""
+    prompts itself) fails it (tests/unit/support/test_gpu_fake_wiring.py)."""
     jobs, _ = pd_jobs
     r = _tp_pd(jobs, name)
     st, kv, n = r["proxy"], r["decoder_kv"], len(r["tokens"])

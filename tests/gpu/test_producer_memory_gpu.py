@@ -11,10 +11,11 @@ producer engine, config-only Qwen3-8B shape, dummy weights, eager, no requests; 
 hook reads ``torch.cuda.memory_allocated`` around the speculator's ``load_model``, after
 ``gc.collect()``) and checks the allocator delta against ``vllm-dspark-pp plan``'s rule for the
 context-only role (no copy: 240.0 MiB; the pre-fix reading is 1.333x it), printing run 13's
-pre-fix reading beside it (``support.producer_memory``; tests/unit/test_producer_memory_check.py
-shows the check failing on that reading and passing on run 17's, 2026-12-04: 240.0 MiB). The
-driver exits 0 on the producer phase's memory record (``perf_real_shapes.exit_status``; run 17
-measured, then exited 1 because a producer-only call has no rows, and this test failed on it).
+pre-fix reading beside it (``support.producer_memory``;
+tests/unit/support/test_producer_memory_check.py shows the check failing on that reading and
+passing on run 17's, 2026-12-04: 240.0 MiB). The driver exits 0 on the producer phase's memory
+record (``perf_real_shapes.exit_status``; run 17 measured, then exited 1 because a
+producer-only call has no rows, and this test failed on it).
 The bitwise check of the context KV against the full drafter's is
 tests/gpu/test_producer_gpu.py::test_materialize_context_kv_writes_full_drafter_kv (tiny pair,
 both engines; it also checks the build's ``held_bytes`` against the same rule).

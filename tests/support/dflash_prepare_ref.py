@@ -16,7 +16,7 @@ kernel fails to write (or writes but should not) is a mismatch. It runs twice wi
 poison sets so no poison value can coincide with an expected one (booleans get True, then False).
 
 Used by tests/gpu/test_dflash_prepare_inputs_gpu.py on CUDA and by
-tests/unit/test_gpu_tools_dflash_reference.py on the CPU through the Triton interpreter.
+tests/unit/support/test_gpu_tools_dflash_reference.py on the CPU through the Triton interpreter.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ runner's padding mask (``is_padding``) exactly as the GPU model runner publishes
 run in a child process (``python -m support.dsv4_moe_layer DEVICE OUT.json``, started by
 ``run_child``) for tests/gpu/test_dsv4_router_gpu.py (CUDA: the router is vLLM's
 ``FusedTopKBiasRouter``, whose ``fused_topk_bias`` takes the Triton ``dsv4_topk`` fast path) and
-for the hand run of tests/unit/test_dsv4_moe_layer_cpu.py (vLLM's CPU platform: ``CPURouter``
-and the CPU experts), which also dry-runs ``checks_on`` on a stand-in layer.
+for the hand run of tests/unit/support/test_dsv4_moe_layer_cpu.py (vLLM's CPU platform:
+``CPURouter`` and the CPU experts), which also dry-runs ``checks_on`` on a stand-in layer.
 
 What is recorded per call: ``dsv4_topk`` is wrapped where ``fused_topk_bias`` looks it up, so a
 call counts only if vLLM's router really took the fast path; the call's row and expert counts, a

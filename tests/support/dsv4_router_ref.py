@@ -1,5 +1,6 @@
 """DeepSeek-V4 MoE router at a real expert count (issue 26, part 4): inputs, a pure-torch reference
-and the checks shared by tests/gpu/test_dsv4_router_256.py and tests/unit/test_dsv4_router_ref.py.
+and the checks shared by tests/gpu/test_dsv4_router_256.py and
+tests/unit/support/test_dsv4_router_ref.py.
 
 vLLM 0.34.0's DSV4 MoE layer (``models/deepseek_v4/nvidia/model.py``) computes the router logits
 in float32 (its ``GateLinear`` has ``out_dtype=torch.float32``) and, on a non-hash layer with

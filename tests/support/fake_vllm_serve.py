@@ -1,7 +1,8 @@
 """A stand-in for ``vllm serve`` (stdlib, no model): what benchmarks/serve_pp_one_gpu.py's ``pd``
 group talks to, so its orchestration runs end to end on a CPU machine without MooncakeConnector
-(tests/unit/test_perf_pp_one_gpu.py, hand run), and the launchers of its PP and interleaved runs
-(tests/unit/test_perf_pp_interleave.py, hand run: a ``--headless`` launcher only waits).
+(tests/unit/benchmarks/test_perf_pp_one_gpu.py, hand run), and the launchers of its PP and
+interleaved runs (tests/unit/benchmarks/test_perf_pp_interleave.py, hand run: a ``--headless``
+launcher only waits).
 It answers ``/health``, ``/metrics`` (spec-decode
 counters as a DSpark engine at AL 4 would count them; the decoder's external prefix-cache hits),
 ``/collective_rpc`` (the benchmark hook's commands), ``/v1/completions`` (JSON, or a streamed

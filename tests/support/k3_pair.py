@@ -1,6 +1,6 @@
 """Seeded tiny Kimi-K3 pairs for the CPU checks against vLLM's K3 layers
-(tests/unit/training/test_k3_equivalence.py, test_k3_vllm_sim.py), the training-module mutations
-their controls apply, and the runner of their child processes."""
+(tests/unit/dspark_dev/training/test_k3_equivalence.py, test_k3_vllm_sim.py), the training-module
+mutations their controls apply, and the runner of their child processes."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 tests/gpu/test_pd_kill_gpu.py sends requests to the decoder by hand (prefill on the producer,
 then a streamed decode on the decoder, the keys of dspark_dev/pd_proxy.py) so that some are
 decoding and some still have their KV on the producer when it is SIGKILLed. This module holds
-the parts that are not serving (tests/unit/test_pd_fault.py checks them on CPU):
+the parts that are not serving (tests/unit/support/test_served_load.py checks them on CPU):
 
 * :func:`outcome`: one request's ending as a word plus the evidence (completed / error /
   stalled / closed);

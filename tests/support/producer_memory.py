@@ -1,6 +1,6 @@
 """The check of the producer's context-KV-only drafter's memory at the Qwen3-8B shape (issue 29
 item 4), shared by the GPU test (tests/gpu/test_producer_memory_gpu.py, on the reading it takes)
-and its CPU test (tests/unit/test_producer_memory_check.py, on the recorded readings: run 13
+and its CPU test (tests/unit/support/test_producer_memory_check.py, on the recorded readings: run 13
 before the fix must fail it, run 17 after it must pass)."""
 
 from __future__ import annotations

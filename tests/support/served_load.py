@@ -2,7 +2,7 @@
 
 Used by tools/reliability_load.py (CPU scale) and tests/gpu/test_load_gpu.py (issue scale, two
 launchers on GPU 0). Everything here is pure or reads ``/proc`` / ``/metrics``, so
-tests/unit/test_served_load.py checks it on CPU:
+tests/unit/support/test_served_load.py checks it on CPU:
 
 * :func:`bench_argv`: the ``vllm bench serve`` arguments of one run (random dataset, streaming,
   ``--max-concurrency``, result JSON written where the caller says);

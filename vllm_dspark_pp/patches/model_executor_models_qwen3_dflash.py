@@ -9,7 +9,8 @@ WHY: vLLM 0.34.0 stacks the draft layers' k_norm weights into ``[num_layers, hea
 the row by the outermost index (qwen3_dflash.py ``_normalize_context_k``). The CPU kernel reads only
 the first ``head_dim`` weights, so every layer after the first uses layer 0's k_norm for its
 context keys. Drafts with two or more layers then draft differently on CPU than their weights say
-(found by tests/unit/training/test_dspark_equivalence.py: max base-logit error 0.5 before, 0 after).
+(found by tests/unit/dspark_dev/training/test_dspark_equivalence.py: max base-logit error 0.5
+before, 0 after).
 Greedy output stays lossless either way; drafts and acceptance counts do not.
 
 UPSTREAM: none yet (a CPU rms_norm kernel that honours a 2-D weight, or a per-layer loop in
@@ -17,7 +18,7 @@ qwen3_dflash.py on CPU).
 
 RETIRE WHEN: vLLM's CPU ``_C.rms_norm`` supports a per-group weight.
 
-TESTED BY: tests/unit/training/test_dspark_equivalence.py
+TESTED BY: tests/unit/dspark_dev/training/test_dspark_equivalence.py
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ A family is everything the plugin knows about one kind of DSpark drafter, in one
 As in vLLM's model registry, the names are strings resolved on first use, so reading the
 registry imports no family module (``plan`` and the start checks never import a drafter's
 model code). This module imports nothing else of the project, so every layer may read it, and
-nothing it names imports it back (``tests/unit/test_layering.py`` follows the names).
+nothing it names imports it back (``tests/unit/repo/test_layering.py`` follows the names).
 Adding a family is its module, its row here and its tests (docs/contributing.md).
 """
 

@@ -509,7 +509,7 @@ TP_PP_PD_COVERED_BY = (
     "over the file connector, decoder equal to the aggregated run) and "
     "tests/e2e/test_multi_node.py::test_four_launchers_tp2_pp2_dspark_parity (TP=2 x PP=2 "
     "launchers, every rank's drafts digest); the GPU group pd_tp_pp's wiring: "
-    "tests/unit/test_gpu_fake_wiring.py"
+    "tests/unit/support/test_gpu_fake_wiring.py"
 )
 
 

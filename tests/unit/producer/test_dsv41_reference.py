@@ -14,7 +14,8 @@
 
 Controls: each comparison fails with the V4 wiring put back into the reference (the current
 sublayer's pre instead of the carried one; taps after the layer), and with a checkpoint tensor
-dropped. Here (not under tests/unit/training): the models need this directory's ``dist_env``.
+dropped. Here (not under tests/unit/dspark_dev/training): the models need this directory's
+``dist_env``.
 """
 
 from __future__ import annotations
