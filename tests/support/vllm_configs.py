@@ -66,3 +66,21 @@ def dist_env(make_vllm_config):
         init_distributed_environment(1, 0, f"file://{path}", 0, "gloo")
         ensure_model_parallel_initialized(1, 1)
     return cfg
+
+
+def build_model(cfg, cls):
+    """``cls`` instantiated on CPU as vLLM would, with ``cfg`` as the current config and a layer
+    registry of its own (a copy of ``cfg`` whose ``static_forward_context`` starts empty, so
+    several models can be built from one config). Returns ``(model, the config it was built
+    with)``."""
+    import copy
+
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    c = copy.copy(cfg)
+    c.compilation_config = copy.copy(cfg.compilation_config)
+    c.compilation_config.static_forward_context = {}
+    with set_current_vllm_config(c), torch.device("cpu"):
+        model = cls(vllm_config=c, prefix="")
+    return model, c

@@ -213,16 +213,16 @@ def _worker(base_worker, cfg, names, pp_size=1):
 @pytest.fixture(scope="module")
 def layer_names(configs, dist_env):
     """KV layer names as vLLM registers them: the target's, the decoder's full drafter's and the
-    producer's context-KV-only drafter's (built on CPU, as in test_context_kv_qwen3.py)."""
-    from test_context_kv_qwen3 import _build
+    producer's context-KV-only drafter's (built on CPU by support.vllm_configs.build_model)."""
+    from support.vllm_configs import build_model
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     from vllm_dspark_pp.producer import qwen3
 
-    _, tcfg = _build(configs.decoder, Qwen3ForCausalLM)
-    _, fcfg = _build(configs.decoder, Qwen3DSparkForCausalLM)
-    _, ccfg = _build(configs.producer, qwen3.Qwen3DSparkContextKVForCausalLM)
+    _, tcfg = build_model(configs.decoder, Qwen3ForCausalLM)
+    _, fcfg = build_model(configs.decoder, Qwen3DSparkForCausalLM)
+    _, ccfg = build_model(configs.producer, qwen3.Qwen3DSparkContextKVForCausalLM)
     keys = lambda c: sorted(c.compilation_config.static_forward_context)  # noqa: E731
     return types.SimpleNamespace(target=keys(tcfg), full=keys(fcfg), context=keys(ccfg))
 

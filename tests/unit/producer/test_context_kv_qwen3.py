@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from support.vllm_configs import build_model
 from vllm.config import KVTransferConfig
 
 from vllm_dspark_pp.producer import drafter, memory, qwen3
@@ -25,24 +24,12 @@ def producer_cfg(make_vllm_config, dist_env):
     )
 
 
-def _build(cfg, cls):
-    """Instantiate ``cls`` as vLLM would (current config set), with its own layer registry."""
-    from vllm.config import set_current_vllm_config
-
-    c = copy.copy(cfg)
-    c.compilation_config = copy.copy(cfg.compilation_config)
-    c.compilation_config.static_forward_context = {}
-    with set_current_vllm_config(c), torch.device("cpu"):
-        model = cls(vllm_config=c, prefix="")
-    return model, c
-
-
 @pytest.fixture(scope="module")
 def pair(producer_cfg):
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-    full, full_cfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ctx_cfg = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
+    full, full_cfg = build_model(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, ctx_cfg = build_model(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     return full, full_cfg, ctx, ctx_cfg
 
 
@@ -140,8 +127,8 @@ def _loaded(model, checkpoint, cfg):
 def test_loads_only_kv_rows_and_they_match_the_full_drafter(producer_cfg, checkpoint):
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-    full, _ = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, _ = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
+    full, _ = build_model(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, _ = build_model(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     # Compared before post-processing: on CPU it repacks linear weights out of `.weight`.
     loaded = ctx.load_weights(iter(checkpoint.items()))
     assert sorted(loaded) == CONTEXT_PARAMS
@@ -159,8 +146,8 @@ def test_context_kv_computation_equals_full_drafter(producer_cfg, checkpoint):
     """The K (normed, rotated) and V the context path computes, both drafters, same inputs."""
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-    full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ccfg = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
+    full, fcfg = build_model(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, ccfg = build_model(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     _loaded(ctx, checkpoint, ccfg)
     _loaded(full, checkpoint, fcfg)
 
@@ -274,7 +261,7 @@ def test_context_only_drafter_holds_one_kv_copy(
     cls = qwen3.Qwen3DSparkContextKVForCausalLM
     if keep_copy:
         monkeypatch.setattr(cls.model_cls, "keep_one_kv_copy", lambda self: None)
-    ctx, ccfg = _build(producer_cfg, cls)
+    ctx, ccfg = build_model(producer_cfg, cls)
     gpu_weight_layout(ctx, checkpoint, ccfg)
     m = ctx.model
     assert m._fused_kv_weight is not None  # the GPU path: vLLM built its fused buffer
@@ -301,8 +288,8 @@ def test_context_kv_with_the_gpu_layout_equals_full_drafter_and_reads_the_parame
     (with a kept copy it would not: the path would read the stale copy)."""
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-    full, fcfg = _build(producer_cfg, Qwen3DSparkForCausalLM)
-    ctx, ccfg = _build(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
+    full, fcfg = build_model(producer_cfg, Qwen3DSparkForCausalLM)
+    ctx, ccfg = build_model(producer_cfg, qwen3.Qwen3DSparkContextKVForCausalLM)
     gpu_weight_layout(ctx, checkpoint, ccfg)
     gpu_weight_layout(full, checkpoint, fcfg)
 
