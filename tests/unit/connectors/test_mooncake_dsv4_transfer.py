@@ -42,6 +42,7 @@ import pytest
 import torch
 from support import mla_pairs
 from support import tiny_dsv41 as v41
+from support.mla_cpu_config import k3_engine_config
 
 from dspark_dev import tiny_mla_targets as t
 from dspark_dev.tiny_dsv4_cpu import construct_on_cpu, engine_config
@@ -106,12 +107,15 @@ def mc(plugin):
 
 
 def _layer_specs(cfg, ctx):
-    """{layer: KV-cache spec} of the KV-cache layers in ``ctx``, as the worker collects them."""
+    """{layer: KV-cache spec} of the KV-cache layers in ``ctx``, as the worker collects them (a
+    layer the speculator marks as a draft layer gets a draft spec, v1/worker/gpu/attn_utils.py)."""
+    from dataclasses import replace
+
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(cfg):
         return {
-            n: s
+            n: replace(s, is_draft=True) if getattr(layer, "is_draft_layer", False) else s
             for n, layer in ctx.items()
             if hasattr(layer, "get_kv_cache_spec") and (s := layer.get_kv_cache_spec(cfg))
         }
@@ -160,13 +164,34 @@ def _build_dsv41(cfg, cls, rank, pp, monkeypatch):
         v41.build_drafter(cfg, cls, monkeypatch)
 
 
+def _build_k3(cfg, cls, rank, pp, monkeypatch):
+    """vLLM's Kimi-K3 target (``KimiLinearForCausalLM``: KDA + MLA) as PP stage ``rank``, or a
+    DSpark drafter with its layers marked as the speculator marks them (speculator.py); the
+    constructor's CUDA stream and GEMM-AR kernel stood in for as in
+    tests/unit/producer/test_k3_kv_group_split.py."""
+    import vllm.models.kimi_k3.nvidia.model as k3_model
+    from vllm.config import set_current_vllm_config
+
+    cfg.compilation_config.static_forward_context = {}
+    monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
+    with monkeypatch.context() as m, set_current_vllm_config(cfg), torch.device("cpu"):
+        m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
+        with v41.as_stage(monkeypatch, rank, pp):
+            model = (cls or k3_model.KimiLinearForCausalLM)(vllm_config=cfg, prefix="")
+    if cls is not None:
+        ctx = cfg.compilation_config.static_forward_context
+        for name in model.get_draft_kv_cache_layer_names():
+            ctx[name].is_draft_layer = True
+
+
 def _families():
     """family -> (builder, the decoder's drafter class, the producer's context-KV-only class,
     engine arguments)."""
     from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM as v4_full
     from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM as v41_full
+    from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkForCausalLM as k3_full
 
-    from vllm_dspark_pp.producer import deepseek_v4, deepseek_v41
+    from vllm_dspark_pp.producer import deepseek_v4, deepseek_v41, kimi_k3
 
     return {
         "dsv4": (_build_dsv4, v4_full, deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM, {}),
@@ -176,6 +201,7 @@ def _families():
             deepseek_v41.DSparkDeepseekV41ContextKVForCausalLM,
             mla_pairs.engine_kwargs("dsv41"),
         ),
+        "k3": (_build_k3, k3_full, kimi_k3.K3DSparkContextKVForCausalLM, {}),
     }
 
 
@@ -199,10 +225,7 @@ def _side(pair, fam, role, pp, monkeypatch):
     build, full_cls, context_cls, engine_kw = _families()[fam]
     drafter_cls = context_cls if role == "kv_producer" else full_cls
     extra = {"bootstrap_server_address": "127.0.0.1:1"} if role == "kv_producer" else {}
-    cfg = engine_config(
-        pair,
-        kv_cache_dtype="fp8_ds_mla",
-        speculative_config=pair.speculative_config(4),
+    common = dict(
         pipeline_parallel_size=pp,
         distributed_executor_backend="mp",
         kv_transfer_config={
@@ -212,6 +235,16 @@ def _side(pair, fam, role, pp, monkeypatch):
         },
         **engine_kw,
     )
+    if fam == "k3":  # the GPU deployment's config on every CPU; the trained block, bf16 KV
+        k = mla_pairs.block_size(pair, fam)
+        cfg = k3_engine_config(pair, speculative_config=pair.speculative_config(k), **common)
+    else:
+        cfg = engine_config(
+            pair,
+            kv_cache_dtype="fp8_ds_mla",
+            speculative_config=pair.speculative_config(4),
+            **common,
+        )
     if fam == "dsv41":
         cfg.cache_config.block_size = DSV41_H100_BLOCK
     ctx_all: dict = {}
@@ -234,8 +267,10 @@ def _side(pair, fam, role, pp, monkeypatch):
         [x.name for x in get_supported_kv_cache_layouts({ctx_all[n].get_attn_backend() for n in s})]
         for s in specs
     ]
+    if fam == "k3":  # none of K3's CUDA backends (MLA, KDA) declares a layout; the CPU's do
+        supported = [[x.name for x in get_supported_kv_cache_layouts(())]] * pp
     layout = resolve_kv_cache_layout(cfg, supported, [x for s in specs for x in s.values()])
-    assert layout.is_block_outermost
+    assert layout.is_block_outermost or fam == "k3"  # K3: vLLM's default LBNHC
     with set_current_vllm_config(cfg):
         groups = get_global_kv_cache_groups(cfg, specs)
         plans = get_kv_cache_configs(cfg, specs, [KV_BYTES] * pp, groups)
@@ -310,6 +345,9 @@ def _register(w, caches):
 #: case -> (family, producer PP size). The decoder is PP=1. ``dsv41-pp2`` is the H100 failure of
 #: 2026-12-06 (group pd_pp_dsv41): the bundled V4.1 pair, a PP=2 producer.
 CASES = {"dsv4-pp1": ("dsv4", 1), "dsv4-pp2": ("dsv4", 2), "dsv41-pp2": ("dsv41", 2)}
+#: Kimi-K3 (the bundled pair, models/k3-pair; KDA + MLA): the PD pairs of the H100 run that
+#: passed before the split, a PP=1 and a PP=2 producer into a PP=1 decoder
+K3_CASES = {"k3-pp1": ("k3", 1), "k3-pp2": ("k3", 2)}
 
 
 def _pair(fam, tmp_path_factory):
@@ -757,3 +795,40 @@ def test_pd_request_transfers_every_group_page_for_page(mc, pd):
         f"{sorted({int(x) // row for x in outside[:1000]})}"
     )
     assert changed[touched].any()
+
+
+@pytest.mark.parametrize("case", list(K3_CASES))
+def test_k3_registers_no_shared_region_so_the_split_changes_nothing(
+    mc, case, tmp_path_factory, plugin, dist_env
+):
+    """Kimi-K3 PD (a PP=1 / PP=2 producer into a PP=1 decoder) as its engine cores plan it: none
+    of its CUDA backends (MLA, KDA) declares a KV-cache layout, so vLLM resolves the default
+    layer-outermost LBNHC, where no two layer views share an address, row and page. vLLM then
+    registers no shared region (group -1) on any stage, the split finds nothing to take apart
+    (the registered regions are vLLM's own), and every producer stage pairs with the decoder
+    view for view: the K3 PD that served before the patch is left as it was."""
+    fam, pp = K3_CASES[case]
+    splits: list[int] = []
+    real = mooncake_regions.split_shared_regions
+
+    def counted(*a, **k):
+        splits.append(real(*a, **k))
+        return splits[-1]
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mooncake_regions, "split_shared_regions", counted)
+        pd = _build_pd(mc, fam, pp, tmp_path_factory, m)
+        stages = [s for side in ("p", "d") for s in pd[side]["stages"]]
+        try:
+            assert splits == [0] * len(stages) == [0] * (pp + 1)
+            for side in ("p", "d"):
+                layout = pd[side]["cfg"].cache_config.get_resolved_kv_cache_layout()
+                assert layout.name == "LBNHC"
+            for stage in stages:
+                w = stage["w"]
+                assert -1 not in w.registered_group_indices
+                assert sorted(w.registered_layer_names) == sorted(w._layer_specs)
+            test_producer_stages_pair_every_decoder_view_exactly_once(mc, pd)
+        finally:
+            for stage in stages:
+                stage["w"].shutdown()
