@@ -126,6 +126,26 @@ def test_a_gated_config_with_a_null_threshold_fails_until_measured():
             assert gsm8k.unmeasured(cfg), path
 
 
+def test_each_trained_familys_dspark_arms_reproduce_its_measured_nospec_accuracy():
+    """Once a family's GPU run filled its YAMLs, every DSpark arm's ``accuracy_equals`` is the
+    no-speculation arm's measured ``accuracy_min`` and the PP=2 arm keeps the PP=1 arm's
+    acceptance bound (docs/results/gsm8k.md): a threshold typed into one file only fails here."""
+    checked = []
+    for family in ("k3", "dsv4", "dsv41"):
+        nospec = gsm8k.load_config(os.path.join(HERE, "configs", f"{family}-pp1-nospec.yaml"))
+        pp1, pp2 = (
+            gsm8k.load_config(os.path.join(HERE, "configs", f"{family}-pp{n}-dspark.yaml"))
+            for n in (1, 2)
+        )
+        if nospec.accuracy_min is None:
+            continue  # not measured yet: the test above gates it
+        for arm in (pp1, pp2):
+            assert arm.accuracy_equals == nospec.accuracy_min, arm.path
+        assert pp2.acceptance_length_min == pp1.acceptance_length_min, pp2.path
+        checked.append(family)
+    assert checked == ["k3", "dsv4", "dsv41"]
+
+
 #: architectures vLLM 0.34.0 has no CPU implementation of: a config serving one runs on the GPU
 #: tier only (``ci: gpu`` or ``manual``), never in CI's CPU run
 GPU_ONLY_ARCHITECTURES = frozenset({"DeepseekV41ForCausalLM"})
