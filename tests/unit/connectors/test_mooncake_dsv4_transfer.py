@@ -5,23 +5,25 @@ issue 42).
 
 Cases (``CASES``): the tiny DeepSeek-V4 GPU target (``make_tiny_dsv4_pair(gpu=True)``) with a
 PP=1 and with a PP=2 producer, and the bundled DeepSeek-V4.1 pair (models/dsv41-pair, what the
-H100 served on 2026-12-06) with a PP=2 producer; the decoder is PP=1. Each side is built on CPU
-with a DSpark speculative config: the prefiller (kv_producer) with our context-KV-only drafter,
-the decoder (kv_consumer) with vLLM's full DSpark drafter, each PP stage as that stage (vLLM's
-CUDA model class with a stand-in PP group; the drafter on the last stage). Each side's plans
-come from vLLM's planner over its stages (block-outermost layout resolved from every stage's
-backends, as the engine core does), ``cache_config.block_size`` is rewritten as EngineCore
-rewrites it, each stage's KV cache is allocated by vLLM's ``allocate_kv_cache`` (kernel blocks
-from ``prepare_kernel_block_sizes``), and each ``MooncakeConnectorWorker`` /
-``MooncakeConnectorScheduler`` is vLLM's (patched) class built by its own ``__init__``. V4.1's
-MLA block and its sparse-MLA and indexer kernel blocks are the H100's (64), which the CPU
-platform would not pick. Block ids come from vLLM's ``KVCacheManager`` called as the scheduler
-calls it (prefill with the config's lookahead on the prefiller; an async remote load without
-lookahead on the decoder), and the request goes through both schedulers'
-``get_num_new_matched_tokens`` / ``update_state_after_alloc`` / ``build_connector_meta`` and the
-prefiller's ``request_finished``; the pull through the decoder's ``_build_pull_metadata`` and
-every prefiller stage's ``record_send_reqs`` / ``send_kv_to_decode`` (regions, block pairing,
-transfer descriptors, response).
+H100 served on 2026-12-06) with a PP=2 producer; the decoder is PP=1. ``K3_CASES``: the bundled
+Kimi-K3 pair (models/k3-pair: KDA + MLA, layer-outermost LBNHC), a PP=1 and a PP=2 producer, for
+its registration and a pulled request page for page. Each side is built on CPU with a DSpark
+speculative config: the prefiller (kv_producer) with our context-KV-only drafter, the decoder
+(kv_consumer) with vLLM's full DSpark drafter, each PP stage as that stage (vLLM's CUDA model
+class with a stand-in PP group; the drafter on the last stage). Each side's plans come from
+vLLM's planner over its stages (the layout resolved from every stage's backends, as the engine
+core does: block-outermost for V4 / V4.1, vLLM's default LBNHC for K3),
+``cache_config.block_size`` is rewritten as EngineCore rewrites it, each stage's KV cache is
+allocated by vLLM's ``allocate_kv_cache`` (kernel blocks from ``prepare_kernel_block_sizes``), and
+each ``MooncakeConnectorWorker`` / ``MooncakeConnectorScheduler`` is vLLM's (patched) class built
+by its own ``__init__``. V4.1's MLA block and its sparse-MLA and indexer kernel blocks are the
+H100's (64), which the CPU platform would not pick. Block ids come from vLLM's
+``KVCacheManager`` called as the scheduler calls it (prefill with the config's lookahead on the
+prefiller; an async remote load without lookahead on the decoder), and the request goes through
+both schedulers' ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` /
+``build_connector_meta`` and the prefiller's ``request_finished``; the pull through the decoder's
+``_build_pull_metadata`` and every prefiller stage's ``record_send_reqs`` /
+``send_kv_to_decode`` (regions, block pairing, transfer descriptors, response).
 
 Stood in for: the Mooncake ``TransferEngine`` object (not installed here; a write is a byte copy
 between the two CPU buffers), the CUDA device index the worker records, the prefiller's ZMQ
@@ -346,7 +348,8 @@ def _register(w, caches):
 #: 2026-12-06 (group pd_pp_dsv41): the bundled V4.1 pair, a PP=2 producer.
 CASES = {"dsv4-pp1": ("dsv4", 1), "dsv4-pp2": ("dsv4", 2), "dsv41-pp2": ("dsv41", 2)}
 #: Kimi-K3 (the bundled pair, models/k3-pair; KDA + MLA): the PD pairs of the H100 run that
-#: passed before the split, a PP=1 and a PP=2 producer into a PP=1 decoder
+#: passed before the split, a PP=1 and a PP=2 producer into a PP=1 decoder. On CPU its MLA groups'
+#: 64-token blocks are four 16-token kernel blocks each (the CPU MLA kernel's block)
 K3_CASES = {"k3-pp1": ("k3", 1), "k3-pp2": ("k3", 2)}
 
 
@@ -385,7 +388,7 @@ def _build_pd(mc, fam, pp, tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pd(request, mc, tmp_path_factory, plugin, dist_env):
-    fam, pp = CASES[request.param]
+    fam, pp = {**CASES, **K3_CASES}[request.param]
     with pytest.MonkeyPatch.context() as m:
         out = _build_pd(mc, fam, pp, tmp_path_factory, m)
         out["case"] = request.param
@@ -650,20 +653,69 @@ def _backing(caches):
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
+def _tensor_of(kv, name):
+    """The ``KVCacheTensor`` that places layer ``name``, and the layer's slot in it."""
+    (tensor,) = [x for x in kv.kv_cache_tensors if name in x.layers]
+    return tensor, tensor.layers.index(name)
+
+
+def _page(caches, kv, name, block):
+    """Layer ``name``'s page of (scheduler) block ``block`` as flat bytes of the backing
+    allocation, where the plan puts it: from ``offset + slot * layer_stride + block *
+    block_stride`` (``KVCacheTensor``), as many bytes as the layer's view holds per block. That is
+    the block-outermost row slice (DeepSeek-V4: each block a row of all layers' pages) and the
+    layer-outermost page alike (Kimi-K3's LBNHC: each layer a run of its pages). The view's first
+    axis counts kernel blocks, not blocks, when a group's kernel block splits its block (K3's MLA
+    on CPU: block 64 in four 16-token kernel blocks; ``prepare_kernel_block_sizes``), so the
+    view's bytes of block ``b`` are kernel blocks ``ratio * b`` to ``ratio * b + ratio - 1``:
+    vLLM's ``group_kernel_blocks`` regroups them, and that slice must be this very span (what the
+    kernels read is what is compared)."""
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    tensor, slot = _tensor_of(kv, name)
+    n = kv.num_blocks_of(tensor)
+    view = caches[name]
+    page_bytes = view.nbytes // n
+    start = tensor.offset + slot * tensor.layer_stride + block * tensor.block_stride
+    buf = _backing(caches)
+    by_block = group_kernel_blocks(view, n)[block]
+    assert by_block.is_contiguous() and by_block.nbytes == page_bytes, name
+    assert by_block.data_ptr() == buf.data_ptr() + start, (name, block)
+    return buf[start : start + page_bytes]
+
+
 def _pages(caches, kv, group_ids):
     """{(layer, block id): bytes of that layer's page} for the given block ids per group."""
-    out = {}
-    for gi, g in enumerate(kv.kv_cache_groups):
-        for name in g.layer_names:
-            for b in group_ids[gi]:
-                out[(name, b)] = caches[name][b].contiguous().view(torch.uint8).clone()
-    return out
+    return {
+        (name, b): _page(caches, kv, name, b).clone()
+        for gi, g in enumerate(kv.kv_cache_groups)
+        for name in g.layer_names
+        for b in group_ids[gi]
+    }
+
+
+def _block_spans(kv, block):
+    """[(start, length)]: the bytes of ``block`` in the backing allocation, every layer's, padding
+    included. Block-outermost (``block_stride`` > ``layer_stride``): the block's row, which vLLM
+    may copy whole. Layer-outermost: each layer slot's page (``block_stride`` long)."""
+    spans = set()
+    for x in kv.kv_cache_tensors:
+        if x.block_stride > x.layer_stride:
+            assert x.offset < x.block_stride, x  # rows start at the allocation's start
+            spans.add((block * x.block_stride, x.block_stride))
+        else:
+            spans.update(
+                (x.offset + slot * x.layer_stride + block * x.block_stride, x.block_stride)
+                for slot in range(len(x.layers))
+            )
+    return sorted(spans)
 
 
 def _pull(mc, pd, tid):
     """One 100-token request through both schedulers: P prefills and finishes (max_tokens 1),
     every P stage's worker records the send, D schedules the remote prefill. Returns (P's block
     ids per group, D's pull, [(P block, D block)] per group)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.request import RequestStatus
 
     p, d = pd["p"], pd["d"]
@@ -696,11 +748,13 @@ def _pull(mc, pd, tid):
     )
     d["s"].on_new_request(dreq)
     n_ext, load_async = d["s"].get_num_new_matched_tokens(dreq, 0)
-    # With a sliding-window replay (V4.1's prefix_replay_tokens) P prefills and D loads all but
-    # the last prompt token, which D recomputes (the scheduler's on_new_request and
-    # _get_remote_prefill_token_count); no bounded replay in the DeepSeek-V4 plans.
-    loaded = PROMPT_LEN - 1 if d["s"]._bounded_replay else PROMPT_LEN
+    # With a sliding-window replay (V4.1's prefix_replay_tokens) or a recurrent state (K3's KDA
+    # layers, Mamba groups) P prefills and D loads all but the last prompt token, which D
+    # recomputes (the scheduler's on_new_request and _get_remote_prefill_token_count); neither
+    # in the DeepSeek-V4 plans.
+    loaded = PROMPT_LEN - 1 if d["s"]._bounded_replay or d["s"]._has_mamba else PROMPT_LEN
     assert d["s"]._bounded_replay == (pd["case"].startswith("dsv41"))
+    assert d["s"]._has_mamba == p["s"]._has_mamba == (pd["case"].startswith("k3"))
     assert preq.num_prompt_tokens == loaded
     assert (n_ext, load_async) == (loaded, True)
     _alloc_on_d(d, dreq, n_ext)
@@ -716,8 +770,10 @@ def _pull(mc, pd, tid):
         assert all(b == 0 for b in pg[: len(pg) - len(dg)]), (gi, pg, dg)
         assert 0 not in tail and 0 not in dg, (gi, pg, dg)
         pairs.append(list(zip(tail, dg, strict=True)))
-    for gi, g in enumerate(p["sched_kv"].kv_cache_groups):  # full attention: the whole prompt
-        if g.kv_cache_spec.block_size == mb.transfer_block_size(p["sched_kv"], 4):
+    # full attention (the transfer block's groups): the whole prompt
+    full = mb.attention_block_size(p["sched_kv"])
+    for gi, g in enumerate(p["sched_kv"].kv_cache_groups):
+        if g.kv_cache_spec.block_size == full and not isinstance(g.kv_cache_spec, MambaSpec):
             assert len(pairs[gi]) == -(-loaded // g.kv_cache_spec.block_size)
     return p_send_ids, pull, pairs
 
@@ -737,13 +793,16 @@ def _send_from_every_stage(mc, pd, pull):
     return out
 
 
-def test_pd_request_transfers_every_group_page_for_page(mc, pd):
-    """One 100-token request: P prefills and finishes, D pulls from every P stage. Every stage
-    answers FINISH, every D page of every layer and group in D's pull equals the page of the P
-    stage that holds that layer (in order, after the sliding-window clipping both schedulers
-    apply), and no byte of D's cache outside the pulled blocks' rows changes."""
+def _transfer(mc, pd, tid):
+    """One 100-token request: P prefills and finishes, D pulls from every P stage (P's pages
+    random bytes, D's zeros). Returns what a correct transfer is judged by: the stages' refusals
+    [(stage, message)], the layers with a D page in D's pull that differs from the paired page of
+    the P stage holding that layer (in order, after the sliding-window clipping both schedulers
+    apply), the offsets of D's bytes that changed outside the pulled blocks (every layer's page
+    of each pulled block id, ``_block_spans``; the first 20), whether any pulled page changed at
+    all, and the (P block, D block) pairs per group."""
     p, d = pd["p"], pd["d"]
-    p_send_ids, pull, pairs = _pull(mc, pd, "xfer-1")
+    p_send_ids, pull, pairs = _pull(mc, pd, tid)
     gen = torch.Generator().manual_seed(0)
     for stage in p["stages"]:
         buf = _backing(stage["caches"])
@@ -754,47 +813,63 @@ def test_pd_request_transfers_every_group_page_for_page(mc, pd):
     d_before = d_buf.clone()
     responses = _send_from_every_stage(mc, pd, pull)
 
-    # what a correct transfer needs: pairwise page equality per layer, nothing else touched
     src = {}
     for stage in p["stages"]:
         src.update(_pages(stage["caches"], stage["kv"], p_send_ids))
-    dst = _pages(dst_stage["caches"], dst_stage["kv"], pull.local_block_ids)
-    touched = torch.zeros_like(d_buf, dtype=torch.bool)
+    dst_kv = dst_stage["kv"]
+    dst = _pages(dst_stage["caches"], dst_kv, pull.local_block_ids)
+    changed = d_buf != d_before
+    touched = torch.zeros_like(changed)
     wrong = set()
-    for gi, g in enumerate(dst_stage["kv"].kv_cache_groups):
+    for gi, g in enumerate(dst_kv.kv_cache_groups):
         for name in g.layer_names:
             for pb, db in pairs[gi]:
                 if not torch.equal(dst[(name, db)], src[(name, pb)]):
                     wrong.add(name)
-                view = dst_stage["caches"][name][db]
-                start = view.data_ptr() - d_buf.data_ptr()
-                touched[start : start + view.nbytes] = True
+                start = _page(dst_stage["caches"], dst_kv, name, db).data_ptr() - d_buf.data_ptr()
+                touched[start : start + dst[(name, db)].numel()] = True
+    # Each block id is owned by one group at a time, so vLLM may copy all of a pulled block's
+    # bytes (a block-outermost row with its padding); no other byte may change.
+    pulled = torch.zeros_like(changed)
+    for start, n in {s for g in pairs for _, db in g for s in _block_spans(dst_kv, db)}:
+        pulled[start : start + n] = True
     errors = [
         (r, resp.err_msg)
         for r, resp in enumerate(responses)
         if resp.status != mc.MooncakeXferResponseStatus.FINISH or resp.err_reqs
     ]
-    assert not errors, f"P stages refused the pull: {errors}"
-    assert not wrong, f"D pages that differ from P's after every stage answered: {sorted(wrong)}"
-    for resp in responses:
-        assert resp.status == mc.MooncakeXferResponseStatus.FINISH, resp
-        assert resp.ok_reqs == ["d-req"], resp
-    for stage in p["stages"]:
-        assert "p-req" in stage["w"].finished_sending_reqs
-    # Rows are block-outermost: one row per block id, each id owned by one group at a time, so
-    # vLLM may copy a pulled block's whole row (its padding too); no other row may change.
-    row = dst_stage["kv"].kv_cache_tensors[0].block_stride
-    pulled_rows = torch.zeros_like(d_buf, dtype=torch.bool)
-    for gi in range(len(pairs)):
-        for _, db in pairs[gi]:
-            pulled_rows[db * row : (db + 1) * row] = True
-    changed = d_buf != d_before
-    outside = (changed & ~pulled_rows).nonzero().flatten()
-    assert outside.numel() == 0, (
-        f"{outside.numel()} bytes outside the pulled blocks' rows changed, rows "
-        f"{sorted({int(x) // row for x in outside[:1000]})}"
+    if not errors:
+        for resp in responses:
+            assert resp.ok_reqs == ["d-req"], resp
+        for stage in p["stages"]:
+            assert "p-req" in stage["w"].finished_sending_reqs
+    return dict(
+        pairs=pairs,
+        errors=errors,
+        wrong=sorted(wrong),
+        outside=(changed & ~pulled).nonzero().flatten()[:20].tolist(),
+        any_pulled_changed=bool(changed[touched].any()),
     )
-    assert changed[touched].any()
+
+
+@pytest.mark.parametrize("pd", [*CASES, *K3_CASES], indirect=True)
+def test_pd_request_transfers_every_group_page_for_page(mc, pd):
+    """One 100-token request (``_transfer``): every P stage answers FINISH, every D page of
+    every layer and group in D's pull equals the page of the P stage that holds that layer, and
+    no byte of D's cache outside the pulled blocks changes. Pages are where the plan puts them in
+    either layout (``_page``): DeepSeek-V4 / V4.1 block-outermost rows, Kimi-K3's layer-outermost
+    LBNHC pages, whose MLA groups' 64-token blocks are four 16-token kernel blocks each.
+
+    Controls (the check fails on a broken transfer):
+    ``test_control_k3_kernel_blocks_not_expanded_fails_the_mla_pages`` (P sends kernel block
+    ``b`` for block ``b``: every MLA layer's pages differ) and
+    ``test_control_k3_skipped_region_fails_its_layer`` (P leaves one layer's region out: that
+    layer's pages differ)."""
+    out = _transfer(mc, pd, "xfer-1")
+    assert not out["errors"], f"P stages refused the pull: {out['errors']}"
+    assert not out["wrong"], f"D pages that differ from P's after every stage answered: {out}"
+    assert not out["outside"], f"bytes outside the pulled blocks changed, offsets {out}"
+    assert out["any_pulled_changed"]
 
 
 @pytest.mark.parametrize("case", list(K3_CASES))
@@ -832,3 +907,91 @@ def test_k3_registers_no_shared_region_so_the_split_changes_nothing(
         finally:
             for stage in stages:
                 stage["w"].shutdown()
+
+
+def _k3_control(mc, case, tmp_path_factory, sabotage):
+    """A Kimi-K3 PD built afresh, ``sabotage(pd)`` applied to the producer's workers, one request
+    through ``_transfer``; returns its findings and the built PD (its workers shut down)."""
+    fam, pp = K3_CASES[case]
+    with pytest.MonkeyPatch.context() as m:
+        pd = _build_pd(mc, fam, pp, tmp_path_factory, m)
+        pd["case"] = case
+        try:
+            sabotage(pd, m)
+            return _transfer(mc, pd, "xfer-control"), pd
+        finally:
+            for side in ("p", "d"):
+                for stage in pd[side]["stages"]:
+                    stage["w"].shutdown()
+
+
+K3_MLA_LAYERS = [f"model.layers.{i}.self_attn" for i in (1, 3, 4, 5)]  # 4, 5: the drafter's
+
+
+def test_control_k3_kernel_blocks_not_expanded_fails_the_mla_pages(
+    mc, tmp_path_factory, plugin, dist_env
+):
+    """Control for the page-for-page check (K3, PP=2 producer): K3's MLA groups plan 64-token
+    blocks that their kernel splits in four (the worker's ``_physical_blocks_per_logical_kv_block``
+    is 4, the registered MLA regions are 18432-byte kernel pages of 73728-byte blocks). With the
+    P workers' kernel expansion of block ids turned off (``_logical_to_kernel_block_ids`` the
+    identity), P copies kernel block ``b`` (a quarter page at the wrong offset) for block ``b``:
+    every MLA layer's pages differ, and bytes outside D's pulled blocks change (the groups
+    overlay one allocation, so a quarter page sent to kernel block ``b`` lands in block ``b // 4``,
+    a KDA block here). A comparison that indexes the views by block id, as the check did before
+    it modelled the kernel split, reads kernel blocks too and finds that broken transfer's MLA
+    pages correct (and the correct transfer's wrong: the K3 failure that kept K3 out of the
+    check)."""
+
+    def unexpanded(pd, m):
+        for stage in pd["p"]["stages"]:
+            w = stage["w"]
+            assert w._physical_blocks_per_logical_kv_block == 4
+            assert sorted({r[1] for r in _regions(w)}) == [18432, 73728]
+            m.setattr(w, "_logical_to_kernel_block_ids", lambda ids: ids)
+
+    out, pd = _k3_control(mc, "k3-pp2", tmp_path_factory, unexpanded)
+    assert not out["errors"], out
+    # every MLA page; the KDA pages too where a misplaced kernel block lands in a KDA block
+    assert set(K3_MLA_LAYERS) <= set(out["wrong"]), out
+    assert out["outside"]  # kernel block b of a D block id b < 4 * b lies in another block
+    # the view-indexed comparison of the old helper (D's kernel block db against P's pb) finds
+    # every MLA page of that transfer correct
+    d = _only(pd["d"])
+    src = {n: c for st in pd["p"]["stages"] for n, c in st["caches"].items()}
+    for gi, g in enumerate(d["kv"].kv_cache_groups):
+        for name in set(g.layer_names) & set(K3_MLA_LAYERS):
+            for pb, db in out["pairs"][gi]:
+                got, sent = (
+                    c[b].contiguous().view(torch.uint8)
+                    for c, b in ((d["caches"][name], db), (src[name], pb))
+                )
+                assert torch.equal(got, sent), (name, pb, db)
+
+
+def test_control_k3_skipped_region_fails_its_layer(mc, tmp_path_factory, plugin, dist_env):
+    """Control for the page-for-page check (K3, PP=1 producer): the producer's worker leaves
+    layer 3's MLA region out of its registration (vLLM pairs regions by layer name, so it sends
+    the other layers and answers FINISH): the check names layer 3 alone."""
+    skipped = "model.layers.3.self_attn"
+
+    def skip(pd, m):
+        w = _only(pd["p"])["w"]
+        (i,) = [i for i, n in enumerate(w.registered_layer_names) if n == skipped]
+        for attr in (
+            "kv_caches_base_addr",
+            "block_len_per_layer",
+            "kv_block_len_per_layer",
+            "registered_layer_names",
+            "registered_layer_indices",
+            "registered_group_indices",
+            "region_shared_groups",
+            "region_row_offsets",
+        ):
+            values = list(getattr(w, attr))
+            del values[i]
+            m.setattr(w, attr, values)
+
+    out, _ = _k3_control(mc, "k3-pp1", tmp_path_factory, skip)
+    assert not out["errors"] and not out["outside"], out
+    assert out["wrong"] == [skipped]
