@@ -7,12 +7,15 @@ Cases (``CASES``): the tiny DeepSeek-V4 GPU target (``make_tiny_dsv4_pair(gpu=Tr
 PP=1 and with a PP=2 producer, and the bundled DeepSeek-V4.1 pair (models/dsv41-pair, what the
 H100 served on 2026-12-06) with a PP=2 producer; the decoder is PP=1. ``K3_CASES``: the bundled
 Kimi-K3 pair (models/k3-pair: KDA + MLA, layer-outermost LBNHC), a PP=1 and a PP=2 producer, for
-its registration and a pulled request page for page. Each side is built on CPU with a DSpark
+its registration and a pulled request page for page; ``QWEN3_CASES`` the same for the trained tiny
+Qwen3 pair (models/tiny-pair, float32 as on the GPU; not MLA: MooncakeConnector's LBHNC; vLLM's
+``Qwen3ForCausalLM``, the one class on every platform). Each side is built on CPU with a DSpark
 speculative config: the prefiller (kv_producer) with our context-KV-only drafter, the decoder
 (kv_consumer) with vLLM's full DSpark drafter, each PP stage as that stage (vLLM's CUDA model
 class with a stand-in PP group; the drafter on the last stage). Each side's plans come from
 vLLM's planner over its stages (the layout resolved from every stage's backends, as the engine
-core does: block-outermost for V4 / V4.1, vLLM's default LBNHC for K3),
+core does: block-outermost for V4 / V4.1, vLLM's default LBNHC for K3, the connector's LBHNC for
+Qwen3),
 ``cache_config.block_size`` is rewritten as EngineCore rewrites it, each stage's KV cache is
 allocated by vLLM's ``allocate_kv_cache`` (kernel blocks from ``prepare_kernel_block_sizes``), and
 each ``MooncakeConnectorWorker`` / ``MooncakeConnectorScheduler`` is vLLM's (patched) class built
@@ -39,10 +42,11 @@ the kernels reading the pulled pages.
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace
 
 import pytest
 import torch
-from support import mla_pairs
+from support import mla_pairs, tiny_pair
 from support import tiny_dsv41 as v41
 from support.mla_cpu_config import k3_engine_config
 
@@ -186,14 +190,30 @@ def _build_k3(cfg, cls, rank, pp, monkeypatch):
             ctx[name].is_draft_layer = True
 
 
+def _build_qwen3(cfg, cls, rank, pp, monkeypatch):
+    """vLLM's ``Qwen3ForCausalLM`` (the tiny pair's target) as PP stage ``rank``, or a Qwen3
+    DSpark drafter with its layers marked as the speculator marks them (speculator.py)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    cfg.compilation_config.static_forward_context = {}
+    with set_current_vllm_config(cfg), torch.device("cpu"), v41.as_stage(monkeypatch, rank, pp):
+        model = (cls or Qwen3ForCausalLM)(vllm_config=cfg, prefix="")
+    if cls is not None:
+        ctx = cfg.compilation_config.static_forward_context
+        for name in model.get_draft_kv_cache_layer_names():
+            ctx[name].is_draft_layer = True
+
+
 def _families():
     """family -> (builder, the decoder's drafter class, the producer's context-KV-only class,
     engine arguments)."""
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM as qwen3_full
     from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM as v4_full
     from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM as v41_full
     from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkForCausalLM as k3_full
 
-    from vllm_dspark_pp.producer import deepseek_v4, deepseek_v41, kimi_k3
+    from vllm_dspark_pp.producer import deepseek_v4, deepseek_v41, kimi_k3, qwen3
 
     return {
         "dsv4": (_build_dsv4, v4_full, deepseek_v4.DSparkDeepseekV4ContextKVForCausalLM, {}),
@@ -204,14 +224,16 @@ def _families():
             mla_pairs.engine_kwargs("dsv41"),
         ),
         "k3": (_build_k3, k3_full, kimi_k3.K3DSparkContextKVForCausalLM, {}),
+        "qwen3": (_build_qwen3, qwen3_full, qwen3.Qwen3DSparkContextKVForCausalLM, {}),
     }
 
 
-def _side(pair, fam, role, pp, monkeypatch):
+def _side(pair, fam, role, pp, monkeypatch, force_layout=None):
     """One PD side at PP=``pp`` as its engine core plans it: each stage's model built as that
     stage (vLLM's CUDA classes on CPU; the drafter on the last stage), the layout resolved from
-    every stage's backends, vLLM's planner over the stages, the block-size rewrite. Returns
-    (config, [(stage plan, stage layers' specs, stage drafter's specs)], scheduler plan)."""
+    every stage's backends (or ``force_layout``, a control's), vLLM's planner over the stages,
+    the block-size rewrite. Returns (config, [(stage plan, stage layers' specs, stage drafter's
+    specs)], scheduler plan)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
@@ -240,6 +262,8 @@ def _side(pair, fam, role, pp, monkeypatch):
     if fam == "k3":  # the GPU deployment's config on every CPU; the trained block, bf16 KV
         k = mla_pairs.block_size(pair, fam)
         cfg = k3_engine_config(pair, speculative_config=pair.speculative_config(k), **common)
+    elif fam == "qwen3":  # the GPU runs' dtype (tests/gpu/gpu_common.py PAIR_DTYPE)
+        cfg = engine_config(pair, dtype="float32", speculative_config=pair.spec, **common)
     else:
         cfg = engine_config(
             pair,
@@ -263,16 +287,26 @@ def _side(pair, fam, role, pp, monkeypatch):
         ctx_all.update(ctx)
         stages.append(({**_layer_specs(cfg, ctx)}, draft_specs))
     cfg.compilation_config.static_forward_context = ctx_all
-    assert cfg.model_config.use_mla  # MooncakeConnector then leaves the layout to the backends
+    # MLA: MooncakeConnector leaves the layout to the backends; otherwise it asks for LBHNC
+    assert cfg.model_config.use_mla == (fam != "qwen3")
     specs = [s for s, _ in stages]
     supported = [
         [x.name for x in get_supported_kv_cache_layouts({ctx_all[n].get_attn_backend() for n in s})]
         for s in specs
     ]
-    if fam == "k3":  # none of K3's CUDA backends (MLA, KDA) declares a layout; the CPU's do
+    # None of K3's CUDA backends (MLA, KDA) declares a layout, nor does Qwen3's (TRITON_ATTN for
+    # the float32 pair on the H100, FLASH_ATTN in bfloat16); the CPU's do
+    if fam in ("k3", "qwen3"):
         supported = [[x.name for x in get_supported_kv_cache_layouts(())]] * pp
+    if force_layout is not None:
+        cfg.cache_config.kv_cache_layout = force_layout  # resolution then keeps it
     layout = resolve_kv_cache_layout(cfg, supported, [x for s in specs for x in s.values()])
-    assert layout.is_block_outermost or fam == "k3"  # K3: vLLM's default LBNHC
+    # K3: vLLM's default LBNHC; Qwen3: the connector's LBHNC (the CPU backend's only one too)
+    expected = {"k3": "LBNHC", "qwen3": "LBHNC"}.get(fam)
+    if force_layout is not None:
+        assert layout.name == force_layout
+    else:
+        assert layout.name == expected if expected else layout.is_block_outermost, layout
     with set_current_vllm_config(cfg):
         groups = get_global_kv_cache_groups(cfg, specs)
         plans = get_kv_cache_configs(cfg, specs, [KV_BYTES] * pp, groups)
@@ -351,20 +385,29 @@ CASES = {"dsv4-pp1": ("dsv4", 1), "dsv4-pp2": ("dsv4", 2), "dsv41-pp2": ("dsv41"
 #: passed before the split, a PP=1 and a PP=2 producer into a PP=1 decoder. On CPU its MLA groups'
 #: 64-token blocks are four 16-token kernel blocks each (the CPU MLA kernel's block)
 K3_CASES = {"k3-pp1": ("k3", 1), "k3-pp2": ("k3", 2)}
+#: the trained tiny Qwen3 pair (models/tiny-pair): the shapes of its GPU PD runs made before the
+#: region patch, a PP=1 producer (group pd_mooncake) and a PP=2 one (pd_pp), into a PP=1 decoder
+QWEN3_CASES = {"qwen3-pp1": ("qwen3", 1), "qwen3-pp2": ("qwen3", 2)}
+ALL_CASES = {**CASES, **K3_CASES, **QWEN3_CASES}
 
 
 def _pair(fam, tmp_path_factory):
     if fam == "dsv4":
         return t.make_tiny_dsv4_pair(tmp_path_factory.mktemp("mc-dsv4-pd"), gpu=True)
+    if fam == "qwen3":
+        ok, why = tiny_pair.available()
+        if not ok:
+            pytest.skip(why)
+        return SimpleNamespace(target=tiny_pair.TARGET, spec=tiny_pair.spec_config())
     pair, why = mla_pairs.trained_pair(fam)
     if pair is None:
         pytest.skip(why)
     return pair
 
 
-def _build_pd(mc, fam, pp, tmp_path_factory, monkeypatch):
+def _build_pd(mc, fam, pp, tmp_path_factory, monkeypatch, force_layout=None):
     """Both sides, built, planned, allocated, their (patched) workers registered: the producer
-    ``p`` with a stage per PP rank, the decoder ``d`` with one."""
+    ``p`` with a stage per PP rank, the decoder ``d`` with one (``force_layout``: ``_side``)."""
     import vllm.model_executor.models.utils as vllm_utils
 
     # vLLM caches each model's PP-missing layers by id(model): a stage built here could get the
@@ -374,7 +417,7 @@ def _build_pd(mc, fam, pp, tmp_path_factory, monkeypatch):
     _as_h100(fam, monkeypatch)
     out = {}
     for name, role, size in (("p", "kv_producer", pp), ("d", "kv_consumer", 1)):
-        cfg, stages, sched_cfg = _side(pair, fam, role, size, monkeypatch)
+        cfg, stages, sched_cfg = _side(pair, fam, role, size, monkeypatch, force_layout)
         built = []
         for rank, (kv_cfg, specs, draft) in enumerate(stages):
             caches = _allocate(cfg, kv_cfg)
@@ -388,7 +431,7 @@ def _build_pd(mc, fam, pp, tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pd(request, mc, tmp_path_factory, plugin, dist_env):
-    fam, pp = {**CASES, **K3_CASES}[request.param]
+    fam, pp = ALL_CASES[request.param]
     with pytest.MonkeyPatch.context() as m:
         out = _build_pd(mc, fam, pp, tmp_path_factory, m)
         out["case"] = request.param
@@ -852,24 +895,86 @@ def _transfer(mc, pd, tid):
     )
 
 
-@pytest.mark.parametrize("pd", [*CASES, *K3_CASES], indirect=True)
+@pytest.mark.parametrize("pd", [*CASES, *K3_CASES, *QWEN3_CASES], indirect=True)
 def test_pd_request_transfers_every_group_page_for_page(mc, pd):
     """One 100-token request (``_transfer``): every P stage answers FINISH, every D page of
     every layer and group in D's pull equals the page of the P stage that holds that layer, and
     no byte of D's cache outside the pulled blocks changes. Pages are where the plan puts them in
     either layout (``_page``): DeepSeek-V4 / V4.1 block-outermost rows, Kimi-K3's layer-outermost
-    LBNHC pages, whose MLA groups' 64-token blocks are four 16-token kernel blocks each.
+    LBNHC pages, whose MLA groups' 64-token blocks are four 16-token kernel blocks each, the tiny
+    Qwen3 pair's layer-outermost LBHNC pages (one group: target and drafter layers).
 
     Controls (the check fails on a broken transfer):
     ``test_control_k3_kernel_blocks_not_expanded_fails_the_mla_pages`` (P sends kernel block
     ``b`` for block ``b``: every MLA layer's pages differ) and
-    ``test_control_k3_skipped_region_fails_its_layer`` (P leaves one layer's region out: that
-    layer's pages differ)."""
+    ``test_control_skipped_region_fails_its_layer`` (K3, Qwen3: P leaves one layer's region out:
+    that layer's pages differ)."""
     out = _transfer(mc, pd, "xfer-1")
     assert not out["errors"], f"P stages refused the pull: {out['errors']}"
     assert not out["wrong"], f"D pages that differ from P's after every stage answered: {out}"
     assert not out["outside"], f"bytes outside the pulled blocks changed, offsets {out}"
     assert out["any_pulled_changed"]
+
+
+def _no_shared_region(mc, case, tmp_path_factory, force_layout=None, check_pairing=True):
+    """A PD of ``case`` built afresh (``force_layout``: ``_side``) and what each stage (producer
+    stages, then the decoder) registered: the shared regions (group -1: name, groups) vLLM
+    registered before the split, the number the split took apart, the regions after it, whether
+    they name the stage's layers each once (``names``) and whether each is one layer's own view
+    (``own``: that layer's address, row and page, its group alone); the stages' KV-cache groups
+    (layer names) and each side's layout. ``check_pairing``: the producer stages' pairing with
+    the decoder is checked (``test_producer_stages_pair_every_decoder_view_exactly_once``)."""
+    fam, pp = ALL_CASES[case]
+    splits: list[int] = []
+    vllm_shared: list[list[tuple]] = []
+    real = mooncake_regions.split_shared_regions
+
+    def counted(worker, *a, **k):
+        vllm_shared.append(
+            [(r[3], r[5]) for r in _regions(worker) if r[4] == mc._SHARED_REGION_GROUP_ID]
+        )
+        splits.append(real(worker, *a, **k))
+        return splits[-1]
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mooncake_regions, "split_shared_regions", counted)
+        pd = _build_pd(mc, fam, pp, tmp_path_factory, m, force_layout)
+        stages = [s for side in ("p", "d") for s in pd[side]["stages"]]
+        try:
+            own = []
+            for stage in stages:
+                w, caches = stage["w"], stage["caches"]
+                groups = w.kv_cache_config.transfer_group_index_by_layer
+                views = {
+                    (c.data_ptr(), c.stride(0) * c.element_size(), c[0].nbytes, n, groups[n])
+                    for n, c in caches.items()
+                    if n in w._layer_specs
+                }
+                regions = _regions(w)
+                own.append(
+                    len(regions) == len(views)
+                    and {(*r[:5],) for r in regions} == views
+                    and all(r[5] == (r[4],) for r in regions)
+                )
+            layouts = [pd[side]["cfg"].cache_config.get_resolved_kv_cache_layout().name
+                       for side in ("p", "d")]  # fmt: skip
+            if check_pairing:
+                test_producer_stages_pair_every_decoder_view_exactly_once(mc, pd)
+            return dict(
+                splits=splits,
+                vllm_shared=vllm_shared,
+                layouts=layouts,
+                own=own,
+                names=[
+                    sorted(st["w"].registered_layer_names) == sorted(st["w"]._layer_specs)
+                    for st in stages
+                ],
+                groups=[[g.layer_names for g in st["kv"].kv_cache_groups] for st in stages],
+                regions=[_regions(st["w"]) for st in stages],
+            )
+        finally:
+            for stage in stages:
+                stage["w"].shutdown()
 
 
 @pytest.mark.parametrize("case", list(K3_CASES))
@@ -882,37 +987,80 @@ def test_k3_registers_no_shared_region_so_the_split_changes_nothing(
     registers no shared region (group -1) on any stage, the split finds nothing to take apart
     (the registered regions are vLLM's own), and every producer stage pairs with the decoder
     view for view: the K3 PD that served before the patch is left as it was."""
-    fam, pp = K3_CASES[case]
-    splits: list[int] = []
-    real = mooncake_regions.split_shared_regions
+    out = _no_shared_region(mc, case, tmp_path_factory)
+    pp = K3_CASES[case][1]
+    assert out["splits"] == [0] * (pp + 1)
+    assert out["vllm_shared"] == [[]] * (pp + 1)
+    assert out["layouts"] == ["LBNHC", "LBNHC"]
+    assert out["names"] == [True] * (pp + 1)
+    for regions in out["regions"]:
+        assert -1 not in [r[4] for r in regions]
 
-    def counted(*a, **k):
-        splits.append(real(*a, **k))
-        return splits[-1]
 
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(mooncake_regions, "split_shared_regions", counted)
-        pd = _build_pd(mc, fam, pp, tmp_path_factory, m)
-        stages = [s for side in ("p", "d") for s in pd[side]["stages"]]
-        try:
-            assert splits == [0] * len(stages) == [0] * (pp + 1)
-            for side in ("p", "d"):
-                layout = pd[side]["cfg"].cache_config.get_resolved_kv_cache_layout()
-                assert layout.name == "LBNHC"
-            for stage in stages:
-                w = stage["w"]
-                assert -1 not in w.registered_group_indices
-                assert sorted(w.registered_layer_names) == sorted(w._layer_specs)
-            test_producer_stages_pair_every_decoder_view_exactly_once(mc, pd)
-        finally:
-            for stage in stages:
-                stage["w"].shutdown()
+QWEN3_TARGET = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+QWEN3_DRAFT = ["model.layers.4.self_attn.attn", "model.layers.5.self_attn.attn"]
+
+
+def _qwen3_stage_layers(pp):
+    """The layers of each stage of a PP=``pp`` producer, then the PP=1 decoder's (the drafter's
+    on the last stage)."""
+    stages = [QWEN3_TARGET] if pp == 1 else [QWEN3_TARGET[:2], QWEN3_TARGET[2:]]
+    stages[-1] = stages[-1] + QWEN3_DRAFT
+    return [*stages, QWEN3_TARGET + QWEN3_DRAFT]
+
+
+@pytest.mark.parametrize("case", list(QWEN3_CASES))
+def test_qwen3_registers_no_shared_region_so_the_split_changes_nothing(
+    mc, case, tmp_path_factory, plugin, dist_env
+):
+    """The tiny Qwen3 pair's PD (a PP=1 / PP=2 producer with the context-KV-only drafter into a
+    PP=1 DSpark decoder) as its engine cores plan it. Two things keep vLLM from registering a
+    shared region (group -1: one view of several KV-cache groups), each enough alone:
+
+    * every stage plans one KV-cache group: the drafter's full-attention layers have the
+      target's spec (2 KV heads of 32, float32), so they join the target's group;
+    * Qwen3 is not MLA, so MooncakeConnector asks for LBHNC (``get_required_kvcache_layout``),
+      which its GPU backends (TRITON_ATTN for the float32 pair, FLASH_ATTN) declare nothing
+      against: layer-outermost, each layer's view a head-major page of its own, which vLLM
+      registers as its own region (never through the packed-row path that merges views).
+
+    So the split takes nothing apart, every region is one layer's own view, and each producer
+    stage pairs with the decoder view for view: the Qwen3 GPU PD runs made before the region
+    patch registered what the patched code registers.
+
+    Control: ``test_control_qwen3_block_outermost_layout_merges_views`` (the same PD under a
+    block-outermost layout: vLLM merges each stage's views into one region, and ``own`` here
+    fails)."""
+    out = _no_shared_region(mc, case, tmp_path_factory)
+    pp = QWEN3_CASES[case][1]
+    assert out["layouts"] == ["LBHNC", "LBHNC"]
+    assert out["groups"] == [[layers] for layers in _qwen3_stage_layers(pp)]
+    assert out["vllm_shared"] == [[]] * (pp + 1)
+    assert out["splits"] == [0] * (pp + 1)
+    assert out["names"] == out["own"] == [True] * (pp + 1), out["regions"]
+
+
+def test_control_qwen3_block_outermost_layout_merges_views(mc, tmp_path_factory, plugin, dist_env):
+    """Control for the Qwen3 no-shared-region check (PP=2 producer): the same PD forced to a
+    block-outermost layout (``BLNHC``, DeepSeek-V4's kind). A layer's view is then no page
+    (token-major rows inside the block), so vLLM registers each stage's layers as one region,
+    the whole row at the allocation's start, named by the first layer: the check's ``own`` and
+    ``names`` fail. Still no group -1 (one KV-cache group; a view shared by two groups is what
+    vLLM marks -1) and nothing for the split (it takes apart page views only)."""
+    out = _no_shared_region(mc, "qwen3-pp2", tmp_path_factory, "BLNHC", check_pairing=False)
+    assert out["layouts"] == ["BLNHC", "BLNHC"]
+    assert out["own"] == out["names"] == [False] * 3
+    first = [layers[0] for layers in _qwen3_stage_layers(2)]
+    assert [[r[3] for r in regions] for regions in out["regions"]] == [[n] for n in first]
+    assert [[r[4] for r in regions] for regions in out["regions"]] == [[0]] * 3
+    assert out["vllm_shared"] == [[]] * 3 and out["splits"] == [0] * 3
 
 
 def _k3_control(mc, case, tmp_path_factory, sabotage):
-    """A Kimi-K3 PD built afresh, ``sabotage(pd)`` applied to the producer's workers, one request
-    through ``_transfer``; returns its findings and the built PD (its workers shut down)."""
-    fam, pp = K3_CASES[case]
+    """A PD of ``case`` (Kimi-K3's, or another of ``ALL_CASES``) built afresh, ``sabotage(pd)``
+    applied to the producer's workers, one request through ``_transfer``; returns its findings
+    and the built PD (its workers shut down)."""
+    fam, pp = ALL_CASES[case]
     with pytest.MonkeyPatch.context() as m:
         pd = _build_pd(mc, fam, pp, tmp_path_factory, m)
         pd["case"] = case
@@ -969,14 +1117,21 @@ def test_control_k3_kernel_blocks_not_expanded_fails_the_mla_pages(
                 assert torch.equal(got, sent), (name, pb, db)
 
 
-def test_control_k3_skipped_region_fails_its_layer(mc, tmp_path_factory, plugin, dist_env):
-    """Control for the page-for-page check (K3, PP=1 producer): the producer's worker leaves
-    layer 3's MLA region out of its registration (vLLM pairs regions by layer name, so it sends
-    the other layers and answers FINISH): the check names layer 3 alone."""
-    skipped = "model.layers.3.self_attn"
+@pytest.mark.parametrize(
+    "case, skipped",
+    [("k3-pp1", "model.layers.3.self_attn"), ("qwen3-pp2", "model.layers.4.self_attn.attn")],
+)
+def test_control_skipped_region_fails_its_layer(
+    mc, case, skipped, tmp_path_factory, plugin, dist_env
+):
+    """Control for the page-for-page check: the producer stage holding ``skipped`` leaves that
+    layer's region out of its registration (vLLM pairs regions by layer name, so it sends the
+    other layers and answers FINISH): the check names that layer alone. K3 with a PP=1 producer
+    (layer 3's MLA region), and the tiny Qwen3 pair with a PP=2 producer (the drafter's first
+    layer, whose context KV stage 1 computes)."""
 
     def skip(pd, m):
-        w = _only(pd["p"])["w"]
+        (w,) = [st["w"] for st in pd["p"]["stages"] if skipped in st["w"].registered_layer_names]
         (i,) = [i for i, n in enumerate(w.registered_layer_names) if n == skipped]
         for attr in (
             "kv_caches_base_addr",
@@ -992,6 +1147,6 @@ def test_control_k3_skipped_region_fails_its_layer(mc, tmp_path_factory, plugin,
             del values[i]
             m.setattr(w, attr, values)
 
-    out, _ = _k3_control(mc, "k3-pp1", tmp_path_factory, skip)
+    out, _ = _k3_control(mc, case, tmp_path_factory, skip)
     assert not out["errors"] and not out["outside"], out
     assert out["wrong"] == [skipped]
