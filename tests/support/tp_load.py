@@ -28,7 +28,7 @@ import json
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -36,12 +36,14 @@ from pathlib import Path
 class Family:
     """How a rank builds one model of a tiny pair.
 
-    ``config``: ``(tp, pp) -> VllmConfig``; ``build``: ``(cfg) -> nn.Module``, called inside
-    ``set_current_vllm_config(cfg)`` and ``torch.device("cpu")`` after the world is up;
+    ``config``: ``(tp, pp, *config_args) -> VllmConfig``; ``build``: ``(cfg) -> nn.Module``,
+    called inside ``set_current_vllm_config(cfg)`` and ``torch.device("cpu")`` after the world
+    is up;
     ``model_config``: ``(cfg) -> ModelConfig`` the loader reads (default: the target's);
     ``extra``: ``(model, cfg, record, tp) -> None``, run after the checks of this module;
     ``shared``: names the model registers that another model fills (a drafter's embedding and
-    head are the target's); ``env``: environment set in each rank before vLLM is imported."""
+    head are the target's); ``env``: environment set in each rank before vLLM is imported;
+    ``drops``: the substrings of the ``drops`` records (module docstring)."""
 
     name: str
     config: str
@@ -50,7 +52,8 @@ class Family:
     extra: str | None = None
     shared: frozenset[str] = frozenset()
     env: tuple[tuple[str, str], ...] = ()
-    drops: tuple[str, ...] = field(default=())
+    drops: tuple[str, ...] = ()
+    config_args: tuple[str, ...] = ()
 
 
 def run(
@@ -102,7 +105,7 @@ def _rank(rank: int, family: Family, world: int, tp: int, pp: int, init: str, ou
     )
 
     torch.set_num_threads(1)
-    cfg = resolve(family.config)(tp, pp)
+    cfg = resolve(family.config)(tp, pp, *family.config_args)
     with set_current_vllm_config(cfg):
         init_distributed_environment(world, rank, init, rank, "gloo")
         ensure_model_parallel_initialized(tp, pp)
