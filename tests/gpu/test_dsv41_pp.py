@@ -128,7 +128,10 @@ def _launch_mode(eager: bool) -> list[str]:
 
 def _served(name: str, pair, waves, eager: bool, extra: list[str], tp: int = 1) -> dict:
     """PP=2 DSpark served by one launcher per rank (two, or four at TP=2) on GPU 0; the
-    launchers' handshake and exchange lines read back from their logs."""
+    launchers' handshake and exchange lines read back from their logs. At TP=2 the pair's copy
+    with two attention output groups (``mla_pairs.tp_pair``: vLLM builds no one-group V4.1
+    attention at TP=2, tests/unit/producer/test_dsv4_tp_weight_tracking.py)."""
+    pair = mla_pairs.tp_pair(FAM, pair, tp, LOG_DIR)
     env = {**GPU_CHILD_ENV, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
     dep = pp_launch.deployment(
         f"dsv41_{name}", pair.target, pp=2, tp=tp, spec=pair.speculative_config(K),

@@ -210,7 +210,10 @@ def _served(
     all-reduce off on the one GPU, dspark_dev/pp_launch.py); ``control`` "nospec" (the plugin,
     no DSpark) or "stock" (plugin left out, no DSpark): the Kimi-K3 PP=2 failure of 2026-12-03
     needed them to say whether it was the plugin's or vLLM's. ``diag``: one of ``K3_DIAG``
-    (eager DSpark)."""
+    (eager DSpark). At TP > 1 the pair vLLM can split (``mla_pairs.tp_pair``: the trained
+    DeepSeek-V4 pair's copy with two attention output groups, tests/unit/producer/
+    test_dsv4_tp_weight_tracking.py; the others as they are)."""
+    pair = mla_pairs.tp_pair(fam, pair, tp, LOG_DIR)
     mode = ["--enforce-eager"] if eager else [
         "--compilation-config", json.dumps(GRAPH_COMPILATION_CONFIG)
     ]  # fmt: skip

@@ -1,5 +1,5 @@
 """Load the bundled Kimi-K3 target with vLLM's own loader at TP x PP on CPU, one gloo process per
-rank (tests/unit/producer/test_k3_weight_tracking.py).
+rank (tests/unit/producer/test_k3_weight_tracking.py): a :mod:`support.tp_load` family.
 
 Each rank builds vLLM's ``KimiLinearForCausalLM`` in a world made by vLLM's
 ``init_distributed_environment`` + ``ensure_model_parallel_initialized`` and runs
@@ -17,120 +17,69 @@ checkpoint holds for the rank (q, k, v, g, b split over TP, f_a whole) and zero 
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from pathlib import Path
+
+from support import tp_load
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "models" / "k3-pair" / "k3-target"
 #: checkpoint projection -> in_proj_qkvgfab shard (models/kimi_k3/nvidia/model.py:1342-1356)
 SHARDS = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
 REPLICATED = "f_a_proj"  # replicated_shard_id=4 (kda.py:660-669)
+FAMILY = tp_load.Family(
+    name="kimi-k3 target",
+    config=f"{__name__}:config",
+    build=f"{__name__}:build",
+    extra=f"{__name__}:kda_checks",
+    env=(("VLLM_KIMI_K3_GEMM_AR", "0"),),  # no CUTLASS GEMM-AR kernel in the CPU build
+)
 
 
 def run(world: int, tp: int, pp: int, out: Path, timeout_s: float = 240.0) -> dict[int, dict]:
     """Spawn the ``world`` ranks, wait for them (killing any left after ``timeout_s``) and return
     each rank's record."""
-    import torch.multiprocessing as tmp
-
-    init = f"file://{out / 'dist-init'}"
-    ctx = tmp.start_processes(
-        _rank, args=(world, tp, pp, init, str(out)), nprocs=world, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"TP={tp} x PP={pp} load not done after {timeout_s:.0f} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+    return tp_load.run(FAMILY, world, tp, pp, out, timeout_s)
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, init: str, out: str) -> None:
-    os.environ["VLLM_HOST_IP"] = "127.0.0.1"
-    # distinct per rank: vLLM's CPU communicator keeps plain torch.distributed (no shm segments)
-    os.environ["VLLM_DIST_IDENT"] = f"k3-tp-load-{os.getpid()}"
-    os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"  # no CUTLASS GEMM-AR kernel in the CPU build
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
+def config(tp: int, pp: int):
     from dspark_dev.tiny_mla_targets import TinyPair
     from support.mla_cpu_config import k3_engine_config
 
-    torch.set_num_threads(1)
     pair = TinyPair(str(TARGET), str(TARGET.parent / "k3-dspark"), "kimi-k3")
-    cfg = k3_engine_config(
+    return k3_engine_config(
         pair, tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp"
     )
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(world, rank, init, rank, "gloo")
-        ensure_model_parallel_initialized(tp, pp)
+
+
+def build(cfg):
+    import torch
     import vllm.models.kimi_k3.nvidia.model as k3_model
 
-    with set_current_vllm_config(cfg), torch.device("cpu"):
-        real_stream = torch.cuda.Stream
-        torch.cuda.Stream = lambda *a, **k: None  # the aux stream only overlaps GEMMs at run time
-        try:
-            model = k3_model.KimiLinearForCausalLM(vllm_config=cfg, prefix="")
-        finally:
-            torch.cuda.Stream = real_stream
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    real_stream = torch.cuda.Stream
+    torch.cuda.Stream = lambda *a, **k: None  # the aux stream only overlaps GEMMs at run time
+    try:
+        return k3_model.KimiLinearForCausalLM(vllm_config=cfg, prefix="")
+    finally:
+        torch.cuda.Stream = real_stream
 
+
+def kda_checks(model, cfg, record: dict, tp: int) -> None:
+    """The KDA projections, their padding, the patch, and the rows, ``no_g_proj`` and ``stock``
+    verdicts (after the whole checkpoint was loaded)."""
     from vllm_dspark_pp.patches import applied_patches
 
     kda = sorted(n for n, _ in model.named_modules() if n.endswith(".in_proj_qkvgfab"))
-    record: dict = {
-        "rank": rank,
-        "tp_rank": get_tensor_model_parallel_rank(),
-        "pp_rank": get_pp_group().rank_in_group,
-        "kda_projections": kda,
-        "padding_rows": {n: model.get_submodule(n).padding_size for n in kda},
-        "patch_applied": "models_kimi_k3_nvidia_kda" in applied_patches(),
-    }
-    with set_current_vllm_config(cfg), torch.no_grad():
-        record["full"] = _verdict(model, cfg)
-        record["in_proj_mismatch"] = _in_proj_mismatch(model, kda, record["tp_rank"], tp)
-        record["no_g_proj"] = _verdict(model, cfg, drop=".g_proj.")
-        record["stock"] = _stock_verdict(model, cfg)
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
-
-
-def _verdict(model, cfg, drop: str | None = None) -> list[str] | None:
-    """vLLM's loader on the bundled checkpoint (without the tensors whose names hold ``drop``):
-    None when its check passes, else the sorted names it says were not initialised."""
-    import ast
-
-    from vllm.config import LoadConfig
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    real = type(model).load_weights
-
-    def filtered(weights):
-        return real(model, ((n, w) for n, w in weights if drop is None or drop not in n))
-
-    model.load_weights = filtered
-    try:
-        DefaultModelLoader(LoadConfig(load_format="safetensors")).load_weights(
-            model, cfg.model_config
-        )
-    except ValueError as e:
-        head = "Following weights were not initialized from checkpoint: "
-        if not str(e).startswith(head):
-            raise
-        return sorted(ast.literal_eval(str(e)[len(head) :]))
-    finally:
-        del model.load_weights
-    return None
+    record["kda_projections"] = kda
+    record["padding_rows"] = {n: model.get_submodule(n).padding_size for n in kda}
+    record["patch_applied"] = "models_kimi_k3_nvidia_kda" in applied_patches()
+    record["in_proj_mismatch"] = _in_proj_mismatch(model, kda, record["tp_rank"], tp)
+    record["no_g_proj"] = tp_load.verdict(model, cfg.model_config, drop=".g_proj.")
+    record["stock"] = _stock_verdict(model, cfg)
 
 
 def _stock_verdict(model, cfg) -> list[str] | None:
-    """:func:`_verdict` with vLLM 0.34.0's own ``pop_missing_shards`` on the KDA projection."""
+    """:func:`tp_load.verdict` with vLLM 0.34.0's own ``pop_missing_shards`` on the KDA
+    projection."""
     from vllm.models.kimi_k3.nvidia import kda
 
     from vllm_dspark_pp.patches._util import original
@@ -139,7 +88,7 @@ def _stock_verdict(model, cfg) -> list[str] | None:
     own = cls.__dict__.get("pop_missing_shards")
     cls.pop_missing_shards = original(cls, "pop_missing_shards")
     try:
-        return _verdict(model, cfg)
+        return tp_load.verdict(model, cfg.model_config)
     finally:
         if own is None:
             del cls.pop_missing_shards

@@ -132,3 +132,68 @@ def trained_acceptance_problems(m: dict, k: int) -> list[str]:
     if zero:
         out.append(f"draft positions {zero} never accepted: {per}")
     return out
+
+
+# ------------------------------------------------------------------------------- TP > 1 copies
+#: families whose bundled pair has fewer output groups (``o_groups``) than a TP size needs
+REGROUPED = ("dsv4", "dsv41")
+
+
+def tp_groups(o_groups: int, tp: int) -> int:
+    """The fewest output groups, a multiple of ``o_groups``, that ``tp`` ranks split evenly."""
+    import math
+
+    return math.lcm(o_groups, tp)
+
+
+def regroup_wo(wo_a, wo_b, o_groups: int, groups: int):
+    """``(wo_a, wo_b)`` of a DeepSeek-V4 attention with ``o_groups`` output groups as the same
+    projection with ``groups`` (a multiple): each group's heads split into ``groups / o_groups``
+    contiguous parts, each part's ``wo_a`` rows the group's columns for its heads, and ``wo_b``'s
+    columns of the group repeated for each part. ``wo_b @ wo_a`` per group is unchanged:
+    ``W_b (W_a^1 o_1 + W_a^2 o_2) = [W_b W_b] [W_a^1 o_1; W_a^2 o_2]``."""
+    m = groups // o_groups
+    if groups % o_groups or wo_a.shape[1] % m:
+        raise ValueError(f"{o_groups} groups of {wo_a.shape[1]} inputs do not split in {groups}")
+    rank = wo_a.shape[0] // o_groups
+    a = wo_a.reshape(o_groups, rank, m, wo_a.shape[1] // m).transpose(1, 2)
+    b = wo_b.reshape(wo_b.shape[0], o_groups, 1, rank).expand(-1, o_groups, m, rank)
+    return a.reshape(groups * rank, -1).contiguous(), b.reshape(wo_b.shape[0], -1).contiguous()
+
+
+def tp_pair(fam: str, pair: TinyPair, tp: int, out: Path) -> TinyPair:
+    """The pair vLLM 0.34.0 builds at TP=``tp``: ``pair`` itself, or, where its ``o_groups`` does
+    not split over ``tp`` ranks (the DeepSeek-V4 / V4.1 pairs were trained with one group, vLLM's
+    ``DeepseekV4GroupedWoA`` asserts ``o_groups % tp == 0``: deepseek_v4/common/grouped_wo_a.py:26),
+    a copy under ``out`` whose attention outputs are regrouped by :func:`regroup_wo` (every layer,
+    the draft's ``mtp.*`` included; config.json and training.json say the new ``o_groups``). The
+    trained weights are the same numbers: only how the sum over heads is split into groups
+    changes (bf16 rounding of the partial sums aside)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if fam not in REGROUPED:
+        return pair
+    src = Path(pair.target)
+    cfg = json.loads((src / "config.json").read_text())
+    groups = tp_groups(int(cfg["o_groups"]), tp)
+    if groups == cfg["o_groups"]:
+        return pair
+    dst = Path(out) / f"{src.parent.name}-o{groups}" / src.name  # the bundle's layout
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    sd = load_file(str(src / "model.safetensors"))
+    for name in [n for n in sd if n.endswith(".attn.wo_a.weight")]:
+        b = name.replace(".wo_a.", ".wo_b.")
+        sd[name], sd[b] = regroup_wo(sd[name], sd[b], int(cfg["o_groups"]), groups)
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for meta, key in (("config.json", None), ("training.json", "target_config")):
+        p = dst / meta
+        if p.exists():
+            d = json.loads(p.read_text())
+            (d[key] if key else d)["o_groups"] = groups
+            p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    draft = str(dst) if pair.draft == pair.target else pair.draft
+    return TinyPair(str(dst), draft, pair.family)
