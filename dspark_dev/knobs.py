@@ -86,6 +86,10 @@ DSPARK_GPU_BUDGET_S | 560 | run_gpu_suite.sh: the whole GPU suite's time budget,
 DSPARK_GPU_GROUPS_BUDGET_S | 540 | run_groups.sh: each group's time limit, in seconds; the groups'
     deadlines are derived from it.
 DSPARK_GPU_GROUPS_STAGGER_S | 0 | run_groups.sh: seconds between the starts of the groups.
+DSPARK_GPU_GROUPS_SERIAL_S | unset | run_groups.sh: the call's seconds; set, the groups run one
+    after another, each under min(budget, what is left of the call).
+DSPARK_GPU_GROUPS_MIN_S | 200 | run_groups.sh with DSPARK_GPU_GROUPS_SERIAL_S: a group with fewer
+    seconds of the call left is not started.
 DSPARK_GPU_ARTIFACTS | unset | Folder where GPU tests leave failing jobs' logs and records (the GPU
     scripts set it).
 DSPARK_GPU_COMMIT | unset | Commit recorded in GPU result records (the GPU machine has no git

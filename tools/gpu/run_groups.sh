@@ -71,6 +71,11 @@
 # DSPARK_GPU_TP_PP_STOCK_READY_S (default BUDGET - 150): tp_pp's start-up deadlines (plugin, stock);
 # DSPARK_GPU_PD_TP_PP_JOBS and DSPARK_GPU_PD_TP_PP_READY_S (default BUDGET - 120): pd_tp_pp's;
 # DSPARK_GPU_DSV41_PP_READY_S (default BUDGET - 200): dsv41_pp's (plugin and stock).
+# DSPARK_GPU_GROUPS_SERIAL_S (unset: the groups run side by side): the whole call's seconds; the
+# groups then run one after another, each under min(BUDGET, what is left of the call) with its
+# deadlines derived from that, its leftover processes killed before the next starts; a group with
+# less than DSPARK_GPU_GROUPS_MIN_S (default 200) left is not started (`rc=not-started` in
+# rc.txt). One call then runs several groups without the machine idling between calls.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -78,6 +83,9 @@ OUTDIR=$1
 shift
 BUDGET=${DSPARK_GPU_GROUPS_BUDGET_S:-540}
 STAGGER=${DSPARK_GPU_GROUPS_STAGGER_S:-0}
+SERIAL_S=${DSPARK_GPU_GROUPS_SERIAL_S:-}
+MIN_S=${DSPARK_GPU_GROUPS_MIN_S:-200}
+FULL_BUDGET=$BUDGET
 KNOWN=(pd_mooncake dsv4k3 nixl pp tap_partials tp_pp pd_pp pd_pp_dsv4 pd_pp_k3 pd_pp_dsv41 pd_tp_pp dsv4k3_pp
   dsv41_pp router dsv4_router producer_memory pp_adaptive lost_stage lost_stage_control
   lost_stage_stock load pd_kill pd_decoder_kill sampling acceptance dsv4_check gsm8k_k3 gsm8k_dsv4
@@ -109,6 +117,22 @@ python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --
   | grep -v "^WARNING: Target directory"
 rm -rf build ./*.egg-info
 
+reap() {  # kill what the groups left: their process groups, then any GPU process
+  local left=0 f pid
+  for f in "$PGIDS"/*; do
+    [ -f "$f" ] || continue
+    left=$((left + 1))
+    kill -KILL -- "-$(cat "$f")" 2>/dev/null
+    rm -f "$f"
+  done
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    left=$((left + 1))
+    kill -KILL "$pid" 2>/dev/null
+  done
+  [ "$left" -gt 0 ] && say "killed $left leftover process group(s)/GPU process(es)"
+  return 0
+}
+
 run_cmd() {  # name, then a command line (not pytest); the environment comes from the caller
   local name=$1
   shift
@@ -131,6 +155,15 @@ run_group() {  # name, then the pytest arguments; the environment comes from the
 
 : >"$OUTDIR/rc.txt"
 for g in "$@"; do
+  if [ -n "$SERIAL_S" ]; then # one group at a time, each under what is left of the call
+    left_s=$((SERIAL_S - SECONDS))
+    if [ "$left_s" -lt "$MIN_S" ]; then
+      echo "$g rc=not-started ($left_s s of the call left, under DSPARK_GPU_GROUPS_MIN_S=$MIN_S)" >>"$OUTDIR/rc.txt"
+      say "group $g: not started, $left_s s of the call left"
+      continue
+    fi
+    BUDGET=$((left_s < FULL_BUDGET ? left_s : FULL_BUDGET))
+  fi
   case $g in
   pd_mooncake)
     DSPARK_GPU_JOBS=pair_baseline,pair_spec,pair_spec_sync,pd \
@@ -288,21 +321,14 @@ for g in "$@"; do
     ;;
   *) say "group $g is in KNOWN but has no case here" ;;
   esac
+  if [ -n "$SERIAL_S" ]; then
+    wait
+    reap
+  fi
   [ "$STAGGER" -gt 0 ] && [ "$g" != "${*: -1}" ] && sleep "$STAGGER"
 done
 wait
-
-left=0
-for f in "$PGIDS"/*; do
-  [ -f "$f" ] || continue
-  left=$((left + 1))
-  kill -KILL -- "-$(cat "$f")" 2>/dev/null
-done
-for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
-  left=$((left + 1))
-  kill -KILL "$pid" 2>/dev/null
-done
-[ "$left" -gt 0 ] && say "killed $left leftover process group(s)/GPU process(es)"
+reap
 # At most 16 MiB per file comes back from the GPU machine: a launcher log over 1 MiB (NCCL INFO,
 # compile chatter) is cut to its first 150 lines, every error/traceback/probe line, and its last
 # 1500 lines (faulthandler stacks and the final traceback sit at the end).

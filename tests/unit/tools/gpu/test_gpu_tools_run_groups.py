@@ -227,3 +227,72 @@ def test_tap_partials_group_runs_the_pp_module_with_its_opt_in_jobs(tmp_path, mo
     assert env["DSPARK_GPU_PP_LOGS"].endswith("/tap_partials")
     assert env["DSPARK_GPU_PP_OUT"] == str(tmp_path / "out" / "tap_partials")
     assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["tap_partials rc=0"]
+
+
+def _serial_run(tmp_path, serial_s: int | None, min_s: int = 10, sleep_s: int = 2):
+    """pd_pp_dsv4 then pd_pp_dsv41, with DSPARK_GPU_GROUPS_SERIAL_S (``None``: unset): a python3
+    recorder that takes ``sleep_s`` seconds a pytest call and logs its start and end times with
+    its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.txt"
+    log.write_text("")
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n"
+        f'case "$*" in *pytest*) start=$(date +%s.%N); sleep {sleep_s}; '
+        f'echo "$start $(date +%s.%N) $DSPARK_GPU_PD_PP_PAIR $*" >> {log};; esac\n'
+    )
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_GPU_GROUPS_")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", DSPARK_GPU_GROUPS_BUDGET_S="430")
+    if serial_s is not None:
+        env.update(DSPARK_GPU_GROUPS_SERIAL_S=str(serial_s), DSPARK_GPU_GROUPS_MIN_S=str(min_s))
+    out = tmp_path / "out"
+    subprocess.run(
+        ["bash", str(SCRIPT), str(out), "pd_pp_dsv4", "pd_pp_dsv41"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = sorted(
+        (line.split() for line in log.read_text().splitlines() if line.strip()),
+        key=lambda r: float(r[0]),
+    )
+    return rows, (out / "rc.txt").read_text()
+
+
+def _timeout(row):
+    return int(next(a for a in row if a.startswith("--timeout=")).split("=")[1])
+
+
+def test_serial_groups_run_one_after_another_under_what_is_left_of_the_call(tmp_path):
+    rows, rc = _serial_run(tmp_path, serial_s=300)
+    assert [r[2] for r in rows] == ["dsv4", "dsv41"], rows
+    first, second = rows
+    assert float(second[0]) >= float(first[1]), "the second group started before the first ended"
+    # the call's 300 s cap the first group's 430 s budget; the second gets what is left
+    assert _timeout(first) == 300 - 20
+    assert _timeout(second) <= 300 - 2 - 20
+    assert rc.splitlines() == ["pd_pp_dsv4 rc=0", "pd_pp_dsv41 rc=0"]
+
+
+def test_a_serial_group_without_enough_of_the_call_left_is_not_started(tmp_path):
+    rows, rc = _serial_run(tmp_path, serial_s=300, min_s=299)
+    assert [r[2] for r in rows] == ["dsv4"], rows
+    lines = rc.splitlines()
+    assert lines[0] == "pd_pp_dsv4 rc=0"
+    assert lines[1].startswith("pd_pp_dsv41 rc=not-started (")
+    assert "under DSPARK_GPU_GROUPS_MIN_S=299" in lines[1]
+
+
+def test_without_serial_the_groups_start_side_by_side(tmp_path):
+    """The control: DSPARK_GPU_GROUPS_SERIAL_S unset, the two groups overlap, each its budget."""
+    rows, rc = _serial_run(tmp_path, serial_s=None)
+    assert sorted(r[2] for r in rows) == ["dsv4", "dsv41"], rows
+    first, second = rows
+    assert float(second[0]) < float(first[1]), (
+        "side by side, the second starts before the first ends"
+    )
+    assert _timeout(first) == _timeout(second) == 430 - 20
+    assert sorted(rc.splitlines()) == sorted(["pd_pp_dsv4 rc=0", "pd_pp_dsv41 rc=0"])
