@@ -1133,16 +1133,7 @@ def test_control_skipped_region_fails_its_layer(
     def skip(pd, m):
         (w,) = [st["w"] for st in pd["p"]["stages"] if skipped in st["w"].registered_layer_names]
         (i,) = [i for i, n in enumerate(w.registered_layer_names) if n == skipped]
-        for attr in (
-            "kv_caches_base_addr",
-            "block_len_per_layer",
-            "kv_block_len_per_layer",
-            "registered_layer_names",
-            "registered_layer_indices",
-            "registered_group_indices",
-            "region_shared_groups",
-            "region_row_offsets",
-        ):
+        for attr in mooncake_regions.REGION_FIELDS:
             values = list(getattr(w, attr))
             del values[i]
             m.setattr(w, attr, values)

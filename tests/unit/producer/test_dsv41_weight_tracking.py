@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import tiny_dsv41 as v41
+from support import tp_load
 
 REPO = Path(__file__).resolve().parents[3]
 BUNDLED = REPO / "models" / "dsv41-pair" / "dsv41"
@@ -99,18 +100,7 @@ def _load(model_dir: Path, case: str, monkeypatch) -> tuple[set[str], str | None
         except ValueError as e:
             verdict = str(e)
     shared = DRAFTER_SHARED if which != "target" else set()
-    return _registered(model) - loaded - shared, verdict
-
-
-def _registered(model) -> set[str]:
-    """The names of the model's parameters and persistent buffers, each tensor once (as
-    ``named_parameters`` gives them: a module reached by two paths under its first name)."""
-    names = {n for n, _ in model.named_parameters()}
-    for prefix, module in model.named_modules():
-        for b, t in module.named_buffers(recurse=False):
-            if t is not None and b not in module._non_persistent_buffers_set:
-                names.add(f"{prefix}.{b}" if prefix else b)
-    return names
+    return tp_load.registered(model) - loaded - shared, verdict
 
 
 def _missing(verdict: str | None) -> set[str]:
