@@ -86,7 +86,7 @@ from pathlib import Path
 import pytest
 from support import tiny_pair
 from support.e2e import result_of, run_generate, run_together
-from support.engines import ONE_PROCESS
+from support.engines import IN_PROCESS_WORKER, ONE_PROCESS
 
 from vllm_dspark_pp.producer.load import builds_in_log
 
@@ -186,10 +186,11 @@ def _corrupt_draft_layers(src: Path, dst: Path) -> None:
             st.save_file({"kv_cache": noise}, str(f))
 
 
-def _aggregated(timeout_s: float, async_scheduling: bool = False, **kw):
-    """The aggregated run (PP=1, no connector, full drafter) on the held-out prompts."""
+def _aggregated(timeout_s: float, async_scheduling: bool = False, cfg=None, **kw):
+    """The aggregated run (PP=1, no connector, full drafter) on the held-out prompts (``cfg``:
+    more ``vllm.LLM`` settings)."""
     return run_generate(
-        dict(BASE),
+        dict(BASE, **(cfg or {})),
         PROMPTS,
         timeout_s=timeout_s,
         sampling=SAMPLING,
@@ -216,14 +217,19 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
         store.mkdir()
     nan_spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
     one_token = {"timeout_s": e2e_timeout_s, "sampling": {"max_tokens": 1}, "env": ENV}
-    # the PP=1 reference and control runs: engine core in the case's process (engines.ONE_PROCESS);
-    # the PP=2 producer and the decoders keep vLLM's engine-core process
+    # the PP=1 reference and control runs: engine core and worker in the case's process
+    # (engines.ONE_PROCESS, engines.IN_PROCESS_WORKER); the PP=2 producer and the decoders keep
+    # vLLM's engine-core and worker processes
     one_proc = dict(one_token, env={**ENV, **ONE_PROCESS})
     runs = run_together(
         {
-            "agg": lambda: _aggregated(e2e_timeout_s, extra_waves=[NAN_WAVE], env=ONE_PROCESS),
+            "agg": lambda: _aggregated(
+                e2e_timeout_s, extra_waves=[NAN_WAVE], env=ONE_PROCESS, cfg=IN_PROCESS_WORKER
+            ),
             "ref": lambda: run_generate(
-                dict(BASE, kv_transfer_config=_kv("kv_both", stores["ref"])), PROMPTS, **one_proc
+                dict(BASE, **IN_PROCESS_WORKER, kv_transfer_config=_kv("kv_both", stores["ref"])),
+                PROMPTS,
+                **one_proc,
             ),
             "prod": lambda: run_generate(
                 dict(
@@ -237,6 +243,7 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
             "nan_prod": lambda: run_generate(
                 dict(
                     BASE,
+                    **IN_PROCESS_WORKER,
                     speculative_config=nan_spec,
                     kv_transfer_config=_kv("kv_producer", stores["nan-norm"]),
                 ),
