@@ -296,9 +296,20 @@ class SharedRuns:
         return result_of(self.results, name)
 
 
+_SESSION_RUNS: list[SharedRuns] = []  # the session's SharedRuns, once a test asked for it
+
+
+def has_run(name: str) -> bool:
+    """Whether the shared run ``name`` has ended in this session (a launcher that must not start
+    beside the shared runs asks: support/early_start.py)."""
+    return any(name in runs.results for runs in _SESSION_RUNS)
+
+
 @pytest.fixture(scope="session")
 def shared_runs() -> SharedRuns:
-    return SharedRuns()
+    runs = SharedRuns()
+    _SESSION_RUNS[:] = [runs]
+    return runs
 
 
 @pytest.fixture(scope="session")
