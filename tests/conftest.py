@@ -36,7 +36,8 @@ E2E_FULL_ENV = "DSPARK_E2E_FULL"
 E2E_FULL = os.environ.get(E2E_FULL_ENV) == "1"
 
 # Session-scoped engine runs shared by tests/e2e and tests/evals (one engine per configuration).
-pytest_plugins = ["support.engines", "support.vllm_configs"]
+# Launchers a module starts ahead of its tests, beside an earlier test (support/early_start.py).
+pytest_plugins = ["support.engines", "support.vllm_configs", "support.early_start"]
 
 
 def _cuda_device_count() -> int:

@@ -28,8 +28,8 @@ run the session's tests will ask for, two at a time, longest first (``support.e2
 a full session's first e2e test that needs one waits for all of them (the eight above, the
 protocol e2e case and the producer-decodes case, which their modules register with
 :func:`shared_case`), and every later one finds its run done. Every synchronous run here has its
-engine core in the case's own process (:data:`ONE_PROCESS`); ``pair_pp2_async`` keeps vLLM's
-engine-core process.
+engine core in the case's own process (:data:`ONE_PROCESS`), and the PP=1 ones their worker too
+(:data:`IN_PROCESS_WORKER`); ``pair_pp2_async`` keeps vLLM's engine-core process.
 """
 
 from __future__ import annotations
@@ -108,11 +108,11 @@ def pair_prompts() -> list[list[int]]:
     return tiny_pair.heldout_prompts(PAIR_NUM_PROMPTS)
 
 
-def run_pair(timeout_s, *, pp, spec, sampling=PAIR_SAMPLING, env=None, **kw):
+def run_pair(timeout_s, *, pp, spec, sampling=PAIR_SAMPLING, env=None, extra=None, **kw):
     ok, why = tiny_pair.available()
     if not ok:
         pytest.fail(why)
-    cfg = {"model": tiny_pair.TARGET, "pipeline_parallel_size": pp, **PAIR_LLM}
+    cfg = {"model": tiny_pair.TARGET, "pipeline_parallel_size": pp, **PAIR_LLM, **(extra or {})}
     if spec:
         cfg["speculative_config"] = tiny_pair.spec_config()
     env = {**plugin_env(), **(env or {})}
@@ -180,6 +180,12 @@ def _timeout(request) -> float:
 #: the e2e tier runs (tests/e2e/test_multi_node.py, test_reliability.py, test_quickstart.py).
 ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
+#: ... and a PP=1 (TP=1) run there has its one worker in that process too (vLLM's
+#: ``UniProcExecutor``): no worker process, so one vLLM import in all (PP=1 DSpark pair case:
+#: 26-28 s -> 20-21 s wall, start-up 15-16 -> 9 s, the same tokens and counters; 2-core machine,
+#: 2026-12-06). Used by the PP=1 references and controls; a case's ``llm`` settings.
+IN_PROCESS_WORKER = {"distributed_executor_backend": "uni"}
+
 #: the PP=3 run relays its aux taps as partial sums (VLLM_DSPARK_PP_TAP_PARTIALS=1; the other
 #: PP runs keep the default raw taps), so CI's PP=3 parity checks cover both relays' sum
 PP3_ENV = {"VLLM_DSPARK_PP_TAP_PARTIALS": "1"}
@@ -212,14 +218,18 @@ def _pair_pp2_sync(request):
 @shared_case("pair_pp1", cost_s=37)
 def _pair_pp1(request):
     t = _timeout(request)
-    return lambda: run_pair(t, pp=1, spec=True, env=ONE_PROCESS, extra_waves=[seeded_wave()])
+    return lambda: run_pair(
+        t, pp=1, spec=True, env=ONE_PROCESS, extra=IN_PROCESS_WORKER, extra_waves=[seeded_wave()]
+    )
 
 
 @shared_case("pair_reference", cost_s=37)
 def _pair_reference(request):
     t = _timeout(request)
     sampling = {**PAIR_SAMPLING, "logprobs": 2}
-    return lambda: run_pair(t, pp=1, spec=False, env=ONE_PROCESS, sampling=sampling)
+    return lambda: run_pair(
+        t, pp=1, spec=False, env=ONE_PROCESS, extra=IN_PROCESS_WORKER, sampling=sampling
+    )
 
 
 @shared_case("random_pp2_unchunked", cost_s=27)
@@ -231,7 +241,9 @@ def _random_pp2_unchunked(request):
 @shared_case("random_pp1", cost_s=25)
 def _random_pp1(request):
     tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
-    return lambda: run_random(tiny, t, pp=1, spec=True, extra=CHUNKED, env=ONE_PROCESS)
+    return lambda: run_random(
+        tiny, t, pp=1, spec=True, extra={**CHUNKED, **IN_PROCESS_WORKER}, env=ONE_PROCESS
+    )
 
 
 @shared_case("random_reference", cost_s=23)
@@ -239,7 +251,13 @@ def _random_reference(request):
     tiny, t = request.getfixturevalue("tiny_models"), _timeout(request)
     sampling = {"max_tokens": RANDOM_MAX_TOKENS, "logprobs": 2}
     return lambda: run_random(
-        tiny, t, pp=1, spec=False, extra=CHUNKED, sampling=sampling, env=ONE_PROCESS
+        tiny,
+        t,
+        pp=1,
+        spec=False,
+        extra={**CHUNKED, **IN_PROCESS_WORKER},
+        sampling=sampling,
+        env=ONE_PROCESS,
     )
 
 
@@ -278,9 +296,20 @@ class SharedRuns:
         return result_of(self.results, name)
 
 
+_SESSION_RUNS: list[SharedRuns] = []  # the session's SharedRuns, once a test asked for it
+
+
+def has_run(name: str) -> bool:
+    """Whether the shared run ``name`` has ended in this session (a launcher that must not start
+    beside the shared runs asks: support/early_start.py)."""
+    return any(name in runs.results for runs in _SESSION_RUNS)
+
+
 @pytest.fixture(scope="session")
 def shared_runs() -> SharedRuns:
-    return SharedRuns()
+    runs = SharedRuns()
+    _SESSION_RUNS[:] = [runs]
+    return runs
 
 
 @pytest.fixture(scope="session")

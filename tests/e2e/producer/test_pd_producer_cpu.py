@@ -86,7 +86,7 @@ from pathlib import Path
 import pytest
 from support import tiny_pair
 from support.e2e import result_of, run_generate, run_together
-from support.engines import ONE_PROCESS
+from support.engines import IN_PROCESS_WORKER, ONE_PROCESS
 
 from vllm_dspark_pp.producer.load import builds_in_log
 
@@ -149,14 +149,15 @@ def _kv(role: str, store: Path) -> dict:
     }
 
 
-def _decode(store: Path, timeout_s: float, sampling: dict = SAMPLING, **kw):
-    """A PP=1 ``kv_consumer`` decoder (full drafter) on ``store``, the held-out prompts."""
+def _decode(store: Path, timeout_s: float, sampling: dict = SAMPLING, env=None, **kw):
+    """A PP=1 ``kv_consumer`` decoder (full drafter) on ``store``, the held-out prompts (``env``:
+    more variables for the case)."""
     return run_generate(
         dict(BASE, kv_transfer_config=_kv("kv_consumer", store)),
         PROMPTS,
         timeout_s=timeout_s,
         sampling=sampling,
-        env=ENV,
+        env={**ENV, **(env or {})},
         **kw,
     )
 
@@ -186,10 +187,11 @@ def _corrupt_draft_layers(src: Path, dst: Path) -> None:
             st.save_file({"kv_cache": noise}, str(f))
 
 
-def _aggregated(timeout_s: float, async_scheduling: bool = False, **kw):
-    """The aggregated run (PP=1, no connector, full drafter) on the held-out prompts."""
+def _aggregated(timeout_s: float, async_scheduling: bool = False, cfg=None, **kw):
+    """The aggregated run (PP=1, no connector, full drafter) on the held-out prompts (``cfg``:
+    more ``vllm.LLM`` settings)."""
     return run_generate(
-        dict(BASE),
+        dict(BASE, **(cfg or {})),
         PROMPTS,
         timeout_s=timeout_s,
         sampling=SAMPLING,
@@ -216,14 +218,19 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
         store.mkdir()
     nan_spec = dict(tiny_pair.spec_config(), model=nan_norm_draft(tiny_pair.DRAFT, str(tmp)))
     one_token = {"timeout_s": e2e_timeout_s, "sampling": {"max_tokens": 1}, "env": ENV}
-    # the PP=1 reference and control runs: engine core in the case's process (engines.ONE_PROCESS);
-    # the PP=2 producer and the decoders keep vLLM's engine-core process
+    # every run here is synchronous: engine core in the case's process (engines.ONE_PROCESS, as
+    # the shared PP=2 and PP=3 runs under test); the PP=1 reference and control runs have their
+    # worker there too (engines.IN_PROCESS_WORKER), the PP=2 producer keeps a worker per stage
     one_proc = dict(one_token, env={**ENV, **ONE_PROCESS})
     runs = run_together(
         {
-            "agg": lambda: _aggregated(e2e_timeout_s, extra_waves=[NAN_WAVE], env=ONE_PROCESS),
+            "agg": lambda: _aggregated(
+                e2e_timeout_s, extra_waves=[NAN_WAVE], env=ONE_PROCESS, cfg=IN_PROCESS_WORKER
+            ),
             "ref": lambda: run_generate(
-                dict(BASE, kv_transfer_config=_kv("kv_both", stores["ref"])), PROMPTS, **one_proc
+                dict(BASE, **IN_PROCESS_WORKER, kv_transfer_config=_kv("kv_both", stores["ref"])),
+                PROMPTS,
+                **one_proc,
             ),
             "prod": lambda: run_generate(
                 dict(
@@ -232,11 +239,12 @@ def pd_stores(tmp_path_factory, e2e_timeout_s):
                     pipeline_parallel_size=2,
                 ),
                 PROMPTS,
-                **one_token,
+                **one_proc,
             ),
             "nan_prod": lambda: run_generate(
                 dict(
                     BASE,
+                    **IN_PROCESS_WORKER,
                     speculative_config=nan_spec,
                     kv_transfer_config=_kv("kv_producer", stores["nan-norm"]),
                 ),
@@ -265,7 +273,9 @@ def decoders(pd_stores, e2e_timeout_s):
     synchronous one on a copy of that store and the NaN-norm producer's in one directory (they
     hold disjoint prompts), first wave :data:`PROMPTS`, second :data:`NAN_PROMPTS`
     (:data:`NAN_MAX_TOKENS` tokens each). Without the NaN-norm store, the synchronous decoder
-    reads the PP=2 producer's alone (its control then fails on the producer's error)."""
+    reads the PP=2 producer's alone (its control then fails on the producer's error). The
+    synchronous decoder's engine core runs in its case's process (engines.ONE_PROCESS), the
+    asynchronous one's in vLLM's engine-core process (it steps ahead of the client)."""
     both = pd_stores["tmp"] / "both"
     shutil.copytree(pd_stores["prod_store"], both)
     waves = []
@@ -275,7 +285,7 @@ def decoders(pd_stores, e2e_timeout_s):
         waves = [NAN_WAVE]
     return run_together(
         {
-            "sync": lambda: _decode(both, e2e_timeout_s, extra_waves=waves),
+            "sync": lambda: _decode(both, e2e_timeout_s, extra_waves=waves, env=ONE_PROCESS),
             "async": lambda: _decode(pd_stores["prod_store"], e2e_timeout_s, async_scheduling=True),
         }
     )
