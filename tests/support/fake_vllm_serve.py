@@ -41,6 +41,22 @@ class Quiet(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+def use_instead_of_vllm_serve(monkeypatch, *modules) -> None:
+    """Make each module's ``serve_argv`` (``dspark_dev.serve_demo``, ``dspark_dev.pp_launch``)
+    start this stand-in with the same ``vllm serve`` arguments (a hand-run end-to-end test's
+    set-up)."""
+    import dspark_dev.serve_demo as serve_demo
+
+    real = serve_demo.serve_argv
+
+    def stand_in(target, **kw):
+        argv = real(target, **kw)
+        return [sys.executable, os.path.abspath(__file__), *argv[argv.index("serve") + 1 :]]
+
+    for module in modules:
+        monkeypatch.setattr(module, "serve_argv", stand_in)
+
+
 def serve(port: int, handler) -> None:
     ThreadingHTTPServer.request_queue_size = 256
     srv = ThreadingHTTPServer(("127.0.0.1", port), handler)

@@ -57,39 +57,23 @@ def test_short_budget_skips_the_last_phases_and_the_schedule_says_so():
     assert "SKIPPED" not in ok and "WARNING" not in ok
 
 
-def test_print_schedule_cli_runs_no_engine():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.perf_real_shapes",
-            "--print-schedule",
-            "--phases",
-            "nospec,producer",
-            "--budget-s",
-            "330",
-        ],
-        cwd=REPO,  # `python -m` finds benchmarks and this checkout from its root
+def _perf_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.perf_real_shapes ARGS`` from the checkout's root (where ``-m`` finds
+    benchmarks and this checkout); no engine starts for ``--print-schedule``."""
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.perf_real_shapes", *args],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_print_schedule_cli_runs_no_engine():
+    proc = _perf_cli("--print-schedule", "--phases", "nospec,producer", "--budget-s", "330")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.index("nospec") < proc.stdout.index("producer")
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.perf_real_shapes",
-            "--print-schedule",
-            "--phases",
-            "nospec,bogus",
-        ],
-        cwd=REPO,  # `python -m` finds benchmarks and this checkout from its root
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = _perf_cli("--print-schedule", "--phases", "nospec,bogus")
     assert bad.returncode == 2 and "bogus" in bad.stderr
 
 
@@ -331,25 +315,16 @@ def test_parse_phase_mins():
 
 
 def test_print_schedule_honours_phase_min_overrides():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.perf_real_shapes",
-            "--phases",
-            "off,dspark",
-            "--off-mode",
-            "skip",
-            "--phase-min-s",
-            "off=110,dspark=110",
-            "--budget-s",
-            "280",
-            "--print-schedule",
-        ],
-        cwd=REPO,  # `python -m` finds benchmarks and this checkout from its root
-        capture_output=True,
-        text=True,
-        timeout=120,
+    out = _perf_cli(
+        "--phases",
+        "off,dspark",
+        "--off-mode",
+        "skip",
+        "--phase-min-s",
+        "off=110,dspark=110",
+        "--budget-s",
+        "280",
+        "--print-schedule",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "SKIPPED" not in out.stdout and "off" in out.stdout and "dspark" in out.stdout

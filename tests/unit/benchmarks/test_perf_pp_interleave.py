@@ -425,18 +425,12 @@ def test_interleaved_run_end_to_end_against_stand_in_servers(tmp_path, monkeypat
     rotation, the JSON's repeats, statistics and ratios."""
     import json
 
+    from support.fake_vllm_serve import use_instead_of_vllm_serve
+
     import dspark_dev.serve_demo as serve_demo
     from dspark_dev import pp_launch
 
-    fake = Path(__file__).resolve().parents[2] / "support" / "fake_vllm_serve.py"
-    real = serve_demo.serve_argv
-
-    def stand_in(target, **kw):
-        argv = real(target, **kw)
-        return [sys.executable, str(fake), *argv[argv.index("serve") + 1 :]]
-
-    monkeypatch.setattr(serve_demo, "serve_argv", stand_in)
-    monkeypatch.setattr(pp_launch, "serve_argv", stand_in)
+    use_instead_of_vllm_serve(monkeypatch, serve_demo, pp_launch)
     out = tmp_path / "out"
     rc = serve.main([*PAIR, "--interleave", "--repeats", "3", "--workload", "decode",
                      "--output-len", "32", "--concurrency", "1,4", "--acceptance-lengths", "3.99",

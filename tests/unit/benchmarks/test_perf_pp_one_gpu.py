@@ -817,18 +817,11 @@ def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
     the decoder, ``vllm bench serve`` through the proxy, counters, PD evidence, shutdown) with
     tests/support/fake_vllm_serve.py in place of ``vllm serve``: what the GPU command does,
     minus the model."""
-    import sys
+    from support.fake_vllm_serve import use_instead_of_vllm_serve
 
     import dspark_dev.serve_demo as serve_demo
 
-    fake = Path(__file__).resolve().parents[2] / "support" / "fake_vllm_serve.py"
-    real = serve_demo.serve_argv
-
-    def stand_in(target, **kw):
-        argv = real(target, **kw)
-        return [sys.executable, str(fake), *argv[argv.index("serve") + 1 :]]
-
-    monkeypatch.setattr(serve_demo, "serve_argv", stand_in)
+    use_instead_of_vllm_serve(monkeypatch, serve_demo)
     out = tmp_path / "out"
     rc = serve.main(["--configs", "pd", "--budget-s", "150", "--concurrency", "1,8",
                      "--input-len", "64", "--output-len", "32", "--out", str(out)])  # fmt: skip
