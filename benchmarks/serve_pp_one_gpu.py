@@ -12,6 +12,10 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
     ... --configs pp2      (PP=2 no-spec + PP=2 DSpark, two launchers each)
     ... --configs stock    (PP=2 no-spec with the plugin left out, and with it, same lease)
     ... --configs pd --budget-s 520   (PD vs aggregated, AL 3.99; three engines on the GPU)
+    ... --configs pd_mc_ipc --interleave --repeats 3 --concurrency 8,32 \\
+        --acceptance-lengths 3.99 --workload mixed --budget-s 540
+                                      (aggregated, PD over Mooncake TCP and over Mooncake's
+                                      intra-node CUDA IPC transport, in rotation)
     ... --configs pp1_dspark,pp2_dspark --interleave --repeats 3 --concurrency 8,16,32 \\
         --acceptance-lengths 3.99 --workload decode [--mps 50,50] --budget-s 540
                                       (PP=1 vs PP=2 DSpark in rotation, ratios from one call)
@@ -32,7 +36,8 @@ Configurations (``--configs``: group names or configuration names, comma-separat
 * ``pp2_nospec_stock`` (and ``pp2_dspark_stock``, by name only): the same launchers with the
   plugin left out of ``VLLM_PLUGINS`` (stock vLLM 0.34.0 under PP, async scheduling).
 
-* ``pd_dspark``: PD over MooncakeConnector (TCP) on GPU 0, composed by dspark_dev/pd_launch.py:
+* ``pd_dspark``: PD over MooncakeConnector on GPU 0 (protocol ``tcp`` unless
+  ``DSPARK_PD_MOONCAKE_PROTOCOL`` names another), composed by dspark_dev/pd_launch.py:
   the DSpark prefill-only producer (``kv_producer``: the plugin's context-KV-only drafter, no
   drafts scheduled) and the DSpark decoder (``kv_consumer``), same speculative config, each with
   its own ``VLLM_PORT`` block, the producer's Mooncake bootstrap port named to the proxy;
@@ -48,6 +53,11 @@ Configurations (``--configs``: group names or configuration names, comma-separat
 * ``pd_nixl_dspark`` (group ``pd_nixl``): ``pd_dspark`` over NixlConnector instead (UCX
   ``cuda_ipc,cuda_copy,tcp`` on ``lo``: the KV copied GPU to GPU over CUDA IPC; no bootstrap
   server, each engine its own NIXL side-channel port; pd_launch.ucx_env);
+* ``pd_mc_ipc_dspark`` (group ``pd_mc_ipc``, with ``agg_dspark_kv`` and ``pd_dspark``):
+  ``pd_dspark`` over Mooncake's intra-node transport (``"mooncake_protocol": "nvlink_intra"``
+  and ``MC_INTRANODE_NVLINK=1`` on producer and decoder, pd_launch.mooncake_env: the producer
+  writes the KV into the decoder's blocks with device-to-device copies through CUDA IPC instead
+  of Mooncake's TCP transport; docs/pd_transport.md), PP=1 producer;
 * ``pd_pp2_dspark`` (by name only): the same with a PP=2 producer (two launchers, one stage
   each, both ``kv_producer`` with one engine id; the producer's KV bytes split over them; the
   decoder pulls from both stages), the decoder PP=1;
@@ -91,7 +101,11 @@ Configurations (``--configs``: group names or configuration names, comma-separat
 
 Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``stock`` =
 pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unless
-``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side).
+``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side),
+``pd_nixl`` = agg_dspark_kv + pd_nixl_dspark, ``pd_mc_ipc`` = agg_dspark_kv + pd_dspark +
+pd_mc_ipc_dspark. A run's ``meta.pd_transport`` says each PD configuration's connector, Mooncake
+protocol and the transport variables its engines got; ``servers.<name>.mooncake_transport`` what
+the engines' logs say vLLM passed and Mooncake installed.
 Every server of a group starts at once (``--start together``:
 an idle server computes nothing, so it does not disturb the one being measured; ``sequential``
 starts each just before its sweep).
@@ -188,6 +202,7 @@ from benchmarks.adaptive_bench import adaptive_env, check_args, confidences_of
 from benchmarks.dspark_bench_hooks import PROFILE_ENV
 from benchmarks.perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist
 from benchmarks.real_shapes import SHAPES, write_shape
+from dspark_dev.pd_launch import mooncake_transport_evidence
 from dspark_dev.pp_launch import transport_evidence
 
 HERE = Path(__file__).resolve().parent
@@ -206,6 +221,9 @@ class Config:
     pd_kv: bool = False  # KV budget --pd-kv-gib (the PD group's total) instead of --kv-gib
     adaptive: bool = False  # enable_adaptive_verification (benchmarks/adaptive_bench.py)
     connector: str = "mooncake"  # a PD deployment's KV connector (pd_launch.CONNECTORS)
+    # a Mooncake PD deployment's protocol (pd_launch.MOONCAKE_PROTOCOLS; None: the tooling knob
+    # DSPARK_PD_MOONCAKE_PROTOCOL, default tcp)
+    mooncake_protocol: str | None = None
     k: int | None = None  # num_speculative_tokens of this configuration (None: the driver's -k)
     env: tuple[tuple[str, str], ...] = ()  # launcher variables of this configuration only
 
@@ -244,6 +262,8 @@ CONFIGS = {
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
         Config("pd_nixl_dspark", 1, True, pd=True, pd_kv=True, connector="nixl"),
+        # Mooncake's intra-node transport: CUDA IPC device-to-device copies (docs/pd_transport.md)
+        Config("pd_mc_ipc_dspark", 1, True, pd=True, pd_kv=True, mooncake_protocol="nvlink_intra"),
         *(Config(f"pp{pp}_dspark_k{j}", pp, True, k=j) for pp in (1, 2) for j in SWEEP_KS),
     )
 }
@@ -270,6 +290,9 @@ GROUPS = {
     # the same over NixlConnector (UCX cuda_ipc on one GPU: device-to-device copies), issue 29's
     # test of the Mooncake TCP transport as PD's ceiling; needs the kit's nixl group
     "pd_nixl": ("agg_dspark_kv", "pd_nixl_dspark"),
+    # aggregated, Mooncake over TCP, Mooncake's intra-node (CUDA IPC) transport: what the TCP hop
+    # costs PD on one GPU, and whether Mooncake itself can take it off (meant for --interleave)
+    "pd_mc_ipc": ("agg_dspark_kv", "pd_dspark", "pd_mc_ipc_dspark"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).
@@ -728,7 +751,9 @@ USEFUL = re.compile(
     r"vllm_dspark_pp|"
     r"Traceback|Error|ERROR|Exception|WARNING.*(KV|memory|graph)|Available KV cache|"
     r"GPU KV cache size|Maximum concurrency|Model loading took|Graph capturing finished|"
-    r"torch.compile took|init engine|Starting vLLM|plugin"
+    r"torch.compile took|init engine|Starting vLLM|plugin|"
+    r"Mooncake Transfer Engine is using|IntraNodeNvlinkTransport|Intra-Node NVLink|"
+    r"Using (TCP|RDMA) transport|MC_FORCE_TCP"
 )
 TIMESTAMP = re.compile(
     r"\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?|\d\d:\d\d:\d\d(\.\d+)?|pid=\d+|\(\w+ pid=\d+\)"
@@ -846,6 +871,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
             producer_kv_bytes=kv["producer"], decoder_kv_bytes=kv["decoder"],
             log_dir=log_dir, env=env, cpu=a.cpu, proxy_timeout_s=a.proxy_timeout_s,
             producer_pp=cfg.pp, gpu_layout=a.gpu_layout, connector=cfg.connector,
+            protocol=cfg.mooncake_protocol,
         )  # fmt: skip
     if cfg.pp == 1:
         port = free_port()
@@ -902,6 +928,29 @@ def pd_snapshot(dep) -> dict:
         except (OSError, ValueError) as e:
             out[key] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+#: The variables that choose a PD deployment's transport (Mooncake's, UCX's for NIXL).
+TRANSPORT_ENV_PREFIXES = ("MC_", "UCX_")
+
+
+def pd_transport(dep) -> dict:
+    """A PD deployment's KV transport as its engines were launched: the connector, Mooncake's
+    protocol (None over NIXL), and per engine launcher the ``mooncake_protocol`` of its
+    ``--kv-transfer-config`` and the transport variables (``MC_*``, ``UCX_*``) of its env."""
+    engines = {}
+    for node in (*dep.producers, dep.decoder):
+        argv = list(node.argv)
+        kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        engines[node.name] = {
+            "mooncake_protocol": (kv.get("kv_connector_extra_config") or {}).get(
+                "mooncake_protocol"
+            ),
+            "env": {
+                k: v for k, v in sorted(node.env.items()) if k.startswith(TRANSPORT_ENV_PREFIXES)
+            },
+        }
+    return {"connector": dep.connector, "mooncake_protocol": dep.protocol, "engines": engines}
 
 
 def pd_delta(before: dict, after: dict) -> dict:
@@ -1327,6 +1376,7 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
             "pd_proxy": "dspark_dev/pd_proxy.py (own process; streams the decoder's answer)"
             if any(c.pd for c in a.cfgs)
             else None,
+            "pd_transport": {c.name: pd_transport(deps[c.name]) for c in a.cfgs if c.pd} or None,
             "budget_s": a.budget_s,
             "start": a.start,
             "gpu_layout": a.gpu_layout,
@@ -1359,6 +1409,8 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
             if CONFIGS[name].pd:
                 srv["engine_id"] = dep.engine_id
                 srv["producer_log_markers"] = dep.log_markers()
+                if dep.connector == "mooncake":
+                    srv["mooncake_transport"] = mooncake_transport_evidence(texts)
             failed = srv.get("outcome") not in (None, "ok")
             for node, text in zip(dep.nodes, texts, strict=True):
                 log.raw([f"----- {node.name} ({node.log_path}) -----"])
@@ -1390,6 +1442,9 @@ def dry_run(a, deps, sweeps, paths, tok, mps=None) -> int:
             "# pd: the proxy starts once producer and decoder answer /health and the producer's "
             "bootstrap /query lists its engine; /metrics and /collective_rpc go to the decoder"
         )
+        for cfg in a.cfgs:
+            if cfg.pd:  # what meta.pd_transport will record
+                print(f"# pd transport {cfg.name}: {json.dumps(pd_transport(deps[cfg.name]))}")
     if a.interleave:
         return dry_run_interleaved(a, paths)
     for cfg, ali, al in sweeps:

@@ -179,6 +179,9 @@ DSPARK_NIXL_OUT | unset (DSPARK_GPU_ARTIFACTS) | Where the NIXL PD GPU test writ
 DSPARK_NIXL_UCX_TLS | cuda_ipc,cuda_copy,tcp | UCX_TLS for NIXL on one host
     (dspark_dev/pd_launch.py).
 DSPARK_NIXL_UCX_NET_DEVICES | lo | UCX_NET_DEVICES for NIXL on one host; empty: left unset.
+DSPARK_PD_MOONCAKE_PROTOCOL | tcp | `mooncake_protocol` of the PD tooling's MooncakeConnector
+    engines where the caller names none: `tcp`, `rdma` or `nvlink_intra` (then every engine also
+    gets `MC_INTRANODE_NVLINK=1`; dspark_dev/pd_launch.py, docs/pd_transport.md).
 DSPARK_PD_KILL_BOUND_S | 40; 150 (CPU dry run) | PD kill GPU test: seconds within which clients
     must see the failure.
 DSPARK_PD_KILL_BUDGET_S | 240; 1500 (CPU dry run) | PD kill GPU test: its time budget, in seconds.

@@ -1,12 +1,13 @@
 """PD on loopback: a DSpark prefill-only producer, a DSpark decoder, dspark_dev/pd_proxy.py.
 
 The pieces every PD run shares, once: the MooncakeConnector ``--kv-transfer-config`` of each role
-(:func:`mooncake_kv_config`, TCP protocol), the log lines that prove the producer is the plugin's
-prefill-only role (:data:`PREFILL_MARKERS`), the decoder's KV-connector counters
-(:data:`KV_METRICS`, :func:`kv_counters`), how a total KV budget is split between producer and
-decoder (:func:`split_kv_bytes`), and :class:`PDDeployment`, the producer / decoder / proxy
-processes of a served benchmark (benchmarks/serve_pp_one_gpu.py). The GPU tests start their
-servers through tests/support/pd_run.py, which takes its settings from here.
+(:func:`mooncake_kv_config`; its protocol TCP unless ``DSPARK_PD_MOONCAKE_PROTOCOL`` or the caller
+says otherwise) and the Mooncake variables that protocol needs (:func:`mooncake_env`), the log
+lines that prove the producer is the plugin's prefill-only role (:data:`PREFILL_MARKERS`), the
+decoder's KV-connector counters (:data:`KV_METRICS`, :func:`kv_counters`), how a total KV budget
+is split between producer and decoder (:func:`split_kv_bytes`), and :class:`PDDeployment`, the
+producer / decoder / proxy processes of a served benchmark (benchmarks/serve_pp_one_gpu.py). The
+GPU tests start their servers through tests/support/pd_run.py, which takes its settings from here.
 
 Ports: the producer's Mooncake bootstrap server listens on ``VLLM_MOONCAKE_BOOTSTRAP_PORT``; each
 engine gets its own ``VLLM_PORT`` block (vLLM counts its internal ports up from it) so two
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import urllib.request
@@ -45,17 +47,73 @@ KV_METRICS = (
 )
 
 
-def mooncake_kv_config(role: str, engine_id: str | None = None) -> dict:
-    """``--kv-transfer-config`` of a MooncakeConnector engine over TCP (``kv_producer`` /
-    ``kv_consumer``); the producer's ``engine_id`` is what the proxy names to the decoder."""
+#: The ``mooncake_protocol`` values the PD tooling accepts: ``tcp`` (our default), ``rdma``
+#: (vLLM's default) and ``nvlink_intra`` (Mooncake's intra-node transport: CUDA IPC copies
+#: between the processes of one host, also two on one GPU; :func:`mooncake_env`).
+MOONCAKE_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
+#: Mooncake's own environment for a protocol. Mooncake 0.3.14's transfer engine installs its
+#: transport from the environment when it starts, not from the protocol string (that one picks
+#: the allocator of Mooncake's own managed buffers, which vLLM does not use): without
+#: ``MC_INTRANODE_NVLINK`` (any value) an ``nvlink_intra`` engine would still send over TCP
+#: (docs/pd_transport.md).
+MOONCAKE_PROTOCOL_ENV: dict[str, dict[str, str]] = {"nvlink_intra": {"MC_INTRANODE_NVLINK": "1"}}
+
+
+def mooncake_protocol(protocol: str | None = None) -> str:
+    """``protocol``, else ``DSPARK_PD_MOONCAKE_PROTOCOL`` (default ``tcp``); one of
+    :data:`MOONCAKE_PROTOCOLS`."""
+    chosen = protocol or os.environ.get("DSPARK_PD_MOONCAKE_PROTOCOL", "tcp")
+    if chosen not in MOONCAKE_PROTOCOLS:
+        raise ValueError(
+            f"Mooncake protocol {chosen!r}: one of {', '.join(MOONCAKE_PROTOCOLS)} "
+            "(argument or DSPARK_PD_MOONCAKE_PROTOCOL)"
+        )
+    return chosen
+
+
+def mooncake_kv_config(
+    role: str, engine_id: str | None = None, protocol: str | None = None
+) -> dict:
+    """``--kv-transfer-config`` of a MooncakeConnector engine (``kv_producer`` /
+    ``kv_consumer``) over :func:`mooncake_protocol` of ``protocol``; the producer's ``engine_id``
+    is what the proxy names to the decoder. Its engine also needs :func:`mooncake_env`."""
     cfg = {
         "kv_connector": "MooncakeConnector",
         "kv_role": role,
-        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        "kv_connector_extra_config": {"mooncake_protocol": mooncake_protocol(protocol)},
     }
     if engine_id:
         cfg["engine_id"] = engine_id
     return cfg
+
+
+def mooncake_env(protocol: str | None = None) -> dict[str, str]:
+    """The Mooncake variables every engine (producer and decoder alike: both must install the
+    same transport) of :func:`mooncake_protocol` of ``protocol`` needs:
+    ``MC_INTRANODE_NVLINK=1`` for ``nvlink_intra``, nothing for the others."""
+    return dict(MOONCAKE_PROTOCOL_ENV.get(mooncake_protocol(protocol), {}))
+
+
+#: The lines that say which transport an engine's Mooncake installed (messages of Mooncake 0.3.14's
+#: transfer engine, read from its engine.so: docs/pd_transport.md) -> its name.
+MOONCAKE_TRANSPORT_LINES = (
+    (re.compile(r"Using Intra-Node NVLink transport"), "nvlink_intra"),
+    (re.compile(r"Failed to install Intra-Node NVLink transport"), "nvlink_intra failed"),
+    (re.compile(r"Using TCP transport|MC_FORCE_TCP is set, using TCP transport only"), "tcp"),
+    (re.compile(r"Using RDMA transport"), "rdma"),
+)
+#: vLLM's line naming the protocol string it handed to Mooncake (mooncake_connector.py:1411).
+MOONCAKE_PROTOCOL_LINE = re.compile(r"The Mooncake Transfer Engine is using (\S+) as its protocol")
+
+
+def mooncake_transport_evidence(texts: list[str]) -> dict:
+    """What a Mooncake PD deployment's logs say: the protocol strings vLLM passed and the
+    transports Mooncake installed (empty where its log lines did not reach the logs)."""
+    text = "\n".join(texts)
+    return {
+        "protocols": sorted(set(MOONCAKE_PROTOCOL_LINE.findall(text))),
+        "transports": sorted({name for pat, name in MOONCAKE_TRANSPORT_LINES if pat.search(text)}),
+    }
 
 
 def nixl_kv_config(role: str, engine_id: str | None = None, enforce_compat: bool = True) -> dict:
@@ -214,6 +272,7 @@ class PDDeployment:
     engine_id: str
     started_at: float = field(default_factory=time.monotonic)
     connector: str = "mooncake"  # or "nixl" (:data:`CONNECTORS`)
+    protocol: str | None = None  # Mooncake's (:data:`MOONCAKE_PROTOCOLS`); None over NIXL
 
     @property
     def nodes(self) -> list:
@@ -300,13 +359,15 @@ def pd_deployment(
     producer_pp: int = 1,
     gpu_layout: str | None = None,
     connector: str = "mooncake",
+    protocol: str | None = None,
 ) -> PDDeployment:
     """A producer (PP=1, or ``producer_pp`` launchers composed by dspark_dev/pp_launch.py, one
     stage each, ``producer_kv_bytes`` split evenly over them) and a PP=1 decoder, all with the
     DSpark speculative config ``spec`` and ``base_args`` (no ``--kv-cache-memory-bytes`` in it:
     each gets its own share), on the devices ``env`` names, plus the proxy. ``connector``:
-    MooncakeConnector over TCP, or NixlConnector (UCX, :func:`ucx_env`; PP=1 producer only).
-    Nothing starts here."""
+    MooncakeConnector over :func:`mooncake_protocol` of ``protocol`` (TCP by default; every
+    engine gets :func:`mooncake_env`), or NixlConnector (UCX, :func:`ucx_env`; PP=1 producer
+    only, no ``protocol``). Nothing starts here."""
     from dspark_dev import pp_launch
     from dspark_dev.serve_demo import serve_argv
 
@@ -316,6 +377,8 @@ def pd_deployment(
         raise ValueError(f"connector {connector!r}: one of {', '.join(CONNECTORS)}")
     if connector == "nixl" and producer_pp != 1:
         raise ValueError("a NIXL PD deployment takes a PP=1 producer (pd_launch composes none)")
+    if connector == "nixl" and protocol is not None:
+        raise ValueError(f"protocol {protocol!r} is Mooncake's; a NIXL deployment takes none")
     engine_id = new_engine_id()
     bport = free_port()
     log_dir = Path(log_dir)
@@ -343,10 +406,14 @@ def pd_deployment(
         return PDDeployment(
             name, [producer], dec, proxy, NIXL_NO_BOOTSTRAP, engine_id, connector="nixl"
         )
-    pre_kv = mooncake_kv_config("kv_producer", engine_id)
+    protocol = mooncake_protocol(protocol)
+    mc_env = mooncake_env(protocol)
+    pre_kv = mooncake_kv_config("kv_producer", engine_id, protocol)
     if producer_pp == 1:
-        producers = [engine("producer", pre_kv, producer_kv_bytes, producer_env(bport))]
-        dec_env = decoder_env()
+        producers = [
+            engine("producer", pre_kv, producer_kv_bytes, {**producer_env(bport), **mc_env})
+        ]
+        dec_env = {**decoder_env(), **mc_env}
     else:
         # every stage is a kv_producer with the same engine id; the decoder pulls from each
         device = "cpu" if cpu else "gpu"
@@ -366,6 +433,7 @@ def pd_deployment(
                 **env,
                 "VLLM_CACHE_ROOT": str(log_dir / f"cache-{name}-producer{rank}"),
                 **producer_env(bport),
+                **mc_env,
             }
             if device == "gpu":
                 node_env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
@@ -378,15 +446,19 @@ def pd_deployment(
         dec_env = {
             **decoder_env(),
             **pp_launch.stage_env(producer_pp, device=device, gpu_layout=chosen, tag=name),
+            **mc_env,
         }
-    dec = engine("decoder", mooncake_kv_config("kv_consumer"), decoder_kv_bytes, dec_env)
+    dec_kv = mooncake_kv_config("kv_consumer", protocol=protocol)
+    dec = engine("decoder", dec_kv, decoder_kv_bytes, dec_env)
     pport = free_port()
     proxy = Server(
         proxy_argv(producers[0].url, dec.url, f"http://127.0.0.1:{bport}", engine_id, pport,
                    proxy_timeout_s),
         log_dir / f"{name}_proxy.log", env=dict(env), port=pport, name=f"{name} proxy", cpu=cpu,
     )  # fmt: skip
-    return PDDeployment(name, producers, dec, proxy, f"http://127.0.0.1:{bport}", engine_id)
+    return PDDeployment(
+        name, producers, dec, proxy, f"http://127.0.0.1:{bport}", engine_id, protocol=protocol
+    )
 
 
 def split_stage_bytes(total: int, stages: int, block: int = 1 << 20) -> list[int]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_dev.metrics import parse_prometheus
-from dspark_dev.pd_launch import mooncake_kv_config
+from dspark_dev.pd_launch import mooncake_env, mooncake_kv_config
 from dspark_dev.pd_proxy import decode_request, prefill_request, query_engine_id
 from dspark_dev.serve import Server, free_port, free_port_block, http_json, http_text
 from support import served_load, tiny_pair
@@ -56,6 +56,11 @@ def kv_args(setup: PairSetup, role: str, engine_id: str | None = None) -> list[s
     return ["--kv-transfer-config", json.dumps(mooncake_kv_config(role, engine_id))]
 
 
+def kv_env(setup: PairSetup) -> dict:
+    """The Mooncake variables of the protocol :func:`kv_args` names (none in a dry run)."""
+    return {} if setup.dryrun else mooncake_env()
+
+
 class Pair:
     """One producer + decoder over Mooncake (``spec`` None: no speculation)."""
 
@@ -79,7 +84,7 @@ class Pair:
         """A decoder (the first, or a restart on new ports reusing the first one's compile
         cache); not started."""
         n = len(self.decoders)
-        env = {**self.env, **self.setup.decoder_env,
+        env = {**kv_env(self.setup), **self.env, **self.setup.decoder_env,
                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
                "VLLM_PORT": str(free_port_block())}  # fmt: skip
         if self.decoders:
@@ -97,7 +102,7 @@ class Pair:
     def new_producer(self) -> Server:
         n = len(self.producers)
         engine_id = f"{self.name}-producer{n}-{uuid.uuid4().hex[:6]}"
-        env = {**self.env, **self.setup.producer_env,
+        env = {**kv_env(self.setup), **self.env, **self.setup.producer_env,
                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bport),
                "VLLM_PORT": str(free_port_block())}  # fmt: skip
         if self.producers:  # the restart reuses the first one's compile cache

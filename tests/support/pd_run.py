@@ -1,4 +1,7 @@
-"""Prefill/decode disaggregation on loopback: two ``vllm serve`` joined by MooncakeConnector (TCP).
+"""Prefill/decode disaggregation on loopback: two ``vllm serve`` joined by MooncakeConnector.
+
+Over TCP unless ``DSPARK_PD_MOONCAKE_PROTOCOL`` names another Mooncake protocol (both engines then
+get the variables it needs: dspark_dev/pd_launch.py ``mooncake_env``).
 
 :func:`run_pd` starts a prefiller (``kv_producer``) and a decoder (``kv_consumer``), both with the
 same speculative config, puts :class:`pd_proxy.PDProxy` in front, sends the prompts (concurrently,
@@ -23,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dspark_dev.metrics import counter_delta, parse_prometheus
 from dspark_dev.metrics import spec_metrics_from_prometheus as spec_counters
-from dspark_dev.pd_launch import PREFILL_MARKERS, kv_counters, mooncake_kv_config
+from dspark_dev.pd_launch import PREFILL_MARKERS, kv_counters, mooncake_env, mooncake_kv_config
 from dspark_dev.pd_proxy import PDProxy, query_engine_id
 from dspark_dev.serve import (
     Server,
@@ -90,6 +93,7 @@ def run_pd(
             env={
                 "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport),
                 "VLLM_PORT": str(free_port_block()),
+                **mooncake_env(),
                 **env,
             },
         )
@@ -113,6 +117,7 @@ def run_pd(
             env={
                 "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
                 "VLLM_PORT": str(free_port_block()),
+                **mooncake_env(),
                 **env,
             },
         )

@@ -447,6 +447,81 @@ def test_dry_run_pd_over_nixl_has_no_bootstrap_and_ucx_on_both_engines(capsys):
                       log_dir=Path("/tmp"), env={}, producer_pp=2, connector="nixl")  # fmt: skip
 
 
+def _pd_transport_lines(out: str) -> dict:
+    """The ``# pd transport NAME: JSON`` lines of a dry run (what ``meta.pd_transport`` will
+    record)."""
+    head = "# pd transport "
+    return {
+        line[len(head) :].split(": ", 1)[0]: json.loads(line.split(": ", 1)[1])
+        for line in out.splitlines()
+        if line.startswith(head)
+    }
+
+
+def _mooncake(out: str, who: str) -> tuple[str, dict]:
+    """A launcher's ``mooncake_protocol`` (its printed ``--kv-transfer-config``) and ``MC_*``
+    variables."""
+    line = next(x for x in out.splitlines() if x.startswith(f"  {who}: /"))
+    flag = "--kv-transfer-config "
+    kv = json.JSONDecoder().raw_decode(line, line.index(flag) + len(flag))[0]
+    env = _launchers(out)[who]["env"]
+    return kv["kv_connector_extra_config"]["mooncake_protocol"], {
+        k: v for k, v in env.items() if k.startswith("MC_")
+    }
+
+
+def test_dry_run_pd_mc_ipc_compares_tcp_and_the_intra_node_transport(capsys, monkeypatch):
+    """Group ``pd_mc_ipc``: the aggregated reference, PD over Mooncake TCP and PD over Mooncake's
+    intra-node transport, interleaved; only the last one's engines name ``nvlink_intra`` and get
+    ``MC_INTRANODE_NVLINK``, and the recorded transport says so per engine."""
+    monkeypatch.delenv("DSPARK_PD_MOONCAKE_PROTOCOL", raising=False)
+    assert [c.name for c in serve.select_configs("pd_mc_ipc")] == [
+        "agg_dspark_kv", "pd_dspark", "pd_mc_ipc_dspark",
+    ]  # fmt: skip
+    out = _dry(capsys, "--configs", "pd_mc_ipc", "--interleave", "--repeats", "3",
+               "--concurrency", "8,32", "--acceptance-lengths", "3.99", "--workload", "mixed",
+               "--budget-s", "540")  # fmt: skip
+    nodes = _launchers(out)
+    assert {n for n in nodes if n.startswith("pd_mc_ipc_dspark")} == {
+        "pd_mc_ipc_dspark producer", "pd_mc_ipc_dspark decoder", "pd_mc_ipc_dspark proxy",
+    }  # fmt: skip
+    for role in ("producer", "decoder"):
+        assert _mooncake(out, f"pd_mc_ipc_dspark {role}") == (
+            "nvlink_intra", {"MC_INTRANODE_NVLINK": "1"},
+        )  # fmt: skip
+        assert _mooncake(out, f"pd_dspark {role}") == ("tcp", {})
+    assert not any(k.startswith("MC_") for k in nodes["agg_dspark_kv"]["env"])
+    assert "--kv-transfer-config" not in nodes["agg_dspark_kv"]["argv"]
+    recorded = _pd_transport_lines(out)
+    assert set(recorded) == {"pd_dspark", "pd_mc_ipc_dspark"}
+    ipc = recorded["pd_mc_ipc_dspark"]
+    assert (ipc["connector"], ipc["mooncake_protocol"]) == ("mooncake", "nvlink_intra")
+    assert ipc["engines"] == {
+        f"pd_mc_ipc_dspark {r}": {
+            "mooncake_protocol": "nvlink_intra", "env": {"MC_INTRANODE_NVLINK": "1"},
+        }
+        for r in ("producer", "decoder")
+    }  # fmt: skip
+    assert recorded["pd_dspark"]["mooncake_protocol"] == "tcp"
+    # the same prompts for the three, in rotation
+    slots = [x.split()[-1] for x in out.splitlines() if x.startswith("# slot ")]
+    assert slots[:3] == ["agg_dspark_kv", "pd_dspark", "pd_mc_ipc_dspark"] and len(slots) == 18
+
+
+def test_the_protocol_knob_reaches_pd_dspark_and_nixl_records_ucx(capsys, monkeypatch):
+    monkeypatch.setenv("DSPARK_PD_MOONCAKE_PROTOCOL", "nvlink_intra")
+    out = _dry(capsys, "--configs", "pd", "--concurrency", "4")
+    for role in ("producer", "decoder"):
+        assert _mooncake(out, f"pd_dspark {role}") == (
+            "nvlink_intra", {"MC_INTRANODE_NVLINK": "1"},
+        )  # fmt: skip
+    assert _pd_transport_lines(out)["pd_dspark"]["mooncake_protocol"] == "nvlink_intra"
+    nixl = _pd_transport_lines(_dry(capsys, "--configs", "pd_nixl", "--concurrency", "4"))
+    rec = nixl["pd_nixl_dspark"]
+    assert (rec["connector"], rec["mooncake_protocol"]) == ("nixl", None)
+    assert rec["engines"]["pd_nixl_dspark decoder"]["env"]["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
+
+
 def test_a_nixl_deployment_starts_its_proxy_without_asking_a_bootstrap_server(monkeypatch):
     from dspark_dev import pd_launch
 
@@ -832,6 +907,9 @@ def test_pd_group_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
         "agg_dspark_kv": "ok",
     }
     assert all(res["servers"]["pd_dspark"]["producer_log_markers"].values())
+    transport = res["meta"]["pd_transport"]["pd_dspark"]
+    assert (transport["connector"], transport["mooncake_protocol"]) == ("mooncake", "tcp")
+    assert set(res["servers"]["pd_dspark"]["mooncake_transport"]) == {"protocols", "transports"}
     assert not any(s.get("left_running") for s in res["servers"].values())
     points = {(p["config"], p["concurrency"]): p for p in res["points"]}
     assert set(points) == {(c, n) for c in ("pd_dspark", "agg_dspark_kv") for n in (1, 8)}
