@@ -53,11 +53,11 @@ def summary(times_s: list[float], nbytes: int) -> dict:
 def _engine(protocol: str):
     from mooncake.engine import TransferEngine
 
-    te = TransferEngine()
-    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "")
+    engine = TransferEngine()
+    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "")
     if rc != 0:
         raise RuntimeError(f"TransferEngine.initialize(..., {protocol!r}) returned {rc}")
-    return te
+    return engine
 
 
 def _receiver(protocol: str, env: dict, nbytes: int, conn) -> None:
@@ -66,10 +66,10 @@ def _receiver(protocol: str, env: dict, nbytes: int, conn) -> None:
         import torch
 
         buf = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
-        te = _engine(protocol)
-        if te.register_memory(buf.data_ptr(), nbytes) != 0:
+        engine = _engine(protocol)
+        if engine.register_memory(buf.data_ptr(), nbytes) != 0:
             raise RuntimeError("register_memory failed on the receiver")
-        conn.send(("ready", te.get_rpc_port(), buf.data_ptr()))
+        conn.send(("ready", engine.get_rpc_port(), buf.data_ptr()))
         while True:
             msg = conn.recv()
             if msg[0] == "check":
@@ -91,8 +91,8 @@ def _sender(protocol: str, env: dict, nbytes: int, chunk: int, repeats: int, con
         import torch
 
         buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-        te = _engine(protocol)
-        if te.register_memory(buf.data_ptr(), nbytes) != 0:
+        engine = _engine(protocol)
+        if engine.register_memory(buf.data_ptr(), nbytes) != 0:
             raise RuntimeError("register_memory failed on the sender")
         port, dst = peer
         target = f"127.0.0.1:{port}"
@@ -104,10 +104,10 @@ def _sender(protocol: str, env: dict, nbytes: int, chunk: int, repeats: int, con
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if shape == "whole":
-                    rc = te.transfer_sync_write(target, buf.data_ptr(), dst, nbytes)
+                    rc = engine.transfer_sync_write(target, buf.data_ptr(), dst, nbytes)
                 else:
                     offs = range(0, nbytes, chunk)
-                    rc = te.batch_transfer_sync_write(
+                    rc = engine.batch_transfer_sync_write(
                         target,
                         [buf.data_ptr() + o for o in offs],
                         [dst + o for o in offs],
