@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mib", type=int, default=256, help="bytes per write, MiB")
     ap.add_argument("--chunk-kib", type=int, default=64, help="piece size of the batched write")
-    ap.add_argument("--repeats", type=int, default=4, help="writes per shape (the first is warm-up)")
+    ap.add_argument(
+        "--repeats", type=int, default=4, help="writes per shape (the first is warm-up)"
+    )
     ap.add_argument("--timeout-s", type=float, default=60.0, help="per transport")
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
     args = ap.parse_args(argv)

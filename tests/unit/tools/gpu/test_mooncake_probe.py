@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[4]
-_spec = importlib.util.spec_from_file_location("mooncake_probe", REPO / "tools/gpu/mooncake_probe.py")
+_spec = importlib.util.spec_from_file_location(
+    "mooncake_probe", REPO / "tools/gpu/mooncake_probe.py"
+)
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 
@@ -19,7 +21,7 @@ _spec.loader.exec_module(probe)
 def test_the_pattern_never_matches_a_zeroed_buffer_and_changes_between_writes():
     values = [probe.pattern_value(r) for r in range(300)]
     assert 0 not in values and all(1 <= v <= 255 for v in values)
-    assert all(a != b for a, b in zip(values, values[1:]))
+    assert all(a != b for a, b in zip(values, values[1:], strict=False))
 
 
 def test_summary_is_gib_per_second():
@@ -33,7 +35,9 @@ def test_a_transport_that_cannot_start_is_a_recorded_failure(tmp_path):
     script = REPO / "tools/gpu/mooncake_probe.py"
     args = ["--out", str(out), "--mib", "1", "--transports", "tcp", "--timeout-s", "60"]
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     rec = json.loads(out.read_text())["transports"]["tcp"]
     assert rec["ok"] is False and rec["error"].startswith("RuntimeError: receiver: ")
