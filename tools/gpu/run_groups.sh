@@ -70,7 +70,8 @@
 # (default BUDGET - 200): pp_adaptive's; DSPARK_GPU_TP_PP_READY_S (default BUDGET - 170) and
 # DSPARK_GPU_TP_PP_STOCK_READY_S (default BUDGET - 150): tp_pp's start-up deadlines (plugin, stock);
 # DSPARK_GPU_PD_TP_PP_JOBS and DSPARK_GPU_PD_TP_PP_READY_S (default BUDGET - 120): pd_tp_pp's;
-# DSPARK_GPU_DSV41_PP_READY_S (default BUDGET - 200): dsv41_pp's (plugin and stock).
+# DSPARK_GPU_DSV41_PP_READY_S (default BUDGET - 200): dsv41_pp's (plugin and stock);
+# DSPARK_GPU_DSV4K3_PP_READY_S (default BUDGET - 200): dsv4k3_pp's.
 # DSPARK_GPU_GROUPS_SERIAL_S (unset: the groups run side by side): the whole call's seconds; the
 # groups then run one after another, each under min(BUDGET, what is left of the call) with its
 # deadlines derived from that, its leftover processes killed before the next starts; a group with
@@ -219,7 +220,7 @@ for g in "$@"; do
   dsv4k3_pp)
     mkdir -p "$ART/dsv4k3_pp" "$OUTDIR/dsv4k3_pp"
     DSPARK_GPU_PP_LOGS="$ART/dsv4k3_pp" DSPARK_GPU_DSV4K3_PP_OUT="$OUTDIR/dsv4k3_pp" \
-      DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) \
+      DSPARK_GPU_PP_READY_S=${DSPARK_GPU_DSV4K3_PP_READY_S:-$((BUDGET - 200))} \
       run_group "$g" tests/gpu/test_dsv4_k3_pp.py --timeout=$((BUDGET - 20)) &
     ;;
   dsv41_pp)

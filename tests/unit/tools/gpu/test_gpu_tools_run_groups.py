@@ -161,6 +161,22 @@ def test_dsv41_pp_group_runs_its_module_with_its_deadlines_and_record_folder(
     assert (env["DSPARK_GPU_PP_READY_S"], env["DSPARK_GPU_PP_STOCK_READY_S"]) == (want, want)
 
 
+@pytest.mark.parametrize("ready", [None, "260"], ids=["default-deadline", "knob"])
+def test_dsv4k3_pp_group_start_up_deadline_is_budget_less_200_unless_its_knob_says(
+    tmp_path, monkeypatch, ready
+):
+    """Group dsv4k3_pp: tests/gpu/test_dsv4_k3_pp.py, its record folder OUTDIR/dsv4k3_pp, the
+    launchers' start-up deadline BUDGET - 200 unless DSPARK_GPU_DSV4K3_PP_READY_S says (a lease
+    short of device time can still give a TP=2 x PP=2 job its start-up)."""
+    monkeypatch.delenv("DSPARK_GPU_DSV4K3_PP_READY_S", raising=False)
+    if ready is not None:
+        monkeypatch.setenv("DSPARK_GPU_DSV4K3_PP_READY_S", ready)
+    _, env = _one_module_group(
+        tmp_path, "dsv4k3_pp", "tests/gpu/test_dsv4_k3_pp.py", "DSPARK_GPU_DSV4K3_PP_OUT"
+    )
+    assert env["DSPARK_GPU_PP_READY_S"] == (ready or "340")
+
+
 def test_gsm8k_dsv41_group_runs_the_three_v41_configs(tmp_path):
     """Group gsm8k_dsv41 (issue 42): the V4.1 pair's three YAMLs, PP=2 through the launchers."""
     proc, calls = _fake_run(tmp_path, "gsm8k_dsv41")
