@@ -141,7 +141,7 @@ DSPARK_GPU_PD_PP_READY_S | 420 | PD-with-PP-producer test: seconds its servers m
 DSPARK_GPU_PD_TP_PP_JOBS | pair_baseline,pair_spec,pd_tp2pp2_tp2 | run_groups.sh pd_tp_pp: its
     DSPARK_GPU_PD_PP_JOBS.
 DSPARK_GPU_PD_TP_PP_READY_S | BUDGET - 120 | run_groups.sh pd_tp_pp: its DSPARK_GPU_PD_PP_READY_S.
-DSPARK_GPU_DSV4K3_PP_READY_S | BUDGET - 200 | run_groups.sh dsv4k3_pp: its DSPARK_GPU_PP_READY_S (a TP=2 x PP=2 job alone after its references needs less than 200 s after start-up).
+DSPARK_GPU_DSV4K3_PP_READY_S | BUDGET - 200 | run_groups.sh dsv4k3_pp: its DSPARK_GPU_PP_READY_S.
 DSPARK_GPU_PD_TP_PP_OUT | unset (DSPARK_GPU_ARTIFACTS) | Where the PD TP x PP test writes its
     result record.
 DSPARK_GPU_PD_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else a temporary folder) | Where the
