@@ -17,10 +17,12 @@ Each process ends within ``--timeout-s``; nothing is left running.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -181,6 +183,30 @@ def probe(name: str, nbytes: int, chunk: int, repeats: int, timeout_s: float) ->
     return result
 
 
+def meta(argv: list[str]) -> dict:
+    """What the record says about its run: commit (``DSPARK_GPU_COMMIT``, else git), date, GPU
+    (nvidia-smi), the command line."""
+
+    def _out(cmd: list[str]) -> str:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout else ""
+
+    here = Path(__file__).resolve().parents[2]
+    commit = os.environ.get("DSPARK_GPU_COMMIT") or _out(
+        ["git", "-C", str(here), "rev-parse", "--short", "HEAD"]
+    )
+    return {
+        "test": "tools/gpu/mooncake_probe.py",
+        "commit": commit or "unknown",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": _out(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) or "unknown",
+        "command": " ".join(["python3 tools/gpu/mooncake_probe.py", *argv]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -191,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--timeout-s", type=float, default=60.0, help="per transport")
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     nbytes, chunk = args.mib * 2**20, args.chunk_kib * 2**10
     results = {}
@@ -200,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["seconds"] = round(time.monotonic() - t0, 1)
         print(f"mooncake_probe {name}: {json.dumps(results[name])}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"transports": results}, indent=1) + "\n")
+    args.out.write_text(json.dumps({**meta(argv), "transports": results}, indent=1) + "\n")
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
 

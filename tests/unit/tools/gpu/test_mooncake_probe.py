@@ -43,3 +43,6 @@ def test_a_transport_that_cannot_start_is_a_recorded_failure(tmp_path):
     assert rec["ok"] is False and rec["error"].startswith("RuntimeError: receiver: ")
     assert rec["seconds"] < 60 and time.monotonic() - t0 < 90
     assert "mooncake_probe tcp: " in done.stdout
+    record = json.loads(out.read_text())
+    assert record["command"] == "python3 tools/gpu/mooncake_probe.py " + " ".join(args)
+    assert {"commit", "date", "gpu", "test"} <= set(record)
