@@ -16,12 +16,12 @@ tests/unit/benchmarks/test_dsv4_pp_page.py checks the committed page is this mod
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from benchmarks.k3_pp_page import RESULTS, _group_run, section
+from benchmarks.pages import page_main
 
 PAGE = RESULTS / "dsv4_pp_gpu.md"
 PATTERN = "dsv4_pp_gpu*.json"
@@ -55,17 +55,7 @@ def markdown(runs: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
-    args = ap.parse_args(argv)
-    text = markdown(load())
-    if args.check:
-        stale = not PAGE.exists() or PAGE.read_text() != text
-        print(f"{PAGE}: {'stale' if stale else 'up to date'}")
-        return 1 if stale else 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE}")
-    return 0
+    return page_main(PAGE, lambda: markdown(load()), __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

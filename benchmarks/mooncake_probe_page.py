@@ -14,10 +14,11 @@ tests/unit/benchmarks/test_mooncake_probe_page.py checks the committed page is t
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from benchmarks.pages import page_main
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
@@ -97,17 +98,7 @@ def markdown(recs: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
-    args = ap.parse_args(argv)
-    text = markdown(load())
-    if args.check:
-        stale = not PAGE.exists() or PAGE.read_text() != text
-        print(f"{PAGE}: {'stale' if stale else 'up to date'}")
-        return 1 if stale else 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE}")
-    return 0
+    return page_main(PAGE, lambda: markdown(load()), __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
