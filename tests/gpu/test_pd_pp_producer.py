@@ -66,7 +66,11 @@ ran.
 
 Jobs (``DSPARK_GPU_PD_PP_JOBS=a,b`` selects, ``all`` runs every one; empty: group pd_pp's
 ``pair_baseline``, ``pair_spec``, ``pd_pp2``, ``pd_pp2_control``, ``pd_pp2_subtle``, and for
-``dsv41`` also ``pd_pp1``). Opt-in, the
+``dsv41`` also ``pd_pp1``). Opt-in, any pair: ``pd_pp2_sync``, ``pd_pp2`` with synchronous
+scheduling on every PD launcher (``--no-async-scheduling``; issue 40 item 6), checked as
+``pd_pp2`` (every request through both sides, the producer drafting nothing on two stages over
+nccl, the prompt KV over Mooncake, greedy and the ``PD acceptance:`` line against the async
+references). Opt-in, the
 tiny pair only, issue 40 item 2 (group ``pd_tp_pp``): PD with a TP=2 x PP=2 producer, four
 launchers ``-tp 2 -pp 2 --nnodes 4`` (one rank each, launcher R = global rank R, each its own
 ``NCCL_HOSTID`` on GPU 0 and ``--disable-custom-all-reduce``, as tests/gpu/test_tp_pp_one_gpu.py),
@@ -100,6 +104,7 @@ python -m pytest -p support.gpu_fake_engines tests/gpu/test_pd_pp_producer.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -170,6 +175,9 @@ SUBTLE_MARGIN_POINTS = 5.0
 PP_JOBS = ("pd_pp2", "pd_pp2_control", "pd_pp2_subtle")
 #: PD with a PP=1 producer (one launcher): a default job of the dsv41 pair only (issue 42)
 PP1_JOB = "pd_pp1"
+#: issue 40 item 6, opt-in: ``pd_pp2`` with synchronous scheduling on every PD launcher
+#: (``--no-async-scheduling`` in place of the tiny pair's ``--async-scheduling``)
+SYNC_JOB = "pd_pp2_sync"
 #: issue 40 item 2, opt-in (the tiny pair only): PD with a TP=2 x PP=2 producer, one launcher per
 #: rank. name: (producer TP, producer PP, decoder TP, what the producer drafts with: the real
 #: draft, the NaN-norm control's or the subtle control's)
@@ -180,7 +188,7 @@ TP_JOBS = {
     "pd_tp2pp2_tp2_subtle": (2, 2, 2, "subtle"),
 }
 TP_GOOD = [n for n, v in TP_JOBS.items() if v[3] == "real"]
-PD_JOBS = (*PP_JOBS, PP1_JOB, *TP_JOBS)
+PD_JOBS = (*PP_JOBS, PP1_JOB, SYNC_JOB, *TP_JOBS)
 JOBS_ENV = "DSPARK_GPU_PD_PP_JOBS"
 ALL_JOBS = ("pair_baseline", "pair_spec", *PD_JOBS)
 #: what an empty ``DSPARK_GPU_PD_PP_JOBS`` starts: group pd_pp's jobs (the TP x PP ones are opt-in)
@@ -266,6 +274,12 @@ def _setup() -> Setup:
     )
 
 
+def _sync(setup: Setup) -> Setup:
+    """``setup`` with synchronous scheduling on every PD launcher (job ``pd_pp2_sync``)."""
+    common = [a for a in setup.common if a != "--async-scheduling"]
+    return dataclasses.replace(setup, common=[*common, "--no-async-scheduling"])
+
+
 def _pd_with_pp2_producer(
     setup: Setup,
     guard,
@@ -322,7 +336,7 @@ def _pd_with_pp2_producer(
 # --- the JSON record of the PP=2 (and PP=1) producer jobs: pd_pp.json ---------------------------
 
 PP_RECORD = GpuRecord("pd_pp.json")
-PP_RECORD_JOBS = ("pair_baseline", "pair_spec", *PP_JOBS, PP1_JOB)
+PP_RECORD_JOBS = ("pair_baseline", "pair_spec", *PP_JOBS, PP1_JOB, SYNC_JOB)
 
 
 def _pp_shape(name: str) -> dict:
@@ -334,7 +348,7 @@ def _pp_shape(name: str) -> dict:
         "label": shape_label(1, ppp, 1),
         "producer_draft": {"pd_pp2_control": "nan", "pd_pp2_subtle": "subtle"}.get(name, "real"),
         "pair": PAIR, "dtype": "bfloat16" if MLA else PAIR_DTYPE,
-        "scheduling": "vLLM's default" if MLA else "async",
+        "scheduling": "sync" if name == SYNC_JOB else "vLLM's default" if MLA else "async",
         "producer_cuda_graphs": pd_graphs and PAIR != "k3", "decoder_cuda_graphs": pd_graphs,
         "layout": pp_launch.layout(),
     }  # fmt: skip
@@ -374,7 +388,7 @@ def _write_pp_record(jobs: Jobs, setup: Setup) -> Path:
         "num_prompts": len(setup.prompts),
         "max_tokens": setup.max_tokens,
         "common_args": setup.common,
-        "shapes": {n: _pp_shape(n) for n in (*PP_JOBS, PP1_JOB)},
+        "shapes": {n: _pp_shape(n) for n in (*PP_JOBS, PP1_JOB, SYNC_JOB)},
         "jobs": jobs_out,
     }
     path = PP_RECORD.write(
@@ -410,6 +424,7 @@ def pd_jobs(tmp_path_factory):
     jobs.submit("pd_pp2", _pd_with_pp2_producer, setup, guard)
     jobs.submit("pd_pp2_control", _pd_with_pp2_producer, setup, guard, bad_spec)
     jobs.submit(PP1_JOB, _pd_with_pp2_producer, setup, guard, producer_pp=1)
+    jobs.submit(SYNC_JOB, _pd_with_pp2_producer, _sync(setup), guard)
     if MLA:  # the subtle control: the producer's draft reads its aux taps misordered
         from support.draft_controls import aux_perturbed_draft
 
@@ -425,7 +440,7 @@ def pd_jobs(tmp_path_factory):
     _submit_tp_jobs(jobs, setup, guard, bad_spec, tmp_path_factory)
     yield jobs, guard
     try:
-        if ONLY & {*PP_JOBS, PP1_JOB}:
+        if ONLY & {*PP_JOBS, PP1_JOB, SYNC_JOB}:
             _write_pp_record(jobs, setup)
     finally:
         try:
@@ -659,6 +674,52 @@ def test_pp1_producer_pd_greedy_and_acceptance_equal_aggregated(pd_jobs):
     print(desc)
     assert rep.ok and rep2.ok, (rep.describe(), rep2.describe())
     assert not problems, f"[{PAIR}] aggregated DSpark: {'; '.join(problems)} ({agg})"
+    assert ok, desc
+
+
+# --- issue 40 item 6: PD with a PP=2 producer under synchronous scheduling (job pd_pp2_sync) ---
+
+
+def test_sync_pp2_producer_pd_is_lossless_and_accepts_like_aggregated(pd_jobs):
+    """``pd_pp2`` with ``--no-async-scheduling`` on the producer's two launchers and the decoder:
+    every request through both sides, the producer's two stages handshook and exchanged over nccl
+    and drafted nothing, the decoder's prompt KV came over Mooncake, greedy output equals the
+    no-spec and aggregated references (near-tie rule), the decoder's counters within 2 points of
+    aggregated DSpark's. The control for the 2-point rule is ``pd_pp2_control``'s NaN-norm draft
+    (same checks, async); for the scheduling itself, stock vLLM's sync PP hang
+    (docs/sync-scheduling.md)."""
+    jobs, _ = pd_jobs
+    base, agg_run = jobs.result("pair_baseline"), jobs.result("pair_spec")
+    r = _pd(pd_jobs, SYNC_JOB)
+    logs = r["producer_logs"]
+    joined = "\n".join(logs.values())
+    backends = [x for log in logs.values() for x in log.split("DSpark PP exchange:")[1:2]]
+    problems = _proxy_problems(r) + _kv_problems(r["decoder_kv"])
+    if r["prefill_spec"]["num_draft_tokens"] != 0:
+        problems.append(f"the producer drafted: {r['prefill_spec']}")
+    if "PP handshake: 2 ranks agree" not in joined:
+        problems.append("no 'PP handshake: 2 ranks agree' line")
+    if not (len(backends) == 2 and all(" over nccl" in b.splitlines()[0] for b in backends)):
+        problems.append(f"the exchange did not run over nccl on both stages: {backends}")
+    PP_RECORD.verdict(
+        f"producer_kv[{SYNC_JOB}]", not problems,
+        "; ".join(problems) or f"proxy {r['proxy']}; KV {json.dumps(r['decoder_kv'])}",
+    )  # fmt: skip
+    rep = compare_tokens(base.tokens, r["tokens"], base.logprobs)
+    rep2 = compare_tokens(agg_run.tokens, r["tokens"], base.logprobs)
+    greedy = f"PD (PP=2 producer, sync) vs no-spec: {rep.describe()}"
+    greedy += f"\nvs aggregated: {rep2.describe()}"
+    PP_RECORD.verdict(f"greedy[{SYNC_JOB}]", rep.ok and rep2.ok, greedy)
+    agg, dec = agg_run.metrics(), r["decoder_spec"]
+    ok, desc = counters_close(dec, agg)
+    line = _acceptance_line(dec, agg, "PP=2, sync scheduling")
+    per_pos = f"per position {agg.get('accepted_per_pos')} vs {dec.get('accepted_per_pos')}"
+    PP_RECORD.verdict(f"acceptance[{SYNC_JOB}]", ok, "\n".join([line, desc, per_pos]))
+    print(greedy)
+    print(line)
+    print(desc)
+    assert not problems, problems
+    assert rep.ok and rep2.ok, (rep.describe(), rep2.describe())
     assert ok, desc
 
 

@@ -48,6 +48,8 @@ PD_TP_GOOD = ["pd_tp2pp2_tp2", "pd_tp2pp2_tp1"]
 PD_TP_JOBS = ",".join(
     ["pair_baseline", "pair_spec", *PD_TP_GOOD, "pd_tp2pp2_tp2_control", "pd_tp2pp2_tp2_subtle"]
 )
+# issue 40 item 6: PD with a PP=2 producer under synchronous scheduling (opt-in job)
+PD_SYNC_JOBS = "pair_baseline,pair_spec,pd_pp2_sync"
 # issue 42: DeepSeek-V4.1 at PP=2 (group dsv41_pp, tests/gpu/test_dsv41_pp.py)
 DSV41_SERVED = ["pp2_graphs", "pp2_eager", "pp2_sync_eager"]
 TRAINED_DSV4 = {"DSPARK_DSV4K3_WEIGHTS": "trained", "DSPARK_GPU_PD_PP_PAIR": "dsv4"}
@@ -83,6 +85,13 @@ RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
         for m in ("", "pd_low", "kv_recomputed", "pd_one_stage", "nan_same", "subtle_same")
     },
     **{
+        f"pd_pp_sync{'-' + m if m else ''}": (
+            PD_PP,
+            {"DSPARK_GPU_PD_PP_JOBS": PD_SYNC_JOBS, "DSPARK_FAKE_MUTATION": m},
+        )
+        for m in ("", "pd_low", "kv_recomputed")
+    },
+    **{
         f"dsv41_pp{'-' + m if m else ''}": (DSV41_PP, {"DSPARK_FAKE_MUTATION": m})
         for m in ("", "stock_serves", "pp2_low", "pp_one_stage", "pos6_zero")
     },
@@ -95,6 +104,7 @@ RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
 CHILD_KNOBS = ("DSPARK_DSV4K3_WEIGHTS", "DSPARK_GPU_PD_PP_PAIR", "DSPARK_FAKE_MUTATION",
                "DSPARK_GPU_TP_PP_JOBS", "DSPARK_GPU_PD_PP_JOBS", "DSPARK_GPU_PD_TP_PP_OUT",
                "DSPARK_GPU_DSV41_PP_OUT", "DSPARK_GPU_TP_PP_OUT", "DSPARK_GPU_PP_LOGS",
+               "DSPARK_FAKE_CALLS",
                "DSPARK_GPU_PP_JOBS", "DSPARK_GPU_PP_OUT", "DSPARK_GPU_PD_PP_OUT")  # fmt: skip
 OUT_ROOT = Path(tempfile.mkdtemp(prefix="dspark-fake-wiring-"))
 
@@ -114,6 +124,7 @@ def _fake_run_now(name: str) -> dict:
         DSPARK_GPU_DSV41_PP_OUT=str(out),
         DSPARK_GPU_PP_OUT=str(out),
         DSPARK_GPU_PD_PP_OUT=str(out),
+        DSPARK_FAKE_CALLS=str(out / "calls.json"),
     )
     child_env.update({k: v for k, v in env.items() if v})
     proc = subprocess.run(
@@ -328,6 +339,38 @@ def test_fake_engines_pass_the_pd_tp_pp_jobs_and_their_record_is_written(fake_ru
     assert record["jobs"]["pd_tp2pp2_tp2"]["decoder_spec"]["num_drafts"] > 0
     assert record["selected_jobs"] == sorted(PD_TP_JOBS.split(","))
     assert not (got["out"] / "pd_pp.json").exists(), "no PP=2 / PP=1 producer job was selected"
+
+
+@pytest.mark.parametrize("run", ["pd_pp_sync"])
+def test_fake_engines_pass_the_sync_pd_pp2_job_with_sync_launchers(fake_runs, run):
+    """Job pd_pp2_sync (issue 40 item 6): every PD launcher gets ``--no-async-scheduling`` and
+    none ``--async-scheduling``; its three checks pass and pd_pp.json records them."""
+    got = fake_runs(run)
+    record = _record(got, "pd_pp.json")
+    assert got["rc"] == 0 and not got.get("failed") and not got["errors"], got["last"]
+    checks = {f"{c}[pd_pp2_sync]" for c in ("producer_kv", "greedy", "acceptance")}
+    assert set(record["verdicts"]) == checks | {"nccl_stubs"}, record["verdicts"]
+    assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    assert record["shapes"]["pd_pp2_sync"]["scheduling"] == "sync"
+    assert "sync scheduling" in record["verdicts"]["acceptance[pd_pp2_sync]"]["detail"]
+    pd_calls = [c for c in json.loads((got["out"] / "calls.json").read_text()) if c[0] == "pd"]
+    assert len(pd_calls) == 1, pd_calls
+    common = pd_calls[0][4]["common_args"]  # every PD launcher's arguments
+    assert "--no-async-scheduling" in common and "--async-scheduling" not in common, common
+
+
+@pytest.mark.parametrize(
+    "run, bad",
+    [("pd_pp_sync-pd_low", ["acceptance[pd_pp2_sync]"]),
+     ("pd_pp_sync-kv_recomputed", ["producer_kv[pd_pp2_sync]"])],
+)  # fmt: skip
+def test_the_sync_pd_pp2_checks_fail_on_their_controls(fake_runs, run, bad):
+    """Lower decoder counters fail the sync job's acceptance check, a decoder that prefilled the
+    prompts itself its KV check; nothing else fails."""
+    got = fake_runs(run)
+    record = _record(got, "pd_pp.json")
+    assert got["rc"] != 0, got["last"]
+    assert sorted(k for k, v in record["verdicts"].items() if not v["ok"]) == bad
 
 
 @pytest.mark.parametrize(
