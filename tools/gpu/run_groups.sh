@@ -23,8 +23,9 @@
 #         pd_tp_pp (issue 40 item 2: PD with a TP=2 x PP=2 producer, four launchers, into a TP=2
 #         decoder, two launchers, all on GPU 0; test_pd_pp_producer.py's opt-in jobs, chosen by
 #         DSPARK_GPU_PD_TP_PP_JOBS (default pair_baseline,pair_spec,pd_tp2pp2_tp2; also
-#         pd_tp2pp2_tp1, pd_tp2pp2_tp2_control, pd_tp2pp2_tp2_subtle); its JSON record in
-#         OUTDIR/pd_tp_pp/pd_tp_pp.json, a failing run's server logs in artifacts.tgz),
+#         pd_tp2pp2_tp1, pd_tp2pp2_tp2_control, pd_tp2pp2_tp2_subtle, and the module's other
+#         jobs, e.g. pd_pp2_sync); its JSON record in OUTDIR/pd_tp_pp/pd_tp_pp.json (a PP
+#         producer job's in OUTDIR/pd_tp_pp/pd_pp.json), a failing run's server logs in artifacts.tgz),
 #         dsv4k3_pp (issue 25: DeepSeek-V4 / Kimi-K3 at PP=2 on one GPU; tests/gpu/test_dsv4_k3_pp.py),
 #         dsv41_pp (issue 42: the trained DeepSeek-V4.1 pair at PP=1 and PP=2 on one GPU, graphs,
 #         eager and sync eager, stock vLLM's refusal as the control; tests/gpu/test_dsv41_pp.py;
@@ -214,6 +215,7 @@ for g in "$@"; do
     mkdir -p "$ART/pd_tp_pp" "$OUTDIR/pd_tp_pp"
     DSPARK_GPU_PD_PP_JOBS=${DSPARK_GPU_PD_TP_PP_JOBS:-pair_baseline,pair_spec,pd_tp2pp2_tp2} \
       DSPARK_GPU_ARTIFACTS="$ART/pd_tp_pp" DSPARK_GPU_PD_TP_PP_OUT="$OUTDIR/pd_tp_pp" \
+      DSPARK_GPU_PD_PP_OUT="$OUTDIR/pd_tp_pp" \
       DSPARK_GPU_PD_PP_READY_S=${DSPARK_GPU_PD_TP_PP_READY_S:-$((BUDGET - 120))} \
       run_group "$g" tests/gpu/test_pd_pp_producer.py --timeout=$((BUDGET - 20)) &
     ;;
