@@ -475,13 +475,18 @@ def _kv_problems(kv: dict) -> list[str]:
     return problems
 
 
-def _acceptance_line(dec: dict, agg: dict, producer: str) -> str:
+def _acceptance_line(dec: dict, agg: dict, producer: str, setting: str | None = None) -> str:
     return (
         f"PD acceptance: decoder {acceptance_rate(dec):.1f}% "
         f"({dec['num_accepted_tokens']}/{dec['num_draft_tokens']}) vs aggregated "
         f"{acceptance_rate(agg):.1f}% ({agg['num_accepted_tokens']}/{agg['num_draft_tokens']}), "
-        f"producer {producer}, {_label()}, {datetime.date.today().isoformat()}"
+        f"producer {producer}, {setting or _label()}, {datetime.date.today().isoformat()}"
     )
+
+
+#: vLLM's API server logs its non-default arguments at start (entrypoints/launchers/launcher.py
+#: ``setup_server``); with ``--no-async-scheduling`` the dict holds ``'async_scheduling': False``
+SYNC_ARG = "'async_scheduling': False"
 
 
 def test_every_request_went_through_the_pp2_producer_then_the_decoder(pd_jobs):
@@ -701,6 +706,12 @@ def test_sync_pp2_producer_pd_is_lossless_and_accepts_like_aggregated(pd_jobs):
         problems.append("no 'PP handshake: 2 ranks agree' line")
     if not (len(backends) == 2 and all(" over nccl" in b.splitlines()[0] for b in backends)):
         problems.append(f"the exchange did not run over nccl on both stages: {backends}")
+    # both API servers (producer node 0, the decoder) started with synchronous scheduling
+    api_logs = {"producer": next(iter(logs.values()), ""),
+                "decoder": next(iter(r.get("decoder_logs", {}).values()), "")}  # fmt: skip
+    for side, text in api_logs.items():
+        if SYNC_ARG not in text:
+            problems.append(f"the {side}'s API server did not log {SYNC_ARG} (not sync)")
     PP_RECORD.verdict(
         f"producer_kv[{SYNC_JOB}]", not problems,
         "; ".join(problems) or f"proxy {r['proxy']}; KV {json.dumps(r['decoder_kv'])}",
@@ -712,7 +723,8 @@ def test_sync_pp2_producer_pd_is_lossless_and_accepts_like_aggregated(pd_jobs):
     PP_RECORD.verdict(f"greedy[{SYNC_JOB}]", rep.ok and rep2.ok, greedy)
     agg, dec = agg_run.metrics(), r["decoder_spec"]
     ok, desc = counters_close(dec, agg)
-    line = _acceptance_line(dec, agg, "PP=2, sync scheduling")
+    setting = "sync scheduling" if not MLA else f"{_label()}, sync scheduling"
+    line = _acceptance_line(dec, agg, "PP=2", setting)
     per_pos = f"per position {agg.get('accepted_per_pos')} vs {dec.get('accepted_per_pos')}"
     PP_RECORD.verdict(f"acceptance[{SYNC_JOB}]", ok, "\n".join([line, desc, per_pos]))
     print(greedy)

@@ -42,7 +42,9 @@ control accepts like the good run), ``kv_recomputed`` (the PD decoder computed e
 itself). A fake PD run answers as its proxy and launchers would: every request through both sides,
 one log per producer launcher (vLLM's rank line of the ``-tp`` x ``-pp`` world its arguments
 name, the handshake and ``over nccl`` lines, the context-KV-only drafter's build line on the last
-stage's launchers), one per decoder launcher (its rank line), the decoder's prompt tokens by
+stage's launchers; launcher 0 also vLLM's ``non-default args`` line with the scheduling flag of
+the common arguments), one per decoder launcher (its rank line; launcher 0 that flag too), the
+decoder's prompt tokens by
 source (all but one per prompt over the connector). A fake PP deployment has ``tp * pp``
 launchers whose logs say what real ones do: vLLM's rank line, NCCL communicators of the TP and PP
 sizes over sockets, the handshake and exchange lines (PP > 1), one drafts digest line per
@@ -162,6 +164,11 @@ def pytest_configure(config):
             if i // tp == pp - 1:
                 text += "Built the context-KV-only DSpark drafter: {}\n"
             logs[x] = text
+        common = list(kw.get("common_args") or [])
+        sched = {"--async-scheduling": True, "--no-async-scheduling": False}
+        flags = [v for a, v in sched.items() if a in common]
+        if flags:  # vLLM's API servers log their non-default arguments
+            logs[names[0]] += f"non-default args: {{'async_scheduling': {flags[-1]}}}\n"
         dtp = _size(list(kw.get("decode_args") or []), "-tp")
         dec_logs = {
             ("decode" if i == 0 else f"decode-node{i}"): (
@@ -170,6 +177,8 @@ def pytest_configure(config):
             )
             for i in range(1 + len(kw.get("decode_followers") or []))
         }
+        if flags:
+            dec_logs["decode"] += f"non-default args: {{'async_scheduling': {flags[-1]}}}\n"
         tokens = sum(len(p) for p in prompts)
         local = tokens if MUTATION == "kv_recomputed" else n
         by = 'vllm:prompt_tokens_by_source_total{engine="0",source="%s"}'

@@ -171,6 +171,7 @@ PD = tp_pp_page.GROUPS["pd_pp"]
 PD_QWEN3 = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_qwen3.json"
 PD_DSV41 = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_dsv41.json"
 PD_ERRORS = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_dsv41_decoder_errors.json"
+PD_SYNC = tp_pp_page.RESULTS / "pd_pp_gpu_2026-12-06_sync.json"
 DSV41 = tp_pp_page.GROUPS["dsv41_pp"]
 DSV41_RECORD = tp_pp_page.RESULTS / "dsv41_pp_gpu_2026-12-06.json"
 
@@ -179,7 +180,8 @@ DSV41_RECORD = tp_pp_page.RESULTS / "dsv41_pp_gpu_2026-12-06.json"
     "group, wanted",
     [
         ("pd_pp", ["pd_pp_gpu_2026-12-06_qwen3.json", "pd_pp_gpu_2026-12-06_k3.json",
-                   PD_DSV41.name, PD_ERRORS.name, "pd_pp_gpu_2026-12-06_tp2pp2.json"]),
+                   PD_DSV41.name, PD_ERRORS.name, "pd_pp_gpu_2026-12-06_tp2pp2.json",
+                   "pd_pp_gpu_2026-12-06_tp2pp2_subtle.json", PD_SYNC.name]),
         ("dsv41_pp", [DSV41_RECORD.name]),
     ],
 )  # fmt: skip
@@ -305,6 +307,33 @@ def test_a_pd_record_missing_or_contradicting_a_field_is_refused(tmp_path, pd_re
     path.write_text(json.dumps(pd_record))
     with pytest.raises(tp_pp_page.RecordError):
         tp_pp_page.load([path], PD)
+
+
+def test_a_run_writing_two_records_may_select_the_other_records_jobs(tmp_path):
+    """A run of test_pd_pp_producer.py that selected PP and TP x PP jobs writes pd_pp.json and
+    pd_tp_pp.json, each with the run's whole ``selected_jobs`` and only its own jobs: accepted.
+    A job marked selected but missing from ``selected_jobs`` is still refused."""
+    rec = json.loads(PD_SYNC.read_text())
+    assert "pd_tp2pp2_tp2" in rec["selected_jobs"] and "pd_tp2pp2_tp2" not in rec["jobs"]
+    path = tmp_path / PD_SYNC.name
+    path.write_text(json.dumps(rec))
+    assert tp_pp_page.load([path], PD)[0][0] == PD_SYNC.name
+    rec["jobs"]["pd_pp2"]["selected"] = True
+    path.write_text(json.dumps(rec))
+    with pytest.raises(tp_pp_page.RecordError, match="selected"):
+        tp_pp_page.load([path], PD)
+
+
+def test_a_sync_job_names_its_scheduling_flag_beside_the_common_arguments():
+    rec = json.loads(PD_SYNC.read_text())
+    page = _pd(rec, PD_SYNC.name)
+    common = next(x for x in page.splitlines() if x.startswith("* engine arguments common"))
+    want = "`pd_pp2_sync`: `--no-async-scheduling` in place of `--async-scheduling`"
+    assert common.endswith(want)
+    assert "| sync |" in _row(page, "pd_pp2_sync")
+    rec["jobs"]["pd_pp2_sync"]["shape"]["scheduling"] = "async"  # the control: no sync job
+    common = next(x for x in _pd(rec, PD_SYNC.name).splitlines() if x.startswith("* engine arg"))
+    assert "in place of" not in common
 
 
 def test_a_failed_pd_job_needs_no_counters(tmp_path, pd_record):
