@@ -204,6 +204,7 @@ from benchmarks.perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist
 from benchmarks.real_shapes import SHAPES, write_shape
 from dspark_dev.pd_launch import mooncake_transport_evidence
 from dspark_dev.pp_launch import transport_evidence
+from dspark_dev.provenance import record_commit
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -1344,6 +1345,7 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
     res.data = {
         "meta": {
             "driver": "benchmarks/serve_pp_one_gpu.py",
+            "commit": record_commit(Path(__file__).resolve().parents[1]),
             "command": "serve_pp_one_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "configs": [c.name for c in a.cfgs],

@@ -8,7 +8,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -117,18 +116,10 @@ def select_jobs(
 
 
 def record_commit(repo) -> str:
-    """A GPU record's commit: ``DSPARK_GPU_COMMIT`` (the GPU machine has no git history), else
-    the checkout's HEAD."""
-    if os.environ.get("DSPARK_GPU_COMMIT"):
-        return os.environ["DSPARK_GPU_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-            timeout=10,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unknown ({type(exc).__name__}; set DSPARK_GPU_COMMIT)"
-    return out.stdout.strip() or "unknown (no git checkout here; set DSPARK_GPU_COMMIT)"
+    """A GPU record's commit (dspark_dev/provenance.py: ``DSPARK_GPU_COMMIT``, else HEAD)."""
+    from dspark_dev.provenance import record_commit as commit
+
+    return commit(repo)
 
 
 def record_date() -> str:

@@ -395,7 +395,7 @@ def test_launchers_share_one_gpu_with_a_fixed_kv_budget_per_stage(monkeypatch, t
 
     monkeypatch.setattr(pp_launch, "deployment", fake_deployment)
     cfg = gsm8k.load_config(os.path.join(HERE, "configs", "k3-pp2-dspark.yaml"))
-    cfg.env = {"DSPARK_PLANTED": "1"}  # a config's env reaches every launcher
+    cfg.env = {"PLANTED_BY_TEST": "1"}  # a config's env reaches every launcher
     for layout_name, want_mem in (("shared", True), ("per-stage", False)):
         built.clear()
         monkeypatch.setenv(pp_launch.LAYOUT_ENV, layout_name)
@@ -405,7 +405,7 @@ def test_launchers_share_one_gpu_with_a_fixed_kv_budget_per_stage(monkeypatch, t
         assert ("--kv-cache-memory-bytes" in base) is want_mem, layout_name
         assert ("--gpu-memory-utilization" in base) is want_mem, layout_name
         assert built["gpu_layout"] == layout_name and built["pp"] == 2
-        assert built["env"]["DSPARK_PLANTED"] == "1"  # the config's env, every launcher
+        assert built["env"]["PLANTED_BY_TEST"] == "1"  # the config's env, every launcher
         assert built["env"]["VLLM_HOST_IP"] == "127.0.0.1"  # the GPU tier's child settings
         assert built["spec"]["num_speculative_tokens"] == 7
     assert pp_launch.stage_env(1, device="gpu", gpu_layout="shared", tag="x")["NCCL_HOSTID"]

@@ -439,6 +439,7 @@ def test_interleaved_run_end_to_end_against_stand_in_servers(tmp_path, monkeypat
     assert rc == 0, res["skipped"]
     assert res["meta"]["workload"] == {"name": "decode", "input_len": 128, "output_len": 32}
     assert res["meta"]["interleave"]["baseline"] == "pp1_dspark"
+    assert res["meta"]["commit"] and not res["meta"]["commit"].startswith("unknown")
     assert [(p["config"], p["repeat"], p["slot"]) for p in res["points"][:6]] == [
         ("pp1_dspark", 0, 0), ("pp2_dspark", 0, 1), ("pp1_dspark", 1, 2),
         ("pp2_dspark", 1, 3), ("pp1_dspark", 2, 4), ("pp2_dspark", 2, 5),

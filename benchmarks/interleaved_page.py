@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""docs/results/perf_interleaved_gpu.md from the served benchmark's interleaved records (issue 44).
+
+    python -m benchmarks.interleaved_page            # rewrite the page (and its SVG figure)
+    python -m benchmarks.interleaved_page --check    # exit 1 when the committed page is stale
+
+Reads every ``docs/results/serve_interleaved_gpu_*.json``: the JSON that
+``benchmarks/serve_pp_one_gpu.py --interleave`` wrote in one call (every configuration served at
+once, each point's runs in rotation, ``--repeats`` rotations), copied here unchanged but for a
+``meta.commit`` the benchmark did not write before 2026-12-06 (``meta.commit_note`` then says
+where it came from). One section per record, oldest first: the run (commit, date, GPU, command,
+shape, workload), every server (launchers, start-up, the PD transport its engines were given and
+the transports Mooncake's log lines name), then per acceptance length and concurrency:
+
+* each configuration's runs: output tok/s of every repeat, their mean and spread
+  ((max - min) / mean), the means of TTFT, TPOT and ITL at p50 and p99, the acceptance length the
+  server's counters measured;
+* every ratio against the record's baseline (``meta.interleave.baseline``), computed by the
+  benchmark per rotation from runs of that rotation (never across calls): the ratio of means and
+  the range over rotations, for output tok/s, TTFT p50 and TPOT p50;
+* what shortened the point (``trimmed``: the budget cut every run of the point alike) and the runs
+  that failed or were cut (``skipped``).
+
+Issue 44's PD goal (served PD at least 50% of aggregated output tok/s at C = 64 on the one GPU)
+is stated per PD configuration from the ratios: met or missed where C = 64 was measured, else
+"not measured at C = 64" with the concurrencies that were. A record without a field the page
+needs is refused with :class:`RecordError`. The figure (``perf_interleaved_gpu.svg``, text,
+written beside the page when matplotlib is there) plots each record's output tok/s per
+configuration against concurrency with the repeats' range. tests/unit/benchmarks/
+test_interleaved_page.py checks the committed page is this module's output.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks.pages import page_main
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+PAGE = RESULTS / "perf_interleaved_gpu.md"
+FIGURE = RESULTS / "perf_interleaved_gpu.svg"
+PATTERN = "serve_interleaved_gpu_*.json"
+#: issue 44: served PD at least this share of aggregated output tok/s at PD_GOAL_C
+PD_GOAL, PD_GOAL_C = 0.5, 64
+META_KEYS = ("commit", "date", "command", "configs", "shape", "workload", "interleave", "versions")
+POINT_KEYS = ("acceptance_length", "concurrency", "num_prompts", "configs", "ratios")
+#: (stats key, column title, format) of the per-configuration table
+COLUMNS = (
+    ("median_ttft_ms", "TTFT p50 ms", "{:.1f}"),
+    ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
+    ("median_tpot_ms", "TPOT p50 ms", "{:.2f}"),
+    ("p99_tpot_ms", "TPOT p99 ms", "{:.2f}"),
+    ("median_itl_ms", "ITL p50 ms", "{:.2f}"),
+    ("p99_itl_ms", "ITL p99 ms", "{:.2f}"),
+)
+RATIO_METRICS = (
+    ("output_throughput", "output tok/s"),
+    ("median_ttft_ms", "TTFT p50"),
+    ("median_tpot_ms", "TPOT p50"),
+)
+
+
+class RecordError(ValueError):
+    """A record the page cannot be written from."""
+
+
+def _need(obj, key: str, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise RecordError(f"{where}: no {key!r}")
+    return obj[key]
+
+
+def check(name: str, rec: dict) -> None:
+    """Refuse a record without the fields the page reads."""
+    meta = _need(rec, "meta", name)
+    for key in META_KEYS:
+        _need(meta, key, f"{name}: meta")
+    _need(meta["interleave"], "baseline", f"{name}: meta.interleave")
+    _need(meta["versions"], "gpu", f"{name}: meta.versions")
+    _need(rec, "servers", name)
+    points = _need(rec, "interleaved", name)
+    if not points:
+        raise RecordError(f"{name}: no interleaved point (not an --interleave run)")
+    for i, pt in enumerate(points):
+        where = f"{name}: interleaved[{i}]"
+        for key in POINT_KEYS:
+            _need(pt, key, where)
+        for cfg, v in pt["configs"].items():
+            for r in _need(v, "repeats", f"{where}: {cfg}"):
+                _need(r, "output_throughput", f"{where}: {cfg} repeat")
+            _need(v, "stats", f"{where}: {cfg}")
+        for pair, v in pt["ratios"].items():
+            out = _need(v, "output_throughput", f"{where}: ratio {pair}")
+            for key in ("ratio_of_means", "per_rotation", "min", "max"):
+                _need(out, key, f"{where}: ratio {pair} output_throughput")
+
+
+def load(results: Path = RESULTS) -> list[tuple[str, dict]]:
+    runs = []
+    for path in sorted(results.glob(PATTERN)):
+        rec = json.loads(path.read_text())
+        check(path.name, rec)
+        runs.append((path.name, rec))
+    return sorted(runs, key=lambda r: (r[1]["meta"]["date"], r[0]))
+
+
+def _fmt(fmt: str, v) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _mean(stats: dict, key: str):
+    s = stats.get(key)
+    return s.get("mean") if isinstance(s, dict) else None
+
+
+def _measured_al(v: dict):
+    vals = [r["measured_acceptance_length"] for r in v["repeats"]
+            if r.get("measured_acceptance_length") is not None]  # fmt: skip
+    return statistics.mean(vals) if vals else None
+
+
+def _servers(rec: dict) -> list[str]:
+    lines = []
+    transports = rec["meta"].get("pd_transport", {})
+    for name, s in rec["servers"].items():
+        outcome = s.get("outcome", "outcome not recorded")
+        text = (f"* `{name}`: {s.get('launchers', '?')} launcher(s), ready after "
+                f"{_fmt('{:.0f}', s.get('ready_s'))} s, {outcome}")  # fmt: skip
+        t = transports.get(name)
+        if t:
+            envs = sorted({f"{k}={v}" for e in t.get("engines", {}).values()
+                           for k, v in e.get("env", {}).items()})  # fmt: skip
+            shown = ", ".join(f"`{e}`" for e in envs) or "none"
+            text += (f"; PD over {t.get('connector')}, protocol `{t.get('mooncake_protocol')}`"
+                     f", engine environment {shown}")  # fmt: skip
+        mc = s.get("mooncake_transport")
+        if mc is not None:
+            got = ", ".join(f"`{x}`" for x in mc.get("transports", [])) or "none logged"
+            text += f"; transports in Mooncake's log lines: {got}"
+        lines.append(text)
+    return lines
+
+
+def _config_rows(pt: dict) -> list[str]:
+    head = ["config", "runs", "output tok/s per repeat", "mean", "spread"]
+    head += [t for _, t, _ in COLUMNS] + ["AL measured"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cfg, v in pt["configs"].items():
+        reps = [r["output_throughput"] for r in v["repeats"]]
+        st = v["stats"].get("output_throughput", {})
+        cells = [f"`{cfg}`", str(len(reps)), ", ".join(f"{x:.0f}" for x in reps) or "-",
+                 _fmt("{:.0f}", st.get("mean")),
+                 _fmt("{:.1%}", st.get("spread")) if len(reps) > 1 else "-"]  # fmt: skip
+        cells += [_fmt(f, _mean(v["stats"], k)) for k, _, f in COLUMNS]
+        cells.append(_fmt("{:.2f}", _measured_al(v)))
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def _ratio_rows(pt: dict) -> list[str]:
+    head = ["ratio", "rotations"]
+    head += [f"{t} (ratio of means; range over rotations)" for _, t in RATIO_METRICS]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for pair, v in pt["ratios"].items():
+        cells = [f"`{pair}`", str(v.get("rotations", len(v["output_throughput"]["per_rotation"])))]
+        for key, _ in RATIO_METRICS:
+            r = v.get(key)
+            cells.append("-" if not r else
+                         f"{r['ratio_of_means']:.3f} ({r['min']:.3f}-{r['max']:.3f})")  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def pd_goal(rec: dict) -> list[str]:
+    """Issue 44's PD goal per PD configuration of the record, from its ratios."""
+    base = rec["meta"]["interleave"]["baseline"]
+    pds = [c for c in rec["meta"]["configs"] if c.startswith("pd_") and c != base]
+    if not pds:
+        return []
+    lines = []
+    for cfg in pds:
+        key = f"{cfg}/{base}"
+        seen = {pt["concurrency"]: pt["ratios"][key]["output_throughput"]
+                for pt in rec["interleaved"] if key in pt["ratios"]}  # fmt: skip
+        got = ", ".join(
+            f"C = {c}: {r['ratio_of_means']:.3f} ({r['min']:.3f}-{r['max']:.3f}, "
+            f"{len(r['per_rotation'])} rotation(s))"
+            for c, r in sorted(seen.items())
+        )
+        if PD_GOAL_C in seen:
+            low = seen[PD_GOAL_C]["min"]
+            verdict = "**met**" if low >= PD_GOAL else "**missed**"
+            verdict += f" at C = {PD_GOAL_C} (lowest rotation {low:.3f})"
+        else:
+            verdict = f"**not measured at C = {PD_GOAL_C}**"
+        goal = f"goal: at least {PD_GOAL:.0%} of its output tok/s at C = {PD_GOAL_C}"
+        lines.append(f"* `{cfg}` against `{base}` ({goal}): {verdict}; measured {got or 'nothing'}")
+    return lines
+
+
+def section(name: str, rec: dict) -> list[str]:
+    m = rec["meta"]
+    v = m["versions"]
+    wl = m["workload"]
+    lines = [
+        f"## {m['date']}: {', '.join(m['configs'])} ([{name}]({name}))",
+        "",
+        f"* commit `{m['commit']}`" + (f" ({m['commit_note']})" if m.get("commit_note") else ""),
+        f"* GPU: {v['gpu']} ({v.get('gpus', 1)}); vLLM {v.get('vllm')}, torch {v.get('torch')}",
+        f"* command (on the GPU machine): `{m['command']}`",
+        f"* shape `{m['shape']}`, workload `{wl.get('name')}` ({wl.get('input_len')} in / "
+        f"{wl.get('output_len')} out), k = {m.get('k')}, acceptance lengths "
+        f"{m.get('acceptance_lengths')}, servers started {m.get('start', '?')}, layout "
+        f"`{m.get('gpu_layout', '?')}`; baseline of the ratios `{m['interleave']['baseline']}`, "
+        f"{m['interleave'].get('repeats')} repeats asked, rotation "
+        f"`{m['interleave'].get('rotation')}`",
+        "",
+        "Servers:",
+        "",
+        *_servers(rec),
+    ]
+    for pt in rec["interleaved"]:
+        prompts = pt["num_prompts"]
+        lines += [
+            "",
+            f"### AL {pt['acceptance_length']}, C = {pt['concurrency']}",
+            "",
+            f"{', '.join(map(str, prompts))} prompts per run"
+            + ("" if pt.get("equal_prompts", True) else " (NOT equal across configurations)")
+            + (f"; shortened: {pt['trimmed']}" if pt.get("trimmed") else "")
+            + ".",
+            "",
+            *_config_rows(pt),
+            "",
+            *_ratio_rows(pt),
+        ]
+    skipped = rec.get("skipped") or []
+    lines += ["", "Runs that failed or were cut:" if skipped else "No run failed or was cut."]
+    if skipped:
+        lines += [""] + [f"* `{s.get('config')}` AL {s.get('acceptance_length')} C = "
+                         f"{s.get('concurrency')} repeat {s.get('repeat', '?')}: {s.get('why')}"
+                         for s in skipped]  # fmt: skip
+    goal = pd_goal(rec)
+    if goal:
+        lines += ["", "Issue 44's PD goal, from the ratios above:", "", *goal]
+    return lines + [""]
+
+
+def markdown(runs: list[tuple[str, dict]]) -> str:
+    head = [
+        f"<!-- generated by benchmarks/interleaved_page.py from {PATTERN}; do not edit -->",
+        "# Served comparisons measured in one call, interleaved (issue 44)",
+        "",
+        "Each section is one record of `benchmarks/serve_pp_one_gpu.py --interleave`: every "
+        "configuration started at once on the one GPU, then each point's runs in rotation (one "
+        "run of every configuration per rotation, `--repeats` rotations), so a ratio divides "
+        "runs of the same rotation of the same call. Spread: (max - min) / mean over the "
+        "repeats. Runs are shortened alike when the call's budget is short (`shortened`); "
+        "such points are a few seconds long and say so. All deployments share the one GPU, so "
+        "absolute figures are this testbed's; the ratios are the result.",
+        "",
+    ]
+    if not runs:
+        return "\n".join(head + ["No record yet.", ""])
+    if FIGURE.exists():
+        head += [f"![output tok/s per configuration]({FIGURE.name})", ""]
+    body = [line for name, rec in runs for line in section(name, rec)]
+    return "\n".join(head + body)
+
+
+def figure(runs: list[tuple[str, dict]], path: Path = FIGURE) -> bool:
+    """Output tok/s per configuration against concurrency, the repeats' range as error bars;
+    one panel per record and acceptance length. SVG (text), deterministic. False without
+    matplotlib or records."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = [(name, rec, al) for name, rec in runs
+              for al in sorted({pt["acceptance_length"] for pt in rec["interleaved"]})]  # fmt: skip
+    if not panels:
+        return False
+    plt.rcParams["svg.hashsalt"] = "interleaved"
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (_name, rec, al) in zip(axes[0], panels, strict=True):
+        pts = [pt for pt in rec["interleaved"] if pt["acceptance_length"] == al]
+        for cfg in rec["meta"]["configs"]:
+            xs, ys, lo, hi = [], [], [], []
+            for pt in pts:
+                reps = [
+                    r["output_throughput"] for r in pt["configs"].get(cfg, {}).get("repeats", [])
+                ]
+                if reps:
+                    m = statistics.mean(reps)
+                    xs.append(pt["concurrency"])
+                    ys.append(m)
+                    lo.append(m - min(reps))
+                    hi.append(max(reps) - m)
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=cfg)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tok/s")
+        ax.set_title(f"{rec['meta']['date'][:10]} {rec['meta']['shape']} AL {al}", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return True
+
+
+def text() -> str:
+    runs = load()
+    return markdown(runs)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--check" not in argv:
+        figure(load())
+    return page_main(PAGE, text, __doc__.splitlines()[0], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

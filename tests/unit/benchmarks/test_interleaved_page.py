@@ -1,0 +1,111 @@
+"""benchmarks/interleaved_page.py: docs/results/perf_interleaved_gpu.md from the interleaved
+served records (issue 44)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from benchmarks import interleaved_page as page
+
+RECORD = page.RESULTS / "serve_interleaved_gpu_2026-12-06_pd_mc_ipc.json"
+
+
+@pytest.fixture
+def record() -> dict:
+    return json.loads(RECORD.read_text())
+
+
+def _md(rec: dict) -> str:
+    return page.markdown([(RECORD.name, rec)])
+
+
+def _row(md: str, start: str) -> str:
+    return next(x for x in md.splitlines() if x.startswith(start))
+
+
+def test_the_committed_page_is_the_generators_output():
+    assert RECORD.name in [n for n, _ in page.load()]
+    assert page.PAGE.read_text() == page.text(), "run: python -m benchmarks.interleaved_page"
+
+
+def test_every_repeat_its_mean_spread_and_the_ratios_come_from_the_record(record):
+    md = _md(record)
+    row = _row(md, "| `pd_mc_ipc_dspark` | 3 |")
+    assert "| 2829, 2653, 2776 | 2753 | 6.4% |" in row
+    assert "| `pd_mc_ipc_dspark/agg_dspark_kv` | 3 | 0.748 (0.730-0.759) |" in md
+    planted = copy.deepcopy(record)
+    pt = planted["interleaved"][0]
+    pt["configs"]["pd_mc_ipc_dspark"]["repeats"][1]["output_throughput"] = 1000.0
+    assert "| 2829, 1000, 2776 |" in _row(_md(planted), "| `pd_mc_ipc_dspark` | 3 |")
+
+
+def test_the_failed_run_and_the_shortened_points_are_named(record):
+    md = _md(record)
+    assert "* `pd_dspark` AL 3.99 C = 32 repeat 1: bench failed: cut after 20 s" in md
+    assert md.count("shortened: budget:") == 2
+    planted = copy.deepcopy(record)
+    planted["skipped"] = []
+    assert "No run failed or was cut." in _md(planted)
+
+
+def test_the_servers_show_the_transport_mooncake_logged(record):
+    md = _md(record)
+    line = _row(md, "* `pd_mc_ipc_dspark`: 3 launcher(s)")
+    assert "protocol `nvlink_intra`" in line and "`MC_INTRANODE_NVLINK=1`" in line
+    assert line.endswith("transports in Mooncake's log lines: `nvlink_intra`")
+    planted = copy.deepcopy(record)
+    planted["servers"]["pd_mc_ipc_dspark"]["mooncake_transport"]["transports"] = []
+    assert _row(_md(planted), "* `pd_mc_ipc_dspark`: 3").endswith("log lines: none logged")
+
+
+def _with_c64(record: dict, low: float) -> dict:
+    planted = copy.deepcopy(record)
+    pt = copy.deepcopy(planted["interleaved"][1])
+    pt["concurrency"] = 64
+    r = pt["ratios"]["pd_mc_ipc_dspark/agg_dspark_kv"]["output_throughput"]
+    r.update(ratio_of_means=low + 0.01, per_rotation=[low, low + 0.02], min=low, max=low + 0.02)
+    planted["interleaved"].append(pt)
+    return planted
+
+
+def test_the_pd_goal_is_met_missed_or_not_measured_from_the_ratios(record):
+    goal = _row(_md(record), "* `pd_mc_ipc_dspark` against `agg_dspark_kv`")
+    assert "**not measured at C = 64**" in goal and "C = 8: 0.748 (0.730-0.759" in goal
+    met = _row(_md(_with_c64(record, 0.55)), "* `pd_mc_ipc_dspark` against")
+    assert "**met** at C = 64 (lowest rotation 0.550)" in met
+    missed = _row(_md(_with_c64(record, 0.45)), "* `pd_mc_ipc_dspark` against")
+    assert "**missed** at C = 64 (lowest rotation 0.450)" in missed
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda r: r["meta"].pop("commit"),
+        lambda r: r["meta"]["interleave"].pop("baseline"),
+        lambda r: r.update(interleaved=[]),
+        lambda r: r["interleaved"][0]["ratios"]["pd_dspark/agg_dspark_kv"].pop("output_throughput"),
+        lambda r: r["interleaved"][0]["configs"]["agg_dspark_kv"].pop("stats"),
+    ],
+    ids=["commit", "baseline", "not interleaved", "ratio", "stats"],
+)
+def test_a_record_without_a_field_the_page_needs_is_refused(tmp_path, record, plant):
+    plant(record)
+    (tmp_path / RECORD.name).write_text(json.dumps(record))
+    with pytest.raises(page.RecordError):
+        page.load(tmp_path)
+
+
+def test_no_record_says_so(tmp_path):
+    assert "No record yet." in page.markdown(page.load(tmp_path))
+
+
+def test_the_figure_is_deterministic_text_with_every_configuration(tmp_path, record):
+    pytest.importorskip("matplotlib")
+    a, b = tmp_path / "a.svg", tmp_path / "b.svg"
+    assert page.figure([(RECORD.name, record)], a) and page.figure([(RECORD.name, record)], b)
+    assert a.read_bytes() == b.read_bytes()
+    svg = a.read_text()
+    assert all(cfg in svg for cfg in record["meta"]["configs"])
