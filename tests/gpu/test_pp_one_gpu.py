@@ -223,6 +223,9 @@ def _evidence(dep, pp: int, tp: int = 1) -> dict:
         "nccl_comms": nccl_init,
         "nccl_socket": "NET/Socket" in text,
         "pinned": [int(x) for x in re.findall(r"(\d+) pinned dispatches so far", text)],
+        "pinned_per_log": [
+            [int(x) for x in re.findall(r"(\d+) pinned dispatches so far", log)] for log in logs
+        ],
         # VLLM_DSPARK_PP_DRAFT_DIGEST's lines (the TP x PP jobs set it): {rank: {posts: digest}}
         "draft_digests": draft_digest.parse_lines(text),
         # tap partials (protocol/tap_partials.py): the mode line, and per stage the keys (bytes

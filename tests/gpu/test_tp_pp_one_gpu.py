@@ -23,6 +23,9 @@ default is :data:`DEFAULT_JOBS`, sized for one 540 s call on one H100/H200):
 * ``tp2pp2_sync`` (graphs, sync), ``tp2pp2_eager`` (eager, async): the other two corners;
 * ``tp2pp1_async`` / ``tp1pp2_async``: TP=2 alone and PP=2 alone (graphs, async), to locate a
   TP x PP failure;
+* ``tp2pp2_fixed8``: ``tp2pp2_async`` with the fixed DSpark graph batch of 8 requests
+  (``dspark_pp_fixed_graph_batch``): also checked, both last-stage TP ranks log pinned drafter
+  dispatches (at least 10) and stage 0 none;
 * ``stock_async`` / ``stock_sync_eager``: ``tp2pp2_async`` / ``tp2pp2_sync_eager`` with the plugin
   left out (``VLLM_PLUGINS``): what stock vLLM 0.34.0 does is recorded (answers and how well,
   crashes, or hangs: then every process's stacks, via faulthandler).
@@ -72,7 +75,7 @@ from test_pp_one_gpu import (
 
 from dspark_dev import pp_launch
 from dspark_dev.parity import compare_tokens, counters_close
-from vllm_dspark_pp.protocol import draft_digest
+from vllm_dspark_pp.protocol import draft_digest, graph_batch
 
 pytestmark = pytest.mark.gpu  # the time limit: run_groups.sh --timeout (its budget)
 
@@ -87,7 +90,10 @@ SERVED = {
     "tp2pp2_eager": (2, 2, True, True),
     "tp2pp1_async": (2, 1, True, False),
     "tp1pp2_async": (1, 2, True, False),
+    "tp2pp2_fixed8": (2, 2, True, False),
 }
+#: served jobs with the fixed DSpark graph batch (``dspark_pp_fixed_graph_batch``): requests
+FIXED = {"tp2pp2_fixed8": 8}
 ABORT_JOB = "tp2pp2_async"
 # name: the served job whose deployment it repeats without the plugin
 STOCK = {"stock_async": "tp2pp2_async", "stock_sync_eager": "tp2pp2_sync_eager"}
@@ -116,6 +122,7 @@ def _shape(name: str) -> dict:
         "tp": tp, "pp": pp, "scheduling": scheduling,
         "cuda_graphs": not (eager or DRYRUN_CPU), "dtype": DTYPE,
         "speculation": name != "ref", "plugin": True,
+        "fixed_graph_batch": FIXED.get(name),
     }  # fmt: skip
 
 
@@ -162,8 +169,9 @@ def tp_pp_jobs():
         cfg = {**graphs, "speculative_config": tiny_pair.spec_config(), "async_scheduling": flag}
         jobs.submit(f"pp1_{mode}", _llm, f"tp_pp_pp1_{mode}", cfg, waves, dtype=DTYPE)
     for name, (tp, pp, flag, eager) in SERVED.items():
+        extra = {graph_batch.KEY: FIXED[name]} if name in FIXED else {}
         jobs.submit(
-            name, _served, name, pp, flag, {}, waves, guard,
+            name, _served, name, pp, flag, extra, waves, guard,
             abort=name == ABORT_JOB, tp=tp, eager=eager, dtype=DTYPE,
             env={DIGEST_ENV: str(DIGEST_EVERY)},
         )  # fmt: skip
@@ -297,6 +305,28 @@ def test_every_rank_joined_and_talked_over_nccl(tp_pp_jobs, name):
         problems += _nccl_problems(ev, tp, pp)
     _verdict(f"ranks[{name}]", not problems, "; ".join(problems) or json.dumps(ev, default=str))
     assert not problems, "\n".join(problems)
+
+
+def test_fixed_graph_batch_pins_the_drafter_on_every_last_stage_rank(tp_pp_jobs):
+    """``tp2pp2_fixed8``: with ``dspark_pp_fixed_graph_batch`` 8 each TP rank of the last stage
+    (launchers 2 and 3) logs at least 10 drafter dispatches pinned to the fixed batch, and no
+    rank of stage 0 (no drafter there) logs one; its greedy, acceptance and every-rank checks
+    are the parametrized tests above. Control: a job without the setting logs none
+    (tests/unit/support/test_gpu_fake_wiring.py, and every other served job's record)."""
+    jobs, _, _ = tp_pp_jobs
+    got = jobs.result("tp2pp2_fixed8", timeout=REQUEST_TIMEOUT_S)
+    tp, pp = got["tp"], got["pp"]
+    per_log = got["evidence"]["pinned_per_log"]
+    last = range((pp - 1) * tp, pp * tp)
+    problems = [f"launcher {r} (last stage) logged {per_log[r]}" for r in last
+                if not per_log[r] or max(per_log[r]) < 10]  # fmt: skip
+    problems += [f"launcher {r} (stage {r // tp}) logged {per_log[r]}"
+                 for r in range(len(per_log)) if r not in last and per_log[r]]  # fmt: skip
+    detail = f"pinned dispatch counts per launcher: {per_log}"
+    _verdict("pinned[tp2pp2_fixed8]", not problems, "; ".join([detail, *problems]))
+    print(detail)
+    assert len(per_log) == tp * pp, detail
+    assert not problems, problems
 
 
 def test_abort_mid_stream_frees_the_request_and_serving_continues(tp_pp_jobs):

@@ -215,7 +215,7 @@ def pytest_configure(config):
                 self.text += (
                     f"PP handshake: {tp * pp} ranks agree\nDSpark PP exchange: fake over nccl\n"
                 )
-            if rank == tp * pp - 1 and graph_batch.KEY in (spec or {}):
+            if rank // tp == pp - 1 and graph_batch.KEY in (spec or {}):  # the drafter's ranks
                 for n in (1, 10, 100):  # the patch logs its count at 1, 10, 100, ...
                     self.text += (
                         f"DSpark drafter dispatch pinned to the fixed graph batch of "

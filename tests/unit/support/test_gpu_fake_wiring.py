@@ -41,7 +41,7 @@ TAP_JOBS = ",".join(["ref", "pp1_async", *TAP_SERVED])
 # every TP x PP job but the stock control (its fake would wait on a /health that never answers)
 TP_PP_JOBS = ",".join(
     ["ref", "pp1_async", "pp1_sync", "tp2pp2_async", "tp2pp2_sync_eager", "tp2pp2_sync",
-     "tp2pp2_eager", "tp2pp1_async", "tp1pp2_async"]
+     "tp2pp2_eager", "tp2pp1_async", "tp1pp2_async", "tp2pp2_fixed8"]
 )  # fmt: skip
 # issue 40 item 2: PD with a TP=2 x PP=2 producer (test_pd_pp_producer.py's opt-in jobs)
 PD_TP_GOOD = ["pd_tp2pp2_tp2", "pd_tp2pp2_tp1"]
@@ -294,8 +294,14 @@ def test_fake_engines_pass_the_tp_pp_group_and_its_record_is_written(fake_runs, 
     all_jobs = run == "tp_pp-all-but-stock"
     served = TP_PP_JOBS.split(",")[3:] if all_jobs else ["tp2pp2_async", "tp2pp2_sync_eager"]
     checks = [f"{c}[{n}]" for n in served for c in ("greedy", "acceptance", "ranks")]
+    checks += ["pinned[tp2pp2_fixed8]"] if all_jobs else []
     assert set(checks) | {"abort", "nccl_stubs"} == set(record["verdicts"]), record["verdicts"]
     assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
+    if all_jobs:  # both last-stage TP ranks pinned, stage 0 not; no other job pinned anything
+        detail = record["verdicts"]["pinned[tp2pp2_fixed8]"]["detail"]
+        assert "[[], [], [1, 10, 100], [1, 10, 100]]" in detail, detail
+        assert record["jobs"]["tp2pp2_fixed8"]["shape"]["fixed_graph_batch"] == 8
+        assert record["jobs"]["tp2pp2_async"]["evidence"]["pinned"] == []
     assert record["jobs"]["tp2pp2_async"]["shape"]["tp"] == 2 and record["commit"]
     assert record["jobs"]["tp2pp2_async"]["counters"]["num_drafts"] > 0
 
@@ -310,7 +316,7 @@ def test_the_tp_pp_checks_fail_on_low_acceptance_and_a_silent_rank(fake_runs, ru
     digest than the others (PP > 1 jobs only: TP=2 PP=1 has no exchange)."""
     got = fake_runs(run)
     record = _record(got, "tp_pp.json")
-    assert got["rc"] != 0 and got.get("failed") == 6, got["last"]
+    assert got["rc"] != 0 and got.get("failed") == 7, got["last"]
     bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert bad == sorted(f"{check}[{n}]" for n in TP_PP_JOBS.split(",")[3:]), bad
     if "digest_differs" in run:
