@@ -57,7 +57,9 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   ``pd_dspark`` over Mooncake's intra-node transport (``"mooncake_protocol": "nvlink_intra"``
   and ``MC_INTRANODE_NVLINK=1`` on producer and decoder, pd_launch.mooncake_env: the producer
   writes the KV into the decoder's blocks with device-to-device copies through CUDA IPC instead
-  of Mooncake's TCP transport; docs/pd_transport.md), PP=1 producer;
+  of Mooncake's TCP transport; docs/pd_transport.md), PP=1 producer; ``pd_pp2_mc_ipc_dspark``
+  the same with a PP=2 producer (group ``pd_mc_ipc_goal``, with ``agg_dspark_kv`` and
+  ``pd_mc_ipc_dspark``: issue 44's PD goal point without the TCP side);
 * ``pd_pp2_dspark`` (by name only): the same with a PP=2 producer (two launchers, one stage
   each, both ``kv_producer`` with one engine id; the producer's KV bytes split over them; the
   decoder pulls from both stages), the decoder PP=1;
@@ -103,7 +105,8 @@ Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``
 pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unless
 ``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side),
 ``pd_nixl`` = agg_dspark_kv + pd_nixl_dspark, ``pd_mc_ipc`` = agg_dspark_kv + pd_dspark +
-pd_mc_ipc_dspark. A run's ``meta.pd_transport`` says each PD configuration's connector, Mooncake
+pd_mc_ipc_dspark, ``pd_mc_ipc_goal`` = agg_dspark_kv + pd_mc_ipc_dspark + pd_pp2_mc_ipc_dspark.
+A run's ``meta.pd_transport`` says each PD configuration's connector, Mooncake
 protocol and the transport variables its engines got; ``servers.<name>.mooncake_transport`` what
 the engines' logs say vLLM passed and Mooncake installed.
 Every server of a group starts at once (``--start together``:
@@ -265,6 +268,10 @@ CONFIGS = {
         Config("pd_nixl_dspark", 1, True, pd=True, pd_kv=True, connector="nixl"),
         # Mooncake's intra-node transport: CUDA IPC device-to-device copies (docs/pd_transport.md)
         Config("pd_mc_ipc_dspark", 1, True, pd=True, pd_kv=True, mooncake_protocol="nvlink_intra"),
+        # the same with a PP=2 producer (two launchers), the decoder PP=1
+        Config(
+            "pd_pp2_mc_ipc_dspark", 2, True, pd=True, pd_kv=True, mooncake_protocol="nvlink_intra"
+        ),
         *(Config(f"pp{pp}_dspark_k{j}", pp, True, k=j) for pp in (1, 2) for j in SWEEP_KS),
     )
 }
@@ -294,6 +301,9 @@ GROUPS = {
     # aggregated, Mooncake over TCP, Mooncake's intra-node (CUDA IPC) transport: what the TCP hop
     # costs PD on one GPU, and whether Mooncake itself can take it off (meant for --interleave)
     "pd_mc_ipc": ("agg_dspark_kv", "pd_dspark", "pd_mc_ipc_dspark"),
+    # issue 44's PD goal point (C = 64) without the slow TCP side: aggregated, PD over the
+    # intra-node transport with a PP=1 and with a PP=2 producer
+    "pd_mc_ipc_goal": ("agg_dspark_kv", "pd_mc_ipc_dspark", "pd_pp2_mc_ipc_dspark"),
 }
 #: --acceptance-lengths when not given: the PD comparison sweeps AL 3.99 only (its servers'
 #: start leaves time for one sweep each within one GPU command).

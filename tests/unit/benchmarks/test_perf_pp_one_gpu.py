@@ -508,6 +508,32 @@ def test_dry_run_pd_mc_ipc_compares_tcp_and_the_intra_node_transport(capsys, mon
     assert slots[:3] == ["agg_dspark_kv", "pd_dspark", "pd_mc_ipc_dspark"] and len(slots) == 18
 
 
+def test_dry_run_pd_mc_ipc_goal_gives_the_pp2_producer_the_intra_node_transport(
+    capsys, monkeypatch
+):
+    """Group ``pd_mc_ipc_goal`` (issue 44's PD goal point): aggregated, PD over the intra-node
+    transport with a PP=1 and with a PP=2 producer; both producer launchers of the PP=2 one and
+    its decoder name ``nvlink_intra`` and get ``MC_INTRANODE_NVLINK``; no TCP PD."""
+    monkeypatch.delenv("DSPARK_PD_MOONCAKE_PROTOCOL", raising=False)
+    assert [c.name for c in serve.select_configs("pd_mc_ipc_goal")] == [
+        "agg_dspark_kv", "pd_mc_ipc_dspark", "pd_pp2_mc_ipc_dspark",
+    ]  # fmt: skip
+    out = _dry(capsys, "--configs", "pd_mc_ipc_goal", "--interleave", "--repeats", "3",
+               "--concurrency", "32,64", "--acceptance-lengths", "3.99", "--workload", "mixed",
+               "--budget-s", "540")  # fmt: skip
+    nodes = _launchers(out)
+    pp2 = sorted(n for n in nodes if n.startswith("pd_pp2_mc_ipc_dspark") and "proxy" not in n)
+    assert pp2 == [
+        "pd_pp2_mc_ipc_dspark decoder", "pd_pp2_mc_ipc_dspark producer node 0",
+        "pd_pp2_mc_ipc_dspark producer node 1 (headless)",
+    ]  # fmt: skip
+    for who in pp2:
+        assert _mooncake(out, who) == ("nvlink_intra", {"MC_INTRANODE_NVLINK": "1"}), who
+    assert "-pp 2" in " ".join(nodes["pd_pp2_mc_ipc_dspark producer node 0"]["argv"])
+    assert not any(n.startswith("pd_dspark") for n in nodes)
+    assert set(_pd_transport_lines(out)) == {"pd_mc_ipc_dspark", "pd_pp2_mc_ipc_dspark"}
+
+
 def test_the_protocol_knob_reaches_pd_dspark_and_nixl_records_ucx(capsys, monkeypatch):
     monkeypatch.setenv("DSPARK_PD_MOONCAKE_PROTOCOL", "nvlink_intra")
     out = _dry(capsys, "--configs", "pd", "--concurrency", "4")
