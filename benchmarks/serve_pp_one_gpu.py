@@ -105,8 +105,12 @@ Groups: ``pp1`` = pp1_nospec + pp1_dspark, ``pp2`` = pp2_nospec + pp2_dspark, ``
 pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unless
 ``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side),
 ``pd_nixl`` = agg_dspark_kv + pd_nixl_dspark, ``pd_mc_ipc`` = agg_dspark_kv + pd_dspark +
-pd_mc_ipc_dspark, ``pd_mc_ipc_goal`` = agg_dspark_kv + pd_mc_ipc_dspark + pd_pp2_mc_ipc_dspark.
-A run's ``meta.pd_transport`` says each PD configuration's connector, Mooncake
+pd_mc_ipc_dspark, ``pd_mc_ipc_goal`` = agg_dspark_kv + pd_mc_ipc_dspark + pd_pp2_mc_ipc_dspark,
+``split`` = pp1_dspark + pp2_dspark + pp2_dspark_balanced (issue 44 item 3: ``*_balanced`` serve
+PP=2 with ``VLLM_PP_LAYER_PARTITION`` set to vllm_dspark_pp.stage_balance's split for the served
+pair, what ``vllm-dspark-pp plan`` recommends; ``meta.stage_split`` records it with the even
+split and both splits' modelled stage costs; on the one GPU the stages only overlap under
+``--mps``). A run's ``meta.pd_transport`` says each PD configuration's connector, Mooncake
 protocol and the transport variables its engines got; ``servers.<name>.mooncake_transport`` what
 the engines' logs say vLLM passed and Mooncake installed.
 Every server of a group starts at once (``--start together``:
@@ -230,6 +234,9 @@ class Config:
     mooncake_protocol: str | None = None
     k: int | None = None  # num_speculative_tokens of this configuration (None: the driver's -k)
     env: tuple[tuple[str, str], ...] = ()  # launcher variables of this configuration only
+    # VLLM_PP_LAYER_PARTITION from `vllm-dspark-pp plan`'s stage balance for the served pair
+    # (issue 44 item 3): the cost model's split instead of vLLM's even one
+    balanced: bool = False
 
 
 TAPS_ENV = "VLLM_DSPARK_PP_TAP_PARTIALS"
@@ -262,6 +269,8 @@ CONFIGS = {
         # shape keeps raw taps, and its launchers log why)
         Config("pp2_dspark_taps_dict", 2, True, env=((TAPS_ENV, "1"),)),
         Config("pp2_dspark_taps_side", 2, True, env=((TAPS_ENV, "side"),)),
+        Config("pp2_dspark_balanced", 2, True, balanced=True),
+        Config("pp2_nospec_balanced", 2, False, balanced=True),
         Config("pd_dspark", 1, True, pd=True, pd_kv=True),
         Config("agg_dspark_kv", 1, True, pd_kv=True),
         Config("pd_pp2_dspark", 2, True, pd=True, pd_kv=True),
@@ -292,6 +301,9 @@ GROUPS = {
     # bytes per step stage to stage and on the side channel, and the last stage's waits
     # (the exchange table); meant for --interleave with --model-dir (a pair with weights)
     "tap_partials": ("pp2_dspark", "pp2_dspark_taps_dict", "pp2_dspark_taps_side"),
+    # issue 44 item 3: vLLM's even layer split against plan's split around the last-stage
+    # drafter, PP=1 beside them (meant for --interleave, and --mps for stages that overlap)
+    "split": ("pp1_dspark", "pp2_dspark", "pp2_dspark_balanced"),
     # the aggregated reference first: a PD side that stalls (a KV pull that never completes) is
     # cut at the deadline and must not take the reference's measurements with it
     "pd": ("agg_dspark_kv", "pd_dspark"),
@@ -871,6 +883,8 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
     )
     env = server_env(cfg, hook_root=hook_root, cpu=a.cpu, extra=profile_env(a) | a.extra_env)
+    if cfg.balanced:
+        env[LAYER_PARTITION_ENV] = ",".join(map(str, stage_split(cfg, a, paths)["partition"]))
     if cfg.pd_kv and not a.cpu and "VLLM_ENGINE_READY_TIMEOUT_S" not in a.extra_env:
         # vLLM's own start-up deadline must not end an engine the driver still waits for
         env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(a.ready_s))
@@ -905,6 +919,33 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         env=env,
         env_per_rank=getattr(a, "mps_env_per_rank", None),
     )
+
+
+LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+
+
+def stage_split(cfg: Config, a, paths) -> dict:
+    """The layer split a ``balanced`` configuration serves with: vllm_dspark_pp.stage_balance
+    (what ``vllm-dspark-pp plan`` recommends) for the served target and draft configs at the
+    configuration's PP size and k, from their ``config.json``. ``partition`` is the cost model's
+    split (vLLM's even split when the model finds nothing better: ``improves`` False), beside
+    the even split and both splits' modelled stage costs (target-layer units)."""
+    from vllm_dspark_pp.stage_balance import stage_balance
+
+    def cfg_json(folder: str) -> dict:
+        return json.loads((Path(folder) / "config.json").read_text())
+
+    k = cfg.k or a.k
+    sb = stage_balance(cfg_json(paths.target), cfg_json(paths.draft), k, cfg.pp)
+    return {
+        "partition": sb.best.partition,
+        "improves": sb.improves,
+        "costs": [round(c, 3) for c in sb.best.stage_costs],
+        "even_partition": sb.default.partition,
+        "even_costs": [round(c, 3) for c in sb.default.stage_costs],
+        "draft_cost_layers": round(sb.draft_cost_layers, 3),
+        "k": k,
+    }
 
 
 def kv_args(a) -> tuple[float, float, float]:
@@ -1389,6 +1430,7 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
             if any(c.pd for c in a.cfgs)
             else None,
             "pd_transport": {c.name: pd_transport(deps[c.name]) for c in a.cfgs if c.pd} or None,
+            "stage_split": {c.name: stage_split(c, a, paths) for c in a.cfgs if c.balanced} or None,
             "budget_s": a.budget_s,
             "start": a.start,
             "gpu_layout": a.gpu_layout,
@@ -1457,6 +1499,9 @@ def dry_run(a, deps, sweeps, paths, tok, mps=None) -> int:
         for cfg in a.cfgs:
             if cfg.pd:  # what meta.pd_transport will record
                 print(f"# pd transport {cfg.name}: {json.dumps(pd_transport(deps[cfg.name]))}")
+    for cfg in a.cfgs:
+        if cfg.balanced:  # what meta.stage_split will record
+            print(f"# stage split {cfg.name}: {json.dumps(stage_split(cfg, a, paths))}")
     if a.interleave:
         return dry_run_interleaved(a, paths)
     for cfg, ali, al in sweeps:

@@ -534,6 +534,31 @@ def test_dry_run_pd_mc_ipc_goal_gives_the_pp2_producer_the_intra_node_transport(
     assert set(_pd_transport_lines(out)) == {"pd_mc_ipc_dspark", "pd_pp2_mc_ipc_dspark"}
 
 
+def test_dry_run_split_serves_plans_layer_split_on_the_balanced_launchers_only(capsys):
+    """Group ``split`` (issue 44 item 3): PP=1, PP=2 with vLLM's even split and PP=2 with the
+    split of vllm_dspark_pp.stage_balance (what ``plan`` recommends) for the served shape: only
+    both launchers of ``pp2_dspark_balanced`` get ``VLLM_PP_LAYER_PARTITION``, the split the
+    dry run prints (and the record keeps) moves layers off the drafter's stage and covers every
+    target layer."""
+    assert [c.name for c in serve.select_configs("split")] == [
+        "pp1_dspark", "pp2_dspark", "pp2_dspark_balanced",
+    ]  # fmt: skip
+    out = _dry(capsys, "--configs", "split", "--interleave", "--repeats", "3", "--concurrency",
+               "16", "--acceptance-lengths", "3.99", "--workload", "decode")  # fmt: skip
+    line = next(x for x in out.splitlines() if x.startswith("# stage split pp2_dspark_balanced: "))
+    split = json.loads(line.split(": ", 1)[1])
+    layers = serve.SHAPES["qwen3-8b"].num_layers  # the default shape
+    assert sum(split["partition"]) == sum(split["even_partition"]) == layers
+    assert split["improves"] and split["partition"][-1] < split["even_partition"][-1]
+    assert max(split["costs"]) < max(split["even_costs"])
+    want = ",".join(map(str, split["partition"]))
+    nodes = _launchers(out)
+    for name, node in nodes.items():
+        got = node["env"].get("VLLM_PP_LAYER_PARTITION")
+        assert got == (want if name.startswith("pp2_dspark_balanced") else None), name
+    assert sum(n.startswith("pp2_dspark_balanced") for n in nodes) == 2
+
+
 def test_the_protocol_knob_reaches_pd_dspark_and_nixl_records_ucx(capsys, monkeypatch):
     monkeypatch.setenv("DSPARK_PD_MOONCAKE_PROTOCOL", "nvlink_intra")
     out = _dry(capsys, "--configs", "pd", "--concurrency", "4")
