@@ -109,3 +109,39 @@ def test_the_figure_is_deterministic_text_with_every_configuration(tmp_path, rec
     assert a.read_bytes() == b.read_bytes()
     svg = a.read_text()
     assert all(cfg in svg for cfg in record["meta"]["configs"])
+
+
+def _pp_record(tps: dict[str, list[float]], concurrency=(16,)) -> dict:
+    """A minimal interleaved record of the four goal (b) configurations: ``tps[cfg]`` the output
+    tok/s of each rotation."""
+    cfgs = list(page.GOAL_B_CONFIGS)
+    meta = {"commit": "abc", "date": "2026-12-07 00:00:00 UTC", "command": "x", "configs": cfgs,
+            "shape": "qwen3-8b", "workload": {"name": "decode"},
+            "interleave": {"baseline": "pp1_dspark"}, "versions": {"gpu": "H100"}}  # fmt: skip
+    points = []
+    for c in concurrency:
+        configs = {}
+        for cfg in cfgs:
+            runs = [{"repeat": i, "output_throughput": v} for i, v in enumerate(tps[cfg])]
+            configs[cfg] = {"repeats": runs, "stats": {}}
+        ratio = {"ratio_of_means": 1.0, "per_rotation": [1.0], "min": 1.0, "max": 1.0}
+        points.append({"acceptance_length": 3.99, "concurrency": c, "num_prompts": [64],
+                       "configs": configs,
+                       "ratios": {f"{x}/pp1_dspark": {"output_throughput": ratio}
+                                  for x in cfgs if x != "pp1_dspark"}})  # fmt: skip
+    return {"meta": meta, "servers": {}, "interleaved": points, "skipped": []}
+
+
+def test_goal_b_is_computed_per_rotation_and_met_or_missed():
+    # PP=1 speed-up 3.0 in both rotations; PP=2 2.85 (0.95) and 2.55 (0.85)
+    rec = _pp_record({"pp1_nospec": [100, 100], "pp1_dspark": [300, 300],
+                      "pp2_nospec": [50, 60], "pp2_dspark": [142.5, 153]})  # fmt: skip
+    page.check("x.json", rec)
+    lines = page.goal_b(rec)
+    assert lines[0].endswith("**missed** (lowest rotation 0.850)"), lines
+    assert "* AL 3.99, C = 16: 0.900 (rotations 0.850-0.950, 2)" in lines
+    rec = _pp_record({"pp1_nospec": [100, 100], "pp1_dspark": [300, 300],
+                      "pp2_nospec": [50, 60], "pp2_dspark": [142.5, 171]})  # fmt: skip
+    assert page.goal_b(rec)[0].endswith("**met** (lowest rotation 0.950)")
+    rec["meta"]["configs"] = ["pp1_dspark", "pp2_dspark"]  # no no-spec arms: no goal (b) line
+    assert page.goal_b(rec) == []
