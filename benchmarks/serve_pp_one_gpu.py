@@ -106,6 +106,7 @@ pp2_nospec_stock + pp2_nospec, ``pd`` = agg_dspark_kv + pd_dspark (AL 3.99 unles
 ``--acceptance-lengths`` says otherwise: three engines' start leaves one sweep per side),
 ``pd_nixl`` = agg_dspark_kv + pd_nixl_dspark, ``pd_mc_ipc`` = agg_dspark_kv + pd_dspark +
 pd_mc_ipc_dspark, ``pd_mc_ipc_goal`` = agg_dspark_kv + pd_mc_ipc_dspark + pd_pp2_mc_ipc_dspark,
+``stock_dspark`` = pp2_dspark_stock + pp2_dspark (the plugin's cost with DSpark at PP=2),
 ``split`` = pp1_dspark + pp2_dspark + pp2_dspark_balanced (issue 44 item 3: ``*_balanced`` serve
 PP=2 with ``VLLM_PP_LAYER_PARTITION`` set to vllm_dspark_pp.stage_balance's split for the served
 pair, what ``vllm-dspark-pp plan`` recommends; ``meta.stage_split`` records it with the even
@@ -297,6 +298,9 @@ GROUPS = {
     "ksweep_pp1": (*(f"pp1_dspark_k{j}" for j in SWEEP_KS), "pp1_dspark_adaptive"),
     "ksweep_pp2": (*(f"pp2_dspark_k{j}" for j in SWEEP_KS), "pp2_dspark_adaptive"),
     "stock": ("pp2_nospec_stock", "pp2_nospec"),
+    # issue 44 item 1: the plugin's cost at PP=2 with DSpark (stock vLLM 0.34.0 serves PP=2
+    # DSpark under async scheduling; it hangs under sync, docs/sync-scheduling.md)
+    "stock_dspark": ("pp2_dspark_stock", "pp2_dspark"),
     # raw taps (vLLM's relay), one partial in the intermediate tensors, one on the side channel:
     # bytes per step stage to stage and on the side channel, and the last stage's waits
     # (the exchange table); meant for --interleave with --model-dir (a pair with weights)

@@ -559,6 +559,23 @@ def test_dry_run_split_serves_plans_layer_split_on_the_balanced_launchers_only(c
     assert sum(n.startswith("pp2_dspark_balanced") for n in nodes) == 2
 
 
+def test_dry_run_stock_dspark_leaves_the_plugin_out_of_the_stock_launchers_only(capsys):
+    """Group ``stock_dspark`` (issue 44 item 1: the plugin's cost at PP=2 with DSpark, same
+    call): both launchers of ``pp2_dspark_stock`` load the benchmark hook only, both of
+    ``pp2_dspark`` the plugin too; both serve DSpark with async scheduling."""
+    assert [c.name for c in serve.select_configs("stock_dspark")] == [
+        "pp2_dspark_stock", "pp2_dspark",
+    ]  # fmt: skip
+    out = _dry(capsys, "--configs", "stock_dspark", "--interleave", "--repeats", "3",
+               "--concurrency", "16", "--acceptance-lengths", "3.99")  # fmt: skip
+    nodes = _launchers(out)
+    assert len(nodes) == 4, sorted(nodes)
+    for name, node in nodes.items():
+        plugins = node["env"]["VLLM_PLUGINS"].split(",")
+        assert (serve.PLUGIN in plugins) is (not name.startswith("pp2_dspark_stock")), name
+        assert "--speculative-config" in node["argv"] and "--async-scheduling" in node["argv"]
+
+
 def test_the_protocol_knob_reaches_pd_dspark_and_nixl_records_ucx(capsys, monkeypatch):
     monkeypatch.setenv("DSPARK_PD_MOONCAKE_PROTOCOL", "nvlink_intra")
     out = _dry(capsys, "--configs", "pd", "--concurrency", "4")
