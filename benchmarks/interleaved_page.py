@@ -26,10 +26,10 @@ is stated per PD configuration from the ratios: met or missed where C = 64 was m
 "not measured at C = 64" with the concurrencies that were; goal (b) (PP=2's DSpark / no-spec
 speed-up at least 0.9 of PP=1's at every C) where a record served all four of pp1_nospec,
 pp1_dspark, pp2_nospec, pp2_dspark, per rotation from runs of the same rotation. A record
-without a field the page needs is refused with :class:`RecordError`. The figure (``perf_interleaved_gpu.svg``, text,
-written beside the page when matplotlib is there) plots each record's output tok/s per
-configuration against concurrency with the repeats' range. tests/unit/benchmarks/
-test_interleaved_page.py checks the committed page is this module's output.
+without a field the page needs is refused with :class:`RecordError`. The figure
+(``perf_interleaved_gpu.svg``, text, written beside the page when matplotlib is there) plots
+each record's output tok/s per configuration against concurrency with the repeats' range.
+tests/unit/benchmarks/test_interleaved_page.py checks the committed page is this module's output.
 """
 
 from __future__ import annotations
