@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from support.env import CPU_ENV
 
+from dspark_dev.provenance import record_commit  # a GPU record's commit
+
 WAVE_SIZES = (3, 5, 7)  # against decode graphs of 4 and 8 requests: every wave is padded
 MAX_TOKENS = 48
 GRAPH_COMPILATION_CONFIG = {
@@ -113,13 +115,6 @@ def select_jobs(
     if unknown:
         raise pytest.UsageError(f"{knob}: unknown jobs {unknown}; known: {list(all_jobs)}")
     return chosen
-
-
-def record_commit(repo) -> str:
-    """A GPU record's commit (dspark_dev/provenance.py: ``DSPARK_GPU_COMMIT``, else HEAD)."""
-    from dspark_dev.provenance import record_commit as commit
-
-    return commit(repo)
 
 
 def record_date() -> str:

@@ -21,39 +21,37 @@ no GPU has run yet; the default dummy mode (k=4) runs too (19 passed, 12 skipped
 Fakes: ``support.gpu.run_llm``, ``support.pd_run.run_pd``, ``dspark_dev.pp_launch.deployment`` /
 ``serve_waves``, ``dspark_dev.multi_gpu.NcclStubGuard`` (the kit's recording NCCL stub: built,
 nothing called; its ``env()`` is ``DSPARK_FAKE_NCCL_GUARD=1``, so the calls show which launchers
-got it) and ``gpu_common.require_cuda``; the GPU markers' skips are lifted. Every engine
-answers the same tokens for a prompt (greedy parity holds) and trained-looking counters at the
-speculative config's k ([36, 30, 25, 20, 15, 10, 4] of 40 drafts, cut to k; a PP deployment's
-served counters follow its own k); the NaN-norm PD control
-accepts nothing, the subtle control [30, 20, 12, 8, 5, 3, 2], and an engine started with
-``VLLM_DSPARK_PP_SKIP_PATCHES`` fails at start-up. ``DSPARK_FAKE_MUTATION`` breaks one thing, for
-showing that a check fails: ``subtle_same`` (the subtle control accepts like the PD run),
-``pos6_zero`` (draft position 6 never accepts), ``nan_leaks`` (the NaN-norm control accepts 6 %),
-``pp2_low`` (PP=2 accepts less than PP=1 at its last two positions), ``rank_silent`` (the last
-launcher of a deployment logged no rank line),
+got it) and ``gpu_common.require_cuda``; the GPU markers' skips are lifted. Every engine answers
+the same tokens for a prompt (greedy parity holds) and trained-looking counters at the speculative
+config's k ([36, 30, 25, 20, 15, 10, 4] of 40 drafts, cut to k; a PP deployment's served counters
+follow its own k); the NaN-norm PD control accepts nothing, the subtle control [30, 20, 12, 8, 5,
+3, 2], and an engine started with ``VLLM_DSPARK_PP_SKIP_PATCHES`` fails at start-up.
+``DSPARK_FAKE_MUTATION`` breaks one thing, for showing that a check fails: ``subtle_same`` (the
+subtle control accepts like the PD run), ``pos6_zero`` (draft position 6 never accepts),
+``nan_leaks`` (the NaN-norm control accepts 6 %), ``pp2_low`` (PP=2 accepts less than PP=1 at its
+last two positions), ``rank_silent`` (the last launcher of a deployment logged no rank line),
 ``digest_differs`` (the last rank of a PP deployment logs another drafts digest; it and
-``rank_silent`` can be joined with ``+``),
-``skip_starts`` (the split-skipped engine starts), ``stock_serves`` (stock vLLM serves
-DeepSeek-V4.1 DSpark over PP instead of refusing it at start), ``pp_one_stage`` (only launcher 0 of
-a PP deployment logged the handshake and the exchange), ``nccl_stub_called`` (a launcher reached a
-stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a PP producer logged the exchange),
-``pd_low`` (a PD decoder accepts less at its last two positions), ``nan_same`` (the NaN-norm PD
-control accepts like the good run), ``kv_recomputed`` (the PD decoder computed every prompt token
-itself). A fake PD run answers as its proxy and launchers would: every request through both sides,
-one log per producer launcher (vLLM's rank line of the ``-tp`` x ``-pp`` world its arguments
-name, the handshake and ``over nccl`` lines, the context-KV-only drafter's build line on the last
-stage's launchers; launcher 0 also vLLM's ``non-default args`` line with the scheduling flag of
-the common arguments), one per decoder launcher (its rank line; launcher 0 that flag too), the
-decoder's prompt tokens by
-source (all but one per prompt over the connector). A fake PP deployment has ``tp * pp``
-launchers whose logs say what real ones do: vLLM's rank line, NCCL communicators of the TP and PP
-sizes over sockets, the handshake and exchange lines (PP > 1), one drafts digest line per
-launcher when the deployment's env sets ``VLLM_DSPARK_PP_DRAFT_DIGEST``, the last launcher's
-pinned-dispatch lines (counts 1, 10, 100) when its speculative config sets the fixed graph batch
-(``dspark_pp_fixed_graph_batch``; the pp group's stock and ``fault`` jobs are not faked: leave
-them out of ``DSPARK_GPU_PP_JOBS``); a client abort mid-stream
-(test_pp_one_gpu.py ``_abort_mid_stream``) reads 4 chunks and leaves nothing running. The engine
-calls are written as JSON to ``DSPARK_FAKE_CALLS`` (default: none written).
+``rank_silent`` can be joined with ``+``), ``skip_starts`` (the split-skipped engine starts),
+``stock_serves`` (stock vLLM serves DeepSeek-V4.1 DSpark over PP instead of refusing it at start),
+``pp_one_stage`` (only launcher 0 of a PP deployment logged the handshake and the exchange),
+``nccl_stub_called`` (a launcher reached a stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a
+PP producer logged the exchange), ``pd_low`` (a PD decoder accepts less at its last two positions),
+``nan_same`` (the NaN-norm PD control accepts like the good run), ``kv_recomputed`` (the PD decoder
+computed every prompt token itself). A fake PD run answers as its proxy and launchers would: every
+request through both sides, one log per producer launcher (vLLM's rank line of the ``-tp`` x
+``-pp`` world its arguments name, the handshake and ``over nccl`` lines, the context-KV-only
+drafter's build line on the last stage's launchers; launcher 0 also vLLM's ``non-default args``
+line with the scheduling flag of the common arguments), one per decoder launcher (its rank line;
+launcher 0 that flag too), the decoder's prompt tokens by source (all but one per prompt over the
+connector). A fake PP deployment has ``tp * pp`` launchers whose logs say what real ones do: vLLM's
+rank line, NCCL communicators of the TP and PP sizes over sockets, the handshake and exchange lines
+(PP > 1), one drafts digest line per launcher when the deployment's env sets
+``VLLM_DSPARK_PP_DRAFT_DIGEST``, every last-stage launcher's pinned-dispatch lines (counts 1, 10,
+100) when its speculative config sets the fixed graph batch (``dspark_pp_fixed_graph_batch``; the
+pp group's stock and ``fault`` jobs are not faked: leave them out of ``DSPARK_GPU_PP_JOBS``); a
+client abort mid-stream (test_pp_one_gpu.py ``_abort_mid_stream``) reads 4 chunks and leaves
+nothing running. The engine calls are written as JSON to ``DSPARK_FAKE_CALLS`` (default: none
+written).
 """
 
 from __future__ import annotations
