@@ -104,12 +104,43 @@ def check(name: str, rec: dict) -> None:
                 _need(out, key, f"{where}: ratio {pair} output_throughput")
 
 
+def failed_request_runs(rec: dict) -> list[dict]:
+    """The record's runs that had failed requests (``vllm bench serve``'s ``failed``); their
+    throughput counts only what finished before the server broke. Until the benchmark refused
+    them (2026-12-06) such a run could enter the record's comparison."""
+    return [p for p in rec.get("points", []) if int((p.get("bench") or {}).get("failed") or 0)]
+
+
+def without_failed_runs(rec: dict) -> dict:
+    """``rec`` with its comparison recomputed by the benchmark's own summary from the runs
+    whose every request completed; the left-out runs are listed among the failed ones."""
+    bad = failed_request_runs(rec)
+    if not bad:
+        return rec
+    from benchmarks.serve_pp_one_gpu import interleave_summary
+
+    ids = {id(p) for p in bad}
+    keep = [p for p in rec["points"] if id(p) not in ids]
+    inter = rec["meta"]["interleave"]
+    names = [inter["baseline"]] + [c for c in rec["meta"]["configs"] if c != inter["baseline"]]
+    out = dict(rec)
+    out["interleaved"] = interleave_summary(keep, names, inter.get("repeats", 3))
+    out["skipped"] = [
+        {"config": p["config"], "acceptance_length": p.get("acceptance_length"),
+         "concurrency": p["concurrency"], "repeat": p.get("repeat"),
+         "why": f"{p['bench']['failed']} of {p['bench']['failed'] + p['bench'].get('completed', 0)}"
+                " requests failed: left out of the tables and ratios (recorded as a run)"}
+        for p in bad
+    ] + list(rec.get("skipped") or [])  # fmt: skip
+    return out
+
+
 def load(results: Path = RESULTS) -> list[tuple[str, dict]]:
     runs = []
     for path in sorted(results.glob(PATTERN)):
         rec = json.loads(path.read_text())
         check(path.name, rec)
-        runs.append((path.name, rec))
+        runs.append((path.name, without_failed_runs(rec)))
     return sorted(runs, key=lambda r: (r[1]["meta"]["date"], r[0]))
 
 
@@ -130,7 +161,7 @@ def _measured_al(v: dict):
 
 def _servers(rec: dict) -> list[str]:
     lines = []
-    transports = rec["meta"].get("pd_transport", {})
+    transports = rec["meta"].get("pd_transport") or {}
     for name, s in rec["servers"].items():
         outcome = s.get("outcome", "outcome not recorded")
         text = (f"* `{name}`: {s.get('launchers', '?')} launcher(s), ready after "
@@ -156,7 +187,7 @@ def _config_rows(pt: dict) -> list[str]:
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cfg, v in pt["configs"].items():
         reps = [r["output_throughput"] for r in v["repeats"]]
-        st = v["stats"].get("output_throughput", {})
+        st = v["stats"].get("output_throughput") or {}
         cells = [f"`{cfg}`", str(len(reps)), ", ".join(f"{x:.0f}" for x in reps) or "-",
                  _fmt("{:.0f}", st.get("mean")),
                  _fmt("{:.1%}", st.get("spread")) if len(reps) > 1 else "-"]  # fmt: skip
@@ -174,10 +205,15 @@ def _ratio_rows(pt: dict) -> list[str]:
         cells = [f"`{pair}`", str(v.get("rotations", len(v["output_throughput"]["per_rotation"])))]
         for key, _ in RATIO_METRICS:
             r = v.get(key)
-            cells.append("-" if not r else
+            cells.append("-" if not r or r.get("ratio_of_means") is None or not r["min"] else
                          f"{r['ratio_of_means']:.3f} ({r['min']:.3f}-{r['max']:.3f})")  # fmt: skip
         rows.append("| " + " | ".join(cells) + " |")
     return rows
+
+
+def _why(skipped: dict) -> str:
+    why = str(skipped.get("why") or "").rstrip()
+    return why if why.rstrip(":") not in ("", "bench failed") else why + " (no error text recorded)"
 
 
 def pd_goal(rec: dict) -> list[str]:
@@ -190,7 +226,8 @@ def pd_goal(rec: dict) -> list[str]:
     for cfg in pds:
         key = f"{cfg}/{base}"
         seen = {pt["concurrency"]: pt["ratios"][key]["output_throughput"]
-                for pt in rec["interleaved"] if key in pt["ratios"]}  # fmt: skip
+                for pt in rec["interleaved"]
+                if key in pt["ratios"] and pt["ratios"][key]["output_throughput"]["per_rotation"]}  # fmt: skip
         got = ", ".join(
             f"C = {c}: {r['ratio_of_means']:.3f} ({r['min']:.3f}-{r['max']:.3f}, "
             f"{len(r['per_rotation'])} rotation(s))"
@@ -282,7 +319,7 @@ def section(name: str, rec: dict) -> list[str]:
     lines += ["", "Runs that failed or were cut:" if skipped else "No run failed or was cut."]
     if skipped:
         lines += [""] + [f"* `{s.get('config')}` AL {s.get('acceptance_length')} C = "
-                         f"{s.get('concurrency')} repeat {s.get('repeat', '?')}: {s.get('why')}"
+                         f"{s.get('concurrency')} repeat {s.get('repeat', '?')}: {_why(s)}"
                          for s in skipped]  # fmt: skip
     goal = pd_goal(rec)
     if goal:

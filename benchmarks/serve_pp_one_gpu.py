@@ -1125,6 +1125,21 @@ def run_bench_in_process(argv: list[str], timeout_s: float, on_timeout) -> tuple
     return box.get("result"), box.get("error", "")
 
 
+def bench_failure(result: dict | None, err: str) -> str | None:
+    """Why a ``vllm bench serve`` result does not count as a run (None: it counts). A run with
+    any failed request is a failed run: its throughput counts only the requests that finished
+    before the server broke (2026-12-06: 132 of 448 requests answered, 316 failed after an
+    out-of-memory error, and the run's 344 tok/s had entered a ratio)."""
+    if result is None:
+        return err or "no result"
+    failed, done = int(result.get("failed") or 0), int(result.get("completed") or 0)
+    if failed:
+        return f"{failed} of {failed + done} requests failed" + (f" ({err})" if err else "")
+    if not done:
+        return err or "no request completed"
+    return None
+
+
 def step_rpc(url: str, cmd: str) -> list | dict:
     """The benchmark hook's per-step timers on every worker (``enable`` before a point,
     ``collect`` after it: per worker, in rank order, the median target / draft / step GPU
@@ -1638,11 +1653,13 @@ class Runner:
         t0 = time.monotonic()
         result, err = run_bench_in_process(argv, max(5.0, self.time_left()), dep.stop)
         wall = time.monotonic() - t0
-        if result is None or not result.get("completed"):
-            self.skip(cfg, al, c, f"bench failed: {err}",
+        why_not = bench_failure(result, err)
+        if why_not:
+            self.skip(cfg, al, c, f"bench failed: {why_not}",
                       **({} if repeat is None else {"repeat": repeat}))  # fmt: skip
-            self.log(f"FAILED {what} C={c}: {err}")
-            return None, bool(dep.dead_nodes() or err.startswith("cut"))
+            self.log(f"FAILED {what} C={c}: {why_not}")
+            # a result with failed requests: the deployment is not serving; measure it no more
+            return None, bool(dep.dead_nodes() or err.startswith("cut") or result is not None)
         delta = counter_delta(before, spec_metrics(ctl, settle_s=3.0))
         summary = bench_summary(result)
         point = {

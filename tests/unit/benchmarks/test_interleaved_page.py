@@ -145,3 +145,27 @@ def test_goal_b_is_computed_per_rotation_and_met_or_missed():
     assert page.goal_b(rec)[0].endswith("**met** (lowest rotation 0.950)")
     rec["meta"]["configs"] = ["pp1_dspark", "pp2_dspark"]  # no no-spec arms: no goal (b) line
     assert page.goal_b(rec) == []
+
+
+GOAL_RECORD = page.RESULTS / "serve_interleaved_gpu_2026-12-06_pd_mc_ipc_goal.json"
+
+
+def test_a_run_with_failed_requests_leaves_the_comparison():
+    """The 2026-12-06 goal record: the PP=2-producer PD run answered 132 of 448 requests (its
+    producer ran out of memory) and the benchmark of that day still put its 344 tok/s into the
+    ratios (0.048 of aggregated, a "missed" goal). The page recomputes the comparison without
+    it; with the run's failures zeroed (the control) it is counted again."""
+    raw = json.loads(GOAL_RECORD.read_text())
+    [bad] = page.failed_request_runs(raw)
+    assert (bad["config"], bad["repeat"], bad["bench"]["failed"]) == ("pd_pp2_mc_ipc_dspark", 0, 316)
+    md = page.markdown([(GOAL_RECORD.name, page.without_failed_runs(raw))])
+    assert "| `pd_pp2_mc_ipc_dspark` | 0 | - |" in md
+    assert "repeat 0: 316 of 448 requests failed: left out of the tables and ratios" in md
+    goal = _row(md, "* `pd_pp2_mc_ipc_dspark` against")
+    assert "**not measured at C = 64**" in goal
+    assert "**met** at C = 64 (lowest rotation 0.773)" in _row(md, "* `pd_mc_ipc_dspark` against")
+    control = copy.deepcopy(raw)
+    bad_point = next(p for p in control["points"] if p["bench"].get("failed"))
+    bad_point["bench"]["failed"] = 0
+    md_control = page.markdown([(GOAL_RECORD.name, page.without_failed_runs(control))])
+    assert "**missed** at C = 64 (lowest rotation 0.048)" in md_control

@@ -197,6 +197,49 @@ def test_bench_summary_keeps_scalars_and_drops_per_request_lists():
     assert serve.measured_acceptance_length({"num_drafts": 0}) is None
 
 
+def test_a_run_with_failed_requests_is_a_failed_run():
+    assert serve.bench_failure({"completed": 448, "failed": 0}, "") is None
+    assert serve.bench_failure({"completed": 132, "failed": 316}, "") == (
+        "316 of 448 requests failed"
+    )
+    assert serve.bench_failure({"completed": 0, "failed": 0}, "") == "no request completed"
+    assert serve.bench_failure(None, "cut after 12 s (server stopped)").startswith("cut after")
+
+
+class _Dep:
+    url = "http://127.0.0.1:9"
+    stop_calls = 0
+
+    def dead_nodes(self):
+        return []
+
+    def stop(self):
+        self.stop_calls += 1
+
+
+@pytest.mark.parametrize("failed, counted", [(0, True), (316, False)])
+def test_measure_keeps_a_run_only_when_no_request_failed(tmp_path, monkeypatch, failed, counted):
+    """Runner.measure with the bench and the counters stood in: the 2026-12-06 record's PP=2 PD
+    run (132 answered, 316 failed after the producer ran out of memory) entered the comparison
+    at 344 tok/s; a run with failed requests is now skipped and ends that server's runs."""
+    import dspark_dev.serve_demo as serve_demo
+
+    a = serve.parse_args(["--configs", "pp1_dspark,pp2_dspark", "--no-step-times"])
+    cfg = serve.CONFIGS["pp2_dspark"]
+    bench = {"completed": 448 - failed, "failed": failed, "output_throughput": 344.0}
+    monkeypatch.setattr(serve, "run_bench_in_process", lambda argv, t, stop: (dict(bench), ""))
+    monkeypatch.setattr(serve_demo, "spec_metrics", lambda url, settle_s=0.0: {})
+    res = serve.Results(tmp_path / "r.json", {"meta": {}, "points": [], "skipped": []})
+    paths = type("P", (), {"target": str(tmp_path / "target")})()
+    rn = serve.Runner(a, {cfg.name: _Dep()}, paths, res, serve.Log(None), 1e12)
+    point, stop = rn.measure(cfg, 3.99, 0, 64, 448, why=None, n_full=448, repeat=0)
+    assert (point is not None, stop) == (counted, not counted)
+    assert len(res.data["points"]) == int(counted)
+    if not counted:
+        [skip] = res.data["skipped"]
+        assert skip["why"] == "bench failed: 316 of 448 requests failed" and skip["repeat"] == 0
+
+
 def test_transport_evidence_and_useful_lines_from_launcher_logs():
     log0 = (
         "h:1:2 [0] NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
