@@ -162,7 +162,8 @@ the means and the per-rotation ratios (repeat r over repeat r, measured next to 
 their range. A point cut at the deadline keeps its rotations that completed; ratios pair only
 repeats both sides measured.
 
-CUDA MPS (``--mps P0,P1``; issue 44 item 2; **not yet run on a GPU**): benchmarks/mps.py starts an
+CUDA MPS (``--mps P0,P1``; issue 44 item 2; ran on an H100 on 2026-12-06: ``meta.mps.used``
+true, docs/results/perf_interleaved_gpu.md): benchmarks/mps.py starts an
 MPS control daemon for this command (pipe and log folders in a fresh /tmp folder, never the GPU's
 compute mode, never a reset), probes it with one small CUDA client, gives PP stage R's launcher
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P_R`` and the daemon's folders (through
@@ -881,7 +882,7 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
     base = shape_base_args(
         cpu=a.cpu,
         dummy=a.model_dir is None,
-        max_model_len=a.input_len + a.output_len + 128,
+        max_model_len=max_model_len(a),
         max_num_seqs=a.max_num_seqs,
         # a PD deployment gives each role its own share (pd_deployment); PP stages hold equal ones
         kv_bytes=None if a.cpu or cfg.pd else next(iter(kv.values())),
@@ -1220,7 +1221,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--mps", default=None, metavar="P0,P1",
         help="run the PP>1 launchers under a CUDA MPS daemon started for this command, stage R "
-        "with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P_R (benchmarks/mps.py; not run on a GPU yet); "
+        "with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P_R (benchmarks/mps.py); "
         "PP=1 servers stay outside MPS",
     )  # fmt: skip
     ap.add_argument("--prompts-per-c", type=int, default=4)
@@ -1342,6 +1343,31 @@ def prepare_models(a, work: Path):
     return paths, shape_tokenizer.write(paths.target)
 
 
+def max_model_len(a) -> int:
+    """Every server's ``--max-model-len``: the workload's prompt and output, and 128 to spare."""
+    return a.input_len + a.output_len + 128
+
+
+def check_model_len(a, paths) -> None:
+    """Refuse, before any server starts, a workload longer than the models' positions: vLLM
+    refuses ``--max-model-len`` above ``max_position_embeddings`` only once every launcher has
+    started (2026-12-06: all eight ``ksweep_pp2`` servers on the tiny pair, 1024 positions,
+    with ``--workload decode``, 128 + 1024 + 128)."""
+    need = max_model_len(a)
+    for role, folder in (("target", paths.target), ("drafter", paths.draft)):
+        cfg_file = Path(folder) / "config.json"
+        if not cfg_file.is_file():
+            continue
+        limit = json.loads(cfg_file.read_text()).get("max_position_embeddings")
+        if limit and need > int(limit):
+            fits = int(limit) - a.input_len - 128
+            fix = (f"pass --output-len {fits}" if fits > 0 else "pass a shorter --input-len")
+            raise SystemExit(
+                f"--max-model-len {need} ({a.input_len} in + {a.output_len} out + 128) is above "
+                f"the {role}'s max_position_embeddings {limit} ({folder}): {fix}"
+            )
+
+
 def preflight() -> str | None:
     """Why this machine cannot run ``vllm bench serve`` in this process (None: it can). Checked
     before any server starts, so a missing client dependency costs no start-up."""
@@ -1363,6 +1389,7 @@ def main(argv=None) -> int:
     log = Log(None if a.dry_run else out / f"{RESULT_PREFIX}_{a.tag}.log")
     deadline = time.monotonic() + a.budget_s
     paths, tok = prepare_models(a, work)
+    check_model_len(a, paths)
     hook_root = str(make_hook_dist(work / "hooks"))
     mps, previous = None, None
     if a.mps_shares:

@@ -1057,3 +1057,16 @@ def test_dry_run_tap_partials_group_sets_the_mode_on_every_launcher(capsys, tmp_
         for node in (f"{cfg} node 0", f"{cfg} node 1 (headless)"):
             assert launchers[node]["env"].get("VLLM_DSPARK_PP_TAP_PARTIALS") == mode, node
             assert str(tmp_path / TARGET_DIR_NAME) in launchers[node]["argv"], node
+
+
+def test_a_workload_longer_than_the_models_positions_is_refused_before_any_server(capsys):
+    """2026-12-06 on the GPU: ``--configs ksweep_pp2 --model-dir models/tiny-pair --workload
+    decode`` started sixteen launchers and every one died in vLLM's config check (1280 > 1024
+    positions). The dry run now refuses it and names the output length that fits."""
+    tiny = str(serve.REPO / "models" / "tiny-pair")
+    args = ["--configs", "ksweep_pp2", "--model-dir", tiny, "--workload", "decode",
+            "--interleave", "--repeats", "3"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"max_position_embeddings 1024 .*--output-len 768"):
+        _dry(capsys, *args)
+    out = _dry(capsys, *args, "--output-len", "768")
+    assert "--max-model-len 1024 " in out
