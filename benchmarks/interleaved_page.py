@@ -25,7 +25,13 @@ Issue 44's PD goal (served PD at least 50% of aggregated output tok/s at C = 64 
 is stated per PD configuration from the ratios: met or missed where C = 64 was measured, else
 "not measured at C = 64" with the concurrencies that were; goal (b) (PP=2's DSpark / no-spec
 speed-up at least 0.9 of PP=1's at every C) where a record served all four of pp1_nospec,
-pp1_dspark, pp2_nospec, pp2_dspark, per rotation from runs of the same rotation. A record
+pp1_dspark, pp2_nospec, pp2_dspark, per rotation from runs of the same rotation; the balanced
+split (``plan``'s layer split at least 1.15x the even one at C >= 16) where a record served
+pp2_dspark and pp2_dspark_balanced, met or missed only when the stages ran under MPS. Under
+each point, where every server's step goes: the benchmark hook's per-rank GPU timers (step,
+target, draft, the exchange's wait share), averaged over the repeats. A run with failed
+requests is left out of the tables and ratios, which are then recomputed from the rest by the
+benchmark's own summary, and listed with the failed runs. A record
 without a field the page needs is refused with :class:`RecordError`. The figure
 (``perf_interleaved_gpu.svg``, text, written beside the page when matplotlib is there) plots
 each record's output tok/s per configuration against concurrency with the repeats' range.
@@ -51,6 +57,9 @@ PD_GOAL, PD_GOAL_C = 0.5, 64
 #: issue 44 goal (b): PP=2's DSpark / no-spec speed-up at least this share of PP=1's, every C
 GOAL_B = 0.9
 GOAL_B_CONFIGS = ("pp1_nospec", "pp1_dspark", "pp2_nospec", "pp2_dspark")
+#: issue 44: plan's layer split at least this much above the even one at C >= SPLIT_GOAL_MIN_C
+SPLIT_GOAL, SPLIT_GOAL_MIN_C = 1.15, 16
+SPLIT_CONFIGS = ("pp2_dspark", "pp2_dspark_balanced")
 META_KEYS = ("commit", "date", "command", "configs", "shape", "workload", "interleave", "versions")
 POINT_KEYS = ("acceptance_length", "concurrency", "num_prompts", "configs", "ratios")
 #: (stats key, column title, format) of the per-configuration table
@@ -226,8 +235,8 @@ def pd_goal(rec: dict) -> list[str]:
     for cfg in pds:
         key = f"{cfg}/{base}"
         seen = {pt["concurrency"]: pt["ratios"][key]["output_throughput"]
-                for pt in rec["interleaved"]
-                if key in pt["ratios"] and pt["ratios"][key]["output_throughput"]["per_rotation"]}  # fmt: skip
+                for pt in rec["interleaved"] if key in pt["ratios"]}  # fmt: skip
+        seen = {c: r for c, r in seen.items() if r["per_rotation"]}  # runs of both in a rotation
         got = ", ".join(
             f"C = {c}: {r['ratio_of_means']:.3f} ({r['min']:.3f}-{r['max']:.3f}, "
             f"{len(r['per_rotation'])} rotation(s))"
@@ -242,6 +251,52 @@ def pd_goal(rec: dict) -> list[str]:
         goal = f"goal: at least {PD_GOAL:.0%} of its output tok/s at C = {PD_GOAL_C}"
         lines.append(f"* `{cfg}` against `{base}` ({goal}): {verdict}; measured {got or 'nothing'}")
     return lines
+
+
+def _rank_means(worker: dict) -> dict | None:
+    """One worker's timers over one run: step, target and draft GPU ms averaged over every step
+    (weighted by the steps of each batch size), and the exchange's wait share of a step."""
+    per = worker.get("per_num_reqs") or {}
+    steps = sum(v.get("steps", 0) for v in per.values())
+    if not steps:
+        return None
+    out = {"steps": steps}
+    for key in ("step_ms", "target_ms", "draft_ms"):
+        out[key] = sum(v["steps"] * (v.get(key) or 0.0) for v in per.values()) / steps
+    out["wait_share"] = (worker.get("exchange") or {}).get("stall_share")
+    return out
+
+
+def stage_rows(rec: dict, pt: dict) -> list[str]:
+    """Per configuration and worker rank (PP stage for TP=1), the benchmark hook's timers at
+    this point, averaged over the repeats: where a PP step's time goes (the cause behind a
+    ratio). Empty when the record has no step timers here."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for p in rec.get("points", []):
+        here = (p.get("concurrency"), p.get("point_al"))
+        if here != (pt["concurrency"], pt["acceptance_length"]):
+            continue
+        if p.get("repeat") is None or not isinstance(p.get("step_times"), list):
+            continue
+        for rank, w in enumerate(p["step_times"]):
+            m = _rank_means(w) if isinstance(w, dict) else None
+            if m:
+                by.setdefault((p["config"], rank), []).append(m)
+    if not by:
+        return []
+    head = ["config", "rank", "runs", "steps per run", "step ms", "target ms", "draft ms",
+            "exchange wait / step"]  # fmt: skip
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = {c: i for i, c in enumerate(pt["configs"])}
+    for (cfg, rank), ms in sorted(by.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
+        waits = [m["wait_share"] for m in ms if m["wait_share"] is not None]
+        cells = [f"`{cfg}`", str(rank), str(len(ms)),
+                 f"{statistics.mean(m['steps'] for m in ms):.0f}",
+                 *(f"{statistics.mean(m[k] for m in ms):.2f}"
+                   for k in ("step_ms", "target_ms", "draft_ms")),
+                 _fmt("{:.1%}", statistics.mean(waits) if waits else None)]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
 
 
 def _by_repeat(pt: dict, cfg: str) -> dict[int, float]:
@@ -276,6 +331,46 @@ def goal_b(rec: dict) -> list[str]:
         verdict = f"**missed** (lowest rotation {min(lows):.3f})"
     head = (f"Issue 44 goal (b), PP=2's DSpark / no-spec speed-up at least {GOAL_B} of PP=1's "
             f"at every C, per rotation: {verdict}")  # fmt: skip
+    return [head, "", *lines]
+
+
+def split_goal(rec: dict) -> list[str]:
+    """Issue 44's balanced-split goal where a record served PP=2 DSpark with the even layer
+    split and with ``plan``'s (``pp2_dspark`` and ``pp2_dspark_balanced``): per point at
+    C >= :data:`SPLIT_GOAL_MIN_C` and per rotation, plan's split over the even one; met when
+    every rotation is at least :data:`SPLIT_GOAL` on a testbed where the stages ran concurrently
+    (``meta.mps.used``)."""
+    even, plan = SPLIT_CONFIGS
+    if not set(SPLIT_CONFIGS) <= set(rec["meta"]["configs"]):
+        return []
+    split = ((rec["meta"].get("stage_split") or {}).get(plan) or {}).get("partition")
+    mps = rec["meta"].get("mps") or {}
+    lines, lows = [], []
+    for pt in rec["interleaved"]:
+        if pt["concurrency"] < SPLIT_GOAL_MIN_C:
+            continue
+        a, b = _by_repeat(pt, even), _by_repeat(pt, plan)
+        qs = [b[r] / a[r] for r in sorted(set(a) & set(b))]
+        where = f"AL {pt['acceptance_length']}, C = {pt['concurrency']}"
+        if not qs:
+            lines.append(f"* {where}: no rotation with both splits")
+            continue
+        lows.append(min(qs))
+        lines.append(f"* {where}: {statistics.mean(qs):.3f} (rotations {min(qs):.3f}-"
+                     f"{max(qs):.3f}, {len(qs)})")  # fmt: skip
+    if not lows:
+        verdict = "**not measured**"
+    elif not mps.get("used"):
+        verdict = (f"**not settled**: the stages time-sliced the GPU (no MPS); lowest rotation "
+                   f"{min(lows):.3f}")  # fmt: skip
+    elif min(lows) >= SPLIT_GOAL:
+        verdict = f"**met** (lowest rotation {min(lows):.3f})"
+    else:
+        verdict = f"**missed** (lowest rotation {min(lows):.3f})"
+    shares = f"MPS thread shares {mps.get('requested')}" if mps.get("used") else "no MPS"
+    head = (f"Issue 44's balanced split, PP=2 DSpark with plan's layer split "
+            f"{split or '?'} over the even split, at least {SPLIT_GOAL:.2f}x at C >= "
+            f"{SPLIT_GOAL_MIN_C} per rotation ({shares}): {verdict}")  # fmt: skip
     return [head, "", *lines]
 
 
@@ -315,6 +410,11 @@ def section(name: str, rec: dict) -> list[str]:
             "",
             *_ratio_rows(pt),
         ]
+        stages = stage_rows(rec, pt)
+        if stages:
+            lines += ["", "Where each server's step goes (the benchmark hook's GPU timers per "
+                      "worker rank, PP stage order at TP = 1; means over the repeats):", "",
+                      *stages]  # fmt: skip
     skipped = rec.get("skipped") or []
     lines += ["", "Runs that failed or were cut:" if skipped else "No run failed or was cut."]
     if skipped:
@@ -324,9 +424,9 @@ def section(name: str, rec: dict) -> list[str]:
     goal = pd_goal(rec)
     if goal:
         lines += ["", "Issue 44's PD goal, from the ratios above:", "", *goal]
-    b = goal_b(rec)
-    if b:
-        lines += ["", *b]
+    for goal in (goal_b(rec), split_goal(rec)):
+        if goal:
+            lines += ["", *goal]
     return lines + [""]
 
 

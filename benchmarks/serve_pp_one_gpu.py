@@ -1361,7 +1361,7 @@ def check_model_len(a, paths) -> None:
         limit = json.loads(cfg_file.read_text()).get("max_position_embeddings")
         if limit and need > int(limit):
             fits = int(limit) - a.input_len - 128
-            fix = (f"pass --output-len {fits}" if fits > 0 else "pass a shorter --input-len")
+            fix = f"pass --output-len {fits}" if fits > 0 else "pass a shorter --input-len"
             raise SystemExit(
                 f"--max-model-len {need} ({a.input_len} in + {a.output_len} out + 128) is above "
                 f"the {role}'s max_position_embeddings {limit} ({folder}): {fix}"

@@ -157,7 +157,8 @@ def test_a_run_with_failed_requests_leaves_the_comparison():
     it; with the run's failures zeroed (the control) it is counted again."""
     raw = json.loads(GOAL_RECORD.read_text())
     [bad] = page.failed_request_runs(raw)
-    assert (bad["config"], bad["repeat"], bad["bench"]["failed"]) == ("pd_pp2_mc_ipc_dspark", 0, 316)
+    got = (bad["config"], bad["repeat"], bad["bench"]["failed"])
+    assert got == ("pd_pp2_mc_ipc_dspark", 0, 316)
     md = page.markdown([(GOAL_RECORD.name, page.without_failed_runs(raw))])
     assert "| `pd_pp2_mc_ipc_dspark` | 0 | - |" in md
     assert "repeat 0: 316 of 448 requests failed: left out of the tables and ratios" in md
@@ -169,3 +170,44 @@ def test_a_run_with_failed_requests_leaves_the_comparison():
     bad_point["bench"]["failed"] = 0
     md_control = page.markdown([(GOAL_RECORD.name, page.without_failed_runs(control))])
     assert "**missed** at C = 64 (lowest rotation 0.048)" in md_control
+
+
+SPLIT_RECORD = page.RESULTS / "serve_interleaved_gpu_2026-12-06_split_mps.json"
+
+
+def test_the_split_goal_needs_mps_and_reads_both_splits_per_rotation():
+    rec = json.loads(SPLIT_RECORD.read_text())
+    head, _, *lines = page.split_goal(rec)
+    assert "plan's layer split [25, 11]" in head and "MPS thread shares [50, 50]" in head
+    assert head.endswith("**missed** (lowest rotation 1.013)")
+    assert "* AL 3.99, C = 16: 1.022 (rotations 1.013-1.029, 3)" in lines
+    planted = copy.deepcopy(rec)  # plan's split 20% faster in every rotation: met
+    for pt in planted["interleaved"]:
+        even = pt["configs"]["pp2_dspark"]["repeats"]
+        by = {r["repeat"]: r["output_throughput"] for r in even}
+        for r in pt["configs"]["pp2_dspark_balanced"]["repeats"]:
+            r["output_throughput"] = 1.2 * by.get(r["repeat"], 0.0)
+    assert page.split_goal(planted)[0].endswith("**met** (lowest rotation 1.200)")
+    planted["meta"]["mps"] = {"used": False, "problem": "no daemon"}
+    assert "**not settled**: the stages time-sliced the GPU" in page.split_goal(planted)[0]
+    planted["meta"]["configs"] = ["pp1_dspark", "pp2_dspark"]
+    assert page.split_goal(planted) == []
+
+
+def test_stage_rows_average_each_ranks_timers_over_the_repeats():
+    rec = json.loads(SPLIT_RECORD.read_text())
+    pt = next(p for p in rec["interleaved"] if p["concurrency"] == 16)
+    rows = page.stage_rows(rec, pt)
+    last = next(r for r in rows if r.startswith("| `pp2_dspark_balanced` | 1 | 3 |"))
+    assert "| 6.44 | 3.84 | 2.05 | 3.0% |" in last
+    planted = copy.deepcopy(rec)
+    for p in planted["points"]:
+        if p["config"] == "pp2_dspark_balanced" and p["concurrency"] == 16:
+            for v in p["step_times"][1]["per_num_reqs"].values():
+                v["draft_ms"] = 9.0
+    rows = page.stage_rows(planted, pt)
+    last = next(r for r in rows if r.startswith("| `pp2_dspark_balanced` | 1"))
+    assert "| 9.00 |" in last
+    for p in planted["points"]:
+        p.pop("step_times", None)
+    assert page.stage_rows(planted, pt) == []
