@@ -160,7 +160,10 @@ length), their mean, min, max and relative spread ((max - min) / mean), and each
 against the first one named in ``--configs`` (the baseline), from this call only: the ratio of
 the means and the per-rotation ratios (repeat r over repeat r, measured next to each other) with
 their range. A point cut at the deadline keeps its rotations that completed; ratios pair only
-repeats both sides measured.
+repeats both sides measured. A run with any failed request counts as failed
+(:func:`bench_failure`); its configuration (or one whose server was lost) leaves the comparison
+and the others' rotations go on, unless it is the baseline or fewer than two would remain, which
+ends the comparison.
 
 CUDA MPS (``--mps P0,P1``; issue 44 item 2; ran on an H100 on 2026-12-06: ``meta.mps.used``
 true, docs/results/perf_interleaved_gpu.md): benchmarks/mps.py starts an
@@ -1810,6 +1813,21 @@ def interleaved_points(a) -> list[tuple[int | None, float | None, int]]:
     return [(None, None, c) for c in a.cs]
 
 
+def drop_from_comparison(gone: list[str], names: list[str], live: list, log: Log) -> bool:
+    """Take the configurations ``gone`` (a failed run, a lost server) out of ``live`` so that
+    the others' rotations go on; False (the comparison must end) when the baseline
+    (``names[0]``) is among them or fewer than two configurations would remain. A failed
+    PP=2-producer PD run ended the whole 2026-12-06 goal call, aggregated and PP=1-producer PD
+    included, before this."""
+    rest = [cfg for cfg in live if cfg.name not in gone]
+    if names[0] in gone or len(rest) < 2:
+        return False
+    live[:] = rest
+    log(f"{', '.join(gone)} left the comparison after a failed run; "
+        f"{', '.join(cfg.name for cfg in rest)} go on")  # fmt: skip
+    return True
+
+
 def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> int:
     """Per (AL, C): every configuration ``a.repeats`` times in rotation, the same prompt count
     for all of them (``plan_interleaved_point``), then the point's summary
@@ -1839,7 +1857,8 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
             for cfg in live:
                 rn.skip(cfg, al, c, f"AL not applied on {', '.join(al_failed[al])}")
             continue
-        if any(rn.lost(cfg) for cfg in live):
+        lost = [cfg.name for cfg in live if rn.lost(cfg)]
+        if lost and not drop_from_comparison(lost, names, live, log):
             log("FAILED: a server was lost; the interleaved comparison ends here")
             break
         models = [rn.model(cfg) for cfg in live]
@@ -1859,11 +1878,15 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
                 rn.skip(cfg, al, c, why)
             log(f"SKIP AL {al} C={c}: {why}")
             continue
+        active = [cfg.name for cfg in live]
         log(f"point AL {al} C={c}: {n} prompts per run, {a.repeats} rotations of "
-            f"{', '.join(names)}{'' if why is None else ' (' + why + ')'}")  # fmt: skip
+            f"{', '.join(active)}{'' if why is None else ' (' + why + ')'}")  # fmt: skip
         cut = False
-        for slot, (r, name) in enumerate(rotation_order(names, a.repeats, a.rotation)):
+        for slot, (r, name) in enumerate(rotation_order(active, a.repeats, a.rotation)):
             cfg = CONFIGS[name]
+            if cfg not in live:  # left the comparison earlier in this point
+                rn.skip(cfg, al, c, "left the comparison after a failed run", repeat=r)
+                continue
             # the point's AL index seeds every configuration alike (no-spec too: its server
             # must not see one AL's prompts again at the next)
             _point, stop = rn.measure(
@@ -1873,7 +1896,7 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
             )  # fmt: skip
             res.data["interleaved"] = interleave_summary(res.data["points"], names, a.repeats)
             res.save()
-            if stop:
+            if stop and (rn.time_left() <= 0 or not drop_from_comparison([name], names, live, log)):
                 cut = True
                 break
         if cut:

@@ -454,3 +454,45 @@ def test_interleaved_run_end_to_end_against_stand_in_servers(tmp_path, monkeypat
             assert all(r["measured_acceptance_length"] == pytest.approx(4.0) for r in reps)
         ratio = entry["ratios"]["pp2_dspark/pp1_dspark"]
         assert ratio["rotations"] == 3 and len(ratio["output_throughput"]["per_rotation"]) == 3
+
+
+def _failing(monkeypatch, fails: set[tuple[str, int, int]]):
+    """_Calls whose measure fails (no point, stop) for the (config, C, repeat) in ``fails``."""
+    names = ("pp1_dspark", "pp2_dspark", "pp2_nospec")
+    calls = _Calls(monkeypatch, {n: [100.0] * 3 for n in names})
+    ok = serve.Runner.measure
+
+    def measure(rn, cfg, al, ali, c, n, *, why, n_full, repeat=None, extra=None):
+        if (cfg.name, c, repeat) in fails:
+            calls.measured.append((cfg.name, al, c, n, repeat, extra["slot"], None))
+            rn.skip(cfg, al, c, "bench failed: 316 of 448 requests failed", repeat=repeat)
+            return None, True
+        return ok(rn, cfg, al, ali, c, n, why=why, n_full=n_full, repeat=repeat, extra=extra)
+
+    monkeypatch.setattr(serve.Runner, "measure", measure)
+    return calls
+
+
+def test_a_failed_run_takes_its_configuration_out_and_the_others_go_on(tmp_path, monkeypatch):
+    calls = _failing(monkeypatch, {("pp2_dspark", 8, 0)})
+    args = ["--acceptance-lengths", "3.99", "--concurrency", "8,16"]
+    rc, data = _run(tmp_path, args, configs="pp1_dspark,pp2_dspark,pp2_nospec")
+    runs = {(m[0], m[2]) for m in calls.measured}
+    assert ("pp2_dspark", 16) not in runs  # gone for the rest of the call
+    done = [m for m in calls.measured if m[0] != "pp2_dspark"]
+    assert len(done) == 2 * 2 * 3  # the other two: every rotation of both points
+    whys = [s["why"] for s in data["skipped"] if s["config"] == "pp2_dspark"]
+    assert whys[0].startswith("bench failed") and "left the comparison" in whys[1]
+    assert len(whys) == 3  # the failed run, then its two other rotations at C = 8
+    by_c = {e["concurrency"]: e for e in data["interleaved"]}
+    assert by_c[16]["ratios"]["pp2_nospec/pp1_dspark"]["rotations"] == 3
+    assert rc == 0
+
+
+def test_a_failed_baseline_run_still_ends_the_comparison(tmp_path, monkeypatch):
+    calls = _failing(monkeypatch, {("pp1_dspark", 8, 1)})
+    args = ["--acceptance-lengths", "3.99", "--concurrency", "8,16"]
+    _rc, data = _run(tmp_path, args, configs="pp1_dspark,pp2_dspark,pp2_nospec")
+    assert [m[0] for m in calls.measured] == ["pp1_dspark", "pp2_dspark", "pp2_nospec",
+                                              "pp1_dspark"]  # fmt: skip
+    assert {e["concurrency"] for e in data["interleaved"]} == {8}
