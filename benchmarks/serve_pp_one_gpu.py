@@ -906,9 +906,11 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
             producer_pp=cfg.pp, gpu_layout=a.gpu_layout, connector=cfg.connector,
             protocol=cfg.mooncake_protocol,
         )  # fmt: skip
+    kept = compile_cache_dir(a, cfg)
     if cfg.pp == 1:
         port = free_port()
-        env = {**env, "VLLM_CACHE_ROOT": tempfile.mkdtemp(prefix=f"dspark-{cfg.name}-cache-")}
+        root = str(kept) if kept else tempfile.mkdtemp(prefix=f"dspark-{cfg.name}-cache-")
+        env = {**env, "VLLM_CACHE_ROOT": root}
         if not a.cpu and a.gpu_layout == pp_launch.PER_STAGE:
             env["CUDA_VISIBLE_DEVICES"] = "0"
         argv = serve_argv(paths.target, pp=1, spec=spec, port=port, base=base)
@@ -926,7 +928,26 @@ def build_deployment(cfg: Config, a, paths, hook_root: str, log_dir: Path, initi
         base_args=base,
         env=env,
         env_per_rank=getattr(a, "mps_env_per_rank", None),
+        cache_dir=kept,
     )
+
+
+def compile_cache_dir(a, cfg: Config) -> Path | None:
+    """Where ``cfg``'s launchers keep vLLM's caches under ``--cache-root`` (None: a fresh folder
+    per call, the default). One folder per configuration (and per launcher below it): servers
+    started together never share a compile cache. PD deployments keep fresh ones."""
+    if not getattr(a, "cache_root", None) or cfg.pd:
+        return None
+    return Path(a.cache_root) / "vllm-cache" / cfg.name
+
+
+#: vLLM 0.34.0's line when a compiled graph came from the cache (vllm/compilation/decorators.py)
+CACHE_HIT_LINE = "Directly load AOT compilation from path"
+
+
+def compile_cache_hits(log_texts: list[str]) -> int:
+    """How many compiled graphs a deployment's launchers loaded from the cache (their logs)."""
+    return sum(text.count(CACHE_HIT_LINE) for text in log_texts)
 
 
 LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
@@ -1227,6 +1248,13 @@ def parse_args(argv=None):
         "with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P_R (benchmarks/mps.py); "
         "PP=1 servers stay outside MPS",
     )  # fmt: skip
+    ap.add_argument(
+        "--cache-root", default=None, metavar="DIR",
+        help="keep the shape folders and every non-PD server's vLLM caches under DIR, one folder "
+        "per configuration and launcher, so that a later call on the same machine loads the "
+        "compiled graphs instead of compiling (default: fresh folders per call); the record "
+        "counts each server's cache hits (compile_cache_hits)",
+    )  # fmt: skip
     ap.add_argument("--prompts-per-c", type=int, default=4)
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -1342,7 +1370,8 @@ def prepare_models(a, work: Path):
         return ShapePaths(d.name, str(target), str(draft)), None
     from benchmarks import shape_tokenizer
 
-    paths = write_shape(a.shape, work / "shapes")
+    # under --cache-root the shape folder keeps its path: vLLM's compile cache key holds it
+    paths = write_shape(a.shape, (Path(a.cache_root) if a.cache_root else work) / "shapes")
     return paths, shape_tokenizer.write(paths.target)
 
 
@@ -1488,6 +1517,7 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
             "adaptive_confidences": confidences_of(a.extra_env)
             if any(c.adaptive for c in a.cfgs)
             else None,
+            "cache_root": a.cache_root,
             "versions": versions(a.cpu),
         },
         "servers": {},
@@ -1509,6 +1539,8 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
             srv = res.data["servers"].setdefault(name, {})
             if CONFIGS[name].pp > 1:
                 srv["transport"] = transport_evidence(texts)
+            if a.cache_root:
+                srv["compile_cache_hits"] = compile_cache_hits(texts)
             if CONFIGS[name].pd:
                 srv["engine_id"] = dep.engine_id
                 srv["producer_log_markers"] = dep.log_markers()

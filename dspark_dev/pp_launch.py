@@ -285,10 +285,13 @@ def deployment(
     spec_per_rank: dict[int, dict] | None = None,
     own_cache: bool = True,
     tp: int = 1,
+    cache_dir: Path | None = None,
 ) -> Deployment:
     """A ``tp`` x ``pp`` deployment (not started): ``tp * pp`` launchers, launcher R holding global
     rank R (PP stage ``R // tp``, TP rank ``R % tp``). ``env`` goes to every launcher,
-    ``env_per_rank[r]`` / ``spec_per_rank[r]`` to launcher ``r`` only (fault cases)."""
+    ``env_per_rank[r]`` / ``spec_per_rank[r]`` to launcher ``r`` only (fault cases).
+    ``cache_dir``: the launchers' caches go to ``cache_dir/node<R>`` (kept, so that a later start
+    of the same deployment loads vLLM's compiled graphs) instead of a fresh folder."""
     if tp < 1 or pp < 1 or tp * pp < 2:
         raise ValueError(
             f"a launcher deployment needs pp >= 2 or tp >= 2 (got tp={tp} pp={pp}; "
@@ -296,7 +299,10 @@ def deployment(
         )
     chosen = layout(gpu_layout) if device == "gpu" else SHARED
     api_port, master_port = free_port(), free_port()
-    cache = Path(tempfile.mkdtemp(prefix=f"dspark-{name}-cache-")) if own_cache else None
+    if cache_dir is not None:
+        cache = Path(cache_dir)
+    else:
+        cache = Path(tempfile.mkdtemp(prefix=f"dspark-{name}-cache-")) if own_cache else None
     nodes = []
     for rank in range(tp * pp):
         node_env = {**stage_env(rank, device=device, gpu_layout=chosen, tag=name)}

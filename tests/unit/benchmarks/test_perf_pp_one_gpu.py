@@ -1070,3 +1070,30 @@ def test_a_workload_longer_than_the_models_positions_is_refused_before_any_serve
         _dry(capsys, *args)
     out = _dry(capsys, *args, "--output-len", "768")
     assert "--max-model-len 1024 " in out
+
+
+def test_cache_root_keeps_each_launchers_cache_and_the_shape_at_fixed_paths(capsys, tmp_path):
+    """``--cache-root``: the shape folder (its path is part of vLLM's compile-cache key) and one
+    cache folder per configuration and launcher under the root, so that the next call's servers
+    load their compiled graphs; without it every call gets fresh folders, as before."""
+    root = tmp_path / "keep"
+    args = ["--configs", "pp1_dspark,pp2_dspark"]
+
+    def caches(nodes):
+        return {name: v["env"]["VLLM_CACHE_ROOT"] for name, v in nodes.items()}
+
+    nodes = _launchers(_dry(capsys, *args, "--cache-root", str(root)))
+    assert caches(nodes) == {
+        "pp1_dspark": str(root / "vllm-cache" / "pp1_dspark"),
+        "pp2_dspark node 0": str(root / "vllm-cache" / "pp2_dspark" / "node0"),
+        "pp2_dspark node 1 (headless)": str(root / "vllm-cache" / "pp2_dspark" / "node1"),
+    }
+    target = str(root / "shapes" / "qwen3-8b" / "target")
+    assert all(v["argv"][2] == target for v in nodes.values())
+    again = _launchers(_dry(capsys, *args, "--cache-root", str(root)))
+    assert caches(again) == caches(nodes)  # the next call: the same folders
+    fresh = caches(_launchers(_dry(capsys, *args)))
+    assert not any(str(root) in path for path in fresh.values())
+    assert len(set(fresh.values())) == 3
+    line = "(EngineCore pid=1) INFO [decorators.py:326] [backbone] " + serve.CACHE_HIT_LINE + " /x"
+    assert serve.compile_cache_hits([line + "\n" + line, "no hit", line]) == 3
