@@ -1430,8 +1430,11 @@ def main(argv=None) -> int:
         # a dry run names the folders and creates nothing
         mps = mps_mod.MpsDaemon(Path("/tmp/dspark-mps-DRY-RUN") if a.dry_run else None)
     try:
+        if not a.dry_run:
+            # SIGTERM (tools/gpu/span_calls.py stop, a timeout) must reach the finally clauses
+            # that stop the servers (each in a session of its own) and the MPS daemon
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         if mps is not None and not a.dry_run:
-            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the finally must run
             if mps.start():
                 log(f"MPS daemon started ({mps.root}); PP stages' thread shares {a.mps}")
             else:
@@ -1442,13 +1445,13 @@ def main(argv=None) -> int:
     finally:
         if mps is not None and not a.dry_run:
             log(f"MPS daemon: {mps.stop() or 'not running'}")
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
             res_path = out / f"{RESULT_PREFIX}_{a.tag}.json"
             if res_path.exists():  # the run's record says what MPS did, also after a failure
                 data = json.loads(res_path.read_text())
                 data.setdefault("meta", {})["mps"] = mps.record(a.mps_shares)
                 Results(res_path, data).save()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_sigterm(signum, frame):

@@ -496,3 +496,27 @@ def test_a_failed_baseline_run_still_ends_the_comparison(tmp_path, monkeypatch):
     assert [m[0] for m in calls.measured] == ["pp1_dspark", "pp2_dspark", "pp2_nospec",
                                               "pp1_dspark"]  # fmt: skip
     assert {e["concurrency"] for e in data["interleaved"]} == {8}
+
+
+def test_sigterm_reaches_the_cleanup_without_mps_too(tmp_path):
+    """tools/gpu/span_calls.py stops a benchmark with SIGTERM; the servers (sessions of their
+    own) are stopped only by the driver's finally clauses, so SIGTERM must end the run through
+    them with or without ``--mps`` (before 2026-12-06 only an MPS run caught it: the process died
+    at once, rc -15, and its servers ran on)."""
+    import subprocess
+
+    code = (
+        "import os, signal, time, sys\n"
+        "from benchmarks import serve_pp_one_gpu as serve\n"
+        "def killed(a, *rest):\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+        "    finally:\n"
+        "        print('servers stopped', flush=True)\n"
+        "serve._main = killed\n"
+        f"serve.main(['--configs', 'pp1_dspark,pp2_dspark', '--out', {str(tmp_path)!r}])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=serve.REPO)  # fmt: skip
+    assert done.returncode == 128 + 15, done.stderr[-2000:]
+    assert "servers stopped" in done.stdout
