@@ -304,6 +304,31 @@ def _by_repeat(pt: dict, cfg: str) -> dict[int, float]:
     return {r["repeat"]: r["output_throughput"] for r in runs if "repeat" in r}
 
 
+def _per_point(rec: dict, quotients, none_text: str, min_c: int = 0):
+    """Per interleaved point from ``min_c`` on, ``quotients(pt)`` (one per rotation) as a line of
+    mean and range; returns (lines, each point's lowest rotation)."""
+    lines, lows = [], []
+    for pt in rec["interleaved"]:
+        if pt["concurrency"] < min_c:
+            continue
+        qs = quotients(pt)
+        where = f"AL {pt['acceptance_length']}, C = {pt['concurrency']}"
+        if not qs:
+            lines.append(f"* {where}: {none_text}")
+            continue
+        lows.append(min(qs))
+        lines.append(f"* {where}: {statistics.mean(qs):.3f} (rotations {min(qs):.3f}-"
+                     f"{max(qs):.3f}, {len(qs)})")  # fmt: skip
+    return lines, lows
+
+
+def _verdict(lows: list[float], goal: float) -> str:
+    if not lows:
+        return "**not measured**"
+    word = "met" if min(lows) >= goal else "missed"
+    return f"**{word}** (lowest rotation {min(lows):.3f})"
+
+
 def goal_b(rec: dict) -> list[str]:
     """Issue 44 goal (b) where the record served PP=1 and PP=2, each with and without DSpark:
     per point and rotation the quotient (pp2_dspark / pp2_nospec) / (pp1_dspark / pp1_nospec)
@@ -311,26 +336,15 @@ def goal_b(rec: dict) -> list[str]:
     at least :data:`GOAL_B`."""
     if not set(GOAL_B_CONFIGS) <= set(rec["meta"]["configs"]):
         return []
-    lines, lows = [], []
-    for pt in rec["interleaved"]:
+
+    def quotients(pt):
         runs = [_by_repeat(pt, c) for c in GOAL_B_CONFIGS]
         rotations = sorted(set.intersection(*(set(r) for r in runs)))
-        qs = [(runs[3][i] / runs[2][i]) / (runs[1][i] / runs[0][i]) for i in rotations]
-        where = f"AL {pt['acceptance_length']}, C = {pt['concurrency']}"
-        if not qs:
-            lines.append(f"* {where}: no rotation with all four configurations")
-            continue
-        lows.append(min(qs))
-        lines.append(f"* {where}: {statistics.mean(qs):.3f} (rotations {min(qs):.3f}-"
-                     f"{max(qs):.3f}, {len(qs)})")  # fmt: skip
-    if not lows:
-        verdict = "**not measured**"
-    elif min(lows) >= GOAL_B:
-        verdict = f"**met** (lowest rotation {min(lows):.3f})"
-    else:
-        verdict = f"**missed** (lowest rotation {min(lows):.3f})"
+        return [(runs[3][i] / runs[2][i]) / (runs[1][i] / runs[0][i]) for i in rotations]
+
+    lines, lows = _per_point(rec, quotients, "no rotation with all four configurations")
     head = (f"Issue 44 goal (b), PP=2's DSpark / no-spec speed-up at least {GOAL_B} of PP=1's "
-            f"at every C, per rotation: {verdict}")  # fmt: skip
+            f"at every C, per rotation: {_verdict(lows, GOAL_B)}")  # fmt: skip
     return [head, "", *lines]
 
 
@@ -345,28 +359,16 @@ def split_goal(rec: dict) -> list[str]:
         return []
     split = ((rec["meta"].get("stage_split") or {}).get(plan) or {}).get("partition")
     mps = rec["meta"].get("mps") or {}
-    lines, lows = [], []
-    for pt in rec["interleaved"]:
-        if pt["concurrency"] < SPLIT_GOAL_MIN_C:
-            continue
+    def quotients(pt):
         a, b = _by_repeat(pt, even), _by_repeat(pt, plan)
-        qs = [b[r] / a[r] for r in sorted(set(a) & set(b))]
-        where = f"AL {pt['acceptance_length']}, C = {pt['concurrency']}"
-        if not qs:
-            lines.append(f"* {where}: no rotation with both splits")
-            continue
-        lows.append(min(qs))
-        lines.append(f"* {where}: {statistics.mean(qs):.3f} (rotations {min(qs):.3f}-"
-                     f"{max(qs):.3f}, {len(qs)})")  # fmt: skip
-    if not lows:
-        verdict = "**not measured**"
-    elif not mps.get("used"):
+        return [b[r] / a[r] for r in sorted(set(a) & set(b))]
+
+    lines, lows = _per_point(rec, quotients, "no rotation with both splits", SPLIT_GOAL_MIN_C)
+    if lows and not mps.get("used"):
         verdict = (f"**not settled**: the stages time-sliced the GPU (no MPS); lowest rotation "
                    f"{min(lows):.3f}")  # fmt: skip
-    elif min(lows) >= SPLIT_GOAL:
-        verdict = f"**met** (lowest rotation {min(lows):.3f})"
     else:
-        verdict = f"**missed** (lowest rotation {min(lows):.3f})"
+        verdict = _verdict(lows, SPLIT_GOAL)
     shares = f"MPS thread shares {mps.get('requested')}" if mps.get("used") else "no MPS"
     head = (f"Issue 44's balanced split, PP=2 DSpark with plan's layer split "
             f"{split or '?'} over the even split, at least {SPLIT_GOAL:.2f}x at C >= "
