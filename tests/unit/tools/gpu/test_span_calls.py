@@ -6,7 +6,6 @@ running, and a second start while it runs is refused."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
