@@ -95,7 +95,8 @@ def test_the_hard_limit_ends_a_command_nobody_waits_for(tmp_path):
 
 def test_a_second_start_while_it_runs_is_refused_and_bad_use_says_why(tmp_path):
     root = tmp_path / "span"
-    assert call(root, *_start_args("one", "sleep", "30", for_s=0.0, copy=tmp_path / "c")).returncode == 0
+    first = call(root, *_start_args("one", "sleep", "30", for_s=0.0, copy=tmp_path / "c"))
+    assert first.returncode == 0
     again = call(root, *_start_args("one", "sleep", "1", for_s=0.0, copy=tmp_path / "c"))
     assert again.returncode != 0 and "still runs" in again.stderr
     assert call(root, "stop", "one", timeout=60).returncode == 0
