@@ -359,6 +359,7 @@ def split_goal(rec: dict) -> list[str]:
         return []
     split = ((rec["meta"].get("stage_split") or {}).get(plan) or {}).get("partition")
     mps = rec["meta"].get("mps") or {}
+
     def quotients(pt):
         a, b = _by_repeat(pt, even), _by_repeat(pt, plan)
         return [b[r] / a[r] for r in sorted(set(a) & set(b))]
