@@ -161,9 +161,10 @@ against the first one named in ``--configs`` (the baseline), from this call only
 the means and the per-rotation ratios (repeat r over repeat r, measured next to each other) with
 their range. A point cut at the deadline keeps its rotations that completed; ratios pair only
 repeats both sides measured. A run with any failed request counts as failed
-(:func:`bench_failure`); its configuration (or one whose server was lost) leaves the comparison
-and the others' rotations go on, unless it is the baseline or fewer than two would remain, which
-ends the comparison.
+(:func:`bench_failure`); its configuration (or one whose server was lost) leaves the comparison,
+its servers are stopped (their GPU memory goes back to the others) and the others' rotations go
+on, unless it is the baseline or fewer than two would remain, which ends the comparison; either
+way the command exits 1.
 
 CUDA MPS (``--mps P0,P1``; issue 44 item 2; ran on an H100 on 2026-12-06: ``meta.mps.used``
 true, docs/results/perf_interleaved_gpu.md): benchmarks/mps.py starts an
@@ -1681,6 +1682,19 @@ class Runner:
             self.res.save()
         return bool(dead)
 
+    def leave(self, gone: list[str], names: list[str], live: list) -> bool:
+        """:func:`drop_from_comparison`, then stop the deployments that left (their GPU memory
+        goes back to the others) and mark them (the call's exit status becomes 1)."""
+        if not drop_from_comparison(gone, names, live, self.log):
+            return False
+        for name in gone:
+            srv = self.res.data["servers"][name]
+            if srv.get("outcome") == "ok":
+                srv["outcome"] = "left the comparison after a failed run"
+            self.deps[name].stop()
+        self.res.save()
+        return True
+
     def model(self, cfg) -> CostModel:
         a = self.a
         return CostModel(
@@ -1893,7 +1907,7 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
                 rn.skip(cfg, al, c, f"AL not applied on {', '.join(al_failed[al])}")
             continue
         lost = [cfg.name for cfg in live if rn.lost(cfg)]
-        if lost and not drop_from_comparison(lost, names, live, log):
+        if lost and not rn.leave(lost, names, live):
             log("FAILED: a server was lost; the interleaved comparison ends here")
             break
         models = [rn.model(cfg) for cfg in live]
@@ -1931,7 +1945,7 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
             )  # fmt: skip
             res.data["interleaved"] = interleave_summary(res.data["points"], names, a.repeats)
             res.save()
-            if stop and (rn.time_left() <= 0 or not drop_from_comparison([name], names, live, log)):
+            if stop and (rn.time_left() <= 0 or not rn.leave([name], names, live)):
                 cut = True
                 break
         if cut:

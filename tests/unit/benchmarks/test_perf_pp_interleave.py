@@ -186,12 +186,13 @@ class _Calls:
         monkeypatch.setattr(serve.Runner, "measure", measure)
 
 
-def _run(tmp_path, args, budget_s=10_000.0, configs=PAIR[1]):
+def _run(tmp_path, args, budget_s=10_000.0, configs=PAIR[1], deps=None):
     a = serve.parse_args(["--configs", configs, "--interleave", "--repeats", "3", *args])
     res = serve.Results(tmp_path / "r.json", {"meta": {}, "servers": {}, "points": [],
                                               "skipped": []})  # fmt: skip
     rc = serve.run_interleaved(
-        a, {}, None, res, serve.Log(None), time.monotonic() + serve.STOP_RESERVE_S + budget_s
+        a, deps or {}, None, res, serve.Log(None),
+        time.monotonic() + serve.STOP_RESERVE_S + budget_s,
     )
     return rc, res.data
 
@@ -470,13 +471,29 @@ def _failing(monkeypatch, fails: set[tuple[str, int, int]]):
         return ok(rn, cfg, al, ali, c, n, why=why, n_full=n_full, repeat=repeat, extra=extra)
 
     monkeypatch.setattr(serve.Runner, "measure", measure)
+
+    def start(rn, names):  # what Runner.start and .ready record for servers that came up
+        for name in names:
+            rn.res.data["servers"][name] = {"launchers": 1, "outcome": "ok"}
+
+    monkeypatch.setattr(serve.Runner, "start", start)
+    calls.stopped = []
+
+    class Dep:
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self):
+            calls.stopped.append(self.name)
+
+    calls.deps = {n: Dep(n) for n in names}
     return calls
 
 
 def test_a_failed_run_takes_its_configuration_out_and_the_others_go_on(tmp_path, monkeypatch):
     calls = _failing(monkeypatch, {("pp2_dspark", 8, 0)})
     args = ["--acceptance-lengths", "3.99", "--concurrency", "8,16"]
-    rc, data = _run(tmp_path, args, configs="pp1_dspark,pp2_dspark,pp2_nospec")
+    rc, data = _run(tmp_path, args, configs="pp1_dspark,pp2_dspark,pp2_nospec", deps=calls.deps)
     runs = {(m[0], m[2]) for m in calls.measured}
     assert ("pp2_dspark", 16) not in runs  # gone for the rest of the call
     done = [m for m in calls.measured if m[0] != "pp2_dspark"]
@@ -486,13 +503,16 @@ def test_a_failed_run_takes_its_configuration_out_and_the_others_go_on(tmp_path,
     assert len(whys) == 3  # the failed run, then its two other rotations at C = 8
     by_c = {e["concurrency"]: e for e in data["interleaved"]}
     assert by_c[16]["ratios"]["pp2_nospec/pp1_dspark"]["rotations"] == 3
-    assert rc == 0
+    assert data["servers"]["pp2_dspark"]["outcome"] == "left the comparison after a failed run"
+    assert calls.stopped == ["pp2_dspark"]  # its GPU memory goes back to the others at once
+    assert rc == 1  # the call had a failure
 
 
 def test_a_failed_baseline_run_still_ends_the_comparison(tmp_path, monkeypatch):
     calls = _failing(monkeypatch, {("pp1_dspark", 8, 1)})
     args = ["--acceptance-lengths", "3.99", "--concurrency", "8,16"]
-    _rc, data = _run(tmp_path, args, configs="pp1_dspark,pp2_dspark,pp2_nospec")
+    _rc, data = _run(tmp_path, args, configs="pp1_dspark,pp2_dspark,pp2_nospec", deps=calls.deps)
+    assert not calls.stopped  # the comparison ended; the driver's finally stops every server
     assert [m[0] for m in calls.measured] == ["pp1_dspark", "pp2_dspark", "pp2_nospec",
                                               "pp1_dspark"]  # fmt: skip
     assert {e["concurrency"] for e in data["interleaved"]} == {8}
