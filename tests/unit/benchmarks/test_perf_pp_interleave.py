@@ -191,7 +191,11 @@ def _run(tmp_path, args, budget_s=10_000.0, configs=PAIR[1], deps=None):
     res = serve.Results(tmp_path / "r.json", {"meta": {}, "servers": {}, "points": [],
                                               "skipped": []})  # fmt: skip
     rc = serve.run_interleaved(
-        a, deps or {}, None, res, serve.Log(None),
+        a,
+        deps or {},
+        None,
+        res,
+        serve.Log(None),
         time.monotonic() + serve.STOP_RESERVE_S + budget_s,
     )
     return rc, res.data
