@@ -27,7 +27,9 @@ is stated per PD configuration from the ratios: met or missed where C = 64 was m
 speed-up at least 0.9 of PP=1's at every C) where a record served all four of pp1_nospec,
 pp1_dspark, pp2_nospec, pp2_dspark, per rotation from runs of the same rotation; the balanced
 split (``plan``'s layer split at least 1.15x the even one at C >= 16) where a record served
-pp2_dspark and pp2_dspark_balanced, met or missed only when the stages ran under MPS. Under
+pp2_dspark and pp2_dspark_balanced, met or missed only when the stages ran under MPS; goal (g)
+(PP=2 adaptive verification at least as fast as the best fixed k at C >= 16) where a record
+served adaptive beside fixed k, settled only with the drafter's own confidences. Under
 each point, where every server's step goes: the benchmark hook's per-rank GPU timers (step,
 target, draft, the exchange's wait share), averaged over the repeats. A run with failed
 requests is left out of the tables and ratios, which are then recomputed from the rest by the
@@ -60,6 +62,8 @@ GOAL_B_CONFIGS = ("pp1_nospec", "pp1_dspark", "pp2_nospec", "pp2_dspark")
 #: issue 44: plan's layer split at least this much above the even one at C >= SPLIT_GOAL_MIN_C
 SPLIT_GOAL, SPLIT_GOAL_MIN_C = 1.15, 16
 SPLIT_CONFIGS = ("pp2_dspark", "pp2_dspark_balanced")
+#: issue 44 goal (g): PP=2 adaptive over the best fixed k at least this, at C >= GOAL_G_MIN_C
+GOAL_G, GOAL_G_MIN_C = 1.0, 16
 META_KEYS = ("commit", "date", "command", "configs", "shape", "workload", "interleave", "versions")
 POINT_KEYS = ("acceptance_length", "concurrency", "num_prompts", "configs", "ratios")
 #: (stats key, column title, format) of the per-configuration table
@@ -377,6 +381,42 @@ def split_goal(rec: dict) -> list[str]:
     return [head, "", *lines]
 
 
+def goal_g(rec: dict) -> list[str]:
+    """Issue 44 goal (g) where the record served adaptive verification beside fixed k (the
+    benchmark's ``adaptive_vs_best_fixed`` per point: the fixed k of the highest mean output
+    tok/s at the same PP size, and adaptive over it per rotation): at PP > 1 and C >=
+    :data:`GOAL_G_MIN_C` adaptive at least as fast as the best fixed k in every rotation, settled
+    only with non-oracle confidences (``meta.adaptive_confidences`` ``draft``: the drafter's own;
+    ``synthetic`` hands adaptive the sampler's own rates)."""
+    from benchmarks.serve_pp_one_gpu import CONFIGS
+
+    rows = [(pt, name, v) for pt in rec["interleaved"]
+            for name, v in (pt.get("adaptive_vs_best_fixed") or {}).items()]  # fmt: skip
+    if not rows:
+        return []
+    conf = rec["meta"].get("adaptive_confidences")
+    lines, lows = [], []
+    for pt, name, v in rows:
+        where = f"`{name}` AL {pt['acceptance_length']}, C = {pt['concurrency']}"
+        per = v.get("per_rotation") or []
+        if not v.get("best_fixed") or not per:
+            lines.append(f"* {where}: {v.get('why', 'no rotation with both')}")
+            continue
+        counts = CONFIGS[name].pp > 1 and pt["concurrency"] >= GOAL_G_MIN_C
+        if counts:
+            lows.append(min(per))
+        lines.append(f"* {where}: {statistics.mean(per):.3f} of `{v['best_fixed']}` (k = "
+                     f"{v.get('best_fixed_k')}; rotations {min(per):.3f}-{max(per):.3f}, "
+                     f"{len(per)})" + ("" if counts else " (outside the goal)"))  # fmt: skip
+    if lows and conf != "draft":
+        verdict = f"**not settled**: confidences `{conf}` (the goal asks for the drafter's own)"
+    else:
+        verdict = _verdict(lows, GOAL_G)
+    head = (f"Issue 44 goal (g), PP=2 adaptive verification at least as fast as the best fixed k "
+            f"at C >= {GOAL_G_MIN_C}, per rotation, confidences `{conf}`: {verdict}")  # fmt: skip
+    return [head, "", *lines]
+
+
 def section(name: str, rec: dict) -> list[str]:
     m = rec["meta"]
     v = m["versions"]
@@ -427,7 +467,7 @@ def section(name: str, rec: dict) -> list[str]:
     goal = pd_goal(rec)
     if goal:
         lines += ["", "Issue 44's PD goal, from the ratios above:", "", *goal]
-    for goal in (goal_b(rec), split_goal(rec)):
+    for goal in (goal_b(rec), split_goal(rec), goal_g(rec)):
         if goal:
             lines += ["", *goal]
     return lines + [""]

@@ -211,3 +211,37 @@ def test_stage_rows_average_each_ranks_timers_over_the_repeats():
     for p in planted["points"]:
         p.pop("step_times", None)
     assert page.stage_rows(planted, pt) == []
+
+
+def _ksweep_record(adaptive: list[float], confidences: str = "draft") -> dict:
+    """A record as the benchmark writes it for ``--configs ksweep_pp2`` at C = 4 and 16 (its own
+    summary from planted runs): fixed k = 3 the best (100 tok/s), k = 7 80, adaptive as given."""
+    from benchmarks.serve_pp_one_gpu import interleave_summary
+
+    names = ["pp2_dspark_k3", "pp2_dspark_k7", "pp2_dspark_adaptive"]
+    tok_s = {"pp2_dspark_k3": [100.0] * 3, "pp2_dspark_k7": [80.0] * 3,
+             "pp2_dspark_adaptive": adaptive}  # fmt: skip
+    points = [{"config": n, "concurrency": c, "repeat": r, "point_al": 3.99, "num_prompts": 64,
+               "bench": {"output_throughput": tok_s[n][r]}}
+              for c in (4, 16) for r in range(3) for n in names]  # fmt: skip
+    meta = {"commit": "abc", "date": "2026-12-07 00:00:00 UTC", "command": "x",
+            "configs": names, "shape": "tiny-pair", "workload": {"name": "decode"},
+            "adaptive_confidences": confidences, "versions": {"gpu": "H100"},
+            "interleave": {"baseline": names[0], "repeats": 3}}  # fmt: skip
+    return {"meta": meta, "servers": {}, "points": points,
+            "interleaved": interleave_summary(points, names, 3), "skipped": []}  # fmt: skip
+
+
+def test_goal_g_reads_adaptive_against_the_best_fixed_k_per_rotation():
+    rec = _ksweep_record([101.0, 99.0, 104.0])
+    page.check("x.json", rec)
+    head, _, *lines = page.goal_g(rec)
+    assert head.endswith("**missed** (lowest rotation 0.990)"), head
+    assert "* `pp2_dspark_adaptive` AL 3.99, C = 16: 1.013 of `pp2_dspark_k3` (k = 3; " in lines[1]
+    assert lines[0].endswith("(outside the goal)")  # C = 4
+    assert page.goal_g(_ksweep_record([101.0, 100.0, 104.0]))[0].endswith(
+        "**met** (lowest rotation 1.000)"
+    )
+    oracle = page.goal_g(_ksweep_record([101.0, 100.0, 104.0], "synthetic"))[0]
+    assert "**not settled**: confidences `synthetic`" in oracle
+    assert page.goal_g(_pp_record({c: [1.0] for c in page.GOAL_B_CONFIGS})) == []
