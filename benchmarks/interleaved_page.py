@@ -282,23 +282,28 @@ def stage_rows(rec: dict, pt: dict) -> list[str]:
             continue
         if p.get("repeat") is None or not isinstance(p.get("step_times"), list):
             continue
+        run_s = (p.get("bench") or {}).get("duration")
         for rank, w in enumerate(p["step_times"]):
             m = _rank_means(w) if isinstance(w, dict) else None
             if m:
+                # the share of the run the rank spent inside its steps (1.0: never idle)
+                m["busy"] = m["steps"] * m["step_ms"] / (1e3 * run_s) if run_s else None
                 by.setdefault((p["config"], rank), []).append(m)
     if not by:
         return []
     head = ["config", "rank", "runs", "steps per run", "step ms", "target ms", "draft ms",
-            "exchange wait / step"]  # fmt: skip
+            "exchange wait / step", "in steps / run"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {c: i for i, c in enumerate(pt["configs"])}
     for (cfg, rank), ms in sorted(by.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
         waits = [m["wait_share"] for m in ms if m["wait_share"] is not None]
+        busy = [m["busy"] for m in ms if m.get("busy") is not None]
         cells = [f"`{cfg}`", str(rank), str(len(ms)),
                  f"{statistics.mean(m['steps'] for m in ms):.0f}",
                  *(f"{statistics.mean(m[k] for m in ms):.2f}"
                    for k in ("step_ms", "target_ms", "draft_ms")),
-                 _fmt("{:.1%}", statistics.mean(waits) if waits else None)]  # fmt: skip
+                 _fmt("{:.1%}", statistics.mean(waits) if waits else None),
+                 _fmt("{:.0%}", statistics.mean(busy) if busy else None)]  # fmt: skip
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -456,8 +461,9 @@ def section(name: str, rec: dict) -> list[str]:
         stages = stage_rows(rec, pt)
         if stages:
             lines += ["", "Where each server's step goes (the benchmark hook's GPU timers per "
-                      "worker rank, PP stage order at TP = 1; means over the repeats):", "",
-                      *stages]  # fmt: skip
+                      "worker rank, PP stage order at TP = 1; means over the repeats; *in steps "
+                      "/ run*: steps x step time over the run's duration, 100 % for a rank that "
+                      "is never idle):", "", *stages]  # fmt: skip
     skipped = rec.get("skipped") or []
     lines += ["", "Runs that failed or were cut:" if skipped else "No run failed or was cut."]
     if skipped:

@@ -199,7 +199,9 @@ def test_stage_rows_average_each_ranks_timers_over_the_repeats():
     pt = next(p for p in rec["interleaved"] if p["concurrency"] == 16)
     rows = page.stage_rows(rec, pt)
     last = next(r for r in rows if r.startswith("| `pp2_dspark_balanced` | 1 | 3 |"))
-    assert "| 6.44 | 3.84 | 2.05 | 3.0% |" in last
+    assert last.endswith("| 6.44 | 3.84 | 2.05 | 3.0% | 98% |")  # the last stage never rests
+    first = next(r for r in rows if r.startswith("| `pp2_dspark` | 0 | 3 |"))
+    assert first.endswith("| 0.1% | 65% |")
     planted = copy.deepcopy(rec)
     for p in planted["points"]:
         if p["config"] == "pp2_dspark_balanced" and p["concurrency"] == 16:
@@ -208,6 +210,9 @@ def test_stage_rows_average_each_ranks_timers_over_the_repeats():
     rows = page.stage_rows(planted, pt)
     last = next(r for r in rows if r.startswith("| `pp2_dspark_balanced` | 1"))
     assert "| 9.00 |" in last
+    for p in planted["points"]:
+        p["bench"].pop("duration", None)
+    assert all(r.endswith("| - |") for r in page.stage_rows(planted, pt)[2:])  # no run length
     for p in planted["points"]:
         p.pop("step_times", None)
     assert page.stage_rows(planted, pt) == []
