@@ -287,8 +287,10 @@ def test_serial_groups_run_one_after_another_under_what_is_left_of_the_call(tmp_
     assert [r[2] for r in rows] == ["dsv4", "dsv41"], rows
     first, second = rows
     assert float(second[0]) >= float(first[1]), "the second group started before the first ended"
-    # the call's 300 s cap the first group's 430 s budget; the second gets what is left
-    assert _timeout(first) == 300 - 20
+    # the call's 300 s cap the first group's 430 s budget (430 - 20 without the cap); the second
+    # gets what is left. The script counts whole seconds from its start: on a loaded machine the
+    # first group may start a second or two into the call (279 once, in a full run)
+    assert 300 - 20 - 3 <= _timeout(first) <= 300 - 20
     assert _timeout(second) <= 300 - 2 - 20
     assert rc.splitlines() == ["pd_pp_dsv4 rc=0", "pd_pp_dsv41 rc=0"]
 
