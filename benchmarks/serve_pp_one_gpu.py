@@ -20,6 +20,7 @@ server starts (``--budget-s``), after the kit is booted (tools/gpu/README.md):
         --acceptance-lengths 3.99 --workload decode [--mps 50,50] --budget-s 540
                                       (PP=1 vs PP=2 DSpark in rotation, ratios from one call)
     ... --configs ksweep_pp2 --interleave --repeats 3 --model-dir models/tiny-pair --kv-gib 1 \\
+        --workload decode --output-len 768 \\
         --env DSPARK_BENCH_SYNTHETIC_SCHEDULE=geometric --env DSPARK_BENCH_CONFIDENCES=draft
                                       (fixed k = 1..7 and adaptive in rotation, PP=2)
     python3 -m benchmarks.plot_pp_one_gpu RUN*/serve_pp_one_gpu_*.json \\
@@ -92,7 +93,9 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   seven fixed k and the adaptive deployment of that PP size (issue 44 item 5: adaptive against
   the *best* fixed k, not only k = 7), meant for ``--interleave`` (every server starts
   together; eight deployments: use a small pair, ``--model-dir models/tiny-pair``, and a small
-  ``--kv-gib``). Where the DSpark configurations draft different k, every server gets
+  ``--kv-gib``; the tiny pair has 1,024 positions, so a workload's input + output + 128 must fit
+  them, e.g. ``--workload decode --output-len 768``: a longer one is refused at start). Where
+  the DSpark configurations draft different k, every server gets
   ``DSPARK_BENCH_PROFILE_POSITIONS`` = the largest k: the acceptance profile is the largest k's
   and a shorter k keeps its first positions (the same per-position rates, so a shorter k accepts
   fewer tokens). With ``--env DSPARK_BENCH_SYNTHETIC_SCHEDULE=geometric`` the profile is
