@@ -45,8 +45,8 @@ def stand_in(tmp_path, monkeypatch):
 
 
 def test_returns_at_the_result_and_the_group_ends_in_the_background(stand_in):
-    run, took = stand_in(3.0)
-    assert run.ok and not run.timed_out and took < 2.5, took
+    run, took = stand_in(6.0)  # the call must return well before the child's 6 s are up
+    assert run.ok and not run.timed_out and took < 5.0, took
     assert live_group_members(run.pgid), "the child was killed instead of finishing by itself"
     t0 = time.monotonic()
     engine.wait_for_shutdowns()

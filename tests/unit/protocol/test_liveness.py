@@ -142,7 +142,9 @@ def test_stop_never_blocks_even_with_a_silent_peer():
     wa.start()
     t0 = time.monotonic()
     wa.stop()
-    assert time.monotonic() - t0 < 0.5
+    # bounded by the drain (0.3 s), far below the 30 s peer timeout a blocking stop would take;
+    # the slack is for a loaded CI machine
+    assert time.monotonic() - t0 < 5.0
     assert _until(lambda: not wa.is_alive(), 5.0), "the watch thread did not end after stop()"
     assert not lost
     b.close()
