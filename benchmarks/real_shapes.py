@@ -1,5 +1,7 @@
-"""Config-only model folders at real deployment shapes (never weights): Qwen3 targets + Qwen3
-DSpark drafts of the published block-7 shape, for timing with ``load_format="dummy"``.
+"""Config-only model folders at real deployment shapes (no trained weights): Qwen3 targets + Qwen3
+DSpark drafts of the published block-7 shape, for timing with ``load_format="dummy"``. The one
+tensor ever written beside them is a random draft ``fc.weight`` (:func:`write_context_linear`),
+on the machine that serves, for the PP tap partials (they read it from the draft checkpoint).
 
     python -m benchmarks.real_shapes --out /tmp/shapes [--shape qwen3-8b] [--check]
 
@@ -182,6 +184,53 @@ def write_shape(shape: Shape | str, root: str | Path) -> ShapePaths:
         (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         (d / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return ShapePaths(shape.name, str(tdir), str(ddir))
+
+
+#: The draft's first linear on the concatenated taps (``families`` Qwen3 ``context_linear``), as
+#: the tap partials look it up in the draft checkpoint (protocol/tap_partials.find_linear).
+CONTEXT_LINEAR_KEY = "fc.weight"
+
+
+def write_context_linear(
+    paths: ShapePaths, shape: Shape | str, *, seed: int = 0, write: bool = True
+) -> dict:
+    """A random bf16 ``fc.weight`` (``hidden x taps * hidden``, normal with std 0.02, seeded) as
+    the shape draft folder's ``model.safetensors``, and what it is (a dict for the run's record).
+
+    With ``--load-format dummy`` vLLM reads no file, so a config-only draft has no checkpoint and
+    ``VLLM_DSPARK_PP_TAP_PARTIALS`` keeps raw taps (its launchers log why). With this one tensor
+    the stages before the last read their column blocks of ``W`` from it and the last stage its
+    own (protocol/tap_partials.py: under dummy weights the checkpoint's ``W`` stands in for the
+    dummy one), so the partials run at the real shape: bytes, waits and step times are the real
+    ones; the draft's tokens are as meaningless as with any dummy weights (the synthetic sampler
+    decides acceptance). Every other deployment of the folder is unaffected (vLLM's dummy loader
+    reads no file and raw taps never open the checkpoint). ``write=False`` (a dry run) only
+    describes it. About 66 MB at the Qwen3-4B shape, 168 MB at 8B: never committed."""
+    import torch
+
+    if isinstance(shape, str):
+        shape = SHAPES[shape]
+    rows, cols = shape.hidden_size, len(shape.target_layer_ids) * shape.hidden_size
+    path = Path(paths.draft) / "model.safetensors"
+    info = {
+        "file": str(path),
+        "key": CONTEXT_LINEAR_KEY,
+        "shape": [rows, cols],
+        "dtype": "bfloat16",
+        "init": "normal(0, 0.02)",
+        "seed": seed,
+        "bytes": rows * cols * 2,
+        "written": write,
+    }
+    if write:
+        from safetensors.torch import save_file
+
+        g = torch.Generator().manual_seed(seed)
+        w = torch.empty(rows, cols).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
+        tmp = path.with_suffix(".tmp")
+        save_file({CONTEXT_LINEAR_KEY: w}, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path)  # whole or absent, also for a server that starts beside it
+    return info
 
 
 def engine_kwargs(

@@ -74,8 +74,10 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   straight to the last stage on its own process group, off the critical path); the exchange
   table then has the bytes per step stage to stage and on the side channel, and the last
   stage's waits (``pp_recv_wait_ms``, ``side_wait_ms``). The partial sums read the draft's first
-  linear from its checkpoint: run them on a pair with weights (``--model-dir``; with a
-  dummy-weight shape they keep raw taps and their launchers log why).
+  linear from its checkpoint: with ``--shape`` (dummy weights) the benchmark writes a random
+  ``fc.weight`` into the shape's draft folder when such a configuration is selected
+  (real_shapes.write_context_linear; ``meta.tap_partials_weights`` says what), with
+  ``--model-dir`` the pair's own is read.
 * ``pp1_dspark_adaptive`` / ``pp2_dspark_adaptive``: ``pp1_dspark`` / ``pp2_dspark`` with
   ``"enable_adaptive_verification": true`` (vLLM's default CUDA-graph mode, which has the full
   graphs it needs; not with ``--cpu``), ``VLLM_DSPARK_PP_ADAPTIVE_PP=1`` on every launcher, and
@@ -217,7 +219,7 @@ from pathlib import Path
 from benchmarks.adaptive_bench import adaptive_env, check_args, confidences_of
 from benchmarks.dspark_bench_hooks import PROFILE_ENV
 from benchmarks.perf_real_shapes import BENCH_PLUGIN, PLUGIN, make_hook_dist
-from benchmarks.real_shapes import SHAPES, write_shape
+from benchmarks.real_shapes import SHAPES, write_context_linear, write_shape
 from dspark_dev.pd_launch import mooncake_transport_evidence
 from dspark_dev.pp_launch import transport_evidence
 from dspark_dev.provenance import record_commit
@@ -1376,6 +1378,9 @@ def prepare_models(a, work: Path):
 
     # under --cache-root the shape folder keeps its path: vLLM's compile cache key holds it
     paths = write_shape(a.shape, (Path(a.cache_root) if a.cache_root else work) / "shapes")
+    if any(dict(c.env).get(TAPS_ENV, "0") != "0" for c in a.cfgs):
+        # the tap partials read the draft's fc from its checkpoint: give the shape one
+        a.tap_weights = write_context_linear(paths, a.shape, write=not a.dry_run)
     return paths, shape_tokenizer.write(paths.target)
 
 
@@ -1516,6 +1521,8 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
             else None,
             "pd_transport": {c.name: pd_transport(deps[c.name]) for c in a.cfgs if c.pd} or None,
             "stage_split": {c.name: stage_split(c, a, paths) for c in a.cfgs if c.balanced} or None,
+            # a --shape run's random draft fc for the tap partials (None: none written)
+            "tap_partials_weights": getattr(a, "tap_weights", None),
             "budget_s": a.budget_s,
             "start": a.start,
             "gpu_layout": a.gpu_layout,

@@ -4,10 +4,12 @@ WHAT: after ``DSparkSpeculator.load_model``, on the last PP stage of a target wh
 carries a tap-partial plan (:mod:`vllm_dspark_pp.protocol.tap_partials`), the drafter's first
 linear on the taps (the family's ``context_linear``: Qwen3 ``fc``, DeepSeek-V4/V4.1
 ``main_proj``, Kimi-K3 ``context_proj``) is replaced by ``PartialSumLinear``: ``partial +
-W_last @ own taps``, ``W_last`` the columns of the loaded weight that multiply this stage's
-taps; the FULL-graph staging buffer of the concatenated taps (``_aux_staging``) is re-made at
-the new width. Anything but a bias-free unquantized linear of the expected shape stops start-up
-naming the knob (the earlier stages already send partial sums). With the side channel
+W_last @ own taps``, ``W_last`` the columns that multiply this stage's taps, read from the draft
+checkpoint as the other stages read theirs; the FULL-graph staging buffer of the concatenated
+taps (``_aux_staging``) is re-made at the new width. Anything but a bias-free unquantized linear
+of the expected shape, holding the checkpoint's values, stops start-up naming the knob (the
+earlier stages already send partial sums); under ``--load-format dummy`` the values are not
+compared (random by design) and the checkpoint's ``W`` stands in for the dummy one. With the side channel
 (``VLLM_DSPARK_PP_TAP_PARTIALS=side``) ``propose`` also puts the step's partial in front of the
 aux taps it is called with: received on the side channel and waited for right there
 (``tap_partials.drafter_taps``), zeros in a dummy or profile run. Without a plan nothing changes.

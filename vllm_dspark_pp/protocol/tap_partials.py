@@ -24,7 +24,9 @@ Which columns a stage owns: tap slots are the sorted aux layer ids (vLLM's
 Every rank decides the mode from the same facts (the config, the knob, the draft checkpoint's
 header), so all stages agree without a message; the start-up handshake compares the knob. A
 stage before the last reads its column block of ``W`` from the draft checkpoint
-(:func:`load_column_block`); the last stage slices its own block from the loaded drafter.
+(:func:`load_column_block`); so does the last stage for its own block, after checking that
+the loaded drafter holds the checkpoint's ``W`` (not checked under ``--load-format dummy``,
+whose weights are random by design: there the checkpoint's ``W`` stands in for the dummy one).
 Modes (``VLLM_DSPARK_PP_TAP_PARTIALS``): ``auto`` where some boundary would carry two or more
 tap rows, ``1`` wherever a tap is relayed, ``0`` never (the default until the mode has run on a
 GPU: CUDA graphs, bf16 and TP > 1 inside a stage are untested), ``side`` as ``1`` but off the
@@ -944,7 +946,9 @@ def install_on_drafter(speculator: Any, target_model: Any) -> None:
     drafter = getattr(speculator.model, "model", None)
     module = getattr(drafter, name, None) if name else None
     folder, hit = getattr(inner, SOURCE_ATTR)
-    why = _not_plain_linear(module, plan, folder, hit)
+    load_config = getattr(speculator.vllm_config, "load_config", None)
+    dummy = getattr(load_config, "load_format", None) == "dummy"
+    why = _not_plain_linear(module, plan, folder, hit, compare=not dummy)
     if why:
         raise TapPartialsError(
             f"the other PP stages relay DSpark tap partial sums, but on the last stage the "
@@ -970,17 +974,26 @@ def install_on_drafter(speculator: Any, target_model: Any) -> None:
         )
     _logger().info(
         "DSpark tap partials: the drafter's %s reads [partial | %d own taps] (%d of its %d "
-        "columns)",
+        "columns)%s",
         name,
         plan.count,
         block.shape[1],
         plan.num_taps * plan.tap_width,
+        f"; --load-format dummy: the checkpoint's {hit.key} stands in for the dummy {name} "
+        "(not compared: dummy weights are no checkpoint's)"
+        if dummy
+        else "",
     )
 
 
-def _not_plain_linear(module: Any, plan: TapPlan, folder: str, hit: LinearInCheckpoint) -> str:
+def _not_plain_linear(
+    module: Any, plan: TapPlan, folder: str, hit: LinearInCheckpoint, compare: bool = True
+) -> str:
     """Why ``module`` is not the checkpoint's bias-free unquantized ``[partial_width,
-    n * tap_width]`` linear ('' when it is)."""
+    n * tap_width]`` linear ('' when it is). ``compare=False`` (vLLM's ``--load-format dummy``,
+    a benchmark's random weights) skips comparing its values with the checkpoint's: the loaded
+    values are random by design, and the other stages' blocks and the last stage's own come
+    from the checkpoint alike, so the drafter still reads one consistent ``W``."""
     if module is None:
         return "is missing"
     weight = getattr(module, "weight", None)
@@ -997,7 +1010,7 @@ def _not_plain_linear(module: Any, plan: TapPlan, folder: str, hit: LinearInChec
         shape = tuple(weight.shape) if weight.dim() == 2 else (None, None)
     if tuple(shape) != want:
         return f"has shape {tuple(shape)}, not {want}"
-    if weight.dim() == 2 and weight.numel():  # the CPU platform packs it away after loading
+    if compare and weight.dim() == 2 and weight.numel():  # the CPU platform packs it away
         from safetensors import safe_open
 
         with safe_open(os.path.join(folder, hit.file), framework="pt", device="cpu") as f:

@@ -1097,3 +1097,48 @@ def test_cache_root_keeps_each_launchers_cache_and_the_shape_at_fixed_paths(caps
     assert len(set(fresh.values())) == 3
     line = "(EngineCore pid=1) INFO [decorators.py:326] [backbone] " + serve.CACHE_HIT_LINE + " /x"
     assert serve.compile_cache_hits([line + "\n" + line, "no hit", line]) == 3
+
+
+def test_a_shape_gets_the_draft_fc_the_tap_partials_read(tmp_path):
+    """At a dummy-weight shape the tap partials found no draft checkpoint and kept raw taps (the
+    2026-12-06 list's goal (e) call would have measured raw taps three times):
+    write_context_linear gives the shape's draft one random ``fc.weight`` that the stages' lookup
+    takes (the control: the same folder without it answers why not)."""
+    import dataclasses
+
+    from benchmarks import real_shapes
+    from vllm_dspark_pp.protocol import tap_partials as tp
+
+    small = dataclasses.replace(real_shapes.SHAPES["qwen3-4b"], name="small", hidden_size=64)
+    paths = real_shapes.write_shape(small, tmp_path)
+    cols = len(small.target_layer_ids) * 64
+    assert isinstance(tp.find_linear(paths.draft, "fc", cols), str)  # config only: raw taps
+    info = real_shapes.write_context_linear(paths, small, write=False)
+    assert not (tmp_path / "small" / "dspark-draft" / "model.safetensors").exists()
+    assert info["shape"] == [64, cols] and info["bytes"] == 64 * cols * 2 and not info["written"]
+    info = real_shapes.write_context_linear(paths, small)
+    hit = tp.find_linear(paths.draft, "fc", cols)
+    assert not isinstance(hit, str), hit
+    assert (hit.key, hit.shape, hit.dtype) == ("fc.weight", (64, cols), "BF16")
+    assert info["written"] and info["file"] == str(Path(paths.draft) / hit.file)
+    again = tmp_path / "again"
+    real_shapes.write_context_linear(real_shapes.write_shape(small, again), small)
+    same = (again / "small" / "dspark-draft" / "model.safetensors").read_bytes()
+    assert same == Path(info["file"]).read_bytes()  # seeded: every call writes the same W
+
+
+def test_only_a_tap_partials_run_at_a_shape_writes_the_draft_fc(tmp_path):
+    """The benchmark asks for the fc exactly when a selected configuration turns the partials on
+    (a dry run describes it and writes nothing); raw-tap runs and ``--model-dir`` runs get none."""
+
+    def prepared(*args):
+        a = serve.parse_args(["--dry-run", "--out", str(tmp_path / "o"), *args])
+        serve.prepare_models(a, tmp_path / "w")
+        return getattr(a, "tap_weights", None)
+
+    got = prepared("--configs", "tap_partials", "--shape", "qwen3-4b")
+    assert got["shape"] == [2560, 5 * 2560] and got["written"] is False
+    assert got["file"].endswith("shapes/qwen3-4b/dspark-draft/model.safetensors")
+    assert prepared("--configs", "pp2_dspark", "--shape", "qwen3-4b") is None
+    tiny = str(serve.REPO / "models" / "tiny-pair")
+    assert prepared("--configs", "tap_partials", "--model-dir", tiny) is None

@@ -10,6 +10,7 @@ the patched ``collect_remote_aux_hidden_states``.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -290,7 +291,7 @@ class _Linear(torch.nn.Module):
         return F.linear(x, self.weight)
 
 
-def _last_stage(fc, staging_width=384):
+def _last_stage(fc, staging_width=384, load_format="auto"):
     import types
 
     from safetensors.torch import load_file
@@ -305,7 +306,9 @@ def _last_stage(fc, staging_width=384):
     draft_cfg = types.SimpleNamespace(architectures=["Qwen3DSparkModel"], hf_config=None)
     spec = types.SimpleNamespace(draft_model_config=draft_cfg)
     speculator = types.SimpleNamespace(
-        vllm_config=types.SimpleNamespace(speculative_config=spec),
+        vllm_config=types.SimpleNamespace(
+            speculative_config=spec, load_config=types.SimpleNamespace(load_format=load_format)
+        ),
         model=types.SimpleNamespace(model=drafter),
         _aux_staging=torch.zeros(4, staging_width),
     )
@@ -370,3 +373,24 @@ def test_with_raw_taps_the_start_up_and_step_lines_never_stop_the_engine(monkeyp
     out = types.SimpleNamespace(tensors={"hidden_states": torch.zeros(2, 4), "meta": [1, 2]})
     tp.log_sent_keys(out)
     assert "hidden_states 16 B" in lines[-1] and "meta (list)" in lines[-1]
+
+
+def test_under_dummy_weights_the_checkpoint_block_stands_in_for_the_drafters(caplog):
+    """``--load-format dummy`` (the served benchmark's real shapes): the loaded linear is random,
+    so it is not compared with the checkpoint (the control above, ``w * 2``, refuses start-up
+    with real weights); the drafter then reads the checkpoint's ``W`` on every stage alike, and
+    the start-up line says so. A bias or a wrong shape still refuses."""
+    speculator, target, drafter, full = _last_stage(lambda w: _Linear(w * 2), load_format="dummy")
+    with caplog.at_level(logging.INFO):
+        tp.install_on_drafter(speculator, target)
+    assert isinstance(drafter.fc, tp.PartialSumLinear)
+    assert "--load-format dummy: the checkpoint's fc.weight stands in" in caplog.text
+    g = torch.Generator().manual_seed(1)
+    taps = [torch.randn(3, 128, generator=g) for _ in range(3)]
+    got = drafter.fc(torch.cat([F.linear(taps[0], full[:, :128]), taps[1], taps[2]], -1))
+    torch.testing.assert_close(got, F.linear(torch.cat(taps, -1), full), rtol=1e-5, atol=1e-5)
+    for make, why in ((lambda w: _Linear(w, bias=torch.zeros(128)), "has a bias"),
+                      (lambda w: _Linear(w[:, :256]), "has shape")):  # fmt: skip
+        speculator, target, _, _ = _last_stage(make, load_format="dummy")
+        with pytest.raises(tp.TapPartialsError, match=why):
+            tp.install_on_drafter(speculator, target)
