@@ -29,7 +29,9 @@ pp1_dspark, pp2_nospec, pp2_dspark, per rotation from runs of the same rotation;
 split (``plan``'s layer split at least 1.15x the even one at C >= 16) where a record served
 pp2_dspark and pp2_dspark_balanced, met or missed only when the stages ran under MPS; goal (g)
 (PP=2 adaptive verification at least as fast as the best fixed k at C >= 16) where a record
-served adaptive beside fixed k, settled only with the drafter's own confidences. Under
+served adaptive beside fixed k, settled only with the drafter's own confidences; goal (e)
+(the last stage's critical-path bytes per row at most 40 % of raw taps' and its exchange wait
+under 3 % of its step at C >= 8) where a record served raw taps beside tap partials. Under
 each point, where every server's step goes: the benchmark hook's per-rank GPU timers (step,
 target, draft, the exchange's wait share), averaged over the repeats. A run with failed
 requests is left out of the tables and ratios, which are then recomputed from the rest by the
@@ -64,6 +66,11 @@ SPLIT_GOAL, SPLIT_GOAL_MIN_C = 1.15, 16
 SPLIT_CONFIGS = ("pp2_dspark", "pp2_dspark_balanced")
 #: issue 44 goal (g): PP=2 adaptive over the best fixed k at least this, at C >= GOAL_G_MIN_C
 GOAL_G, GOAL_G_MIN_C = 1.0, 16
+#: issue 44 goal (e): critical-path bytes per received row at most GOAL_E_BYTES of raw taps', and
+#: the last stage's exchange wait under GOAL_E_WAIT of its step, at C >= GOAL_E_MIN_C
+GOAL_E_BYTES, GOAL_E_WAIT, GOAL_E_MIN_C = 0.40, 0.03, 8
+GOAL_E_RAW = "pp2_dspark"
+GOAL_E_TAPS = ("pp2_dspark_taps_dict", "pp2_dspark_taps_side")
 META_KEYS = ("commit", "date", "command", "configs", "shape", "workload", "interleave", "versions")
 POINT_KEYS = ("acceptance_length", "concurrency", "num_prompts", "configs", "ratios")
 #: (stats key, column title, format) of the per-configuration table
@@ -422,6 +429,85 @@ def goal_g(rec: dict) -> list[str]:
     return [head, "", *lines]
 
 
+def _last_stage_exchange(rec: dict, cfg: str, pt: dict) -> list[dict]:
+    """Per repeat of ``cfg`` at ``pt``: the last PP stage's exchange (the last worker whose
+    exchange received stage-to-stage tensors): critical-path bytes per received row (every
+    ``pp_recv_bytes:<key>`` over ``pp_recv_rows``, medians per step), the side channel's bytes
+    per row, the keys, and the wait share of its step (``stall_share``)."""
+    out = []
+    for p in rec.get("points", []):
+        here = (p.get("concurrency"), p.get("point_al"))
+        if p.get("config") != cfg or here != (pt["concurrency"], pt["acceptance_length"]):
+            continue
+        if p.get("repeat") is None or not isinstance(p.get("step_times"), list):
+            continue
+        found = [w["exchange"] for w in p["step_times"] if isinstance(w, dict)
+                 and (w.get("exchange") or {}).get("median", {}).get("pp_recv_rows")]  # fmt: skip
+        if not found:
+            continue
+        med, rows = found[-1]["median"], found[-1]["median"]["pp_recv_rows"]
+        keys = sorted(k.split(":", 1)[1] for k in med if k.startswith("pp_recv_bytes:"))
+        side = sum(v for k, v in med.items() if k.startswith("side_recv_bytes:"))
+        out.append({
+            "bytes_per_row": sum(med[f"pp_recv_bytes:{k}"] for k in keys) / rows,
+            "side_per_row": side / rows,
+            "keys": keys,
+            "wait": found[-1].get("stall_share"),
+        })  # fmt: skip
+    return out
+
+
+def goal_e(rec: dict) -> list[str]:
+    """Issue 44 goal (e) where a record served raw taps (``pp2_dspark``) beside a tap-partials
+    deployment: per point at C >= :data:`GOAL_E_MIN_C` and configuration, the last stage's
+    critical-path bytes per received row against raw taps' (at most :data:`GOAL_E_BYTES`) and
+    its exchange wait share of a step in every repeat (under :data:`GOAL_E_WAIT`); met by a
+    configuration that meets both at every such point. A deployment whose launchers kept raw taps
+    shows raw taps' keys and a ratio of 1."""
+    cfgs = [c for c in GOAL_E_TAPS if c in rec["meta"]["configs"]]
+    if GOAL_E_RAW not in rec["meta"]["configs"] or not cfgs:
+        return []
+    lines, ok = [], {c: None for c in cfgs}
+    for pt in rec["interleaved"]:
+        if pt["concurrency"] < GOAL_E_MIN_C:
+            continue
+        raw = _last_stage_exchange(rec, GOAL_E_RAW, pt)
+        for cfg in [GOAL_E_RAW, *cfgs]:
+            got = raw if cfg == GOAL_E_RAW else _last_stage_exchange(rec, cfg, pt)
+            where = f"`{cfg}` AL {pt['acceptance_length']}, C = {pt['concurrency']}"
+            waits = [g["wait"] for g in got if g["wait"] is not None]
+            if not got or not raw or not waits:
+                lines.append(f"* {where}: no exchange timers")
+                if cfg != GOAL_E_RAW:
+                    ok[cfg] = False
+                continue
+            share = statistics.mean(g["bytes_per_row"] for g in got) / statistics.mean(
+                g["bytes_per_row"] for g in raw
+            )
+            side = statistics.mean(g["side_per_row"] for g in got)
+            lines.append(
+                f"* {where}: {statistics.mean(g['bytes_per_row'] for g in got):.0f} B per row on "
+                f"the critical path ({', '.join(got[0]['keys'])}), {share:.2f} of raw taps'"
+                + (f", {side:.0f} B per row on the side channel" if side else "")
+                + f"; wait {statistics.mean(waits):.1%} of a step (repeats {min(waits):.1%}-"
+                f"{max(waits):.1%}, {len(waits)})"
+            )
+            if cfg != GOAL_E_RAW:
+                meets = share <= GOAL_E_BYTES + 1e-9 and max(waits) < GOAL_E_WAIT
+                ok[cfg] = meets if ok[cfg] is None else ok[cfg] and meets
+    met = [c for c, v in ok.items() if v]
+    if all(v is None for v in ok.values()):
+        verdict = f"**not measured** (no point at C >= {GOAL_E_MIN_C})"
+    elif met:
+        verdict = "**met** by " + ", ".join(f"`{c}`" for c in met)
+    else:
+        verdict = "**missed** by every tap-partials deployment"
+    head = (f"Issue 44 goal (e), the last stage's critical-path bytes per row at most "
+            f"{GOAL_E_BYTES:.0%} of raw taps' and its exchange wait under {GOAL_E_WAIT:.0%} of "
+            f"its step in every repeat, at C >= {GOAL_E_MIN_C}: {verdict}")  # fmt: skip
+    return [head, "", *lines]
+
+
 def section(name: str, rec: dict) -> list[str]:
     m = rec["meta"]
     v = m["versions"]
@@ -473,7 +559,7 @@ def section(name: str, rec: dict) -> list[str]:
     goal = pd_goal(rec)
     if goal:
         lines += ["", "Issue 44's PD goal, from the ratios above:", "", *goal]
-    for goal in (goal_b(rec), split_goal(rec), goal_g(rec)):
+    for goal in (goal_b(rec), split_goal(rec), goal_e(rec), goal_g(rec)):
         if goal:
             lines += ["", *goal]
     return lines + [""]

@@ -9,9 +9,9 @@ checkpoint as the other stages read theirs; the FULL-graph staging buffer of the
 taps (``_aux_staging``) is re-made at the new width. Anything but a bias-free unquantized linear
 of the expected shape, holding the checkpoint's values, stops start-up naming the knob (the
 earlier stages already send partial sums); under ``--load-format dummy`` the values are not
-compared (random by design) and the checkpoint's ``W`` stands in for the dummy one. With the side channel
-(``VLLM_DSPARK_PP_TAP_PARTIALS=side``) ``propose`` also puts the step's partial in front of the
-aux taps it is called with: received on the side channel and waited for right there
+compared (random by design) and the checkpoint's ``W`` stands in for the dummy one. With the
+side channel (``VLLM_DSPARK_PP_TAP_PARTIALS=side``) ``propose`` also puts the step's partial in
+front of the aux taps it is called with: received on the side channel and waited for right there
 (``tap_partials.drafter_taps``), zeros in a dummy or profile run. Without a plan nothing changes.
 
 WHY: with partial sums the upstream taps arrive as one summed row (the other

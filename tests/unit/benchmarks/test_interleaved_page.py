@@ -250,3 +250,61 @@ def test_goal_g_reads_adaptive_against_the_best_fixed_k_per_rotation():
     oracle = page.goal_g(_ksweep_record([101.0, 100.0, 104.0], "synthetic"))[0]
     assert "**not settled**: confidences `synthetic`" in oracle
     assert page.goal_g(_pp_record({c: [1.0] for c in page.GOAL_B_CONFIGS})) == []
+
+
+def _taps_record(side_wait: float, side_keys=("hidden_states", "residual")) -> dict:
+    """A record as the benchmark writes it for ``--configs tap_partials`` at C = 4 and 16: the
+    last stage's exchange per repeat (bytes per key as the hook counts them, 104 rows a step),
+    raw taps with five keys, the partial in the dict with three, on the side channel with two
+    (and the partial's bytes there); stage 0's exchange has no receives."""
+    from benchmarks.serve_pp_one_gpu import interleave_summary
+
+    row = 5120  # bytes per row and key at hidden 2560, bf16
+    aux = [f"aux_hidden_states_{i}" for i in range(3)]
+    keys = {"pp2_dspark": ["hidden_states", "residual", *aux],
+            "pp2_dspark_taps_dict": ["hidden_states", "residual", "dspark_tap_partial"],
+            "pp2_dspark_taps_side": list(side_keys)}  # fmt: skip
+    wait = {"pp2_dspark": 0.05, "pp2_dspark_taps_dict": 0.04, "pp2_dspark_taps_side": side_wait}
+    names = list(keys)
+    points = []
+    for c in (4, 16):
+        for r in range(2):
+            for n in names:
+                med = {f"pp_recv_bytes:{k}": 104.0 * row for k in keys[n]}
+                med["pp_recv_rows"] = 104.0
+                if n.endswith("side"):
+                    med["side_recv_bytes:dspark_tap_partial"] = 104.0 * row
+                stage0 = {"exchange": {"median": {"pp_send_host_ms": 0.4}, "stall_share": 0.3}}
+                last = {"exchange": {"median": med, "stall_share": wait[n] + 0.001 * r}}
+                points.append({"config": n, "concurrency": c, "repeat": r, "point_al": 3.99,
+                               "num_prompts": 32, "bench": {"output_throughput": 100.0},
+                               "step_times": [stage0, last]})  # fmt: skip
+    meta = {"commit": "abc", "date": "2026-12-07 00:00:00 UTC", "command": "x",
+            "configs": names, "shape": "qwen3-4b", "workload": {"name": "decode"},
+            "versions": {"gpu": "H100"},
+            "interleave": {"baseline": names[0], "repeats": 2}}  # fmt: skip
+    return {"meta": meta, "servers": {}, "points": points,
+            "interleaved": interleave_summary(points, names, 2), "skipped": []}  # fmt: skip
+
+
+def test_goal_e_reads_bytes_per_row_and_the_last_stages_wait_from_the_exchange():
+    rec = _taps_record(side_wait=0.02)
+    page.check("x.json", rec)
+    head, _, *lines = page.goal_e(rec)
+    assert head.endswith("**met** by `pp2_dspark_taps_side`"), head
+    assert len(lines) == 3  # C = 4 is below the goal's C
+    raw, dict_, side = lines
+    assert "25600 B per row on the critical path" in raw and "1.00 of raw taps'" in raw
+    assert "15360 B per row" in dict_ and "0.60 of raw taps'" in dict_  # 3 of 5 keys: missed
+    assert "10240 B per row" in side and "0.40 of raw taps', 5120 B per row on the side" in side
+    assert "wait 2.1% of a step (repeats 2.0%-2.1%, 2)" in side
+    # controls: a wait at 3 % in one repeat, and side launchers that kept raw taps
+    assert page.goal_e(_taps_record(side_wait=0.029))[0].endswith(
+        "**missed** by every tap-partials deployment"
+    )
+    raw_keys = ("hidden_states", "residual", "aux_hidden_states_0", "aux_hidden_states_1",
+                "aux_hidden_states_2")  # fmt: skip
+    kept = page.goal_e(_taps_record(side_wait=0.02, side_keys=raw_keys))
+    assert "**missed**" in kept[0] and "1.00 of raw taps'" in kept[-1]
+    assert "Issue 44 goal (e)" in page.markdown([("x.json", rec)])
+    assert page.goal_e(_ksweep_record([1.0] * 3)) == []
