@@ -39,6 +39,9 @@ benchmark's own summary, and listed with the failed runs. A record
 without a field the page needs is refused with :class:`RecordError`. The figure
 (``perf_interleaved_gpu.svg``, text, written beside the page when matplotlib is there) plots
 each record's output tok/s per configuration against concurrency with the repeats' range.
+The same verdicts, one row per goal and record, also make the block between the
+``ISSUE44_GOALS`` markers of docs/results/performance.md (:func:`goals_table`), so the goal
+figures quoted there are generated too.
 tests/unit/benchmarks/test_interleaved_page.py checks the committed page is this module's output.
 """
 
@@ -637,11 +640,80 @@ def text() -> str:
     return markdown(runs)
 
 
+#: issue 44's goals in the order the issue lists them: (label, what it asks, the function that
+#: states it from one record)
+GOALS = (
+    ("(b)", f"PP=2's DSpark / no-spec speed-up at least {GOAL_B} of PP=1's at every C", "goal_b"),
+    ("balanced split", f"plan's layer split at least {SPLIT_GOAL:.2f}x the even one at C >= "
+     f"{SPLIT_GOAL_MIN_C}, stages concurrent", "split_goal"),
+    ("(e)", f"critical-path bytes per row at most {GOAL_E_BYTES:.0%} of raw taps'; the last "
+     f"stage's exchange wait under {GOAL_E_WAIT:.0%} at C >= {GOAL_E_MIN_C}", "goal_e"),
+    ("(g)", f"PP=2 adaptive at least as fast as the best fixed k at C >= {GOAL_G_MIN_C}, "
+     "non-oracle confidences", "goal_g"),
+    ("PD", f"served PD at least {PD_GOAL:.0%} of aggregated output tok/s at C = {PD_GOAL_C}",
+     "pd_goal"),
+)  # fmt: skip
+PERFORMANCE = RESULTS / "performance.md"
+GOALS_BEGIN = "<!-- BEGIN ISSUE44_GOALS (benchmarks/interleaved_page.py; do not edit) -->"
+GOALS_END = "<!-- END ISSUE44_GOALS -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
+def goals_table(runs: list[tuple[str, dict]]) -> list[str]:
+    """Every issue 44 goal as each record states it (the same functions as the record's section
+    of the page): goal, record (date, commit), verdict, the figures per point. A goal no record
+    states gets one row saying so."""
+    rows = ["| goal | record | verdict | per point (ratio of means, range over rotations) |",
+            "|---|---|---|---|"]  # fmt: skip
+    funcs = globals()
+    for label, asks, fn in GOALS:
+        found = 0
+        for name, rec in runs:
+            lines = funcs[fn](rec)
+            if not lines:
+                continue
+            mps = rec["meta"].get("mps") or {}
+            bed = f"MPS {mps.get('requested')}" if mps.get("used") else "no MPS"
+            where = (f"[{name}]({name}) ({rec['meta']['date'][:10]}, `{rec['meta']['commit']}`, "
+                     f"{bed})")  # fmt: skip
+            if fn == "pd_goal":  # one line per PD configuration
+                for line in lines:
+                    head, _, measured = line[2:].partition("; measured ")
+                    cfg = head.split(" against ")[0]
+                    verdict = head.rsplit("): ", 1)[-1]
+                    rows.append(f"| {label}: {asks} | {where}, {cfg} | {_cell(verdict)} | "
+                                f"{_cell(measured)} |")  # fmt: skip
+                    found += 1
+                continue
+            verdict = lines[0].rsplit(": ", 1)[-1]
+            points = "; ".join(x[2:] for x in lines[2:] if x.startswith("* "))
+            rows.append(f"| {label}: {asks} | {where} | {_cell(verdict)} | {_cell(points)} |")
+            found += 1
+        if not found:
+            rows.append(f"| {label}: {asks} | none | **no record states it** | - |")
+    return rows
+
+
+def performance_text() -> str:
+    """docs/results/performance.md with its issue 44 goals block rewritten from the records."""
+    text_now = PERFORMANCE.read_text()
+    head, sep, rest = text_now.partition(GOALS_BEGIN)
+    _, sep2, tail = rest.partition(GOALS_END)
+    if not sep or not sep2:
+        raise RecordError(f"{PERFORMANCE} has no {GOALS_BEGIN} ... {GOALS_END} block")
+    block = "\n".join(goals_table(load()))
+    return f"{head}{GOALS_BEGIN}\n{block}\n{GOALS_END}{tail}"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--check" not in argv:
         figure(load())
-    return page_main(PAGE, text, __doc__.splitlines()[0], argv)
+    rc = page_main(PAGE, text, __doc__.splitlines()[0], argv)
+    return page_main(PERFORMANCE, performance_text, __doc__.splitlines()[0], argv) or rc
 
 
 if __name__ == "__main__":

@@ -308,3 +308,26 @@ def test_goal_e_reads_bytes_per_row_and_the_last_stages_wait_from_the_exchange()
     assert "**missed**" in kept[0] and "1.00 of raw taps'" in kept[-1]
     assert "Issue 44 goal (e)" in page.markdown([("x.json", rec)])
     assert page.goal_e(_ksweep_record([1.0] * 3)) == []
+
+
+def test_performance_md_quotes_the_goals_as_generated_from_the_records(monkeypatch, tmp_path):
+    """docs/results/performance.md's issue 44 block is the generator's (a stale block fails);
+    every goal gets a row per record that states it, and one saying no record does otherwise."""
+    assert page.PERFORMANCE.read_text() == page.performance_text(), (
+        "run: python -m benchmarks.interleaved_page"
+    )
+    rows = page.goals_table([("k.json", _ksweep_record([101.0, 100.0, 104.0]))])
+    g = next(r for r in rows if r.startswith("| (g):"))
+    assert "[k.json](k.json) (2026-12-07, `abc`, no MPS) | **met** (lowest rotation 1.000)" in g
+    assert "`pp2_dspark_adaptive` AL 3.99, C = 16: 1.017 of `pp2_dspark_k3`" in g
+    assert next(r for r in rows if r.startswith("| (b):")).endswith(
+        "| none | **no record states it** | - |"
+    )
+    taps = page.goals_table([("t.json", _taps_record(side_wait=0.02))])
+    assert "**met** by `pp2_dspark_taps_side`" in next(r for r in taps if r.startswith("| (e):"))
+    # control: a page without the markers is refused, not silently left as it was
+    bare = tmp_path / "performance.md"
+    bare.write_text("# no block\n")
+    monkeypatch.setattr(page, "PERFORMANCE", bare)
+    with pytest.raises(page.RecordError, match="BEGIN ISSUE44_GOALS"):
+        page.performance_text()
