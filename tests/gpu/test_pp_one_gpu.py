@@ -21,6 +21,13 @@ Jobs, all started at once on the GPU (``DSPARK_GPU_PP_JOBS=a,b`` selects some):
   tensors (``VLLM_DSPARK_PP_TAP_PARTIALS=1``) / straight to the last stage on the side channel
   (``=side``), under CUDA graphs and NCCL: the same greedy and acceptance checks as every served
   job, and the keys each stage logs at its first send (issue 44 item 4);
+* ``pp3_taps_wrong`` (group ``tap_partials``; the control of the tap jobs' acceptance check):
+  ``pp3_taps_dict`` with tests/support/tap_probe on PYTHONPATH and
+  ``DSPARK_TEST_TAP_WRONG_BLOCK=1``, so every stage before the last relays its partial from a
+  zero column block (the drafter loses the early stages' taps): greedy must still equal PP=1
+  without speculation (the target's tensors are untouched), and the acceptance check must FAIL
+  on its counters (a wrong partial that check could not see would make the tap jobs' pass
+  worthless);
 * ``stock_async`` / ``stock_sync``: the same PP=2 DSpark launchers with the plugin left out
   (``VLLM_PLUGINS``), the control: what stock vLLM 0.34.0 does here is recorded (answers
   correctly, corrupts, crashes, or hangs: then every process's stacks, via faulthandler);
@@ -99,9 +106,13 @@ SERVED = {
 #: the served jobs' VLLM_DSPARK_PP_TAP_PARTIALS (the others keep the default, raw taps)
 TAP_JOBS = {"pp3_taps_dict": "1", "pp3_taps_side": "side"}
 REPO = Path(__file__).resolve().parents[2]
+#: the control of the tap jobs' acceptance check (zero column blocks before the last stage)
+TAP_CONTROL = "pp3_taps_wrong"
+TAP_PROBE_DIR = REPO / "tests" / "support" / "tap_probe"
 JOBS_ENV = "DSPARK_GPU_PP_JOBS"
-ALL_JOBS = ("ref", "pp1_async", "pp1_sync", *SERVED, "stock_async", "stock_sync", "fault")
-DEFAULT_JOBS = tuple(j for j in ALL_JOBS if j not in TAP_JOBS)
+ALL_JOBS = ("ref", "pp1_async", "pp1_sync", *SERVED, TAP_CONTROL, "stock_async", "stock_sync",
+            "fault")  # fmt: skip
+DEFAULT_JOBS = tuple(j for j in ALL_JOBS if j not in TAP_JOBS and j != TAP_CONTROL)
 ONLY = select_jobs(os.environ.get(JOBS_ENV, ""), JOBS_ENV, ALL_JOBS, DEFAULT_JOBS)
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-pp-gpu-"))
 RECORD = GpuRecord("pp.json")
@@ -415,6 +426,8 @@ def _shape(name: str) -> dict:
         return {**_shape(f"pp2_{name.removeprefix('stock_')}"), "plugin": False}
     if name == "fault":
         return {**_shape("pp2_async"), "plugin": "node 0 only"}
+    if name == TAP_CONTROL:
+        return {**_shape("pp3_taps_dict"), "probe": "DSPARK_TEST_TAP_WRONG_BLOCK=1"}
     if name in SERVED:
         pp, flag, extra = SERVED[name]
     else:
@@ -475,6 +488,13 @@ def _write_record(jobs: Jobs) -> Path:
     return path
 
 
+def _tap_control_env() -> dict:
+    """``pp3_taps_dict``'s knob, and the probe that zeroes the early stages' column blocks."""
+    path = os.pathsep.join(p for p in (str(TAP_PROBE_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"VLLM_DSPARK_PP_TAP_PARTIALS": "1", "DSPARK_TEST_TAP_WRONG_BLOCK": "1",
+            "PYTHONPATH": path}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def pp_jobs():
     guard, waves = _guard_and_waves("nccl-guard")
@@ -498,6 +518,9 @@ def pp_jobs():
         jobs.submit(
             name, _served, name, pp, flag, extra, waves, guard, abort=name == "pp2_async", env=env
         )
+    jobs.submit(
+        TAP_CONTROL, _served, TAP_CONTROL, 3, True, {}, waves, guard, env=_tap_control_env()
+    )
     for mode, flag in (("async", True), ("sync", False)):
         jobs.submit(f"stock_{mode}", _stock, f"stock_{mode}", flag, waves, guard)
     jobs.submit("fault", _fault, guard)
@@ -626,6 +649,35 @@ def test_tap_partials_cross_the_stages_as_configured(pp_jobs, name):
     RECORD.verdict(f"tap_partials[{name}]", not problems, "; ".join([line, *problems]))
     print(line)
     assert not problems, problems
+
+
+def test_control_a_wrong_tap_partial_fails_the_acceptance_check(pp_jobs):
+    """``pp3_taps_wrong``: the partials relayed from zero column blocks. The target's output
+    must not change (its tensors are untouched), and the acceptance check the tap jobs pass must
+    fail here: counters not close to PP=1 DSpark's. Run it beside ``pp3_taps_dict`` (the same
+    deployment without the probe), whose own acceptance check must pass for this to mean
+    anything."""
+    jobs, _, _ = pp_jobs
+    got = jobs.result(TAP_CONTROL, timeout=1200)
+    ref = _ref(pp_jobs)
+    rep = compare_tokens(ref.tokens, got["tokens"], ref.logprobs)
+    mine, theirs = _sum(got["per_wave"]), _pp1(pp_jobs, True).metrics()
+    close, desc = counters_close(mine, theirs)
+    mode = got["evidence"]["tap_mode"]
+    line = (
+        f"{TAP_CONTROL}: mode {mode}; greedy vs PP=1 no-spec: {rep.describe()}; acceptance "
+        f"{mine['num_accepted_tokens']}/{mine['num_draft_tokens']} vs PP=1 DSpark "
+        f"{theirs['num_accepted_tokens']}/{theirs['num_draft_tokens']}: {desc} (must differ)"
+    )
+    ok = mode == ["on"] and rep.ok and not close
+    RECORD.verdict(f"tap_control[{TAP_CONTROL}]", ok, line)
+    print(line)
+    assert mode == ["on"], f"the control did not relay partial sums: mode lines {mode}"
+    assert rep.ok, f"a wrong draft input changed the target's output: {rep.describe()}"
+    assert not close, (
+        "the acceptance check passed a run whose early stages relayed zero partials: it cannot "
+        f"see a wrong partial ({desc})"
+    )
 
 
 def test_fixed_graph_batch_dispatch_fired_inside_the_engine(pp_jobs):

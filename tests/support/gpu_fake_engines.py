@@ -261,7 +261,11 @@ def pytest_configure(config):
             tp, pp = kw.get("tp", 1), kw.get("pp", 2)
             # the served counters follow this deployment's k (dummy mode drafts 4, trained 7)
             self.nodes = [Node(r, tp, pp, kw.get("env"), kw.get("spec")) for r in range(tp * pp)]
-            self.url = f"fake://{name}/k{self.k}"
+            # the tap control's probe zeroes the early stages' blocks: the drafter reads another
+            # context, so it accepts less (``taps_wrong_unseen``: as much as ever)
+            wrong = (kw.get("env") or {}).get("DSPARK_TEST_TAP_WRONG_BLOCK") == "1"
+            wrong = wrong and MUTATION != "taps_wrong_unseen"
+            self.url = f"fake://{name}{'-wrong' if wrong else ''}/k{self.k}"
             self.refused = _stock_refuses(target, kw)
             if self.refused:  # the last stage loads the model and raises; its launcher exits
                 self.nodes[-1].text += f"ValueError: {V41} {STOCK_PP_REFUSAL}\n"
@@ -287,6 +291,8 @@ def pytest_configure(config):
         CALLS.append(["serve", model, max_tokens, ignore_eos])
         k = int(url.rsplit("/k", 1)[1]) if url.startswith("fake://") else len(GOOD)
         per = _good(k) if MUTATION != "pp2_low" else [*_good(k)[:-2], 1, 0]
+        if "-wrong/" in url:
+            per = [max(0, n // 3 - 2 * i) for i, n in enumerate(per)]
         return [t for w in waves for t in _tokens(w)], [_counters(per) for _ in waves]
 
     class NcclStubGuard:

@@ -38,7 +38,8 @@
 #         producer_mla: the DeepSeek-V4 / Kimi-K3 context-only drafters on CUDA),
 #         tap_partials (issue 44 item 4: the aux taps as one partial sum of the drafter's first
 #         linear at PP=3 under CUDA graphs and NCCL, in the intermediate tensors and on the side
-#         channel straight to the last stage, beside raw taps and the PP=1 references;
+#         channel straight to the last stage, beside raw taps and the PP=1 references, and the
+#         control pp3_taps_wrong (zero partials from the early stages: its acceptance must fail);
 #         tests/gpu/test_pp_one_gpu.py's jobs by DSPARK_GPU_TAP_PARTIALS_JOBS; its JSON record in
 #         OUTDIR/tap_partials/pp.json, the launchers' logs in artifacts.tgz),
 #         pp_adaptive (issue 30: PP=2 adaptive verification on one GPU, with its control),
@@ -182,9 +183,10 @@ for g in "$@"; do
     ;;
   tap_partials)
     # the PP module's opt-in jobs: raw taps, the partial in the intermediate tensors and on the
-    # side channel (PP=3: two stages make taps), with the PP=1 references they are checked against
+    # side channel (PP=3: two stages make taps), with the PP=1 references they are checked against,
+    # and the control (tests/support/tap_probe zeroes the early stages' blocks)
     mkdir -p "$ART/tap_partials" "$OUTDIR/tap_partials"
-    DSPARK_GPU_PP_JOBS=${DSPARK_GPU_TAP_PARTIALS_JOBS:-ref,pp1_async,pp3_async,pp3_taps_dict,pp3_taps_side} \
+    DSPARK_GPU_PP_JOBS=${DSPARK_GPU_TAP_PARTIALS_JOBS:-ref,pp1_async,pp3_async,pp3_taps_dict,pp3_taps_side,pp3_taps_wrong} \
       DSPARK_GPU_PP_LOGS="$ART/tap_partials" DSPARK_GPU_PP_OUT="$OUTDIR/tap_partials" \
       DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &

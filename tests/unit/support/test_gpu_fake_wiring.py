@@ -37,7 +37,7 @@ PP_SERVED = ["pp2_async", "pp2_sync", "pp3_async", "pp3_sync", "pp2_fixed8"]
 PP_JOBS = ",".join(["ref", "pp1_async", "pp1_sync", *PP_SERVED])
 # issue 44 item 4: group tap_partials (test_pp_one_gpu.py's opt-in jobs)
 TAP_SERVED = ["pp3_async", "pp3_taps_dict", "pp3_taps_side"]
-TAP_JOBS = ",".join(["ref", "pp1_async", *TAP_SERVED])
+TAP_JOBS = ",".join(["ref", "pp1_async", *TAP_SERVED, "pp3_taps_wrong"])
 # every TP x PP job but the stock control (its fake would wait on a /health that never answers)
 TP_PP_JOBS = ",".join(
     ["ref", "pp1_async", "pp1_sync", "tp2pp2_async", "tp2pp2_sync_eager", "tp2pp2_sync",
@@ -70,6 +70,10 @@ RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
     "pp-taps-taps_in_dict": (
         PP,
         {"DSPARK_GPU_PP_JOBS": TAP_JOBS, "DSPARK_FAKE_MUTATION": "taps_in_dict"},
+    ),
+    "pp-taps-taps_wrong_unseen": (
+        PP,
+        {"DSPARK_GPU_PP_JOBS": TAP_JOBS, "DSPARK_FAKE_MUTATION": "taps_wrong_unseen"},
     ),
     "tp_pp-default-jobs": (TP_PP, {}),
     "tp_pp-all-but-stock": (TP_PP, {"DSPARK_GPU_TP_PP_JOBS": TP_PP_JOBS}),
@@ -264,9 +268,12 @@ def test_fake_engines_pass_the_tap_partials_group(fake_runs, run):
     assert got["rc"] == 0 and not got.get("failed") and not got["errors"], got["last"]
     checks = {f"{c}[{n}]" for n in TAP_SERVED for c in ("greedy", "acceptance", "nccl")}
     taps = {"tap_partials[pp3_taps_dict]", "tap_partials[pp3_taps_side]"}
+    taps.add("tap_control[pp3_taps_wrong]")
     assert checks | taps | {"nccl_stubs"} == set(record["verdicts"]), record["verdicts"]
     assert all(v["ok"] for v in record["verdicts"].values()), record["verdicts"]
     jobs = record["jobs"]
+    assert jobs["pp3_taps_wrong"]["shape"]["probe"] == "DSPARK_TEST_TAP_WRONG_BLOCK=1"
+    assert "must differ" in record["verdicts"]["tap_control[pp3_taps_wrong]"]["detail"]
     assert jobs["pp3_taps_side"]["shape"]["tap_partials"] == "side"
     assert jobs["pp3_taps_side"]["evidence"]["tap_side"] == {
         "0": {"dspark_tap_partial": 512}, "1": {"dspark_tap_partial": 512}
@@ -284,6 +291,18 @@ def test_the_side_channel_check_fails_when_the_partial_stays_in_the_dict(fake_ru
     bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert bad == ["tap_partials[pp3_taps_side]"], bad
     assert "dspark_tap_partial" in record["verdicts"][bad[0]]["detail"]
+
+
+@pytest.mark.parametrize("run", ["pp-taps-taps_wrong_unseen"])
+def test_the_tap_control_fails_when_the_wrong_partial_goes_unseen(fake_runs, run):
+    """The control of the control: the probed job accepts as much as PP=1 (as if the acceptance
+    check could not see a wrong partial); only the control's test fails."""
+    got = fake_runs(run)
+    record = _record(got, "pp.json")
+    assert got["rc"] != 0 and got.get("failed") == 1, got["last"]
+    assert got["failed_tests"] == ["test_control_a_wrong_tap_partial_fails_the_acceptance_check"]
+    bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert bad == ["tap_control[pp3_taps_wrong]"], bad
 
 
 @pytest.mark.parametrize("run", ["tp_pp-default-jobs", "tp_pp-all-but-stock"])

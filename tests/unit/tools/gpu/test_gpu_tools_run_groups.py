@@ -225,8 +225,8 @@ def test_a_misspelt_group_fails_the_call_before_anything_starts(tmp_path):
 
 def test_tap_partials_group_runs_the_pp_module_with_its_opt_in_jobs(tmp_path, monkeypatch):
     """Group tap_partials (issue 44 item 4): test_pp_one_gpu.py with the raw-tap PP=3 job, the
-    two tap-partials jobs (not started by the pp group) and the references, its own record
-    folder and artifacts."""
+    two tap-partials jobs and their control (not started by the pp group) and the references, its
+    own record folder and artifacts."""
     monkeypatch.delenv("DSPARK_GPU_TAP_PARTIALS_JOBS", raising=False)
     monkeypatch.setenv("DSPARK_GPU_PP_JOBS", "ref")  # the pp group's setting is not taken
     keys = ("DSPARK_GPU_PP_JOBS", "DSPARK_GPU_PP_LOGS", "DSPARK_GPU_PP_OUT")
@@ -235,7 +235,8 @@ def test_tap_partials_group_runs_the_pp_module_with_its_opt_in_jobs(tmp_path, mo
     assert len(runs) == 1, calls
     env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
     jobs = env["DSPARK_GPU_PP_JOBS"].split(",")
-    assert jobs == ["ref", "pp1_async", "pp3_async", "pp3_taps_dict", "pp3_taps_side"], env
+    want = ["ref", "pp1_async", "pp3_async", "pp3_taps_dict", "pp3_taps_side", "pp3_taps_wrong"]
+    assert jobs == want, env
 
     module = (REPO / "tests" / "gpu" / "test_pp_one_gpu.py").read_text()
     assert all(f'"{j}"' in module for j in jobs), jobs  # jobs the module knows
