@@ -104,8 +104,8 @@ DSPARK_GPU_PP_LAYOUT | unset (shared) | PP launchers' GPU layout: `shared` (ever
     or `per-stage` (stage R on GPU R).
 DSPARK_GPU_PP_JOBS | unset | PP one-GPU test jobs to start (`a,b`, `all`); empty: all but the
     tap-partials jobs (`pp3_taps_dict`, `pp3_taps_side`).
-DSPARK_GPU_TAP_PARTIALS_JOBS | ref,pp1_async,pp3_async,pp3_taps_dict,pp3_taps_side | run_groups.sh
-    tap_partials: its DSPARK_GPU_PP_JOBS.
+DSPARK_GPU_TAP_PARTIALS_JOBS | ref,pp1_async,pp3_async,pp3_taps_dict,pp3_taps_side,pp3_taps_wrong |
+    run_groups.sh tap_partials: its DSPARK_GPU_PP_JOBS.
 DSPARK_GPU_PP_LOGS | unset (a new temporary folder) | Folder for the PP GPU tests' launcher logs.
 DSPARK_GPU_PP_OUT | unset (DSPARK_GPU_ARTIFACTS, else the log folder) | Where the PP one-GPU test
     writes its JSON record pp.json.
@@ -222,6 +222,8 @@ DSPARK_TEST_VERIFY_COST_SLOPE | 3.0 (test); unset (probe: off) | Adaptive probe:
     adaptive-verification cost tables to this slope.
 DSPARK_TEST_CORRUPT_STAGE0 | unset | `1`: the adaptive probe's control: the first PP stage reads
     wrong admitted counts.
+DSPARK_TEST_TAP_WRONG_BLOCK | unset | `1`: the tap probe's control: every PP stage before the last
+    reads its column block of the draft's first linear as zeros.
 DSPARK_TEST_K3_IDS_PROBE | unset | `1`: the K3 probe logs each embed_input_ids call of the Kimi-K3
     target.
 DSPARK_TEST_K3_SYNC | unset (none) | K3 sync probe: device syncs at the named points (`step`, ...).
