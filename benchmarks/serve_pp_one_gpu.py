@@ -276,8 +276,8 @@ CONFIGS = {
         ),  # fmt: skip
         # aux taps as one partial sum (issue 44 item 4) in the intermediate tensors ("1") and
         # on the side channel straight to the last stage ("side"); the draft's first linear is
-        # read from its checkpoint, so they need a pair with weights (--model-dir: a dummy-weight
-        # shape keeps raw taps, and its launchers log why)
+        # read from its checkpoint: the pair's own (--model-dir), or at a dummy-weight shape the
+        # random fc.weight prepare_models writes for them (real_shapes.write_context_linear)
         Config("pp2_dspark_taps_dict", 2, True, env=((TAPS_ENV, "1"),)),
         Config("pp2_dspark_taps_side", 2, True, env=((TAPS_ENV, "side"),)),
         Config("pp2_dspark_balanced", 2, True, balanced=True),
