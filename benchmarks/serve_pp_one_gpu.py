@@ -1366,6 +1366,7 @@ def plan_sweeps(a) -> list[tuple[Config, int | None, float | None]]:
 def prepare_models(a, work: Path):
     from benchmarks.real_shapes import ShapePaths
 
+    a.tap_weights = None  # a --shape run's random draft fc for the tap partials (below)
     if a.model_dir:
         d = Path(a.model_dir).resolve()
         target, draft = d / "target", d / "dspark-draft"
@@ -1522,7 +1523,7 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
             "pd_transport": {c.name: pd_transport(deps[c.name]) for c in a.cfgs if c.pd} or None,
             "stage_split": {c.name: stage_split(c, a, paths) for c in a.cfgs if c.balanced} or None,
             # a --shape run's random draft fc for the tap partials (None: none written)
-            "tap_partials_weights": getattr(a, "tap_weights", None),
+            "tap_partials_weights": a.tap_weights,
             "budget_s": a.budget_s,
             "start": a.start,
             "gpu_layout": a.gpu_layout,

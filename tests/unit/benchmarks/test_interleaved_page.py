@@ -323,6 +323,12 @@ def test_performance_md_quotes_the_goals_as_generated_from_the_records(monkeypat
     assert next(r for r in rows if r.startswith("| (b):")).endswith(
         "| none | **no record states it** | - |"
     )
+    # a verdict with a colon in it reaches the table whole (the table used to re-parse the page's
+    # head line at its last ": " and dropped "**not settled**")
+    oracle = page.goals_table([("k.json", _ksweep_record([101.0, 100.0, 104.0], "synthetic"))])
+    assert "| **not settled**: confidences `synthetic` (the goal asks for the drafter's own) |" in (
+        next(r for r in oracle if r.startswith("| (g):"))
+    )
     taps = page.goals_table([("t.json", _taps_record(side_wait=0.02))])
     assert "**met** by `pp2_dspark_taps_side`" in next(r for r in taps if r.startswith("| (e):"))
     # control: a page without the markers is refused, not silently left as it was
