@@ -224,6 +224,10 @@ CONTROL = re.compile(r"control: (.+?) after ([\d.]+) s")
 OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (\S+::\S+)", re.M)
 SUMMARY = re.compile(r"^=+ (.*?) in ([\d.]+)s", re.M)
 TEST_CONST = re.compile(r"^(NUM_PROMPTS|MAX_TOKENS|CONTROL_FAIL_S) = ([\d.]+)", re.M)
+# vllm_dspark_pp/protocol/adaptive.py's summary line, one per stage process (the last one counts)
+WAITS = re.compile(
+    r"DSpark PP adaptive verification \(stage (\d+)\): .*?counts lag (\S+), (\S+) host waits"
+)
 
 
 def probe_totals(text: str, k: int | None) -> dict[str, dict]:
@@ -255,8 +259,20 @@ def _handshake(text: str) -> dict | None:
     return {"ranks": int(m.group(1)), "line": m.group(2), **fields}
 
 
-def gpu_record(pytest_log: Path, log_dir: Path, test_file: Path | None = None) -> dict:
-    """The figures of one ``pp_adaptive`` run, read from its logs only."""
+def host_waits(text: str) -> dict[str, dict]:
+    """Per PP stage: the counts' lag and how often its host waited for counts, from the last
+    adaptive-verification summary line that stage logged (lag 1 never waits)."""
+    out = {}
+    for stage, lag, waits in WAITS.findall(text):
+        out[stage] = {"lag": lag, "host_waits": int(waits) if waits.isdigit() else waits}
+    return out
+
+
+def gpu_record(
+    pytest_log: Path, log_dir: Path, test_file: Path | None = None, meta: dict | None = None
+) -> dict:
+    """The figures of one ``pp_adaptive`` run, read from its logs only; ``meta`` (commit, date,
+    GPU, command: where the run came from) is kept as given."""
     text = pytest_log.read_text(errors="replace")
     nodes = {}
     k = None
@@ -266,7 +282,12 @@ def gpu_record(pytest_log: Path, log_dir: Path, test_file: Path | None = None) -
         if hs and hs.get("k"):
             k = int(hs["k"])
         dis = DISAGREE_LINE.search(body)
-        nodes[log.stem] = {"handshake": hs, "disagree": dis.group(1) if dis else None, "body": body}
+        nodes[log.stem] = {
+            "handshake": hs,
+            "disagree": dis.group(1) if dis else None,
+            "waits": host_waits(body),
+            "body": body,
+        }
     for n in nodes.values():
         n["probes"] = probe_totals(n.pop("body"), k)
     parity = None
@@ -284,6 +305,7 @@ def gpu_record(pytest_log: Path, log_dir: Path, test_file: Path | None = None) -
     last = {"result": summary[-1][0], "seconds": float(summary[-1][1])} if summary else None
     consts = dict(TEST_CONST.findall(test_file.read_text())) if test_file else {}
     return {
+        "meta": dict(meta or {}),
         "pytest_log": pytest_log.name,
         "summary": last,
         "tests": {name.split("::")[-1]: res for res, name in OUTCOME.findall(text)},
@@ -335,6 +357,13 @@ def gpu_record_markdown(rec: dict) -> list[str]:
     hs = (rec["nodes"].get("pp2_adaptive_node1") or {}).get("handshake")
     if hs:
         lines.append(f"* Handshake (stage 1's log): {hs['ranks']} ranks agree ({hs['line']})")
+    waits = [
+        f"stage {st}: counts lag {w['lag']}, {w['host_waits']} host waits"
+        for i in (0, 1)
+        for st, w in ((rec["nodes"].get(f"pp2_adaptive_node{i}") or {}).get("waits") or {}).items()
+    ]
+    if waits:
+        lines.append("* PP=2 adaptive, each stage's last summary line: " + "; ".join(waits))
     if ctl := rec["control"]:
         msg = next((n["disagree"] for n in rec["nodes"].values() if n["disagree"]), None)
         probes = [
@@ -360,8 +389,12 @@ def main(argv=None) -> int:
     g.add_argument("log_dir", type=Path, help="the launchers' logs (artifacts' pp_adaptive/)")
     g.add_argument("--test-file", type=Path, default=Path("tests/gpu/test_pp_adaptive_one_gpu.py"))
     g.add_argument("--json", type=Path, default=None)
+    for key in ("commit", "date", "gpu", "command"):
+        g.add_argument(f"--{key}", default=None, help=f"the run's {key}, kept in the record's meta")
     a = ap.parse_args(argv)
-    rec = gpu_record(a.pytest_log, a.log_dir, a.test_file if a.test_file.exists() else None)
+    meta = {k: getattr(a, k) for k in ("commit", "date", "gpu", "command") if getattr(a, k)}
+    test_file = a.test_file if a.test_file.exists() else None
+    rec = gpu_record(a.pytest_log, a.log_dir, test_file, meta)
     if a.json:
         a.json.write_text(json.dumps(rec, indent=1) + "\n")
     print("\n".join(gpu_record_markdown(rec)))

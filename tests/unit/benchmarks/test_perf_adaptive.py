@@ -360,7 +360,14 @@ def test_gpu_record_reads_the_figures_from_the_pytest_log_and_the_launchers_logs
     logs.mkdir()
     steps = [7, 7, 6, 7]
     (logs / "pp1_adaptive.log").write_text("noise\n" + _probe_lines(11, steps))
-    (logs / "pp2_adaptive_node0.log").write_text(_probe_lines(12, steps))
+    summary = (
+        "(Worker pid=12) INFO [adaptive.py:191] DSpark PP adaptive verification (stage {}): 4 "
+        "verify steps, 27 of 28 scheduled drafts verified; counts lag {}, {} host waits for "
+        "counts\n"
+    )
+    (logs / "pp2_adaptive_node0.log").write_text(
+        _probe_lines(12, steps) + summary.format(0, 1, 3) + summary.format(0, 1, 0)
+    )
     (logs / "pp2_adaptive_node1.log").write_text(
         "(Worker pid=13) INFO [handshake.py:240] PP handshake: 2 ranks agree (protocol 2, vLLM "
         "0.34.0, method dspark, k=7, fixed graph batch None, adaptive verification True)\n"
@@ -399,13 +406,20 @@ def test_gpu_record_reads_the_figures_from_the_pytest_log_and_the_launchers_logs
     assert rec["parity"]["scheduled_drafts"] == 28
     assert rec["parity"]["metrics"]["accepted_per_pos"] == [3, 2, 1, 1, 1, 1, 0]
     assert rec["control"] == {"outcome": "request failed: HTTPError", "seconds": 1.2}
+    # the last summary line of a stage counts; a stage that logged none has no entry
+    assert rec["nodes"]["pp2_adaptive_node0"]["waits"] == {"0": {"lag": "1", "host_waits": 0}}
+    assert rec["nodes"]["pp2_adaptive_node1"]["waits"] == {}
+    assert rec["meta"] == {}
     md = "\n".join(adaptive.gpu_record_markdown(rec))
+    assert "each stage's last summary line: stage 0: counts lag 1, 0 host waits" in md
     assert "* PP=2 adaptive stage 1: 4 verify steps, 27 drafts verified of 28 scheduled" in md
     assert "steps trimmed: step 3: 6 of 7" in md
     assert "after 1.2 s (limit 60.0 s); pp2_corrupt_node1: 1 verify step(s)" in md
     assert adaptive.main(["gpu-record", str(pytest_log), str(logs), "--test-file",
-                          str(test_file), "--json", str(tmp_path / "r.json")]) == 0  # fmt: skip
-    assert json.loads((tmp_path / "r.json").read_text())["k"] == 7
+                          str(test_file), "--json", str(tmp_path / "r.json"),
+                          "--commit", "abc1234", "--gpu", "H100"]) == 0  # fmt: skip
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["k"] == 7 and written["meta"] == {"commit": "abc1234", "gpu": "H100"}
 
 
 def test_the_lag_group_sets_lag_0_on_its_own_launchers_only():
