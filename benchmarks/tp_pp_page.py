@@ -284,6 +284,8 @@ def job_rows(rec: dict) -> list[str]:
             greedy = "the stock control, below"
         elif name in verdicts:
             greedy = f"not served; its own check, below: {_ok(verdicts[name])}"
+        elif f"tap_control[{name}]" in verdicts:
+            greedy = f"a control, below (tap partials): {_ok(verdicts[f'tap_control[{name}]'])}"
         else:
             greedy = _greedy_cell(verdicts.get(f"greedy[{name}]"))
         if "error" in job:
@@ -404,6 +406,59 @@ def evidence_rows(rec: dict, group: Group) -> list[str]:
     return lines[:-1]
 
 
+def _row_bytes(per_stage: dict) -> str:
+    if not per_stage:
+        return "none"
+    return "; ".join(
+        f"stage {st}: " + ", ".join(f"`{k}` {b} B" for k, b in sorted(keys.items()))
+        for st, keys in sorted(per_stage.items())
+    )
+
+
+def tap_rows(rec: dict) -> list[str]:
+    """Issue 44 item 4 (protocol/tap_partials.py): per job whose launchers logged a tap-partials
+    mode, the mode, the keys each stage sent the next one and those it sent on the side channel
+    (bytes per token row at its first send), with the test's verdicts on them; the control
+    (``tap_control[...]``) must keep the greedy output and fail the acceptance check."""
+    jobs, verdicts = rec["jobs"], rec["verdicts"]
+    served = [
+        (n, j) for n, j in jobs.items()
+        if j["selected"] and (j.get("evidence") or {}).get("tap_mode") is not None
+        and (j["evidence"]["tap_mode"] or j["evidence"].get("tap_sent"))
+    ]  # fmt: skip
+    if not served:
+        return []
+    lines = [
+        "",
+        "### Tap partials (issue 44 item 4)",
+        "",
+        "From the launchers' logs: the `DSpark tap partials` mode line, and per stage the keys "
+        "(bytes per token row) it sent the next stage and on the side channel at its first send. "
+        "Raw taps relay one `aux_hidden_states_*` per tap; the partial replaces them with one "
+        "`dspark_tap_partial` row.",
+        "",
+        "| job | mode | sent to the next stage | side channel | test verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for name, job in served:
+        ev = job["evidence"]
+        checks = [
+            f"{kind}: {_ok(verdicts[f'{kind}[{name}]'])}"
+            for kind in ("tap_partials", "tap_control")
+            if f"{kind}[{name}]" in verdicts
+        ]
+        mode = ", ".join(f"`{m}`" for m in ev["tap_mode"]) or "no mode line"
+        lines.append(
+            f"| `{name}` | {mode} | {_row_bytes(ev.get('tap_sent') or {})} | "
+            f"{_row_bytes(ev.get('tap_side') or {})} | {'; '.join(checks) or 'none'} |"
+        )
+    for name, _job in served:
+        v = verdicts.get(f"tap_control[{name}]")
+        if v is not None:
+            lines += ["", f"Control `{name}`, test verdict {_ok(v)}: `{_one_line(v['detail'])}`"]
+    return lines
+
+
 def abort_rows(rec: dict) -> list[str]:
     v = rec["verdicts"].get("abort")
     done = [(n, j) for n, j in rec["jobs"].items() if j["selected"] and "abort" in j]
@@ -522,8 +577,8 @@ def section(name: str, rec: dict, group: Group) -> list[str]:
         "waves (an engine's own for PP=1).",
     ]
     lines += wave_rows(rec)
-    rest = evidence_rows(rec, group) + abort_rows(rec) + other_checks(rec) + not_run(rec)
-    return lines + rest + extracted_rows(rec)
+    rest = evidence_rows(rec, group) + tap_rows(rec) + abort_rows(rec) + other_checks(rec)
+    return lines + rest + not_run(rec) + extracted_rows(rec)
 
 
 # --- kind "pd_pp": tests/gpu/test_pd_pp_producer.py (PD with a PP or TP x PP producer) ---------

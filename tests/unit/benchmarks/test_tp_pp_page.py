@@ -148,6 +148,31 @@ def test_a_failed_pp_check_is_named(pp_record):
     assert "* `pinned`: test verdict **FAIL**: " in page
 
 
+TAP_DRYRUN = tp_pp_page.RESULTS / "tap_partials_cpu_dryrun_2026-12-06.json"
+
+
+def test_the_pp_page_shows_the_tap_partials_keys_and_their_control():
+    """Issue 44 item 4's record (the CPU dry run of the `tap_partials` group has the GPU
+    record's shape): the keys each stage sent, the side channel, the control's verdict; a
+    failed check or a control that kept PP=1's acceptance shows as a failure."""
+    rec = json.loads(TAP_DRYRUN.read_text())
+    page = tp_pp_page.markdown([("pp_gpu_x.json", rec)], PP)
+    taps = page.split("### Tap partials", 1)[1].split("\n### ", 1)[0]
+    assert "| `pp3_taps_side` | `on, side channel` | stage 0: `hidden_states` 512 B" in taps
+    assert "stage 1: `dspark_tap_partial` 512 B | tap_partials: pass |" in taps
+    assert "`aux_hidden_states_1` 512 B" in taps.split("| `pp3_async` |", 1)[1].split("\n")[0]
+    assert "| `pp3_taps_wrong` | `on` |" in taps and "tap_control: pass |" in taps
+    assert "Control `pp3_taps_wrong`, test verdict pass: `pp3_taps_wrong: mode ['on']" in taps
+    assert "a control, below (tap partials): pass" in page
+    planted = copy.deepcopy(rec)
+    planted["verdicts"]["tap_control[pp3_taps_wrong]"]["ok"] = False
+    planted["verdicts"]["tap_partials[pp3_taps_side]"]["ok"] = False
+    page = tp_pp_page.markdown([("pp_gpu_x.json", planted)], PP)
+    assert "tap_partials: **FAIL** |" in page and "tap_control: **FAIL** |" in page
+    assert "a control, below (tap partials): **FAIL**" in page
+    assert "**failed checks**:" in page
+
+
 def test_check_covers_every_page_and_fails_on_one_stale_page(monkeypatch, tmp_path):
     """``--check`` without ``--group`` checks both pages: a stale pp page alone fails it."""
     pages = {}
