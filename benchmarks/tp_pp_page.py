@@ -569,6 +569,12 @@ def section(name: str, rec: dict, group: Group) -> list[str]:
         f"{graphs} requests",
     ]
     lines += check_count(rec["verdicts"])
+    lost = [n for n, j in rec["jobs"].items() if j["selected"] and "error" in j]
+    if lost:  # their tests failed before any verdict was recorded
+        lines.append(
+            "* **selected jobs without a result** (their checks failed with them, below): "
+            + ", ".join(f"`{n}`" for n in lost)
+        )
     lines += ["", "### Jobs", ""] + job_rows(rec)
     lines += [
         "",

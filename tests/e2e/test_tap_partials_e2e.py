@@ -155,6 +155,12 @@ def assert_side_keys(log: str, senders: tuple[int, ...], relays: tuple[int, ...]
         assert side_rows(log, stage) == {"dspark_tap_partial": ROW}, stage
     for stage in relays:
         assert f"DSpark PP stage {stage} sends on the side channel" not in log, stage
+    # every link was made at start-up (TapSideChannel.connect), not at a first send in a step
+    connected = re.findall(r"DSpark tap partials: side channel connected \((.*?)\)", log)
+    assert sorted(c for c in connected if c.startswith("to ")) == [
+        "to PP rank " + str(max((*senders, *relays)) + 1)
+    ] * len(senders), connected
+    assert ("from PP ranks " + ", ".join(map(str, senders))) in connected, connected
 
 
 @pytest.mark.e2e_full(covered_by=SIDE_COVERED_BY)

@@ -283,8 +283,80 @@ class TapSideChannel:
             "stale_steps": 0,
         }
         self._logged: set[str] = set()
+        self.connected = False  # connect() made every sender-last link (start-up)
 
     # -- both ends
+    def connect(self) -> None:
+        """Start-up (every rank of the PP group at the same point of ``load_model``): one small
+        message from every sender to the last stage, received in stage order, so that each
+        sender-last pair's link exists before the first step.
+
+        Why: the side group is a ``torch.distributed`` NCCL group, which makes a pair's
+        communicator at the pair's first send or receive and blocks both hosts until both have
+        joined. In a step a sender sends its partial before vLLM's worker sends the step's dict,
+        and the last stage posts its receives only after the dict of the stage before it came
+        (its worker waits for the dict's metadata first): a first contact inside a step waits
+        for a receive that waits for it (seen on an H200, 2026-12-06: PP=3 never became ready,
+        stage 0 inside the pair's ``ncclCommInitRankConfig``). Here every sender's partner is
+        already waiting for it, or comes to it after the senders before it, so nothing waits on
+        itself; a peer that died meanwhile ends the run through the peer watch (which runs from
+        the handshake on), and the transfer itself is waited for at most the side channel's
+        timeout."""
+        if self.connected:
+            return
+        probe = torch.ones(1, dtype=torch.int32, device=self.device)
+        works = []
+        if self.plan.side_sends:
+            works.append((torch.distributed.isend(probe, dst=self.dst, group=self.group), "send"))
+        elif self.plan.is_last:
+            for src in self.sources:  # stage order: the senders' first contacts come in turn
+                buf = torch.zeros(1, dtype=torch.int32, device=self.device)
+                work = torch.distributed.irecv(buf, src=src, group=self.group)
+                works.append((work, src))
+                self._wait_start(work, f"the side channel's first message of PP rank {src}")
+                if int(buf.item()) != 1:
+                    raise TapPartialsError(
+                        f"PP stage {_rank()}: the side channel's first message of PP rank {src} "
+                        f"read {int(buf.item())}, not 1"
+                    )
+        for work, what in works:
+            if what == "send":
+                self._wait_start(work, f"PP rank {self.dst} to take its first side-channel message")
+        self.connected = True
+        if works:
+            _logger().info(
+                "DSpark tap partials: side channel connected (%s)",
+                f"to PP rank {self.dst}" if self.plan.side_sends
+                else "from PP ranks " + ", ".join(str(s) for s in self.sources),
+            )  # fmt: skip
+
+    def _wait_start(self, work: Any, what: str) -> None:
+        """Wait, on the host, at most the side channel's timeout, for a start-up transfer."""
+        timeout = self._timeout()
+        if not self.on_cuda:
+            self._wait(work, what)
+            return
+        work.wait()
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TapPartialsError(
+                    f"PP stage {_rank()} waited {timeout:g} s for {what} at start-up "
+                    "(VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S); set VLLM_DSPARK_PP_TAP_PARTIALS=1 on "
+                    "every node to send the partials in the intermediate tensors instead"
+                )
+            time.sleep(0.001)
+
+    def _check_connected(self) -> None:
+        if self.on_cuda and not self.connected:
+            raise TapPartialsError(
+                f"PP stage {_rank()}: the DSpark tap side channel was used before connect() (a "
+                "first contact inside a step can wait on itself); this is a bug in "
+                "vllm-dspark-pp: set VLLM_DSPARK_PP_TAP_PARTIALS=1 on every node"
+            )
+
     @contextmanager
     def _side_stream(self) -> Iterator[None]:
         """The context every post runs in: the side stream, after the main one, on CUDA."""
@@ -346,6 +418,7 @@ class TapSideChannel:
                 f"PP stage {_rank()} must send its tap partial on the side channel but its relay "
                 "kept no taps this step; set VLLM_DSPARK_PP_TAP_PARTIALS=1 on every node"
             )
+        self._check_connected()
         rows = int(rows)
         contribution = partial_sum([t[:rows] for t in own], self.block, None).contiguous()
         with self._side_stream():
@@ -376,6 +449,7 @@ class TapSideChannel:
     # -- the last stage
     def post(self, batch: Any) -> PendingStep:
         """Post this step's receives (one per sender, ``batch.num_tokens`` rows each)."""
+        self._check_connected()
         rows = int(batch.num_tokens)
         step = PendingStep(batch, rows)
         with self._side_stream():
@@ -722,6 +796,7 @@ def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | Non
             block=handler._dspark_tap_block,
             main_stream=getattr(handler, "main_stream", None),
         )
+        side.connect()  # before any step: see TapSideChannel.connect
         handler._dspark_tap_side = side
         object.__setattr__(inner, SIDE_ATTR, side)
         _log_side(plan, why, row, _critical_keys(model, plan, dtype, _device(handler, model)))

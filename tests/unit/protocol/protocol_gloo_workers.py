@@ -486,6 +486,8 @@ def tap_side_worker(
         side = tp.TapSideChannel(
             plan, group, range(world), "cpu", torch.float32, block=block, timeout_s=timeout_s
         )
+        side.connect()  # what configure_stage does at start-up (every rank, before any step)
+        result["connected"] = side.connected
         handler = SimpleNamespace(
             _dspark_tap_plan=plan, _dspark_tap_block=block, _dspark_tap_side=side
         )

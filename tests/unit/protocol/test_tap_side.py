@@ -43,6 +43,7 @@ def test_side_channel_delivers_the_relays_partial_bit_for_bit(world, depth):
     for r, res in results.items():
         assert res["ok"], f"rank {r} failed:\n{res.get('error')}"
         assert res["problems"] == [], f"rank {r}: {res['problems'][:5]}"
+        assert res["connected"], f"rank {r} did not connect the side channel"
     last = results[world - 1]
     assert last["checked"] == kinds.count("real")
     assert last["dummies"] == kinds.count("dummy")
@@ -149,6 +150,84 @@ def test_side_plans_send_and_receive_nothing_in_the_dict():
     assert not _plan(count=0).side_sends
     in_dict = _plan(side=False, senders=())
     assert in_dict.sends and not in_dict.side_sends
+
+
+# ------------------------------------------------------------------ start-up: connect()
+
+
+class _Work:
+    def __init__(self, log, op, peer, buf):
+        self.log, self.op, self.peer, self.buf = log, op, peer, buf
+
+    def wait(self, timeout=None):
+        self.log.append(("wait", self.op, self.peer))
+        if self.op == "irecv":
+            self.buf.fill_(1)  # what the sender's probe holds
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _recording_p2p(monkeypatch):
+    log = []
+
+    def isend(t, dst, group=None):
+        log.append(("isend", dst))
+        return _Work(log, "isend", dst, t)
+
+    def irecv(t, src, group=None):
+        log.append(("irecv", src))
+        return _Work(log, "irecv", src, t)
+
+    monkeypatch.setattr(torch.distributed, "isend", isend)
+    monkeypatch.setattr(torch.distributed, "irecv", irecv)
+    return log
+
+
+@pytest.mark.parametrize(
+    ("stage", "count", "want"),
+    [
+        (0, 2, [("isend", 12), ("wait", "isend", 12)]),
+        (1, 1, [("isend", 12), ("wait", "isend", 12)]),
+        (1, 0, []),  # a stage without taps of its own sends nothing on the side channel
+        (2, 1, [("irecv", 10), ("wait", "irecv", 10), ("irecv", 11), ("wait", "irecv", 11)]),
+    ],
+)
+def test_connect_makes_every_sender_to_last_link_at_start_up_in_stage_order(
+    monkeypatch, stage, count, want
+):
+    """A torch NCCL group makes a pair's communicator at the pair's first send or receive and
+    blocks both hosts until both joined; inside a step that first contact waited on itself on an
+    H200 (2026-12-06, PP=3 never ready). connect() makes it at start-up: each sender one probe
+    to the last stage, which takes them in stage order, one at a time."""
+    log = _recording_p2p(monkeypatch)
+    senders = (0, 1) if not (stage == 1 and count == 0) else (0,)
+    plan = _plan(
+        base=stage, count=count, is_first=stage == 0, is_last=stage == 2,
+        upstream=(2, 3), senders=senders,
+    )  # fmt: skip
+    side = tp.TapSideChannel(plan, None, (10, 11, 12), "cpu", torch.float32, timeout_s=1.0)
+    side.connect()
+    assert log == (want if stage == 2 or count else [])
+    assert side.connected
+    side.connect()  # once only
+    assert log == (want if stage == 2 or count else [])
+
+
+def test_a_side_channel_used_before_connect_on_cuda_fails_instead_of_waiting(monkeypatch):
+    log = _recording_p2p(monkeypatch)
+    side = tp.TapSideChannel(_plan(), None, (10, 11), "cpu", torch.float32, timeout_s=1.0)
+    side.on_cuda = True  # the guard is for CUDA groups (gloo links exist from the group's start)
+    side.stage_taps([torch.ones(3, 4)])
+    with pytest.raises(tp.TapPartialsError, match="used before connect"):
+        side.send(3)
+    last = _plan(base=2, count=1, is_first=False, is_last=True)
+    side = tp.TapSideChannel(last, None, (10, 11), "cpu", torch.float32, timeout_s=1.0)
+    side.on_cuda = True
+    with pytest.raises(tp.TapPartialsError, match="used before connect"):
+        side.post(types.SimpleNamespace(num_tokens=3))
+    assert log == []
 
 
 # ------------------------------------------------------------------ the patches' glue
