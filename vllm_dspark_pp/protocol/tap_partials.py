@@ -305,14 +305,14 @@ class TapSideChannel:
         if self.connected:
             return
         probe = torch.ones(1, dtype=torch.int32, device=self.device)
-        works = []
+        works: list[tuple[Any, str]] = []
         if self.plan.side_sends:
             works.append((torch.distributed.isend(probe, dst=self.dst, group=self.group), "send"))
         elif self.plan.is_last:
             for src in self.sources:  # stage order: the senders' first contacts come in turn
                 buf = torch.zeros(1, dtype=torch.int32, device=self.device)
                 work = torch.distributed.irecv(buf, src=src, group=self.group)
-                works.append((work, src))
+                works.append((work, f"recv {src}"))
                 self._wait_start(work, f"the side channel's first message of PP rank {src}")
                 if int(buf.item()) != 1:
                     raise TapPartialsError(

@@ -174,8 +174,10 @@ def test_the_pp_page_shows_the_tap_partials_keys_and_their_control():
     assert "**failed checks**:" in page
     planted["jobs"]["pp3_taps_side"]["error"] = "ServerNotReady: node 0 not ready after 280 s"
     page = tp_pp_page.markdown([("pp_gpu_x.json", planted)], PP)
-    assert "* **selected jobs without a result** (their checks failed with them, below): " \
+    assert (
+        "* **selected jobs without a result** (their checks failed with them, below): "
         "`pp3_taps_side`" in page
+    )
 
 
 def test_check_covers_every_page_and_fails_on_one_stale_page(monkeypatch, tmp_path):
