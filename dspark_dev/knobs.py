@@ -218,7 +218,7 @@ DSPARK_DSV41_PP_JOBS | unset (all) | DeepSeek-V4.1 PP test: jobs to start (`a,b`
     every one (base, pp1, pp2_graphs, pp2_eager, pp2_sync_eager, stock_pp2).
 DSPARK_CHILD_DEVICE | cuda | Context-KV MLA GPU child: `cpu` dry-runs its own logic.
 # probes loaded into engines
-DSPARK_TEST_VERIFY_COST_SLOPE | 3.0 (test); unset (probe: off) | Adaptive probe: pins vLLM's
+DSPARK_TEST_VERIFY_COST_SLOPE | 20.0 (test); unset (probe: off) | Adaptive probe: pins vLLM's
     adaptive-verification cost tables to this slope.
 DSPARK_TEST_CORRUPT_STAGE0 | unset | `1`: the adaptive probe's control: the first PP stage reads
     wrong admitted counts.
@@ -309,6 +309,8 @@ def _shown(default: object) -> str:
         return "unset (off)" if not default else "on"
     if isinstance(default, float):
         return f"{default:g}"
+    if default is None:  # chosen at run time (the meaning says from what)
+        return "unset (chosen)"
     return str(default) if default != "" else "unset"
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     VLLM_DSPARK_PP_PEER_TIMEOUT_S: float = 30.0
     VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S: float = 60.0
     VLLM_DSPARK_PP_ADAPTIVE_PP: bool = False
-    VLLM_DSPARK_PP_ADAPTIVE_LAG: int = 1
+    VLLM_DSPARK_PP_ADAPTIVE_LAG: int | None = None
     VLLM_DSPARK_PP_SKIP_PATCHES: str = ""
     VLLM_DSPARK_PP_STACKS_ON_SIGUSR1: bool = False
     VLLM_DSPARK_PP_DRAFT_DIGEST: int = 0
@@ -115,17 +115,19 @@ def _tap_side_timeout_s() -> float:
     return value
 
 
-def parse_adaptive_lag(raw: str | None) -> int:
-    """``VLLM_DSPARK_PP_ADAPTIVE_LAG`` from its text: unset or blank is 1; anything but 0 or 1
+def parse_adaptive_lag(raw: str | None) -> int | None:
+    """``VLLM_DSPARK_PP_ADAPTIVE_LAG`` from its text: unset or blank is ``None`` (chosen from the
+    scheduling: ``protocol.adaptive_config.resolve_adaptive_lag``); 0, 1 or 2; anything else
     raises ``ValueError`` naming the variable."""
     name = "VLLM_DSPARK_PP_ADAPTIVE_LAG"
     if raw is None or raw.strip() == "":
-        return 1
-    if raw.strip() not in ("0", "1"):
+        return None
+    if raw.strip() not in ("0", "1", "2"):
         raise ValueError(
-            f"{name}={raw!r} is neither 0 nor 1; use {name}=1 (the default: counts decided one "
-            f"drafting round early, no host waits for them) or {name}=0 (counts of the draft "
-            "being verified; every stage's host waits for the last stage's draft)"
+            f"{name}={raw!r} is not 0, 1 or 2; leave it unset (2 with async scheduling, 1 "
+            "without: counts decided early enough that no host waits for them) or set "
+            f"{name}=0 (counts of the draft being verified; every stage's host waits for the "
+            "last stage's draft)"
         )
     return int(raw)
 
@@ -150,12 +152,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (experimental until verified on a GPU; set it on every node). Anything else: vLLM's
     # refusal stands. (protocol/adaptive_config.py)
     "VLLM_DSPARK_PP_ADAPTIVE_PP": lambda: _raw("VLLM_DSPARK_PP_ADAPTIVE_PP") == "1",
-    # Adaptive verification under PP: which decision of the last stage a verify step applies.
-    # 1 (default): the one shipped with the request's previous draft broadcast but one (decided
-    # from that earlier draft's confidences), which every stage already holds on its host, so no
-    # host waits for counts. 0: the one shipped with the draft being verified (as before
-    # 2026-12-05; every stage's host waits for the last stage's draft). Set the same value on
-    # every node (the start-up handshake checks it). (protocol/handler.py)
+    # Adaptive verification under PP: which decision of the last stage a verify step applies,
+    # counted in the request's draft broadcasts before the one being verified. Unset (default):
+    # 2 with async scheduling (vLLM may schedule a request's next round before the last stage
+    # has drafted its previous one: seen on an H200, 2026-12-06, lag 1 waited in 5 of 10 verify
+    # steps), else 1; either way every stage already holds it on its host, so no host waits for
+    # counts. 0: the draft being verified (as before 2026-12-05; every stage's host waits for
+    # the last stage's draft). Set the same value on every node (the start-up handshake checks
+    # the resolved lag). (protocol/adaptive_config.py, protocol/handler.py)
     "VLLM_DSPARK_PP_ADAPTIVE_LAG": lambda: parse_adaptive_lag(_raw("VLLM_DSPARK_PP_ADAPTIVE_LAG")),
     # Diagnosis only: comma-separated patch names this process does not apply (docs/patches.md);
     # config_vllm cannot be skipped, and PP > 1 is refused unless only the lost-stage controls

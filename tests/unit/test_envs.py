@@ -46,7 +46,7 @@ def test_defaults_when_unset(clean_env):
     assert envs.VLLM_DSPARK_PP_PEER_TIMEOUT_S == 30.0
     assert envs.VLLM_DSPARK_PP_ADMITTED_TIMEOUT_S == 60.0
     assert envs.VLLM_DSPARK_PP_ADAPTIVE_PP is False
-    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG == 1
+    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG is None  # chosen from the scheduling
     assert envs.VLLM_DSPARK_PP_SKIP_PATCHES == ""
     assert envs.VLLM_DSPARK_PP_STACKS_ON_SIGUSR1 is False
     assert not any(envs.is_set(n) for n in NAMES)
@@ -76,12 +76,25 @@ def test_values_are_read_at_each_access_and_typed(clean_env):
         _ = envs.VLLM_DSPARK_PP_NOT_A_KNOB
 
 
-def test_the_adaptive_lag_is_0_or_1(clean_env):
-    clean_env.setenv("VLLM_DSPARK_PP_ADAPTIVE_LAG", "0")
-    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG == 0
+def test_the_adaptive_lag_is_0_1_2_or_chosen_from_the_scheduling(clean_env):
+    from types import SimpleNamespace
+
+    from vllm_dspark_pp.protocol.adaptive_config import resolve_adaptive_lag
+
+    def cfg(async_scheduling):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+
+    # unset: 2 with async scheduling (a request's next round may be sent before the last stage
+    # drafted its previous one), 1 without
+    assert resolve_adaptive_lag(cfg(True)) == 2 and resolve_adaptive_lag(cfg(False)) == 1
+    assert resolve_adaptive_lag(cfg(None)) == 1
+    for text in ("0", "1", "2"):
+        clean_env.setenv("VLLM_DSPARK_PP_ADAPTIVE_LAG", text)
+        assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG == int(text)
+        assert resolve_adaptive_lag(cfg(True)) == int(text) == resolve_adaptive_lag(cfg(False))
     clean_env.setenv("VLLM_DSPARK_PP_ADAPTIVE_LAG", " ")
-    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG == 1
-    for bad in ("2", "yes", "-1"):
+    assert envs.VLLM_DSPARK_PP_ADAPTIVE_LAG is None
+    for bad in ("3", "yes", "-1"):
         clean_env.setenv("VLLM_DSPARK_PP_ADAPTIVE_LAG", bad)
         with pytest.raises(ValueError, match=f"VLLM_DSPARK_PP_ADAPTIVE_LAG='{bad}'"):
             _ = envs.VLLM_DSPARK_PP_ADAPTIVE_LAG

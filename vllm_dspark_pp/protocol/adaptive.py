@@ -11,14 +11,16 @@ step from the same host-side counts (:class:`ShippedCounts`), so every stage com
 token count, CUDA graph and layout. See docs/protocol.md, "Adaptive verification under PP".
 
 Which decision a verify step applies (``ExchangeSpec.admitted_lag``, from
-``VLLM_DSPARK_PP_ADAPTIVE_LAG``, checked by the start-up handshake): with lag 1 (the default)
-the one shipped with the request's draft broadcast before the latest, i.e. the count the last
-stage decided one drafting round earlier, from that round's confidences. That broadcast has
-landed on every stage before the scheduler can send the verify step (each stage's GPU waited
-for it before the forward whose output the scheduler needed), so no stage's host waits for the
-draft being verified. With lag 0 (the behaviour before) it is the one shipped with the draft
-being verified: every stage's host waits until the last stage has drafted it. Either way only
-the number of drafts verified changes, never the verification rule, so the output is the same.
+``VLLM_DSPARK_PP_ADAPTIVE_LAG`` or, unset, the scheduling (``resolve_adaptive_lag``), checked by
+the start-up handshake): with lag L >= 1 the one shipped with the request's draft broadcast L
+before the latest, i.e. the count the last stage decided L drafting rounds earlier, from that
+round's confidences. Without async scheduling (lag 1) that broadcast has landed on every stage
+before the scheduler can send the verify step (each stage's GPU waited for it before the forward
+whose output the scheduler needed); with async scheduling vLLM may send the next round while the
+previous one is in flight, so the default is 2 there (lag 1 waited in 5 of 10 verify steps on an
+H200, 2026-12-06). With lag 0 (the behaviour before) it is the one shipped with the draft being
+verified: every stage's host waits until the last stage has drafted it. Either way only the
+number of drafts verified changes, never the verification rule, so the output is the same.
 
 The decision reuses vLLM's own pieces: the budget is vLLM's
 ``AdaptiveVerificationManager.get_num_tokens`` applied to the next verify batch as the drafting
@@ -185,18 +187,21 @@ class ShippedCounts:
         self.verify_steps += 1
         self.verified_drafts += verified
         self.scheduled_drafts += scheduled
-        if self.verify_steps in (1, 10) or self.verify_steps % 100 == 0:
+        steps = self.verify_steps
+        if steps == 1 or steps % (10 if steps <= 100 else 100) == 0:
             handler = self.pp_handler
             spec = getattr(handler, "exchange_spec", None)
+            wait_s = getattr(handler, "admitted_wait_s", None)
             _logger().info(
                 "DSpark PP adaptive verification (stage %d): %d verify steps, %d of %d scheduled "
-                "drafts verified; counts lag %s, %s host waits for counts",
+                "drafts verified; counts lag %s, %s host waits for counts (%s ms)",
                 self.stage,
-                self.verify_steps,
+                steps,
                 self.verified_drafts,
                 self.scheduled_drafts,
                 getattr(spec, "admitted_lag", "?"),
                 getattr(handler, "admitted_waits", "?"),
+                "?" if wait_s is None else f"{1000 * wait_s:.1f}",
             )
 
     # -- the pipeline's cost curve (replaces the tables' input, adaptive_verification.py:350-371)

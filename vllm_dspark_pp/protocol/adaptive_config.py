@@ -59,3 +59,21 @@ def ships_admitted_counts(vllm_config: Any) -> bool:
         and bool(getattr(spec, "enable_adaptive_verification", False))
         and uncovered_reason(vllm_config) is None
     )
+
+
+def resolve_adaptive_lag(vllm_config: Any) -> int:
+    """Which shipped count a verify step applies (docs/protocol.md, "Where the hosts wait"):
+    ``VLLM_DSPARK_PP_ADAPTIVE_LAG`` where set, else 2 with async scheduling and 1 without.
+
+    Without async scheduling vLLM schedules a request's next round only once its previous
+    round's output came back, and the stage's GPU had waited for the drafts (and their counts)
+    of the round before that; with async scheduling the next round can be scheduled while the
+    previous one is still in flight (vLLM 0.34.0's ``AsyncScheduler.decode_stagger``), so only
+    the counts of two rounds back are sure to be on every host."""
+    from vllm_dspark_pp import envs
+
+    lag = envs.VLLM_DSPARK_PP_ADAPTIVE_LAG
+    if lag is not None:
+        return int(lag)
+    sched = getattr(vllm_config, "scheduler_config", None)
+    return 2 if bool(getattr(sched, "async_scheduling", False)) else 1

@@ -19,12 +19,13 @@ rank would leave every other rank waiting). The warm-up patch runs vLLM's warm-u
 
 Under adaptive verification with PP (``ExchangeSpec.admitted_counts``) the drafts payload has one
 more column, each request's admitted draft count; every rank (the last one included) records the
-column per request slot when it posts the payload (the slot's latest two, for the rows whose
-output the step broadcasts), and :meth:`admitted_counts_for` hands a verify step, on the host,
-each request's count of its draft broadcast before the latest (``admitted_lag`` 1, the default:
-that broadcast has landed on every rank before the scheduler can send the step, so the host does
-not wait) or of its latest (``admitted_lag`` 0: the draft being verified, which the host waits
-for). See ``protocol/adaptive.py``.
+column per request slot when it posts the payload (the slot's latest ``MAX_ADMITTED_LAG + 1``,
+for the rows whose output the step broadcasts), and :meth:`admitted_counts_for` hands a verify
+step, on the host, each request's count of its draft broadcast ``admitted_lag`` broadcasts
+before the latest (1 without async scheduling, 2 with it: that broadcast has landed on every
+rank before the scheduler can send the step, so the host does not wait) or of its latest
+(``admitted_lag`` 0: the draft being verified, which the host waits for). See
+``protocol/adaptive.py``.
 """
 
 from __future__ import annotations
@@ -89,6 +90,23 @@ class AdmittedCounts:
                     )
                 time.sleep(0.0002)
         return self.cpu.numpy()
+
+
+#: The largest ``admitted_lag`` (``VLLM_DSPARK_PP_ADAPTIVE_LAG``): the earlier counts a slot keeps.
+MAX_ADMITTED_LAG = 2
+
+
+def admitted_lag_from_config() -> int:
+    """The admitted-count lag of this process's vLLM config (1 where there is none)."""
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    from vllm_dspark_pp.protocol.adaptive_config import resolve_adaptive_lag
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        lag = envs.VLLM_DSPARK_PP_ADAPTIVE_LAG
+        return 1 if lag is None else int(lag)
+    return resolve_adaptive_lag(cfg)
 
 
 def admitted_counts_from_config() -> bool:
@@ -168,16 +186,19 @@ class DSparkExchange:
         # The last rank's admitted counts of the current step (set before broadcast_drafts).
         self.step_admitted: torch.Tensor | None = None
         self._step_idx_np = np.zeros(0, dtype=np.intp)
-        # Per request slot: the generation, record and row of its latest admitted count, and of
-        # the one before it (same request: same generation).
-        self.admitted_gen = np.full(max_num_reqs, -1, dtype=np.int64)
-        self.admitted_rec: list[AdmittedCounts | None] = [None] * max_num_reqs
-        self.admitted_row = np.zeros(max_num_reqs, dtype=np.int64)
-        self.earlier_gen = np.full(max_num_reqs, -1, dtype=np.int64)
-        self.earlier_rec: list[AdmittedCounts | None] = [None] * max_num_reqs
-        self.earlier_row = np.zeros(max_num_reqs, dtype=np.int64)
-        # Counts a verify step read before their copy to the host had landed (a host wait).
+        # Per request slot: the generation, record and row of its latest admitted counts, newest
+        # first (column j: j broadcasts before the latest; generation -1: none, or another
+        # request's). MAX_ADMITTED_LAG + 1 columns.
+        depth = MAX_ADMITTED_LAG + 1
+        self.admitted_gen = np.full((max_num_reqs, depth), -1, dtype=np.int64)
+        self.admitted_rec: list[list[AdmittedCounts | None]] = [
+            [None] * depth for _ in range(max_num_reqs)
+        ]
+        self.admitted_row = np.zeros((max_num_reqs, depth), dtype=np.int64)
+        # Counts a verify step read before their copy to the host had landed (a host wait), and
+        # the seconds those reads waited.
         self.admitted_waits = 0
+        self.admitted_wait_s = 0.0
         self.set_admitted_counts(num_speculative_steps > 0 and admitted_counts_from_config())
         # VLLM_DSPARK_PP_DRAFT_DIGEST: every rank's running digest of the draft payloads
         self.draft_digest = digest_from_env(self) if num_speculative_steps > 0 else None
@@ -185,8 +206,11 @@ class DSparkExchange:
 
     def set_admitted_counts(self, enabled: bool, lag: int | None = None) -> None:
         """Ship admitted draft counts in the drafts payload (every rank alike); ``lag`` (default:
-        ``VLLM_DSPARK_PP_ADAPTIVE_LAG``) says which one a verify step applies."""
-        lag = envs.VLLM_DSPARK_PP_ADAPTIVE_LAG if lag is None else int(lag)
+        :func:`~vllm_dspark_pp.protocol.adaptive_config.resolve_adaptive_lag` of the current
+        config) says which one a verify step applies."""
+        lag = admitted_lag_from_config() if lag is None else int(lag)
+        if not 0 <= lag <= MAX_ADMITTED_LAG:
+            raise ExchangeError(f"admitted-count lag {lag} is not in 0..{MAX_ADMITTED_LAG}")
         self.exchange_spec = ExchangeSpec(
             self.num_speculative_steps, admitted_counts=enabled, admitted_lag=lag
         )
@@ -201,33 +225,38 @@ class DSparkExchange:
             if mask is not None and not mask[row]:
                 continue
             gen = self.req_idx_gen_np[slot]
-            same_request = self.admitted_rec[slot] is not None and self.admitted_gen[slot] == gen
-            self.earlier_gen[slot] = gen if same_request else -1
-            self.earlier_rec[slot] = self.admitted_rec[slot] if same_request else None
-            self.earlier_row[slot] = self.admitted_row[slot]
-            self.admitted_gen[slot] = gen
-            self.admitted_rec[slot] = record
-            self.admitted_row[slot] = row
+            gens, recs, rows = (
+                self.admitted_gen[slot],
+                self.admitted_rec[slot],
+                self.admitted_row[slot],
+            )
+            if gens[0] != gen or recs[0] is None:  # another request: forget the slot's older ones
+                gens[:] = -1
+                recs[:] = [None] * len(recs)
+            gens[1:] = gens[:-1].copy()
+            rows[1:] = rows[:-1].copy()
+            recs[1:] = recs[:-1]
+            gens[0], recs[0], rows[0] = gen, record, row
 
     def admitted_counts_for(self, idx_mapping_np: np.ndarray) -> np.ndarray:
         """Each slot's admitted draft count (-1: none, or the slot's request was freed since):
-        with ``admitted_lag`` 1 the count of the request's draft broadcast before its latest one,
-        with 0 the latest one's. Every PP rank returns the same values (the same broadcasts,
-        recorded alike)."""
+        the count of the request's draft broadcast ``admitted_lag`` broadcasts before its latest
+        (0: the latest). Every PP rank returns the same values (the same broadcasts, recorded
+        alike)."""
         lag = self.exchange_spec.admitted_lag
-        gens, recs, rows = (
-            (self.earlier_gen, self.earlier_rec, self.earlier_row)
-            if lag
-            else (self.admitted_gen, self.admitted_rec, self.admitted_row)
-        )
         out = np.full(len(idx_mapping_np), -1, dtype=np.int32)
         for i, slot in enumerate(idx_mapping_np):
-            record = recs[slot]
-            if record is None or gens[slot] != self.req_idx_gen_np[slot]:
+            record = self.admitted_rec[slot][lag]
+            if record is None or self.admitted_gen[slot, lag] != self.req_idx_gen_np[slot]:
                 continue
             if not record.ready():
                 self.admitted_waits += 1
-            out[i] = record.values()[rows[slot]]
+                t0 = time.perf_counter()
+                values = record.values()
+                self.admitted_wait_s += time.perf_counter() - t0
+            else:
+                values = record.values()
+            out[i] = values[self.admitted_row[slot, lag]]
         return out
 
     # -- one width for every step (replaces pp_utils.py:104-106)

@@ -88,7 +88,7 @@ class HandshakeFacts:
 def facts_from_config(vllm_config: Any) -> HandshakeFacts:
     import vllm
 
-    from vllm_dspark_pp.protocol.adaptive_config import ships_admitted_counts
+    from vllm_dspark_pp.protocol.adaptive_config import resolve_adaptive_lag, ships_admitted_counts
     from vllm_dspark_pp.protocol.graph_batch import fixed_graph_batch
 
     spec = vllm_config.speculative_config
@@ -103,7 +103,7 @@ def facts_from_config(vllm_config: Any) -> HandshakeFacts:
         fixed_graph_batch=fixed_graph_batch(vllm_config),
         adaptive_verification=ships,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        admitted_lag=envs.VLLM_DSPARK_PP_ADAPTIVE_LAG if ships else 0,
+        admitted_lag=resolve_adaptive_lag(vllm_config) if ships else 0,
         tap_partials=envs.VLLM_DSPARK_PP_TAP_PARTIALS,
     )
 

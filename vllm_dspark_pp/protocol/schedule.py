@@ -69,9 +69,10 @@ class ExchangeSpec:
     # Adaptive verification under PP: the drafts payload carries one more column, the admitted
     # draft count of each request (same value on every rank: the handshake checks it).
     admitted_counts: bool = False
-    # Which of a request's shipped counts its verify step applies: 1 (the default), the one of
-    # its draft broadcast before the latest (already on every stage's host); 0, the latest (the
-    # draft being verified; the host waits for it). Checked at start-up (the handshake).
+    # Which of a request's shipped counts its verify step applies: L >= 1, the one of its draft
+    # broadcast L before the latest (already on every stage's host: 1 without async scheduling,
+    # 2 with it, protocol/adaptive_config.resolve_adaptive_lag); 0, the latest (the draft being
+    # verified; the host waits for it). Checked at start-up (the handshake).
     admitted_lag: int = 1
 
     @property

@@ -211,7 +211,7 @@ class Case:
     steps: list[Step]
     adaptive: bool = False  # adaptive verification: admitted counts ride with the drafts
     # which shipped count a verify step applies (ExchangeSpec.admitted_lag): 0 in adaptive cases
-    # whose seed is 3 mod 4, else 1 (the default)
+    # whose seed is 3 mod 4, 2 where it is 2 mod 4 (the default under async scheduling), else 1
     admitted_lag: int = 1
 
 
@@ -219,7 +219,7 @@ def random_case(seed: int, num_steps: int = 24) -> Case:
     """A seeded random engine run: prefill chunks, decodes with and without drafts, aborts,
     preemptions, max-length finishes and empty steps; PP size 2..4; k in {0, 1, 2, 3, 5};
     adaptive verification (admitted counts) in every other block of 15 seeds with k > 0, applied
-    with lag 0 where the seed is 3 mod 4 and lag 1 otherwise."""
+    with lag 0 where the seed is 3 mod 4, lag 2 where it is 2 mod 4 and lag 1 otherwise."""
     rng = random.Random(seed)
     pp_size = 2 + seed % 3
     k = [0, 1, 2, 3, 5][(seed // 3) % 5]
@@ -309,7 +309,8 @@ def random_case(seed: int, num_steps: int = 24) -> Case:
             # prefill chunks advance by the chunk; a decode by 1 + its accepted drafts
             reqs[rid]["computed"] += n - d + rng.randint(0, d)
         steps.append(Step(freed, batch, num_spec_tokens))
-    return Case(seed, pp_size, k, max_num_reqs, steps, adaptive, 0 if seed % 4 == 3 else 1)
+    lag = {3: 0, 2: 2}.get(seed % 4, 1)
+    return Case(seed, pp_size, k, max_num_reqs, steps, adaptive, lag)
 
 
 # ----------------------------------------------------------------------------------------------

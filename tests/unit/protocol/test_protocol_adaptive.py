@@ -638,21 +638,29 @@ class _NotLanded:
 
 
 @pytest.mark.parametrize("last_rank", [True, False])
-@pytest.mark.parametrize("lag", [1, 0])
+@pytest.mark.parametrize(
+    ("lag", "in_flight"),
+    [(1, 1), (2, 2), (0, 1), (1, 2)],
+    ids=["sync-lag1", "async-lag2", "control-lag0", "control-async-lag1"],
+)
 def test_a_verify_step_never_waits_for_the_draft_it_verifies(patch_broadcast, monkeypatch, lag,
-                                                             last_rank):  # fmt: skip
+                                                             in_flight, last_rank):  # fmt: skip
     """Each round of a steady decode batch posts its drafts with counts; before the next round's
-    verify step reads them, every copy has landed except the latest broadcast's (on a GPU: the
-    last stage is still drafting it). Lag 1 (the default) reads the round before and does not
-    wait: the counts of round r - 1 in round r + 1, on the last rank (broadcast) and a non-last
-    rank (receive) alike. Control: lag 0 (the behaviour before, ``VLLM_DSPARK_PP_ADAPTIVE_LAG=0``)
-    reads the latest and waits until the timeout."""
+    verify step reads them, every copy has landed except the latest ``in_flight`` broadcasts'
+    (on a GPU: the last stage is still drafting them). Without async scheduling one is in flight
+    (vLLM sends a request's next round once its previous one came back) and lag 1 does not wait;
+    with async scheduling vLLM may send the next round while the previous one is in flight, two
+    are, and lag 2 (the default there) does not wait: the counts of round r - lag in round r + 1,
+    on the last rank (broadcast) and a non-last rank (receive) alike. Controls: lag 0 (the
+    behaviour before) reads the latest and waits until the timeout; lag 1 under async
+    scheduling reads one still in flight and waits too (seen on an H200, 2026-12-06: 5 host waits
+    in 10 verify steps)."""
     from protocol_sim import Batch, make_handler
 
     from vllm_dspark_pp.protocol import handler as exchange
 
     n, k = 3, 3
-    rounds = [[3, 1, 0], [2, 2, 1], [0, 3, 2], [1, 1, 1]]
+    rounds = [[3, 1, 0], [2, 2, 1], [0, 3, 2], [1, 1, 1], [2, 0, 3]]
     sent = {"counts": None}
 
     def wire(tensor, src, group=None, async_op=False):
@@ -683,15 +691,13 @@ def test_a_verify_step_never_waits_for_the_draft_it_verifies(patch_broadcast, mo
     )
     read = []
     for counts in rounds:
-        for record in records:
-            record.event.landed = True  # every earlier broadcast is there; this round's is not
-        if lag == 0 and records:
-            records[-1].event.landed = False
+        for i, record in enumerate(records):  # the latest in_flight broadcasts have not landed
+            record.event.landed = i < len(records) - in_flight
+        if lag < in_flight and len(records) > lag:
             with pytest.raises(exchange.ExchangeError, match="never arrived"):
                 h.admitted_counts_for(np.arange(n))
+            assert h.admitted_waits == 1
             return
-        if records:
-            records[-1].event.landed = False
         read.append(h.admitted_counts_for(np.arange(n)).tolist())
         sent["counts"] = counts
         h.begin_step(k)
@@ -704,7 +710,7 @@ def test_a_verify_step_never_waits_for_the_draft_it_verifies(patch_broadcast, mo
         else:
             h.receive(batch, recv_drafts=True)
         h.end_step()
-    assert lag == 1
-    # round 0 and 1: no broadcast before the latest yet (every scheduled draft is verified)
-    assert read == [[-1] * n, [-1] * n, rounds[0], rounds[1]]
-    assert h.admitted_waits == 0
+    assert lag >= in_flight
+    # the first lag + 1 rounds: no broadcast lag before the latest yet (every draft is verified)
+    assert read == [[-1] * n] * (lag + 1) + rounds[: len(rounds) - lag - 1]
+    assert h.admitted_waits == 0 and h.admitted_wait_s == 0.0

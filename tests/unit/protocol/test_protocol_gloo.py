@@ -28,6 +28,7 @@ def test_gloo_ranks_receive_exactly_what_the_last_rank_sent(world, monkeypatch):
     draft-post count and digest (protocol/draft_digest.py; the comparison's control:
     tests/unit/protocol/test_draft_digest.py)."""
     assert len(ADAPTIVE_SEEDS) == 8
+    assert {random_case(s).admitted_lag for s in ADAPTIVE_SEEDS} == {0, 1, 2}
     monkeypatch.setenv("VLLM_DSPARK_PP_DRAFT_DIGEST", "1")  # inherited by the spawned ranks
     results = run_processes(exchange_worker, world, lambda r: (SEEDS, None), timeout_s=260)
     assert sorted(results) == list(range(world)), f"ranks missing: {results}"

@@ -60,12 +60,13 @@ def _first_failure(patch_broadcast, eligible) -> tuple[int, str] | None:
 def test_every_rank_posts_the_same_collectives_1200_seeds(patch_broadcast):
     assert NUM_CASES >= 1000 or os.environ.get("DSPARK_PP_RANDOM_CASES")
     posted = steps = 0
-    pp_sizes, ks, adaptive = set(), set(), set()
+    pp_sizes, ks, adaptive, lags = set(), set(), set(), set()
     for seed in SEEDS:
         case = random_case(seed)
         pp_sizes.add(case.pp_size)
         ks.add(case.k)
         adaptive.add((case.adaptive, case.pp_size, case.k))
+        lags.add((case.adaptive, case.admitted_lag))
         err = _fails(case, patch_broadcast)
         if err:
             repro = protocol_replay.minimal_reproducer(seed, patch_broadcast, _fails)
@@ -76,6 +77,7 @@ def test_every_rank_posts_the_same_collectives_1200_seeds(patch_broadcast):
     assert {(p, k) for a, p, k in adaptive if a} == {
         (p, k) for p in (2, 3, 4) for k in (1, 2, 3, 5)
     }
+    assert {lag for a, lag in lags if a} == {0, 1, 2}  # every admitted-count lag is replayed
     assert posted > 0
     print(f"{NUM_CASES} seeded cases (seeds 0..{NUM_CASES - 1}), {steps} steps: identical")
 
