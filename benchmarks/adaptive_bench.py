@@ -389,10 +389,10 @@ def main(argv=None) -> int:
     g.add_argument("log_dir", type=Path, help="the launchers' logs (artifacts' pp_adaptive/)")
     g.add_argument("--test-file", type=Path, default=Path("tests/gpu/test_pp_adaptive_one_gpu.py"))
     g.add_argument("--json", type=Path, default=None)
-    for key in ("commit", "date", "gpu", "command"):
+    for key in ("commit", "date", "gpu", "command", "lag"):
         g.add_argument(f"--{key}", default=None, help=f"the run's {key}, kept in the record's meta")
     a = ap.parse_args(argv)
-    meta = {k: getattr(a, k) for k in ("commit", "date", "gpu", "command") if getattr(a, k)}
+    meta = {k: getattr(a, k) for k in ("commit", "date", "gpu", "command", "lag") if getattr(a, k)}
     test_file = a.test_file if a.test_file.exists() else None
     rec = gpu_record(a.pytest_log, a.log_dir, test_file, meta)
     if a.json:

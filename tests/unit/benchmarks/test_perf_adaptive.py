@@ -442,3 +442,30 @@ def test_the_lag_group_sets_lag_0_on_its_own_launchers_only():
     assert envs["pp2_dspark_adaptive_lag0"][knob] == "0"
     assert envs["pp2_dspark_adaptive"][knob] == "1" and envs["pp2_dspark"][knob] == "1"
     assert d.server_env(d.CONFIGS["pp2_dspark_adaptive"], hook_root="h", cpu=True).get(knob) is None
+
+
+def test_the_adaptive_pp_page_is_generated_from_its_records(tmp_path):
+    """docs/results/adaptive_pp_gpu.md is benchmarks/adaptive_pp_page.py's output from every
+    adaptive_pp_gpu*.json; a record without its provenance is refused, a failed test is named."""
+    import copy
+
+    from benchmarks import adaptive_pp_page as page
+
+    records = page.load()
+    assert len(records) >= 2 and page.PAGE.read_text() == page.markdown(records), (
+        "run: python -m benchmarks.adaptive_pp_page"
+    )
+    name, rec = next((n, r) for n, r in records if n == "adaptive_pp_gpu_2026-12-06_lag1.json")
+    text = page.markdown([(name, rec)])
+    assert "* **failed**: `test_pp2_verifies_what_pp1_verifies`" in text
+    assert "stage 0: counts lag 1, 5 host waits" in text
+    assert "* commit `91ad093`; GPU: NVIDIA H200; counts lag: 1" in text
+    planted = copy.deepcopy(rec)
+    planted["tests"]["test_pp2_verifies_what_pp1_verifies"] = "PASSED"
+    assert "**failed**" not in page.markdown([(name, planted)])
+    del planted["meta"]["commit"]
+    bad = tmp_path / "adaptive_pp_gpu_x.json"
+    bad.write_text(json.dumps(planted))
+    with pytest.raises(page.RecordError, match="no commit"):
+        page.load([bad])
+    assert page.main(["--check"]) == 0
