@@ -261,7 +261,7 @@ def _handshake(text: str) -> dict | None:
 
 def host_waits(text: str) -> dict[str, dict]:
     """Per PP stage: the counts' lag and how often its host waited for counts, from the last
-    adaptive-verification summary line that stage logged (lag 1 never waits)."""
+    adaptive-verification summary line that stage logged."""
     out = {}
     for stage, lag, waits in WAITS.findall(text):
         out[stage] = {"lag": lag, "host_waits": int(waits) if waits.isdigit() else waits}

@@ -89,7 +89,8 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   pp2_dspark + pp2_dspark_adaptive (two: four DSpark deployments' CUDA-graph starts and sweeps
   do not fit one GPU command), ``adaptive_lag`` = pp2_dspark + ``pp2_dspark_adaptive_lag0``
   (``VLLM_DSPARK_PP_ADAPTIVE_LAG=0`` on its launchers only: the counts decided in the round they
-  are applied, as before 2026-12-05) + pp2_dspark_adaptive (lag 1, the default).
+  are applied, as before 2026-12-05) + pp2_dspark_adaptive (the default lag: 2 under async
+  scheduling, 1 without).
 * ``pp1_dspark_k1`` .. ``pp1_dspark_k7`` / ``pp2_dspark_k1`` .. ``pp2_dspark_k7``: DSpark with
   that many draft tokens (the others draft ``-k``). Groups ``ksweep_pp1`` / ``ksweep_pp2``: the
   seven fixed k and the adaptive deployment of that PP size (issue 44 item 5: adaptive against
@@ -301,7 +302,8 @@ GROUPS = {
     # with vs without adaptive verification; one GPU command each (CUDA-graph starts)
     "adaptive_pp1": ("pp1_dspark", "pp1_dspark_adaptive"),
     "adaptive_pp2": ("pp2_dspark", "pp2_dspark_adaptive"),
-    # adaptive with the counts decided one round early (lag 1, the default) and in the same round
+    # adaptive with the counts decided early (the default lag: 2 under async scheduling) and in the
+    # same round
     "adaptive_lag": ("pp2_dspark", "pp2_dspark_adaptive_lag0", "pp2_dspark_adaptive"),
     # adaptive verification against every fixed k (1..7) in one interleaved call; its summary
     # names the best fixed k of each point (best_fixed_summary)

@@ -424,7 +424,7 @@ def test_gpu_record_reads_the_figures_from_the_pytest_log_and_the_launchers_logs
 
 def test_the_lag_group_sets_lag_0_on_its_own_launchers_only():
     """``adaptive_lag``: the same PP=2 adaptive deployment with the counts decided in the round
-    they apply (lag 0) beside the default (lag 1) and fixed k, in one interleaved call; the
+    they apply (lag 0) beside the default lag and fixed k, in one interleaved call; the
     variable reaches the lag-0 launchers and no other, even over a driver-wide ``--env``."""
     from benchmarks import serve_pp_one_gpu as d
 
