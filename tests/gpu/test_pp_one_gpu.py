@@ -246,6 +246,10 @@ def _evidence(dep, pp: int, tp: int = 1) -> dict:
         "tap_side": _tap_rows(
             text, r"DSpark PP stage (\d+) sends on the side channel per token row: (.*)"
         ),
+        # TapSideChannel.connect: every sender-last link made at start-up, before any step
+        "tap_connected": sorted(
+            re.findall(r"DSpark tap partials: side channel connected \((.*?)\)", text)
+        ),
     }
 
 
@@ -645,7 +649,13 @@ def test_tap_partials_cross_the_stages_as_configured(pp_jobs, name):
             )
         if side and set(ev["tap_side"].get(stage, {})) != {"dspark_tap_partial"}:
             problems.append(f"stage {stage} logged no side-channel partial: {ev['tap_side']}")
-    line = f"{name}: sent {ev['tap_sent']}, side channel {ev['tap_side']}"
+    # the links were made at start-up (a first contact inside a step waited on itself on an
+    # H200, 2026-12-06: pp3_taps_side never became ready); TP = 1: global rank = PP stage
+    connected = ev.get("tap_connected", [])
+    want_links = ["from PP ranks 0, 1", "to PP rank 2", "to PP rank 2"] if side else []
+    if connected != want_links:
+        problems.append(f"side channel connect lines {connected}, not {want_links}")
+    line = f"{name}: sent {ev['tap_sent']}, side channel {ev['tap_side']}, connected {connected}"
     RECORD.verdict(f"tap_partials[{name}]", not problems, "; ".join([line, *problems]))
     print(line)
     assert not problems, problems

@@ -37,7 +37,8 @@ last two positions), ``rank_silent`` (the last launcher of a deployment logged n
 ``nccl_stub_called`` (a launcher reached a stubbed NCCL symbol), ``pd_one_stage`` (only node 0 of a
 PP producer logged the exchange), ``pd_low`` (a PD decoder accepts less at its last two positions),
 ``nan_same`` (the NaN-norm PD control accepts like the good run), ``kv_recomputed`` (the PD decoder
-computed every prompt token itself). A fake PD run answers as its proxy and launchers would: every
+computed every prompt token itself), ``side_unconnected`` (the tap side channel's launchers log no
+start-up link). A fake PD run answers as its proxy and launchers would: every
 request through both sides, one log per producer launcher (vLLM's rank line of the ``-tp`` x
 ``-pp`` world its arguments name, the handshake and ``over nccl`` lines, the context-KV-only
 drafter's build line on the last stage's launchers; launcher 0 also vLLM's ``non-default args``
@@ -238,15 +239,22 @@ def pytest_configure(config):
         plugin's formats, protocol/tap_partials.py); ``taps_in_dict``: the side channel's
         stages still send the partial in the intermediate tensors."""
         row = "hidden_states 512 B, residual 512 B"
+        # TapSideChannel.connect's start-up lines (``side_unconnected``: none, as before it)
+        links = mode == "side" and MUTATION != "side_unconnected"
         if stage == pp - 1:
+            senders = ", ".join(str(s) for s in range(pp - 1))
             return (
                 "DSpark tap partials on, side channel (VLLM_DSPARK_PP_TAP_PARTIALS=side): ...\n"
+                + (f"DSpark tap partials: side channel connected (from PP ranks {senders})\n"
+                   if links else "")
                 if mode == "side"
                 else "DSpark tap partials on (VLLM_DSPARK_PP_TAP_PARTIALS=1): ...\n"
-            )
+            )  # fmt: skip
         if mode == "1" or MUTATION == "taps_in_dict":
             row = f"dspark_tap_partial 512 B, {row}"
         text = f"DSpark PP stage {stage} sends per token row: {row}\n"
+        if links:
+            text += f"DSpark tap partials: side channel connected (to PP rank {pp - 1})\n"
         if mode == "side":
             text += (
                 f"DSpark PP stage {stage} sends on the side channel per token row: "

@@ -71,6 +71,10 @@ RUNS: dict[str, tuple[list[str], dict[str, str]]] = {
         PP,
         {"DSPARK_GPU_PP_JOBS": TAP_JOBS, "DSPARK_FAKE_MUTATION": "taps_in_dict"},
     ),
+    "pp-taps-side_unconnected": (
+        PP,
+        {"DSPARK_GPU_PP_JOBS": TAP_JOBS, "DSPARK_FAKE_MUTATION": "side_unconnected"},
+    ),
     "pp-taps-taps_wrong_unseen": (
         PP,
         {"DSPARK_GPU_PP_JOBS": TAP_JOBS, "DSPARK_FAKE_MUTATION": "taps_wrong_unseen"},
@@ -291,6 +295,18 @@ def test_the_side_channel_check_fails_when_the_partial_stays_in_the_dict(fake_ru
     bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
     assert bad == ["tap_partials[pp3_taps_side]"], bad
     assert "dspark_tap_partial" in record["verdicts"][bad[0]]["detail"]
+
+
+@pytest.mark.parametrize("run", ["pp-taps-side_unconnected"])
+def test_the_side_channel_check_fails_without_the_start_up_links(fake_runs, run):
+    """The control: the side-channel job serves, but its launchers logged no start-up link
+    (TapSideChannel.connect not called, the state of commit 91ad093); only its key check fails."""
+    got = fake_runs(run)
+    record = _record(got, "pp.json")
+    assert got["rc"] != 0 and got.get("failed") == 1, got["last"]
+    bad = sorted(k for k, v in record["verdicts"].items() if not v["ok"])
+    assert bad == ["tap_partials[pp3_taps_side]"], bad
+    assert "side channel connect lines []" in record["verdicts"][bad[0]]["detail"]
 
 
 @pytest.mark.parametrize("run", ["pp-taps-taps_wrong_unseen"])
