@@ -274,7 +274,11 @@ def run_handshake(
         message = "vllm-dspark-pp start-up handshake failed: " + "; ".join(problems) + "."
         message += _fix_hint(shape)
         if any("admitted_lag=" in p for p in problems):
-            message += " Set VLLM_DSPARK_PP_ADAPTIVE_LAG to the same value on every node."
+            message += (
+                " Set VLLM_DSPARK_PP_ADAPTIVE_LAG to the same value on every node (unset, it "
+                "follows the scheduling: 2 with async scheduling, 1 without; pass the same "
+                "--async-scheduling / --no-async-scheduling to every launcher)."
+            )
         store.set(verdict_key, _encode({"ok": False, "message": message}))
         raise HandshakeError(message)
     store.set(verdict_key, _encode({"ok": True}))
