@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.dspark_bench_hooks import CONFIDENCES_ENV
+from vllm_dspark_pp.protocol.adaptive import SUMMARY_LINE
 
 SUFFIX = "_adaptive"
 CONFIDENCE_CHOICES = ("synthetic", "draft")
@@ -224,10 +225,6 @@ CONTROL = re.compile(r"control: (.+?) after ([\d.]+) s")
 OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (\S+::\S+)", re.M)
 SUMMARY = re.compile(r"^=+ (.*?) in ([\d.]+)s", re.M)
 TEST_CONST = re.compile(r"^(NUM_PROMPTS|MAX_TOKENS|CONTROL_FAIL_S) = ([\d.]+)", re.M)
-# vllm_dspark_pp/protocol/adaptive.py's summary line, one per stage process (the last one counts)
-WAITS = re.compile(
-    r"DSpark PP adaptive verification \(stage (\d+)\): .*?counts lag (\S+), (\S+) host waits"
-)
 
 
 def probe_totals(text: str, k: int | None) -> dict[str, dict]:
@@ -263,8 +260,8 @@ def host_waits(text: str) -> dict[str, dict]:
     """Per PP stage: the counts' lag and how often its host waited for counts, from the last
     adaptive-verification summary line that stage logged."""
     out = {}
-    for stage, lag, waits in WAITS.findall(text):
-        out[stage] = {"lag": lag, "host_waits": int(waits) if waits.isdigit() else waits}
+    for stage, lag, waits in SUMMARY_LINE.findall(text):
+        out[stage] = {"lag": lag, "host_waits": int(waits)}
     return out
 
 

@@ -48,6 +48,7 @@ from support import tiny_pair
 
 from dspark_dev import pp_launch, serve_demo
 from dspark_dev.serve import GPU_CHILD_ENV, Server, free_port
+from vllm_dspark_pp.protocol.adaptive import SUMMARY_LINE
 
 pytestmark = pytest.mark.gpu
 
@@ -71,7 +72,6 @@ DISAGREE = "stages disagree on the (adaptive verification) batch shape"
 PROBE = re.compile(r"ADAPTIVE_PROBE pid=(\d+) verify_steps=(\d+) verified_drafts=(\d+)")
 # unset: the plugin's default (2 with async scheduling, 1 without: protocol/adaptive_config.py)
 LAG = os.environ.get("VLLM_DSPARK_PP_ADAPTIVE_LAG", "").strip()
-WAITS = re.compile(r"DSpark PP adaptive verification \(stage (\d+)\).*counts lag (\d), (\d+) host")
 
 
 def _args(graphs: bool) -> list[str]:
@@ -228,7 +228,9 @@ def test_pp2_verifies_what_pp1_verifies(runs):
     steps, verified = stages[1][0]
     k = tiny_pair.num_speculative_tokens()
     text = "\n".join(pp2["node_logs"])
-    waits = {int(st): (lag, int(n)) for st, lag, n in WAITS.findall(text)}  # the last per stage
+    waits = {
+        int(st): (lag, int(n)) for st, lag, n in SUMMARY_LINE.findall(text)
+    }  # the last per stage
     lags = {lag for lag, _ in waits.values()}
     lag = next(iter(lags)) if len(lags) == 1 else "?"
     # this line's form is what benchmarks/adaptive_bench.py gpu-record reads (PARITY)

@@ -33,6 +33,7 @@ stage prices a verify position at the sum of the stages' costs (:func:`pipeline_
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -41,6 +42,12 @@ import numpy as np
 from vllm_dspark_pp.protocol.adaptive_config import (  # noqa: F401 - re-exported
     ships_admitted_counts,
     uncovered_reason,
+)
+
+#: What reads the stage's summary line below (the one-GPU test, benchmarks/adaptive_bench.py):
+#: PP stage, counts lag, host waits for counts.
+SUMMARY_LINE = re.compile(
+    r"DSpark PP adaptive verification \(stage (\d+)\): .*?counts lag (\d+), (\d+) host waits"
 )
 
 #: Every stage publishes its profiled verify-cost curve under this prefix (one key per stage).

@@ -63,7 +63,8 @@ def ships_admitted_counts(vllm_config: Any) -> bool:
 
 def resolve_adaptive_lag(vllm_config: Any) -> int:
     """Which shipped count a verify step applies (docs/protocol.md, "Where the hosts wait"):
-    ``VLLM_DSPARK_PP_ADAPTIVE_LAG`` where set, else 2 with async scheduling and 1 without.
+    ``VLLM_DSPARK_PP_ADAPTIVE_LAG`` where set, else 2 with async scheduling and 1 without (or
+    where there is no config).
 
     Without async scheduling vLLM schedules a request's next round only once its previous
     round's output came back, and the stage's GPU had waited for the drafts (and their counts)

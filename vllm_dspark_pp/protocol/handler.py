@@ -102,11 +102,7 @@ def admitted_lag_from_config() -> int:
 
     from vllm_dspark_pp.protocol.adaptive_config import resolve_adaptive_lag
 
-    cfg = get_current_vllm_config_or_none()
-    if cfg is None:
-        lag = envs.VLLM_DSPARK_PP_ADAPTIVE_LAG
-        return 1 if lag is None else int(lag)
-    return resolve_adaptive_lag(cfg)
+    return resolve_adaptive_lag(get_current_vllm_config_or_none())
 
 
 def admitted_counts_from_config() -> bool:
@@ -249,13 +245,12 @@ class DSparkExchange:
             record = self.admitted_rec[slot][lag]
             if record is None or self.admitted_gen[slot, lag] != self.req_idx_gen_np[slot]:
                 continue
-            if not record.ready():
-                self.admitted_waits += 1
-                t0 = time.perf_counter()
-                values = record.values()
+            landed = record.ready()
+            self.admitted_waits += not landed  # counted before the (bounded) poll may raise
+            t0 = time.perf_counter()
+            values = record.values()  # polls until the copy lands, if it has not
+            if not landed:
                 self.admitted_wait_s += time.perf_counter() - t0
-            else:
-                values = record.values()
             out[i] = values[self.admitted_row[slot, lag]]
         return out
 

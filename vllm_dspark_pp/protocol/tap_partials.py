@@ -304,50 +304,27 @@ class TapSideChannel:
         timeout."""
         if self.connected:
             return
-        probe = torch.ones(1, dtype=torch.int32, device=self.device)
-        works: list[tuple[Any, str]] = []
         if self.plan.side_sends:
-            works.append((torch.distributed.isend(probe, dst=self.dst, group=self.group), "send"))
+            probe = torch.ones(1, dtype=torch.int32, device=self.device)
+            work = torch.distributed.isend(probe, dst=self.dst, group=self.group)
+            self._wait(work, f"PP rank {self.dst} to take its first side-channel message", True)
+            link = f"to PP rank {self.dst}"
         elif self.plan.is_last:
             for src in self.sources:  # stage order: the senders' first contacts come in turn
                 buf = torch.zeros(1, dtype=torch.int32, device=self.device)
                 work = torch.distributed.irecv(buf, src=src, group=self.group)
-                works.append((work, f"recv {src}"))
-                self._wait_start(work, f"the side channel's first message of PP rank {src}")
+                self._wait(work, f"the side channel's first message of PP rank {src}", True)
                 if int(buf.item()) != 1:
                     raise TapPartialsError(
                         f"PP stage {_rank()}: the side channel's first message of PP rank {src} "
                         f"read {int(buf.item())}, not 1"
                     )
-        for work, what in works:
-            if what == "send":
-                self._wait_start(work, f"PP rank {self.dst} to take its first side-channel message")
+            link = "from PP ranks " + ", ".join(str(s) for s in self.sources)
+        else:
+            link = ""  # a stage without taps of its own: nothing on the side channel
         self.connected = True
-        if works:
-            _logger().info(
-                "DSpark tap partials: side channel connected (%s)",
-                f"to PP rank {self.dst}" if self.plan.side_sends
-                else "from PP ranks " + ", ".join(str(s) for s in self.sources),
-            )  # fmt: skip
-
-    def _wait_start(self, work: Any, what: str) -> None:
-        """Wait, on the host, at most the side channel's timeout, for a start-up transfer."""
-        timeout = self._timeout()
-        if not self.on_cuda:
-            self._wait(work, what)
-            return
-        work.wait()
-        done = torch.cuda.Event()
-        done.record()
-        deadline = time.monotonic() + timeout
-        while not done.query():
-            if time.monotonic() > deadline:
-                raise TapPartialsError(
-                    f"PP stage {_rank()} waited {timeout:g} s for {what} at start-up "
-                    "(VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S); set VLLM_DSPARK_PP_TAP_PARTIALS=1 on "
-                    "every node to send the partials in the intermediate tensors instead"
-                )
-            time.sleep(0.001)
+        if link:
+            _logger().info("DSpark tap partials: side channel connected (%s)", link)
 
     def _check_connected(self) -> None:
         if self.on_cuda and not self.connected:
@@ -375,14 +352,26 @@ class TapSideChannel:
 
         return envs.VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, host: bool = False) -> None:
+        """Wait for a transfer: on CUDA the current stream waits for it and, with ``host``
+        (start-up), the host too; on CPU (gloo) the host. A host waits at most the side
+        channel's timeout."""
         if self.on_cuda:
-            work.wait()  # the current stream waits for the transfer; the host does not
-            return
+            work.wait()  # the current stream waits for the transfer
+            if not host:
+                return
         timeout = self._timeout()
         t0 = time.perf_counter()
         try:
-            work.wait(timeout=timedelta(seconds=timeout))
+            if self.on_cuda:
+                done = torch.cuda.Event()
+                done.record()
+                while not done.query():
+                    if time.perf_counter() - t0 > timeout:
+                        raise RuntimeError("not done")
+                    time.sleep(0.001)
+            else:
+                work.wait(timeout=timedelta(seconds=timeout))
         except RuntimeError as e:
             raise TapPartialsError(
                 f"PP stage {_rank()} waited {timeout:g} s for {what} on the DSpark tap side "
@@ -796,10 +785,11 @@ def configure_stage(handler: Any, model: Any, vllm_config: Any) -> TapPlan | Non
             block=handler._dspark_tap_block,
             main_stream=getattr(handler, "main_stream", None),
         )
+        # the start-up lines first, so that a link that never comes shows where start-up stopped
+        _log_side(plan, why, row, _critical_keys(model, plan, dtype, _device(handler, model)))
         side.connect()  # before any step: see TapSideChannel.connect
         handler._dspark_tap_side = side
         object.__setattr__(inner, SIDE_ATTR, side)
-        _log_side(plan, why, row, _critical_keys(model, plan, dtype, _device(handler, model)))
         return plan
     if plan.is_last:
         _logger().info(
