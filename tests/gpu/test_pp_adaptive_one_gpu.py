@@ -62,9 +62,9 @@ MEM_SHARE = "0.05"  # only for vLLM's start-up check: the KV budget is fixed
 # verify cost 1 + SLOPE x tokens against draft cost 1 (vLLM's get_num_tokens keeps the drafts
 # that maximise 1 + their survival probabilities' sum per 2 + SLOPE x (1 + drafts)): at 3.0 the
 # budget bound once in 35 verify steps at PP=1 and never at PP=2 (H200, 2026-12-06). The trained
-# pair's confidence head, read on CPU (float32, the same 7 prompts, 36 drafting steps; a one-off
-# reading, 2026-12-06): median 0.9999, 5th percentile 0.991, so that budget trims about 6 % of
-# the steps at slope 3 and 17 % at 20, never to zero drafts.
+# pair's confidence head read on CPU by hand (`python -m benchmarks.tiny_pair_confidences`,
+# 2026-12-06: float32, the same 7 questions, 36 drafting steps): median 0.9999, 5th percentile
+# 0.991; that budget trims 6 % of the steps at slope 3 and 19 % at 20, never to zero drafts.
 SLOPE = os.environ.get("DSPARK_TEST_VERIFY_COST_SLOPE", "20.0")
 PROBE_DIR = Path(__file__).resolve().parents[1] / "support" / "adaptive_probe"
 LOG_DIR = Path(os.environ.get("DSPARK_GPU_PP_LOGS") or tempfile.mkdtemp(prefix="dspark-adapt-"))

@@ -469,3 +469,26 @@ def test_the_adaptive_pp_page_is_generated_from_its_records(tmp_path):
     with pytest.raises(page.RecordError, match="no commit"):
         page.load([bad])
     assert page.main(["--check"]) == 0
+
+
+def test_the_confidence_reading_applies_vllms_budget_rule():
+    """benchmarks/tiny_pair_confidences.py (a hand-run reading): vLLM's get_num_tokens rule for
+    one request, against values worked out by hand, and the summary's shares."""
+    import numpy as np
+
+    from benchmarks import tiny_pair_confidences as tc
+
+    def geometric(q):
+        return np.cumprod(np.full(7, q))
+
+    # (1 + sum of the kept survival probabilities) / (2 + slope x (1 + kept)), maximised
+    assert tc.budget(np.ones(7), 3) == 7
+    assert tc.budget(geometric(0.97), 3) == 5 and tc.budget(geometric(0.93), 10) == 1
+    assert tc.budget(geometric(0.93), 30) == 0
+    conf = np.vstack([np.ones(7), np.full(7, 0.93)])
+    lines = tc.summary(conf, [3.0, 30.0])
+    assert lines[0].startswith("2 drafting steps, k = 7")
+    assert (
+        lines[2] == "slope 3: mean drafts kept 5.00 of 7, steps trimmed 50%, steps cut to zero 0%"
+    )
+    assert lines[3].endswith("steps trimmed 50%, steps cut to zero 50%")
