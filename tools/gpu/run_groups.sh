@@ -69,7 +69,8 @@
 # (default 0): seconds between group starts, so the first group's engines compile ahead of the
 # others' (the call then lasts up to BUDGET + (groups - 1) x STAGGER); DSPARK_GPU_LOST_STAGE_READY_S
 # (default BUDGET - 200): the lost_stage groups' start-up deadline; DSPARK_GPU_ADAPTIVE_READY_S
-# (default BUDGET - 200): pp_adaptive's; DSPARK_GPU_TP_PP_READY_S (default BUDGET - 170) and
+# (default BUDGET - 200): pp_adaptive's; DSPARK_GPU_TAP_PARTIALS_READY_S (default BUDGET - 200):
+# tap_partials'; DSPARK_GPU_TP_PP_READY_S (default BUDGET - 170) and
 # DSPARK_GPU_TP_PP_STOCK_READY_S (default BUDGET - 150): tp_pp's start-up deadlines (plugin, stock);
 # DSPARK_GPU_PD_TP_PP_JOBS and DSPARK_GPU_PD_TP_PP_READY_S (default BUDGET - 120): pd_tp_pp's;
 # DSPARK_GPU_DSV41_PP_READY_S (default BUDGET - 200): dsv41_pp's (plugin and stock);
@@ -188,7 +189,8 @@ for g in "$@"; do
     mkdir -p "$ART/tap_partials" "$OUTDIR/tap_partials"
     DSPARK_GPU_PP_JOBS=${DSPARK_GPU_TAP_PARTIALS_JOBS:-ref,pp1_async,pp3_async,pp3_taps_dict,pp3_taps_side,pp3_taps_wrong} \
       DSPARK_GPU_PP_LOGS="$ART/tap_partials" DSPARK_GPU_PP_OUT="$OUTDIR/tap_partials" \
-      DSPARK_GPU_PP_READY_S=$((BUDGET - 200)) DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
+      DSPARK_GPU_PP_READY_S=${DSPARK_GPU_TAP_PARTIALS_READY_S:-$((BUDGET - 200))} \
+      DSPARK_GPU_PP_STOCK_READY_S=$((BUDGET - 120)) \
       run_group "$g" tests/gpu/test_pp_one_gpu.py --timeout=$((BUDGET - 20)) &
     ;;
   tp_pp)

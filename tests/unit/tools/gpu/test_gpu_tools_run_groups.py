@@ -246,6 +246,26 @@ def test_tap_partials_group_runs_the_pp_module_with_its_opt_in_jobs(tmp_path, mo
     assert (tmp_path / "out" / "rc.txt").read_text().splitlines() == ["tap_partials rc=0"]
 
 
+@pytest.mark.parametrize("override", [None, "250"])
+def test_tap_partials_start_up_deadline_follows_the_budget_unless_set(
+    tmp_path, monkeypatch, override
+):
+    """A short lease runs the group under a smaller budget; its start-up deadline is BUDGET - 200
+    unless DSPARK_GPU_TAP_PARTIALS_READY_S names it (the side-channel job took 136 s to be ready
+    on an H200, more than a 300 s budget's 100 s)."""
+    if override is None:
+        monkeypatch.delenv("DSPARK_GPU_TAP_PARTIALS_READY_S", raising=False)
+    else:
+        monkeypatch.setenv("DSPARK_GPU_TAP_PARTIALS_READY_S", override)
+    proc, calls = _fake_run(
+        tmp_path, "tap_partials", budget=320, env_keys=("DSPARK_GPU_PP_READY_S",)
+    )
+    runs = [c for c in calls if "tests/gpu/test_pp_one_gpu.py" in c]
+    assert len(runs) == 1, (proc.stderr, calls)
+    env = dict(x[4:].split("=", 1) for x in runs[0] if x.startswith("ENV:"))
+    assert env["DSPARK_GPU_PP_READY_S"] == (override or "120")
+
+
 def _serial_run(tmp_path, serial_s: int | None, min_s: int = 10, sleep_s: int = 2):
     """pd_pp_dsv4 then pd_pp_dsv41, with DSPARK_GPU_GROUPS_SERIAL_S (``None``: unset): a python3
     recorder that takes ``sleep_s`` seconds a pytest call and logs its start and end times with
