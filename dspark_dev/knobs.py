@@ -114,8 +114,8 @@ DSPARK_GPU_PP_READY_S | 330; 900 (CPU dry run) / 200 (load test) | PP GPU tests:
 DSPARK_GPU_PP_STOCK_READY_S | 420 | PP GPU tests: seconds stock vLLM's launchers may take to be
     ready.
 DSPARK_GPU_ADAPTIVE_READY_S | BUDGET - 200 | run_groups.sh pp_adaptive: its DSPARK_GPU_PP_READY_S.
-DSPARK_GPU_TAP_PARTIALS_READY_S | BUDGET - 200 | run_groups.sh tap_partials: its DSPARK_GPU_PP_READY_S
-    (a short lease's smaller budget need not shorten the start-up deadline alike).
+DSPARK_GPU_TAP_PARTIALS_READY_S | BUDGET - 200 | run_groups.sh tap_partials: its
+    DSPARK_GPU_PP_READY_S (a short lease's smaller budget need not shorten it alike).
 DSPARK_GPU_LOST_STAGE_READY_S | BUDGET - 200 | run_groups.sh lost_stage groups: their
     DSPARK_GPU_PP_READY_S.
 DSPARK_GPU_LOAD_READY_S | BUDGET * 6 / 10 | run_groups.sh load: its DSPARK_GPU_PP_READY_S.
