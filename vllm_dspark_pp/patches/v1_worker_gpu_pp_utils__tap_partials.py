@@ -14,7 +14,8 @@ With ``VLLM_DSPARK_PP_TAP_PARTIALS=side`` ``configure_stage`` first makes the si
 process group on every rank (a sibling of the PP group) and links every sender to the last
 stage there before any step (``TapSideChannel.connect``: NCCL makes a pair's communicator at
 its first contact and blocks both ends, which inside a step waited on itself; H200,
-2026-12-06), a stage after the first receives only
+2026-12-06; on CUDA the links are made on a helper thread and start-up fails naming the peer
+after the PP handshake's timeout), a stage after the first receives only
 the target's own tensors, and the relay drops the taps from what it returns, keeping a stage's
 own taps for the side channel's send (``v1_worker_gpu_model_runner__tap_partials``); each rank
 logs the keys it receives on the critical path and what goes on the side channel, with bytes per

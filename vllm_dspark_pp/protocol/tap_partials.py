@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -301,9 +302,52 @@ class TapSideChannel:
         already waiting for it, or comes to it after the senders before it, so nothing waits on
         itself; a peer that died meanwhile ends the run through the peer watch (which runs from
         the handshake on), and the transfer itself is waited for at most the side channel's
-        timeout."""
+        timeout.
+
+        On CUDA the pair's communicator is made inside ``isend``/``irecv``, which block the
+        host with no timeout; so the links are made on a helper thread and this one waits for
+        it at most as long as the PP handshake waits (every stage comes to both with its own
+        load-time skew), then fails naming the peers (a peer that is alive but never comes would
+        otherwise hold start-up forever)."""
         if self.connected:
             return
+        if not self.on_cuda:
+            self._connect()  # gloo: the group's pairs exist already; the waits are bounded
+            return
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        box: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                torch.cuda.set_device(index)  # per thread: the launcher's device
+                self._connect()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = e
+
+        helper = threading.Thread(target=run, name="dspark-tap-side-connect", daemon=True)
+        helper.start()
+        timeout = self._connect_timeout()
+        helper.join(timeout)
+        if helper.is_alive():
+            peers = (
+                f"PP rank {self.dst}"
+                if self.plan.side_sends
+                else "PP ranks " + ", ".join(str(s) for s in self.sources)
+            )
+            raise TapPartialsError(
+                f"PP stage {_rank()}: the DSpark tap side channel's start-up link with {peers} "
+                f"did not come within {timeout:g} s (the pair's NCCL communicator is made at its "
+                "first message and both ends must join; a peer that stopped or never loaded its "
+                "model leaves it waiting). Check the other launchers' logs; raise "
+                "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S for a slow start, or set "
+                "VLLM_DSPARK_PP_TAP_PARTIALS=1 on every node to send the partials in the "
+                "intermediate tensors instead"
+            )
+        if "error" in box:
+            raise box["error"]
+
+    def _connect(self) -> None:
+        """:meth:`connect`'s messages, on the calling thread."""
         if self.plan.side_sends:
             probe = torch.ones(1, dtype=torch.int32, device=self.device)
             work = torch.distributed.isend(probe, dst=self.dst, group=self.group)
@@ -351,6 +395,15 @@ class TapSideChannel:
         from vllm_dspark_pp import envs
 
         return envs.VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S
+
+    def _connect_timeout(self) -> float:
+        """:meth:`connect`'s bound: the PP handshake's (a start-up meeting of every stage too),
+        at least the side channel's."""
+        if self.timeout_s is not None:
+            return float(self.timeout_s)
+        from vllm_dspark_pp import envs
+
+        return max(envs.VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S, envs.VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S)
 
     def _wait(self, work: Any, what: str, host: bool = False) -> None:
         """Wait for a transfer: on CUDA the current stream waits for it and, with ``host``

@@ -15,6 +15,8 @@ patch's dummy-run rule and the start-up lines.
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 
 import pytest
@@ -213,6 +215,69 @@ def test_connect_makes_every_sender_to_last_link_at_start_up_in_stage_order(
     assert side.connected
     side.connect()  # once only
     assert log == (want if stage == 2 or count else [])
+
+
+def _cuda_side(monkeypatch, stage, timeout_s):
+    """A side channel that takes the CUDA path of connect() on this CPU machine (the helper
+    thread; its device and the host wait's event stand in)."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tp.TapSideChannel, "_wait", lambda self, work, what, host=False: None)
+    plan = _plan(
+        base=stage, count=1, is_first=stage == 0, is_last=stage == 2, upstream=(1, 2),
+        senders=(0, 1),
+    )  # fmt: skip
+    side = tp.TapSideChannel(plan, None, (10, 11, 12), "cpu", torch.float32, timeout_s=timeout_s)
+    side.on_cuda = True  # its tensors stay on the CPU
+    return side
+
+
+@pytest.mark.parametrize(("stage", "peers"), [(0, "PP rank 12"), (2, "PP ranks 10, 11")])
+def test_connect_on_cuda_fails_naming_the_peer_when_its_link_never_comes(
+    monkeypatch, stage, peers
+):
+    """On CUDA the first send or receive of a pair makes its NCCL communicator and blocks the
+    host until the peer joins, with no timeout of torch's: a peer that never comes must end
+    start-up with an error naming it, not hold it forever."""
+    never = threading.Event()
+
+    def blocked(*args, **kwargs):  # a pair whose other end never joins
+        never.wait(30)
+        raise AssertionError("unblocked")
+
+    monkeypatch.setattr(torch.distributed, "isend", blocked)
+    monkeypatch.setattr(torch.distributed, "irecv", blocked)
+    side = _cuda_side(monkeypatch, stage, timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(tp.TapPartialsError, match=f"start-up link with {peers} did not come"):
+        side.connect()
+    assert time.monotonic() - t0 < 5 and not side.connected
+    never.set()
+
+
+def test_connect_on_cuda_makes_the_links_on_a_helper_thread_and_passes_errors_on(monkeypatch):
+    log = _recording_p2p(monkeypatch)
+    threads = []
+    real_isend = torch.distributed.isend
+
+    def isend(t, dst, group=None):
+        threads.append(threading.current_thread().name)
+        return real_isend(t, dst, group)
+
+    monkeypatch.setattr(torch.distributed, "isend", isend)
+    side = _cuda_side(monkeypatch, 0, timeout_s=5.0)
+    side.connect()
+    assert side.connected and log == [("isend", 12)]
+    assert threads == ["dspark-tap-side-connect"]
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("NCCL error: remote process exited")
+
+    monkeypatch.setattr(torch.distributed, "irecv", failing)
+    last = _cuda_side(monkeypatch, 2, timeout_s=5.0)
+    with pytest.raises(RuntimeError, match="remote process exited"):
+        last.connect()
+    assert not last.connected
 
 
 def test_a_side_channel_used_before_connect_on_cuda_fails_instead_of_waiting(monkeypatch):
