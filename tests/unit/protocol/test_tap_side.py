@@ -233,9 +233,7 @@ def _cuda_side(monkeypatch, stage, timeout_s):
 
 
 @pytest.mark.parametrize(("stage", "peers"), [(0, "PP rank 12"), (2, "PP ranks 10, 11")])
-def test_connect_on_cuda_fails_naming_the_peer_when_its_link_never_comes(
-    monkeypatch, stage, peers
-):
+def test_connect_on_cuda_fails_naming_the_peer_when_its_link_never_comes(monkeypatch, stage, peers):
     """On CUDA the first send or receive of a pair makes its NCCL communicator and blocks the
     host until the peer joins, with no timeout of torch's: a peer that never comes must end
     start-up with an error naming it, not hold it forever."""
