@@ -135,7 +135,9 @@ def parse_adaptive_lag(raw: str | None) -> int | None:
 environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds the last PP rank waits at start-up for every other rank's handshake record before
     # it fails naming the silent ranks (the others wait that long plus a grace period for its
-    # verdict). Empty: the default. (protocol/handshake.py)
+    # verdict). Also bounds the tap side channel's start-up links on CUDA (at least
+    # VLLM_DSPARK_PP_TAP_SIDE_TIMEOUT_S). Empty: the default. (protocol/handshake.py,
+    # protocol/tap_partials.py)
     "VLLM_DSPARK_PP_HANDSHAKE_TIMEOUT_S": _handshake_timeout_s,
     # Seconds of silence after which a PP rank's peer watch declares another rank lost and the
     # worker exits (status 70) instead of waiting for vLLM's execute timeout; heartbeats go every
