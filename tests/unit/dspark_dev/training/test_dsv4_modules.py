@@ -76,6 +76,11 @@ def _cpu_kernels():
         from vllm.model_executor.kernels.mhc import cpu
     except Exception as e:  # noqa: BLE001 - no CPU kernel library in this install
         pytest.skip(f"vLLM's CPU mHC kernels are not importable: {e}")
+    # vLLM 0.34.0 loads one CPU kernel library by the CPU's instruction set; only its default
+    # _C.abi3.so has the mHC ops, the _C_AVX2 / _C_AVX512 ones do not (an AVX2-only AMD EPYC,
+    # 2026-12-07, got _C_AVX2)
+    if not all(hasattr(torch.ops._C, op) for op in ("hc_pre_fused_cpu", "hc_head_fused_cpu")):
+        pytest.skip("vLLM's CPU kernel library loaded for this CPU has no mHC ops")
     return cpu
 
 
