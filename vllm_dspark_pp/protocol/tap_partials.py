@@ -311,8 +311,10 @@ class TapSideChannel:
         otherwise hold start-up forever)."""
         if self.connected:
             return
-        if not self.on_cuda:
-            self._connect()  # gloo: the group's pairs exist already; the waits are bounded
+        if not self.on_cuda or not (self.plan.side_sends or self.plan.is_last):
+            # gloo: the group's pairs exist already, the waits are bounded; a stage without
+            # taps of its own has no link to make
+            self._connect()
             return
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         box: dict[str, BaseException] = {}
