@@ -713,12 +713,15 @@ def shape_base_args(
 
 
 def spec_config(draft: str, k: int, acceptance_length: float, adaptive: bool = False) -> dict:
+    """The server's speculative config. Its synthetic length is only the start value (every
+    point sets its own through ``set_acceptance_length``); vLLM refuses one above ``1 + k``, so
+    a k sweep's short drafters start at their longest."""
     spec = {
         "method": "dspark",
         "model": draft,
         "num_speculative_tokens": k,
         "rejection_sample_method": "synthetic",
-        "synthetic_acceptance_length": acceptance_length,
+        "synthetic_acceptance_length": min(float(acceptance_length), 1.0 + k),
     }
     return {**spec, "enable_adaptive_verification": True} if adaptive else spec
 

@@ -1072,6 +1072,29 @@ def test_a_workload_longer_than_the_models_positions_is_refused_before_any_serve
     assert "--max-model-len 1024 " in out
 
 
+def test_every_k_sweep_server_starts_with_a_synthetic_length_vllm_accepts(capsys):
+    """2026-12-07 on the GPU: ``--configs ksweep_pp2 --acceptance-lengths 3.99`` started
+    ``pp2_dspark_k1`` and ``k2`` with ``synthetic_acceptance_length`` 3.99, which vLLM refuses
+    above ``1 + k`` (``must be in [1, 3]``): both never became ready. The start value now stops at
+    ``1 + k`` (every point sets its own length through the hook). Checked here with vLLM's own
+    resolver on every launcher's ``--speculative-config``."""
+    from vllm.config import SpeculativeConfig
+
+    tiny = str(serve.REPO / "models" / "tiny-pair")
+    out = _dry(capsys, "--configs", "ksweep_pp2,ksweep_pp1", "--model-dir", tiny, "--workload",
+               "decode", "--output-len", "768", "--acceptance-lengths", "3.99")  # fmt: skip
+    specs = [
+        json.loads(line.split("--speculative-config ", 1)[1].split("} ", 1)[0] + "}")
+        for line in out.splitlines()
+        if "--speculative-config " in line
+    ]
+    assert len(specs) == 2 * 8 + 8  # PP=2: two launchers per server, eight servers per sweep
+    for spec in specs:
+        k, length = spec["num_speculative_tokens"], spec["synthetic_acceptance_length"]
+        SpeculativeConfig._resolve_synthetic_acceptance_rates(k, None, length)  # raises if not
+        assert length == min(3.99, 1.0 + k)
+
+
 def test_cache_root_keeps_each_launchers_cache_and_the_shape_at_fixed_paths(capsys, tmp_path):
     """``--cache-root``: the shape folder (its path is part of vLLM's compile-cache key) and one
     cache folder per configuration and launcher under the root, so that the next call's servers
