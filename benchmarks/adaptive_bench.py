@@ -346,8 +346,14 @@ def gpu_record_markdown(rec: dict) -> list[str]:
             )
     if par := rec["parity"]:
         m = par["metrics"]
+        lag = str((rec.get("meta") or {}).get("lag", "0")).split(" ", 1)[0]
+        how = (
+            "PP=2 == PP=1 asserted key by key"
+            if lag in ("", "0")
+            else f"PP=2's; compared with PP=1 only at lag 0, this run's lag is {lag}"
+        )
         lines.append(
-            f"* Counters (`/metrics`, PP=2 == PP=1 asserted key by key): num_drafts "
+            f"* Counters (`/metrics`, {how}): num_drafts "
             f"{m['num_drafts']}, num_draft_tokens {m['num_draft_tokens']}, num_accepted_tokens "
             f"{m['num_accepted_tokens']}, accepted per position {m['accepted_per_pos']}"
         )

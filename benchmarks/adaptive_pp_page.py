@@ -46,10 +46,15 @@ STATUS = [
     "one round earlier (lag 1) under vLLM's async scheduling, and stage 0's host still waited "
     "(its summary line below): vLLM may send a request's next round before the previous one came "
     "back. Since then the default is lag 2 under async scheduling, 1 without "
-    '(docs/protocol.md, "Where the hosts wait"): **not yet run on a GPU**, nor the steeper '
-    "verify cost the test now pins so that its budget binds.",
-    '* Served speed against fixed k: docs/results/performance.md ("Adaptive verification at real '
-    'shapes"; measured with older code).',
+    '(docs/protocol.md, "Where the hosts wait"); on an H100 on 2026-12-07 both stages ran at lag '
+    "2 with **0 host waits**, lossless, the control failing at once. That run's budget still "
+    "never bound at PP=2 (the trained pair's draft is too confident for the slope alone), so the "
+    "test now adds a cost cliff that makes it bind at every verify step: **not yet run on a "
+    "GPU**.",
+    "* Served speed against the best fixed k (issue 44 goal (g)): docs/results/performance.md; "
+    "2026-12-07, H100, trained tiny pair, geometric acceptance: adaptive 0.773 of k = 7 at PP=2 "
+    'and 0.869 at PP=1, missed (docs/performance-bound.md, "Adaptive verification against the '
+    'best fixed k").',
 ]
 
 

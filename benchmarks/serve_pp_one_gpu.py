@@ -91,6 +91,10 @@ Configurations (``--configs``: group names or configuration names, comma-separat
   (``VLLM_DSPARK_PP_ADAPTIVE_LAG=0`` on its launchers only: the counts decided in the round they
   are applied, as before 2026-12-05) + pp2_dspark_adaptive (the default lag: 2 under async
   scheduling, 1 without).
+* ``pp1_dspark_adaptive_stock``: ``pp1_dspark_adaptive`` with the plugin left out (vLLM's own
+  adaptive path; the benchmark hook stays). Group ``adaptive_stock`` = pp1_dspark_k7 +
+  pp1_dspark_adaptive + pp1_dspark_adaptive_stock: whether adaptive's cost against k = 7 at PP=1
+  (issue 44 goal (g)) is vLLM's own.
 * ``pp1_dspark_k1`` .. ``pp1_dspark_k7`` / ``pp2_dspark_k1`` .. ``pp2_dspark_k7``: DSpark with
   that many draft tokens (the others draft ``-k``). Groups ``ksweep_pp1`` / ``ksweep_pp2``: the
   seven fixed k and the adaptive deployment of that PP size (issue 44 item 5: adaptive against
@@ -267,6 +271,7 @@ CONFIGS = {
         Config("pp2_dspark_stock", 2, True, plugin=False),
         Config("pp1_dspark_adaptive", 1, True, adaptive=True),
         Config("pp2_dspark_adaptive", 2, True, adaptive=True),
+        Config("pp1_dspark_adaptive_stock", 1, True, plugin=False, adaptive=True),
         # the counts of the verify step decided in the same round (lag 0, before 2026-12-05)
         Config(
             "pp2_dspark_adaptive_lag0",
@@ -305,6 +310,8 @@ GROUPS = {
     # adaptive with the counts decided early (the default lag: 2 under async scheduling) and in the
     # same round
     "adaptive_lag": ("pp2_dspark", "pp2_dspark_adaptive_lag0", "pp2_dspark_adaptive"),
+    # goal (g)'s PP=1 cost: k = 7 and adaptive with the plugin, adaptive without it (vLLM's own)
+    "adaptive_stock": ("pp1_dspark_k7", "pp1_dspark_adaptive", "pp1_dspark_adaptive_stock"),
     # adaptive verification against every fixed k (1..7) in one interleaved call; its summary
     # names the best fixed k of each point (best_fixed_summary)
     "ksweep_pp1": (*(f"pp1_dspark_k{j}" for j in SWEEP_KS), "pp1_dspark_adaptive"),

@@ -222,6 +222,8 @@ DSPARK_CHILD_DEVICE | cuda | Context-KV MLA GPU child: `cpu` dry-runs its own lo
 # probes loaded into engines
 DSPARK_TEST_VERIFY_COST_SLOPE | 20.0 (test); unset (probe: off) | Adaptive probe: pins vLLM's
     adaptive-verification cost tables to this slope.
+DSPARK_TEST_VERIFY_COST_CAP | 4 (test); unset (probe: no cap) | Adaptive probe: a verify step of
+    more than this many tokens costs 1000x, so a lone request's budget binds at every verify step.
 DSPARK_TEST_CORRUPT_STAGE0 | unset | `1`: the adaptive probe's control: the first PP stage reads
     wrong admitted counts.
 DSPARK_TEST_TAP_WRONG_BLOCK | unset | `1`: the tap probe's control: every PP stage before the last

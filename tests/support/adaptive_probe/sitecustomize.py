@@ -5,7 +5,9 @@ start-up); then the next ``sitecustomize`` on the path runs too (a GPU kit may h
 * ``DSPARK_TEST_VERIFY_COST_SLOPE=S``: vLLM's adaptive-verification cost tables are pinned to
   draft cost 1 per step and verify cost ``1 + S * tokens`` (profiled timings vary from run to
   run and between PP=1 and PP=2; pinned tables make the admitted counts comparable, and a steep
-  slope makes the budget bind).
+  slope makes the budget bind). ``DSPARK_TEST_VERIFY_COST_CAP=T``: a verify step of more than ``T``
+  tokens costs a thousand times as much (probe_tables.py), so a lone request verifies at most
+  ``T - 1`` drafts and the budget binds at every verify step.
 * Every call of vLLM's ``AdaptiveVerificationManager.reallocate_drafts`` (each verify step, on
   every PP stage) prints ``ADAPTIVE_PROBE pid=.. verify_steps=.. verified_drafts=..`` (running
   totals of the drafts the step verifies) to stderr.
@@ -24,15 +26,15 @@ def _install() -> None:
     from vllm_dspark_pp.patches import when_imported
 
     slope = os.environ.get("DSPARK_TEST_VERIFY_COST_SLOPE")
+    cap = os.environ.get("DSPARK_TEST_VERIFY_COST_CAP")
 
     def patch_adaptive(module) -> None:
-        import numpy as np
-
         if slope:
+            from probe_tables import pinned_tables as tables  # this directory, on PYTHONPATH
 
             def pinned_tables(draft_curve, verify_curve, max_num_reqs, max_batch_tokens, *a, **k):
-                tokens = np.arange(max_batch_tokens + 1, dtype=np.float64)
-                return np.ones(max_num_reqs + 1), 1.0 + float(slope) * tokens
+                return tables(float(slope), int(cap) if cap else None, max_num_reqs,
+                              max_batch_tokens)  # fmt: skip
 
             module.build_cost_tables_from_curves = pinned_tables
         cls = module.AdaptiveVerificationManager

@@ -619,6 +619,31 @@ def test_dry_run_stock_dspark_leaves_the_plugin_out_of_the_stock_launchers_only(
         assert "--speculative-config" in node["argv"] and "--async-scheduling" in node["argv"]
 
 
+def test_dry_run_adaptive_stock_serves_vllms_own_adaptive_path_beside_the_plugins(capsys):
+    """Group ``adaptive_stock`` (goal (g)'s PP=1 cost): k = 7, adaptive with the plugin and
+    adaptive without it, each one launcher; only the stock one leaves the plugin out, both
+    adaptive ones ask vLLM for adaptive verification."""
+    assert [c.name for c in serve.select_configs("adaptive_stock")] == [
+        "pp1_dspark_k7", "pp1_dspark_adaptive", "pp1_dspark_adaptive_stock",
+    ]  # fmt: skip
+    out = _dry(capsys, "--configs", "adaptive_stock", "--interleave", "--repeats", "3",
+               "--concurrency", "32", "--acceptance-lengths", "3.99")  # fmt: skip
+    specs = {
+        line.split(":", 1)[0].strip(): json.loads(
+            line.split("--speculative-config ", 1)[1].split("} ", 1)[0] + "}"
+        )
+        for line in out.splitlines()
+        if "--speculative-config " in line
+    }
+    nodes = _launchers(out)
+    assert set(nodes) == set(specs) and len(nodes) == 3, sorted(nodes)
+    for name, node in nodes.items():
+        plugins = node["env"]["VLLM_PLUGINS"].split(",")
+        assert (serve.PLUGIN in plugins) is (name != "pp1_dspark_adaptive_stock"), name
+        assert specs[name].get("enable_adaptive_verification", False) is ("adaptive" in name)
+        assert specs[name]["num_speculative_tokens"] == 7
+
+
 def test_the_protocol_knob_reaches_pd_dspark_and_nixl_records_ucx(capsys, monkeypatch):
     monkeypatch.setenv("DSPARK_PD_MOONCAKE_PROTOCOL", "nvlink_intra")
     out = _dry(capsys, "--configs", "pd", "--concurrency", "4")
