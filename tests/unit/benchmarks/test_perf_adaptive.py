@@ -471,6 +471,22 @@ def test_the_adaptive_pp_page_is_generated_from_its_records(tmp_path):
     assert page.main(["--check"]) == 0
 
 
+def test_the_counters_line_says_equality_was_asserted_only_at_lag_0():
+    """The test asserts PP=2's counters equal PP=1's only at lag 0; the 2026-12-07 record (lag 2)
+    once read "PP=2 == PP=1 asserted key by key"."""
+    import copy
+
+    from benchmarks import adaptive_pp_page as page
+
+    rec = next(r for n, r in page.load() if n == "adaptive_pp_gpu_2026-12-07_lag2.json")
+    text = "\n".join(adaptive.gpu_record_markdown(rec))
+    assert "compared with PP=1 only at lag 0, this run's lag is 2" in text
+    assert "asserted key by key" not in text
+    lag0 = copy.deepcopy(rec)
+    lag0["meta"]["lag"] = "0"
+    assert "PP=2 == PP=1 asserted key by key" in "\n".join(adaptive.gpu_record_markdown(lag0))
+
+
 def test_the_confidence_reading_applies_vllms_budget_rule():
     """benchmarks/tiny_pair_confidences.py (a hand-run reading): vLLM's get_num_tokens rule for
     one request, against values worked out by hand, and the summary's shares."""
