@@ -3,6 +3,7 @@ projection's CPU tests (one record = one ``LLM.generate`` of C prompts)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 
@@ -87,8 +88,9 @@ def serve_run(points, *, skipped=(), servers=None, concurrency=(1, 4), als=(3.99
 
 
 def dry_run_launchers(out: str) -> dict[str, dict]:
-    """{launcher name: {"env": {...}, "argv": [...]}} from the lines of
-    benchmarks/serve_pp_one_gpu.py's ``--dry-run``."""
+    """{launcher name: {"env": {...}, "argv": [...], "spec": {...}}} from the lines of
+    benchmarks/serve_pp_one_gpu.py's ``--dry-run`` (``spec``: the ``--speculative-config`` JSON,
+    which the dry run prints unquoted, so ``argv`` holds it split; absent without one)."""
     found: dict[str, dict] = {}
     for line in out.splitlines():
         m = re.match(r"  (.+?): env (.*)$", line)
@@ -99,5 +101,9 @@ def dry_run_launchers(out: str) -> dict[str, dict]:
             continue
         m = re.match(r"  (.+?): (/\S+ .*)$", line)
         if m:
-            found.setdefault(m.group(1), {})["argv"] = shlex.split(m.group(2).replace('"', '\\"'))
+            node = found.setdefault(m.group(1), {})
+            node["argv"] = shlex.split(m.group(2).replace('"', '\\"'))
+            if "--speculative-config " in line:
+                raw = line.split("--speculative-config ", 1)[1]
+                node["spec"] = json.JSONDecoder().raw_decode(raw)[0]
     return found

@@ -628,20 +628,13 @@ def test_dry_run_adaptive_stock_serves_vllms_own_adaptive_path_beside_the_plugin
     ]  # fmt: skip
     out = _dry(capsys, "--configs", "adaptive_stock", "--interleave", "--repeats", "3",
                "--concurrency", "32", "--acceptance-lengths", "3.99")  # fmt: skip
-    specs = {
-        line.split(":", 1)[0].strip(): json.loads(
-            line.split("--speculative-config ", 1)[1].split("} ", 1)[0] + "}"
-        )
-        for line in out.splitlines()
-        if "--speculative-config " in line
-    }
     nodes = _launchers(out)
-    assert set(nodes) == set(specs) and len(nodes) == 3, sorted(nodes)
+    assert len(nodes) == 3, sorted(nodes)
     for name, node in nodes.items():
         plugins = node["env"]["VLLM_PLUGINS"].split(",")
         assert (serve.PLUGIN in plugins) is (name != "pp1_dspark_adaptive_stock"), name
-        assert specs[name].get("enable_adaptive_verification", False) is ("adaptive" in name)
-        assert specs[name]["num_speculative_tokens"] == 7
+        assert node["spec"].get("enable_adaptive_verification", False) is ("adaptive" in name)
+        assert node["spec"]["num_speculative_tokens"] == 7
 
 
 def test_the_protocol_knob_reaches_pd_dspark_and_nixl_records_ucx(capsys, monkeypatch):
@@ -1108,11 +1101,7 @@ def test_every_k_sweep_server_starts_with_a_synthetic_length_vllm_accepts(capsys
     tiny = str(serve.REPO / "models" / "tiny-pair")
     out = _dry(capsys, "--configs", "ksweep_pp2,ksweep_pp1", "--model-dir", tiny, "--workload",
                "decode", "--output-len", "768", "--acceptance-lengths", "3.99")  # fmt: skip
-    specs = [
-        json.loads(line.split("--speculative-config ", 1)[1].split("} ", 1)[0] + "}")
-        for line in out.splitlines()
-        if "--speculative-config " in line
-    ]
+    specs = [node["spec"] for node in _launchers(out).values()]
     assert len(specs) == 2 * 8 + 8  # PP=2: two launchers per server, eight servers per sweep
     for spec in specs:
         k, length = spec["num_speculative_tokens"], spec["synthetic_acceptance_length"]
