@@ -62,6 +62,15 @@ and the peak in between; the whole model load (target + draft) is vLLM's own
 read the allocator without ``gc.collect()`` and so counted the drafter's replaced embedding and
 LM head copies (docs/results/performance.md).
 
+Which CUDA graph ran each step (issue 44 goal (g)). The runner's graph manager's ``dispatch``
+is wrapped on the live instance, and the first descriptor of a step (the batch's own; the
+fast-prefill logits dispatch comes later) names the step's graph kind: ``eager``,
+``piecewise``, ``full uniform q=Q`` (a decode graph keyed by request count, every request ``Q``
+tokens: fixed k), ``full varlen q<=Q`` (adaptive verification's token-keyed decode graphs,
+vllm/v1/worker/gpu/cudagraph_utils.py:313-330) or ``full tokens``. ``summarize_steps`` counts
+the steps of each kind with their median target time, so a record says whether adaptive's
+steps replayed other graphs than fixed k's, and what each kind cost.
+
 Exchange accounting (issue 29 goal (e), same ``enable`` / ``collect`` RPCs). Installed with the
 step timers on the live objects; every record belongs to the engine step it happens in (the
 stage-to-stage receive, posted by vLLM's worker before the model runner's ``execute_model``, to
@@ -245,6 +254,22 @@ def _install_timers(runner) -> list[str]:
     runner.sample_tokens = sample_tokens
     installed.append("sample_tokens")
 
+    manager = getattr(runner, "cudagraph_manager", None)
+    if manager is not None and hasattr(manager, "dispatch"):
+        orig_dispatch = manager.dispatch
+
+        def dispatch(*args, **kwargs):
+            desc = orig_dispatch(*args, **kwargs)
+            cur = _STATE["cur"]
+            if cur is not None and "graph" not in cur:
+                cur["graph"] = graph_kind(desc)
+                cur["graph_tokens"] = int(desc.num_tokens)
+                cur["graph_reqs"] = desc.num_reqs
+            return desc
+
+        manager.dispatch = dispatch
+        installed.append("cudagraph_dispatch")
+
     spec = getattr(runner, "speculator", None)
     if spec is not None and hasattr(spec, "propose"):
         orig_propose = spec.propose
@@ -355,6 +380,45 @@ def _patch_adaptive(module) -> None:
     cls._dspark_bench_conf = True
 
 
+def graph_kind(desc) -> str:
+    """The kind of graph a vLLM ``BatchExecutionDescriptor`` runs (module docstring)."""
+    mode = getattr(desc.cg_mode, "name", str(desc.cg_mode))
+    if mode == "NONE":
+        return "eager"
+    if mode == "PIECEWISE":
+        return "piecewise"
+    if desc.uniform_token_count is not None:
+        return f"full uniform q={desc.uniform_token_count}"
+    if desc.max_query_len is not None:
+        return f"full varlen q<={desc.max_query_len}"
+    return "full tokens"
+
+
+def graph_totals(steps: list[dict]) -> dict | None:
+    """Per graph kind: the steps that ran it, their median target time, padded tokens and
+    request slots (``None`` when no step recorded a graph: an older record or no graph manager)."""
+    by: dict[str, list[dict]] = {}
+    for s in steps:
+        if s.get("graph"):
+            by.setdefault(s["graph"], []).append(s)
+    if not by:
+        return None
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 4) if xs else None
+
+    return {
+        kind: {
+            "steps": len(ss),
+            "target_ms": med([s.get("target_ms") for s in ss]),
+            "graph_tokens": med([s.get("graph_tokens") for s in ss]),
+            "graph_reqs": med([s.get("graph_reqs") for s in ss]),
+        }
+        for kind, ss in sorted(by.items(), key=lambda kv: -len(kv[1]))
+    }
+
+
 def verify_totals(steps: list[dict]) -> dict:
     """Draft tokens the steps verified (``InputBatch.num_draft_tokens``: after adaptive
     verification's trimming, vllm/v1/worker/gpu/model_runner.py:1541-1548 and 1630): the steps
@@ -399,6 +463,7 @@ def summarize_steps(steps: list[dict]) -> dict:
         "main": per_n.get(main) if main is not None else None,
         "total_steps": len(steps),
         "verify": verify_totals(steps),
+        "graphs": graph_totals(steps),
         "exchange": summarize_exchange(steps, main),
     }
 
@@ -414,6 +479,9 @@ def _resolve() -> list[dict]:
                 "num_reqs": s.get("num_reqs", 0),
                 "num_tokens": s.get("num_tokens", 0),
                 "num_draft_tokens": s.get("num_draft_tokens", 0),
+                "graph": s.get("graph"),
+                "graph_tokens": s.get("graph_tokens"),
+                "graph_reqs": s.get("graph_reqs"),
                 "target_ms": _elapsed_ms(s.get("t0"), s.get("t1")),
                 "draft_ms": _elapsed_ms(s.get("t2"), s.get("t3")),
                 "step_ms": _elapsed_ms(s.get("t0"), s.get("t4")),

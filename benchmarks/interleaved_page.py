@@ -294,6 +294,13 @@ def _rank_means(worker: dict) -> dict | None:
     for key in ("step_ms", "target_ms", "draft_ms"):
         out[key] = sum(v["steps"] * (v.get(key) or 0.0) for v in per.values()) / steps
     out["wait_share"] = (worker.get("exchange") or {}).get("stall_share")
+    graphs = worker.get("graphs") or {}
+    if graphs:  # the graph most steps replayed (records from 2026-12-07 on), with its share
+        kind, g = max(graphs.items(), key=lambda kv: kv[1]["steps"])
+        slots = f", {g['graph_reqs']:.0f} slots" if g.get("graph_reqs") else ""
+        out["graph"] = (
+            f"{kind}{slots} ({g['steps'] / sum(v['steps'] for v in graphs.values()):.0%})"
+        )
     return out
 
 
@@ -319,6 +326,9 @@ def stage_rows(rec: dict, pt: dict) -> list[str]:
         return []
     head = ["config", "rank", "runs", "steps per run", "step ms", "target ms", "draft ms",
             "exchange wait / step", "in steps / run"]  # fmt: skip
+    graphs = any(m.get("graph") for ms in by.values() for m in ms)
+    if graphs:
+        head.append("graph most steps ran")
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {c: i for i, c in enumerate(pt["configs"])}
     for (cfg, rank), ms in sorted(by.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
@@ -330,6 +340,8 @@ def stage_rows(rec: dict, pt: dict) -> list[str]:
                    for k in ("step_ms", "target_ms", "draft_ms")),
                  _fmt("{:.1%}", statistics.mean(waits) if waits else None),
                  _fmt("{:.0%}", statistics.mean(busy) if busy else None)]  # fmt: skip
+        if graphs:
+            cells.append(" / ".join(sorted({m.get("graph") or "-" for m in ms})))
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 

@@ -213,6 +213,14 @@ def test_stage_rows_average_each_ranks_timers_over_the_repeats():
     for p in planted["points"]:
         p["bench"].pop("duration", None)
     assert all(r.endswith("| - |") for r in page.stage_rows(planted, pt)[2:])  # no run length
+    assert "graph most steps ran" not in page.stage_rows(rec, pt)[0]  # older records: no column
+    for p in planted["points"]:  # a record whose hook named each step's graph
+        for w in p["step_times"]:
+            w["graphs"] = {"full varlen q<=8": {"steps": 3, "graph_reqs": 32},
+                           "eager": {"steps": 1, "graph_reqs": None}}  # fmt: skip
+    rows = page.stage_rows(planted, pt)
+    assert rows[0].endswith("| graph most steps ran |")
+    assert all(r.endswith("| full varlen q<=8, 32 slots (75%) |") for r in rows[2:])
     for p in planted["points"]:
         p.pop("step_times", None)
     assert page.stage_rows(planted, pt) == []

@@ -503,3 +503,96 @@ def test_the_confidence_reading_applies_vllms_budget_rule():
         lines[2] == "slope 3: mean drafts kept 5.00 of 7, steps trimmed 50%, steps cut to zero 0%"
     )
     assert lines[3].endswith("steps trimmed 50%, steps cut to zero 50%")
+
+
+# --------------------------------------------------------------------------- which graph ran
+def _graph_manager(varlen: bool):
+    """vLLM 0.34.0's own CudaGraphManager on the CPU (nothing captured): full and piecewise
+    graphs, decode at 8 tokens per request (k = 7) for up to 32 requests, as the goal (g) runs
+    (``--max-num-seqs 32``). Only the PP group and the graph pool, which need a device, are
+    stood in for."""
+    from unittest import mock
+
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu import cudagraph_utils as cu
+
+    cfg = VllmConfig()
+    cc = cfg.compilation_config
+    cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    cc.max_cudagraph_capture_size = 512
+    cc.max_decode_cudagraph_capture_requests = 32
+    cc.decode_cudagraph_capture_request_sizes = [1, 2, 4, 8, 16, 32]
+    cc.prefill_cudagraph_capture_token_sizes = [8, 16, 32, 64, 128, 256, 512]
+    cfg.scheduler_config.max_num_seqs = 32
+    pp = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    with (
+        mock.patch.object(cu, "get_pp_group", lambda: pp),
+        mock.patch.object(cu.current_platform, "get_global_graph_pool", lambda: None, create=True),
+    ):
+        m = cu.CudaGraphManager(
+            cfg,
+            torch.device("cpu"),
+            CUDAGraphMode.FULL_AND_PIECEWISE,
+            {8: 32},
+            varlen_decode=varlen,
+        )
+    m._graphs_captured = True  # dispatch as after capture
+    return m
+
+
+@pytest.mark.parametrize("reqs", [32, 16])  # PP=1 at C = 32; a PP=2 micro-batch of C = 32
+def test_graph_kinds_name_what_vllms_dispatcher_picks_for_fixed_k_and_adaptive(reqs):
+    fixed, adaptive = _graph_manager(False), _graph_manager(True)
+    batch = dict(num_reqs=reqs, num_tokens=8 * reqs, uniform_token_count=8, num_active_loras=0)
+    got = fixed.dispatch(**batch, max_query_len=8)
+    assert hooks.graph_kind(got) == "full uniform q=8" and got.num_reqs == reqs
+    got = adaptive.dispatch(**batch, max_query_len=8)  # nothing trimmed: the same batch
+    assert hooks.graph_kind(got) == "full varlen q<=8" and got.num_tokens == 8 * reqs
+    # the varlen graph of N tokens holds min(N, max_num_seqs) request slots: a PP=2 micro-batch
+    # of 16 requests replays a graph of 32 (cudagraph_utils.py:313-330)
+    assert got.num_reqs == 32
+    trimmed = adaptive.dispatch(
+        num_reqs=reqs, num_tokens=8 * reqs - 3, uniform_token_count=None, num_active_loras=0,
+        max_query_len=8,
+    )  # fmt: skip
+    assert hooks.graph_kind(trimmed) == "full varlen q<=8"
+    assert hooks.graph_kind(fixed.dispatch(**{**batch, "uniform_token_count": None})) == "piecewise"
+    eager = types.SimpleNamespace(cg_mode=types.SimpleNamespace(name="NONE"))
+    assert hooks.graph_kind(eager) == "eager"
+
+
+def test_the_first_dispatch_of_a_step_names_its_graph_and_the_summary_counts_kinds(monkeypatch):
+    monkeypatch.setattr(hooks, "_cuda", lambda: None)  # host clocks on any machine
+    monkeypatch.setattr(hooks, "_STATE", {**hooks._STATE, "steps": [], "cur": None, "xpend": []})
+    manager = _graph_manager(True)
+    batch = types.SimpleNamespace(num_reqs=4, num_tokens=32, num_draft_tokens=28,
+                                  num_tokens_after_padding=32)  # fmt: skip
+
+    class Runner:
+        cudagraph_manager = manager
+        execute_model_state = types.SimpleNamespace(input_batch=batch)
+
+        def execute_model(self, tokens):
+            self.cudagraph_manager.dispatch(4, tokens, None, 0, max_query_len=8)
+            self.cudagraph_manager.dispatch(4, 4, None, 0)  # a later, smaller dispatch
+
+        def sample_tokens(self):
+            return None
+
+    runner = Runner()
+    assert "cudagraph_dispatch" in hooks._install_timers(runner)
+    for tokens in (32, 30, 3000):  # 3000: above every graph, eager
+        runner.execute_model(tokens)
+        runner.sample_tokens()
+    steps = hooks._resolve()
+    assert [s["graph"] for s in steps] == ["full varlen q<=8"] * 2 + ["eager"]
+    assert [s["graph_tokens"] for s in steps] == [32, 32, 3000]
+    graphs = hooks.summarize_steps(steps)["graphs"]
+    assert list(graphs) == ["full varlen q<=8", "eager"]
+    assert (
+        graphs["full varlen q<=8"]["steps"] == 2 and graphs["full varlen q<=8"]["graph_reqs"] == 32
+    )
+    assert (
+        hooks.summarize_steps([{"num_reqs": 1, "target_ms": 1.0, "step_ms": 1.0}])["graphs"] is None
+    )
