@@ -602,16 +602,20 @@ def test_dry_run_split_serves_plans_layer_split_on_the_balanced_launchers_only(c
     assert sum(n.startswith("pp2_dspark_balanced") for n in nodes) == 2
 
 
+def _group_launchers(capsys, group: str, names: list[str], concurrency: int) -> dict:
+    """The dry run's launchers of one interleaved ``group`` (3 repeats, AL 3.99) after checking
+    that the group selects ``names``, in order."""
+    assert [c.name for c in serve.select_configs(group)] == names
+    out = _dry(capsys, "--configs", group, "--interleave", "--repeats", "3",
+               "--concurrency", str(concurrency), "--acceptance-lengths", "3.99")  # fmt: skip
+    return _launchers(out)
+
+
 def test_dry_run_stock_dspark_leaves_the_plugin_out_of_the_stock_launchers_only(capsys):
     """Group ``stock_dspark`` (issue 44 item 1: the plugin's cost at PP=2 with DSpark, same
     call): both launchers of ``pp2_dspark_stock`` load the benchmark hook only, both of
     ``pp2_dspark`` the plugin too; both serve DSpark with async scheduling."""
-    assert [c.name for c in serve.select_configs("stock_dspark")] == [
-        "pp2_dspark_stock", "pp2_dspark",
-    ]  # fmt: skip
-    out = _dry(capsys, "--configs", "stock_dspark", "--interleave", "--repeats", "3",
-               "--concurrency", "16", "--acceptance-lengths", "3.99")  # fmt: skip
-    nodes = _launchers(out)
+    nodes = _group_launchers(capsys, "stock_dspark", ["pp2_dspark_stock", "pp2_dspark"], 16)
     assert len(nodes) == 4, sorted(nodes)
     for name, node in nodes.items():
         plugins = node["env"]["VLLM_PLUGINS"].split(",")
@@ -623,12 +627,8 @@ def test_dry_run_adaptive_stock_serves_vllms_own_adaptive_path_beside_the_plugin
     """Group ``adaptive_stock`` (goal (g)'s PP=1 cost): k = 7, adaptive with the plugin and
     adaptive without it, each one launcher; only the stock one leaves the plugin out, both
     adaptive ones ask vLLM for adaptive verification."""
-    assert [c.name for c in serve.select_configs("adaptive_stock")] == [
-        "pp1_dspark_k7", "pp1_dspark_adaptive", "pp1_dspark_adaptive_stock",
-    ]  # fmt: skip
-    out = _dry(capsys, "--configs", "adaptive_stock", "--interleave", "--repeats", "3",
-               "--concurrency", "32", "--acceptance-lengths", "3.99")  # fmt: skip
-    nodes = _launchers(out)
+    names = ["pp1_dspark_k7", "pp1_dspark_adaptive", "pp1_dspark_adaptive_stock"]
+    nodes = _group_launchers(capsys, "adaptive_stock", names, 32)
     assert len(nodes) == 3, sorted(nodes)
     for name, node in nodes.items():
         plugins = node["env"]["VLLM_PLUGINS"].split(",")
