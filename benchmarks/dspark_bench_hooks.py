@@ -380,6 +380,12 @@ def _patch_adaptive(module) -> None:
     cls._dspark_bench_conf = True
 
 
+def _median(xs) -> float | None:
+    """The median of the values that are not ``None``, rounded to 4 places (``None`` if none)."""
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
 def graph_kind(desc) -> str:
     """The kind of graph a vLLM ``BatchExecutionDescriptor`` runs (module docstring)."""
     mode = getattr(desc.cg_mode, "name", str(desc.cg_mode))
@@ -403,17 +409,12 @@ def graph_totals(steps: list[dict]) -> dict | None:
             by.setdefault(s["graph"], []).append(s)
     if not by:
         return None
-
-    def med(xs):
-        xs = [x for x in xs if x is not None]
-        return round(statistics.median(xs), 4) if xs else None
-
     return {
         kind: {
             "steps": len(ss),
-            "target_ms": med([s.get("target_ms") for s in ss]),
-            "graph_tokens": med([s.get("graph_tokens") for s in ss]),
-            "graph_reqs": med([s.get("graph_reqs") for s in ss]),
+            "target_ms": _median([s.get("target_ms") for s in ss]),
+            "graph_tokens": _median([s.get("graph_tokens") for s in ss]),
+            "graph_reqs": _median([s.get("graph_reqs") for s in ss]),
         }
         for kind, ss in sorted(by.items(), key=lambda kv: -len(kv[1]))
     }
@@ -442,17 +443,13 @@ def summarize_steps(steps: list[dict]) -> dict:
     for s in steps:
         by_n.setdefault(int(s["num_reqs"]), []).append(s)
 
-    def med(xs):
-        xs = [x for x in xs if x is not None]
-        return round(statistics.median(xs), 4) if xs else None
-
     per_n = {
         n: {
             "steps": len(ss),
-            "target_ms": med([s["target_ms"] for s in ss]),
-            "draft_ms": med([s.get("draft_ms") for s in ss]),
-            "step_ms": med([s["step_ms"] for s in ss]),
-            "num_tokens": med([s.get("num_tokens") for s in ss]),
+            "target_ms": _median([s["target_ms"] for s in ss]),
+            "draft_ms": _median([s.get("draft_ms") for s in ss]),
+            "step_ms": _median([s["step_ms"] for s in ss]),
+            "num_tokens": _median([s.get("num_tokens") for s in ss]),
         }
         for n, ss in sorted(by_n.items())
     }

@@ -1,9 +1,10 @@
 """CPU tests of the adaptive-verification measurement (issue 30, item 4): the served-curve
 driver's adaptive configurations and groups (benchmarks/serve_pp_one_gpu.py, --dry-run), the
-benchmark hook's confidences and verified-draft totals (benchmarks/dspark_bench_hooks.py, on
-stand-in vLLM classes), and the "adaptive verification" table (benchmarks/adaptive_bench.py
-through benchmarks/plot_pp_one_gpu.py) from a small recorded sample. Nothing is timed and no
-server starts."""
+benchmark hook's confidences, verified-draft totals and the graph each step replayed
+(benchmarks/dspark_bench_hooks.py, on stand-in vLLM classes and vLLM's own graph dispatcher),
+and the "adaptive verification" table (benchmarks/adaptive_bench.py through
+benchmarks/plot_pp_one_gpu.py) from a small recorded sample. Nothing is timed and no server
+starts."""
 
 from __future__ import annotations
 
@@ -558,8 +559,6 @@ def test_graph_kinds_name_what_vllms_dispatcher_picks_for_fixed_k_and_adaptive(r
     )  # fmt: skip
     assert hooks.graph_kind(trimmed) == "full varlen q<=8"
     assert hooks.graph_kind(fixed.dispatch(**{**batch, "uniform_token_count": None})) == "piecewise"
-    eager = types.SimpleNamespace(cg_mode=types.SimpleNamespace(name="NONE"))
-    assert hooks.graph_kind(eager) == "eager"
 
 
 def test_the_first_dispatch_of_a_step_names_its_graph_and_the_summary_counts_kinds(monkeypatch):
