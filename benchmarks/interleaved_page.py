@@ -488,6 +488,24 @@ def _last_stage_exchange(rec: dict, cfg: str, pt: dict) -> list[dict]:
     return out
 
 
+def short_runs(rec: dict, pt: dict) -> str:
+    """A sentence when a point's counted runs lasted less than the ``--min-run-s`` its record
+    asked and the budget did not shorten them (that case has its own ``trimmed`` text): the
+    prompt count came from a TPOT estimate that was too slow (before the driver's probe wave,
+    from ``--guess-tpot-ms``). Empty otherwise."""
+    asked = ((rec["meta"].get("interleave") or {}).get("min_run_s")) or 0
+    secs = [r["duration"] for c in pt["configs"].values() for r in c.get("repeats", [])
+            if isinstance(r.get("duration"), (int, float))]  # fmt: skip
+    if not asked or not secs or min(secs) >= asked or pt.get("trimmed"):
+        return ""
+    probed = any(p.get("probe") for p in rec.get("points", []))
+    return (f" Runs lasted {min(secs):.1f}-{max(secs):.1f} s, under the {asked:.0f} s asked "
+            "(`--min-run-s`): the prompt count came from "
+            + ("the probe's TPOT" if probed else "the guessed TPOT (no probe wave in this "
+               "record)")
+            + ".")  # fmt: skip
+
+
 def goal_e(rec: dict) -> list[str]:
     """Issue 44 goal (e) where a record served raw taps (``pp2_dspark``) beside a tap-partials
     deployment: per point at C >= :data:`GOAL_E_MIN_C` and configuration, the last stage's
@@ -569,7 +587,8 @@ def section(name: str, rec: dict) -> list[str]:
             f"{', '.join(map(str, prompts))} prompts per run"
             + ("" if pt.get("equal_prompts", True) else " (NOT equal across configurations)")
             + (f"; shortened: {pt['trimmed']}" if pt.get("trimmed") else "")
-            + ".",
+            + "."
+            + short_runs(rec, pt),
             "",
             *_config_rows(pt),
             "",

@@ -160,7 +160,9 @@ alternate``: A B B A ...), N runs each, all with the same prompt count; repeat r
 configuration gets the same prompts (seed of (AL index, C, r)), and no server sees a prompt
 twice. The prompt count is the larger of the usual one and what makes the fastest
 configuration's run last ``--min-run-s`` (default 60 s; whole waves of C, from its last measured
-TPOT, else ``--guess-tpot-ms``); when the point's share of the budget does not hold N runs of
+TPOT; a server with none measured yet first serves one probe wave of C, recorded with ``probe``
+true and not counted, ``--no-probe`` to skip it); when the point's share of the budget does not
+hold N runs of
 every configuration at that length, every run of the point is shortened alike (whole waves) and
 the point's ``trimmed`` says how; a point where not even one wave per run fits is skipped with the
 reason. Besides every run in ``points`` (with ``repeat`` and ``slot``, its place in the rotation),
@@ -387,6 +389,11 @@ def point_seed(al_index: int, concurrency: int, repeat: int = 0) -> int:
     no-spec and DSpark at the same C and repeat), distinct across one server's points and
     repeats (no prefix-cache hits)."""
     return 1000 + 100 * al_index + concurrency + 100_000 * repeat
+
+
+#: added to a point's seed for its probe runs (:meth:`Runner.probe`): below the repeats' step of
+#: 100,000, so a probe's prompts are never a measured run's (no prefix-cache hits in repeat 0)
+PROBE_SEED_OFFSET = 50_000
 
 
 #: ``--workload``: (input tokens, output tokens) of the random dataset. ``mixed`` is the 1024/256
@@ -1164,7 +1171,7 @@ def run_bench_in_process(argv: list[str], timeout_s: float, on_timeout) -> tuple
     if th.is_alive():
         on_timeout()
         th.join(30)
-        return None, f"cut after {timeout_s:.0f} s (server stopped)"
+        return None, f"cut after {timeout_s:.0f} s, at the budget's deadline (server stopped)"
     return box.get("result"), box.get("error", "")
 
 
@@ -1298,6 +1305,11 @@ def parse_args(argv=None):
     ap.add_argument("--start", choices=("together", "sequential"), default="together")
     ap.add_argument("--gpu-layout", choices=("shared", "per-stage"), default="shared")
     ap.add_argument("--guess-tpot-ms", type=float, default=6.0, help="until one is measured")
+    ap.add_argument(
+        "--probe", action=argparse.BooleanOptionalAction, default=True,
+        help="with --interleave: one wave on each server before its first point, so the "
+        "point's prompt count comes from a measured TPOT (recorded, not counted)",
+    )  # fmt: skip
     ap.add_argument(
         "--guess-prefill-ms", type=float, default=None,
         help="per prompt (default 40 ms per 1024 prompt tokens)",
@@ -1736,8 +1748,9 @@ class Runner:
         a, dep = self.a, self.deps[cfg.name]
         ctl = control_url(dep)
         what = f"{cfg.name}" + ("" if al is None else f" AL {al}")
-        rep = "" if repeat is None else f"_r{repeat}"
-        seed = point_seed(ali or 0, c, repeat or 0)
+        probe = bool((extra or {}).get("probe"))
+        rep = "_probe" if probe else "" if repeat is None else f"_r{repeat}"
+        seed = point_seed(ali or 0, c, repeat or 0) + (PROBE_SEED_OFFSET if probe else 0)
         argv = bench_argv(
             url=dep.url, model=self.paths.target,
             label=cfg.name, concurrency=c, prompts=n, seed=seed,
@@ -1798,8 +1811,22 @@ class Runner:
             f"TPOT p50 {summary.get('p50_tpot_ms', 0):.2f} ms, "
             f"AL {'-' if mal is None else f'{mal:.2f}'}, {n} prompts"
             f"{'' if why is None else ' (' + why + ')'}, {wall:.0f} s"
+            + (" (probe: sets the point's prompt count, not counted)" if probe else "")
         )
         return point, False
+
+    def probe(self, cfg, al, ali, c) -> bool:
+        """One wave of ``c`` prompts on ``cfg``'s server before its first measured point, so that
+        the point's prompt count comes from a measured TPOT, not ``--guess-tpot-ms`` (2026-12-07:
+        the tiny pair's TPOT was 1.2 ms against the 6 ms guessed, and its runs lasted 4 s where 10
+        were asked). Recorded in ``points`` with ``probe`` true and no ``repeat`` (no summary,
+        ratio or page reads it), on prompts of its own. It also takes the server's first-run
+        effects out of repeat 0. Returns whether the server should measure no more."""
+        _point, stop = self.measure(
+            cfg, al if cfg.spec else None, ali, c, c, why=None, n_full=c,
+            extra={"probe": True, "point_al": al, "interleaved": True},
+        )  # fmt: skip
+        return stop
 
     def outcome(self) -> int:
         data = self.res.data
@@ -1817,16 +1844,33 @@ def dry_run_interleaved(a, paths) -> int:
         CostModel(a.guess_tpot_ms, a.output_len, a.guess_prefill_ms, a.guess_point_s) for _ in names
     ]
     current = None
+    probed = False
     for ali, al, c in interleaved_points(a):
         if al is not None and al != current:
             current = al
             for cfg in a.cfgs:
                 if cfg.spec:
                     print(f"POST URL({cfg.name})/collective_rpc {json.dumps(rpc_body(al))}")
+        if a.probe and a.min_run_s > 0 and not probed:
+            probed = True
+            print(
+                f"# probe AL {al} C={c}: one wave on each server, its own prompts (seed "
+                f"+ {PROBE_SEED_OFFSET}); the point's prompt count then comes from its TPOT"
+            )
+            for name in names:
+                cfg = CONFIGS[name]
+                argv = bench_argv(
+                    url=f"URL({name})", model=paths.target, label=name, concurrency=c,
+                    prompts=c, seed=point_seed(ali or 0, c) + PROBE_SEED_OFFSET,
+                    input_len=a.input_len, output_len=a.output_len, result_dir="DIR",
+                    result_name=f"{name}_al{al if cfg.spec else None}_c{c}_probe.json",
+                )  # fmt: skip
+                print("vllm bench serve " + " ".join(argv))
         base = default_prompts(c, a.prompts_per_c, a.min_prompts)
         n = wanted_prompts(c, models, a.min_run_s, base)
         print(f"# point AL {al} C={c}: {a.repeats} rotations ({a.rotation}), {n} prompts per "
-              f"run before the budget (--min-run-s {a.min_run_s:.0f})")  # fmt: skip
+              f"run before the budget (--min-run-s {a.min_run_s:.0f}"
+              f"{', guessed TPOT: the probe re-plans it' if a.probe else ''})")  # fmt: skip
         for slot, (r, name) in enumerate(rotation_order(names, a.repeats, a.rotation)):
             cfg = CONFIGS[name]
             argv = bench_argv(
@@ -1933,6 +1977,15 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
         if lost and not rn.leave(lost, names, live):
             log("FAILED: a server was lost; the interleaved comparison ends here")
             break
+        unmeasured = [cfg for cfg in live if cfg.name not in rn.tpot]
+        if a.probe and a.min_run_s > 0 and unmeasured:
+            log(f"probe at AL {al} C={c}: one wave on {', '.join(x.name for x in unmeasured)} "
+                f"(no TPOT measured yet; --guess-tpot-ms {a.guess_tpot_ms:g} would set the "
+                "prompt count)")  # fmt: skip
+            lost = [cfg.name for cfg in unmeasured if rn.probe(cfg, al, ali, c)]
+            if lost and (rn.time_left() <= 0 or not rn.leave(lost, names, live)):
+                log("a probe failed or a server was lost; the interleaved comparison ends here")
+                break
         models = [rn.model(cfg) for cfg in live]
 
         def want(cc: int, models=models) -> int:

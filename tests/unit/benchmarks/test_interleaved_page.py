@@ -51,6 +51,25 @@ def test_the_failed_run_and_the_shortened_points_are_named(record):
     assert "No run failed or was cut." in _md(planted)
 
 
+def test_runs_shorter_than_asked_are_said_with_why():
+    """The 2026-12-07 adaptive_stock record asked for 10 s runs and got 3.7-4.7 s (the guessed
+    TPOT set the prompt count); the page says so where the budget did not shorten them."""
+    name = "serve_interleaved_gpu_2026-12-07_adaptive_stock_graphs.json"
+    rec = json.loads((page.RESULTS / name).read_text())
+    [pt] = rec["interleaved"]
+    said = "Runs lasted 3.7-4.7 s, under the 10 s asked (`--min-run-s`): the prompt count came "
+    assert (
+        page.short_runs(rec, pt) == f" {said}from the guessed TPOT (no probe wave in this record)."
+    )
+    assert said in page.markdown([(name, rec)])
+    probed = copy.deepcopy(rec)
+    probed["points"].insert(0, {"probe": True, "config": "pp1_dspark_k7"})
+    assert page.short_runs(probed, pt).endswith("from the probe's TPOT.")
+    assert page.short_runs(rec, {**pt, "trimmed": "budget: 1 of 4 waves"}) == ""
+    rec["meta"]["interleave"]["min_run_s"] = 3.7
+    assert page.short_runs(rec, pt) == ""
+
+
 def test_the_servers_show_the_transport_mooncake_logged(record):
     md = _md(record)
     line = _row(md, "* `pd_mc_ipc_dspark`: 3 launcher(s)")

@@ -164,12 +164,21 @@ def test_unequal_counts_and_a_missing_repeat_show_in_the_summary():
 class _Calls:
     """Stands in for the Runner methods that talk to servers; records the measurements."""
 
-    def __init__(self, monkeypatch, tok_s: dict[str, list[float]]):
+    def __init__(self, monkeypatch, tok_s: dict[str, list[float]], tpot: dict | None = None):
+        """``tpot``: what a probe measures per configuration (None: a probe measures nothing,
+        as a failed TPOT read would, and the guess stays)."""
         self.measured: list[tuple] = []
+        self.probes: list[tuple] = []
         self.al_set: list[tuple] = []
         calls = self
 
         def measure(rn, cfg, al, ali, c, n, *, why, n_full, repeat=None, extra=None):
+            if extra.get("probe"):
+                seed = serve.point_seed(ali or 0, c) + serve.PROBE_SEED_OFFSET
+                calls.probes.append((cfg.name, al, c, n, repeat, seed))
+                if tpot:
+                    rn.tpot[cfg.name] = tpot[cfg.name]
+                return None, False
             seed = serve.point_seed(ali or 0, c, repeat or 0)
             calls.measured.append((cfg.name, al, c, n, repeat, extra["slot"], seed))
             p = _point(cfg.name, c, repeat, tok_s[cfg.name][repeat], al=al, n=n, trimmed=why)
@@ -229,6 +238,37 @@ def test_the_loop_rotates_configurations_with_equal_prompts_per_point(tmp_path, 
     assert tp["per_rotation"] == pytest.approx([0.9, 90 / 104, 90 / 96])
 
 
+def test_a_probe_wave_sets_the_prompt_count_from_the_measured_tpot(tmp_path, monkeypatch):
+    """The 2026-12-07 adaptive_stock call asked for runs of 10 s; the prompt count came from the
+    guessed 6 ms TPOT, the tiny pair's was 1.2 ms, and every run lasted 4 s. With the probe, each
+    server serves one wave of C on prompts of its own before its first point, and the point's
+    count comes from what the probe measured."""
+    args = ["--acceptance-lengths", "3.99", "--concurrency", "32,64", "--workload", "decode",
+            "--output-len", "768", "--min-run-s", "10"]  # fmt: skip
+    calls = _Calls(monkeypatch, {"pp1_dspark": [1.0] * 3, "pp2_dspark": [1.0] * 3},
+                   tpot={"pp1_dspark": 1.2, "pp2_dspark": 2.0})  # fmt: skip
+    rc, _data = _run(tmp_path, args)
+    assert rc == 0
+    # one wave on each server, at the first point only, before any measured run
+    assert calls.probes == [
+        ("pp1_dspark", 3.99, 32, 32, None, serve.point_seed(0, 32) + serve.PROBE_SEED_OFFSET),
+        ("pp2_dspark", 3.99, 32, 32, None, serve.point_seed(0, 32) + serve.PROBE_SEED_OFFSET),
+    ]  # fmt: skip
+    repeats_seeds = {m[6] for m in calls.measured}
+    assert not repeats_seeds & {p[5] for p in calls.probes}  # never a measured run's prompts
+    # the fastest server's wave: 768 x 1.2 ms + 32 prompts x 5 ms prefill = 1.08 s: 10 waves
+    # for 10 s; from the guess (768 x 6 ms + 0.16 s = 4.8 s) it would have been 4 waves
+    wave = (768 * 1.2 + 32 * 40.0 * 128 / 1024) / 1e3
+    n32 = {m[3] for m in calls.measured if m[2] == 32}
+    assert n32 == {32 * -(-10 // wave)} == {320}
+    # without the probe the guess sets it, as before
+    calls = _Calls(monkeypatch, {"pp1_dspark": [1.0] * 3, "pp2_dspark": [1.0] * 3},
+                   tpot={"pp1_dspark": 1.2, "pp2_dspark": 2.0})  # fmt: skip
+    rc, _data = _run(tmp_path, [*args, "--no-probe"])
+    assert rc == 0 and not calls.probes
+    assert {m[3] for m in calls.measured if m[2] == 32} == {128}
+
+
 def test_no_spec_against_dspark_rotates_in_every_als_point(tmp_path, monkeypatch):
     calls = _Calls(monkeypatch, {"pp2_nospec": [50.0] * 3, "pp2_dspark": [100.0, 90.0, 110.0]})
     a = ["--acceptance-lengths", "3.99,6.1", "--concurrency", "16"]
@@ -264,7 +304,16 @@ def test_dry_run_prints_each_points_rotation_with_one_prompt_count(capsys):
                        "--workload", "decode"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     bench = [shlex.split(x)[3:] for x in out.splitlines() if x.startswith("vllm bench serve ")]
+    probes = [b for b in bench if b[-1].endswith("_probe.json")]
+    bench = [b for b in bench if b not in probes]
     assert len(bench) == 2 * 3 * 2
+    # one probe wave on each server before the first point, on prompts no run uses
+    assert [(b[b.index("--label") + 1], b[b.index("--num-prompts") + 1]) for b in probes] == [
+        ("pp1_dspark", "8"),
+        ("pp2_dspark", "8"),
+    ]
+    run_seeds = {b[b.index("--seed") + 1] for b in bench}
+    assert not run_seeds & {b[b.index("--seed") + 1] for b in probes}
     opts = [{b[i]: b[i + 1] for i in range(len(b) - 1) if b[i].startswith("--")} for b in bench]
     assert [o["--label"] for o in opts[:6]] == ["pp1_dspark", "pp2_dspark"] * 3
     assert len({o["--num-prompts"] for o in opts[:6]}) == 1
@@ -445,6 +494,12 @@ def test_interleaved_run_end_to_end_against_stand_in_servers(tmp_path, monkeypat
     assert res["meta"]["workload"] == {"name": "decode", "input_len": 128, "output_len": 32}
     assert res["meta"]["interleave"]["baseline"] == "pp1_dspark"
     assert res["meta"]["commit"] and not res["meta"]["commit"].startswith("unknown")
+    probes = [p for p in res["points"] if p.get("probe")]
+    assert [(p["config"], p["concurrency"], p["num_prompts"]) for p in probes] == [
+        ("pp1_dspark", 1, 1), ("pp2_dspark", 1, 1),
+    ]  # fmt: skip
+    assert res["points"][:2] == probes and all("repeat" not in p for p in probes)
+    res["points"] = res["points"][2:]
     assert [(p["config"], p["repeat"], p["slot"]) for p in res["points"][:6]] == [
         ("pp1_dspark", 0, 0), ("pp2_dspark", 0, 1), ("pp1_dspark", 1, 2),
         ("pp2_dspark", 1, 3), ("pp1_dspark", 2, 4), ("pp2_dspark", 2, 5),
