@@ -79,7 +79,13 @@ Per step and rank:
 
 * ``pp_send_bytes:<key>``: what this stage sends to the next (vLLM's ``isend_tensor_dict`` of the
   intermediate tensors, per key: ``hidden_states``, ``residual``, relayed aux taps);
-  ``pp_send_host_ms``: host time of that call (posting; the NCCL send itself is asynchronous).
+  ``pp_send_host_ms``: host time of that call (posting; the NCCL send itself is asynchronous);
+  ``pp_send_ms`` (CUDA only): from an event on the sender's stream right before the call (its
+  forward's end: NCCL's stream starts the sends after it) to the sends' completion, waited on a
+  timing stream of the hook's own. It holds the transfer and any wait for the receiver's
+  receive; the receiver's ``pp_recv_wait_ms`` holds the transfer and any wait for the sender's
+  forward. Whoever comes second waits for nothing, so the smaller of the two (medians, one per
+  stage) bounds the link's own time from above, where either alone also holds the peer's work.
 * ``pp_recv_bytes:<key>``, ``pp_recv_rows``: what a non-first stage receives;
   ``pp_recv_host_ms``: host time of ``irecv_tensor_dict`` (it blocks on the metadata object the
   sender posts over the CPU group, so it includes waiting for the sender to reach its send);
@@ -129,6 +135,7 @@ PROFILE_ENV = "DSPARK_BENCH_PROFILE_POSITIONS"
 _STATE: dict[str, Any] = {
     "steps": [], "cur": None, "mem": {}, "installed": False, "rates": None, "conf": None,
     "xpend": [], "xctx": None, "recv_post": None, "recv_shapes": None, "shape_logged": set(),
+    "send_stream": None,
 }  # fmt: skip
 
 
@@ -694,6 +701,30 @@ def _maybe_log_shapes(cur: dict) -> None:
     )
 
 
+def _sends_done(handles, tensor_dict) -> tuple | None:
+    """A mark that completes when every CUDA tensor send of one ``isend_tensor_dict`` has (its
+    NCCL works waited on a timing stream of this module's own, so neither the host nor vLLM's
+    streams wait), or None: no GPU, no CUDA tensor sent, or handles not laid out as vLLM 0.34.0's
+    ``isend_tensor_dict`` returns them (the metadata object's first, then one per tensor of
+    nonzero size, in the dict's order; parallel_state.py:1217-1236)."""
+    torch = _cuda()
+    sent = [v for v in tensor_dict.values() if hasattr(v, "numel") and v.numel() > 0]
+    if torch is None or not isinstance(handles, list) or len(handles) != 1 + len(sent):
+        return None
+    works = [h for h, t in zip(handles[1:], sent, strict=True) if getattr(t, "is_cuda", False)]
+    if not works:
+        return None
+    stream = _STATE.get("send_stream")
+    if stream is None:
+        stream = _STATE["send_stream"] = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for w in works:
+            w.wait()  # NCCL: the current (timing) stream waits for the send; the host does not
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+    return ("cuda", ev)
+
+
 def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
     """Exchange accounting on the live PP group, worker class and PP handler (PP only). ``pp``
     (vLLM's PP group coordinator), ``async_cls`` (vLLM's ``AsyncIntermediateTensors``) and
@@ -711,9 +742,13 @@ def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
     orig_send, orig_recv = pp.isend_tensor_dict, pp.irecv_tensor_dict
 
     def isend_tensor_dict(tensor_dict, *args, **kwargs):
+        a = _mark()
         t0 = time.perf_counter()
         out = orig_send(tensor_dict, *args, **kwargs)
         _xrecord("host", metric="pp_send_host_ms", value=(time.perf_counter() - t0) * 1e3)
+        done = _sends_done(out, tensor_dict)
+        if done is not None:
+            _xrecord("span", metric="pp_send_ms", a=a, b=done)
         for k, v in tensor_dict.items():
             if hasattr(v, "numel"):
                 _xrecord("bytes", metric=f"pp_send_bytes:{k}", value=_tensor_bytes(v))

@@ -464,7 +464,10 @@ def _last_stage_exchange(rec: dict, cfg: str, pt: dict) -> list[dict]:
     """Per repeat of ``cfg`` at ``pt``: the last PP stage's exchange (the last worker whose
     exchange received stage-to-stage tensors): critical-path bytes per received row (every
     ``pp_recv_bytes:<key>`` over ``pp_recv_rows``, medians per step), the side channel's bytes
-    per row, the keys, and the wait share of its step (``stall_share``)."""
+    per row, the keys, the wait share of its step (``stall_share``) and, where the record has
+    the first stage's send span (``pp_send_ms``, recorded since 2026-12-07), the link's bound:
+    the smaller of the last stage's median wait and the first stage's median send span, over
+    the last stage's main step (the hook's docstring says why the smaller bounds the link)."""
     out = []
     for p in rec.get("points", []):
         here = (p.get("concurrency"), p.get("point_al"))
@@ -479,11 +482,18 @@ def _last_stage_exchange(rec: dict, cfg: str, pt: dict) -> list[dict]:
         med, rows = found[-1]["median"], found[-1]["median"]["pp_recv_rows"]
         keys = sorted(k.split(":", 1)[1] for k in med if k.startswith("pp_recv_bytes:"))
         side = sum(v for k, v in med.items() if k.startswith("side_recv_bytes:"))
+        workers = [w for w in p["step_times"] if isinstance(w, dict)]
+        send = ((workers[0].get("exchange") or {}).get("median") or {}).get("pp_send_ms")
+        step = ((workers[-1].get("main") or {}).get("step_ms")) or 0
+        link = (min(send, med.get("pp_recv_wait_ms", send)) / step
+                if send is not None and step > 0 else None)  # fmt: skip
         out.append({
             "bytes_per_row": sum(med[f"pp_recv_bytes:{k}"] for k in keys) / rows,
             "side_per_row": side / rows,
             "keys": keys,
             "wait": found[-1].get("stall_share"),
+            "send_ms": send,
+            "link": link,
         })  # fmt: skip
     return out
 
@@ -504,6 +514,18 @@ def short_runs(rec: dict, pt: dict) -> str:
             + ("the probe's TPOT" if probed else "the guessed TPOT (no probe wave in this "
                "record)")
             + ".")  # fmt: skip
+
+
+def _link_text(got: list[dict]) -> str:
+    """The first stage's send span and the link's bound of :func:`_last_stage_exchange`'s
+    repeats, where the record has them ("" otherwise: records before 2026-12-07)."""
+    links = [g["link"] for g in got if g.get("link") is not None]
+    if not links:
+        return ""
+    sends = [g["send_ms"] for g in got if g.get("send_ms") is not None]
+    return (f"; stage 0's sends {statistics.mean(sends):.2f} ms from its forward's end, the "
+            f"link at most {statistics.mean(links):.1%} of a step (repeats {min(links):.1%}-"
+            f"{max(links):.1%})")  # fmt: skip
 
 
 def goal_e(rec: dict) -> list[str]:
@@ -539,7 +561,7 @@ def goal_e(rec: dict) -> list[str]:
                 f"the critical path ({', '.join(got[0]['keys'])}), {share:.2f} of raw taps'"
                 + (f", {side:.0f} B per row on the side channel" if side else "")
                 + f"; wait {statistics.mean(waits):.1%} of a step (repeats {min(waits):.1%}-"
-                f"{max(waits):.1%}, {len(waits)})"
+                f"{max(waits):.1%}, {len(waits)})" + _link_text(got)
             )
             if cfg != GOAL_E_RAW:
                 meets = share <= GOAL_E_BYTES + 1e-9 and max(waits) < GOAL_E_WAIT

@@ -335,6 +335,27 @@ def test_goal_e_reads_bytes_per_row_and_the_last_stages_wait_from_the_exchange()
     assert "**missed**" in kept[0] and "1.00 of raw taps'" in kept[-1]
     assert "Issue 44 goal (e)" in page.markdown([("x.json", rec)])
     assert page.goal_e(_ksweep_record([1.0] * 3)) == []
+    assert "link at most" not in page.goal_e(rec)[-1]  # no send span recorded: nothing said
+
+
+def test_goal_e_bounds_the_link_by_the_smaller_of_the_wait_and_the_send_span():
+    """With stage 0's ``pp_send_ms`` in the record: the link's time is at most the smaller of
+    the last stage's wait and stage 0's send span (whoever came second waited for nothing)."""
+    rec = _taps_record(side_wait=0.23)
+    for p in rec["points"]:
+        stage0, last = p["step_times"]
+        last["main"] = {"step_ms": 10.0}
+        last["exchange"]["median"]["pp_recv_wait_ms"] = 2.3  # waits for stage 0's forward...
+        stage0["exchange"]["median"]["pp_send_ms"] = 0.25  # ...whose sends then take 0.25 ms
+    head, _, *lines = page.goal_e(rec)
+    assert "**missed**" in head  # the goal is stated on the wait, as the issue asks
+    side = lines[-1]
+    assert "of a step (repeats 23.0%-23.1%, 2)" in side
+    assert side.endswith("stage 0's sends 0.25 ms from its forward's end, the link at most 2.5% "
+                         "of a step (repeats 2.5%-2.5%)")  # fmt: skip
+    for p in rec["points"]:  # the receiver came second: its wait bounds the link
+        p["step_times"][0]["exchange"]["median"]["pp_send_ms"] = 4.0
+    assert "the link at most 23.0% of a step" in page.goal_e(rec)[-1]
 
 
 def test_performance_md_quotes_the_goals_as_generated_from_the_records(monkeypatch, tmp_path):

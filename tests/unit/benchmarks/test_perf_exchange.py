@@ -141,6 +141,106 @@ def test_each_step_records_the_bytes_per_key_and_per_broadcast(stage):
     assert "x_wait_ms" in x
 
 
+class _FakeCuda:
+    """Stands in for ``torch`` on a GPU: events stamped in order on the stream that records
+    them (a counter as their time), streams, the ``stream`` context, and NCCL works whose
+    ``wait`` notes which stream was current."""
+
+    def __init__(self):
+        self.t, self.current, self.waits = 0.0, "main", []
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                fake.t += 1.0
+                self.at, self.stream = fake.t, stream or fake.current
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        class Stream:
+            def __repr__(self):
+                return "timing"
+
+        class StreamCtx:
+            def __init__(self, stream):
+                self.stream, self.before = stream, None
+
+            def __enter__(self):
+                self.before, fake.current = fake.current, self.stream
+
+            def __exit__(self, *exc):
+                fake.current = self.before
+
+        self.cuda = SimpleNamespace(Event=Event, Stream=Stream, stream=StreamCtx)
+
+    def work(self, name):
+        return SimpleNamespace(wait=lambda: self.waits.append((name, repr(self.current))))
+
+
+class _CudaTensor:
+    def __init__(self, numel: int, is_cuda: bool = True):
+        self._n, self.is_cuda = numel, is_cuda
+
+    def numel(self):
+        return self._n
+
+    def element_size(self):
+        return 2
+
+
+def test_the_sends_completion_is_waited_on_a_timing_stream_of_its_own(monkeypatch):
+    """``pp_send_ms``: from the sender's forward end to its tensor sends' completion; only the
+    CUDA tensors' works are waited, on the hook's own stream (a wait on vLLM's stream would
+    change what is measured; on the metadata object's CPU work it would block the host)."""
+    fake = _FakeCuda()
+    monkeypatch.setattr(hooks, "_cuda", lambda: fake)
+    monkeypatch.setitem(hooks._STATE, "send_stream", None)
+    td = {"hidden_states": _CudaTensor(8), "empty": _CudaTensor(0), "meta": 3,
+          "cpu_side": _CudaTensor(4, is_cuda=False), "residual": _CudaTensor(8)}  # fmt: skip
+    handles = [fake.work("metadata"), fake.work("hidden"), fake.work("cpu"), fake.work("res")]
+    done = hooks._sends_done(handles, td)
+    assert fake.waits == [("hidden", "timing"), ("res", "timing")] and fake.current == "main"
+    assert done[0] == "cuda" and repr(done[1].stream) == "timing"
+    assert hooks._STATE["send_stream"] is not None  # made once, kept
+    # not laid out as vLLM 0.34.0 returns them: measure nothing rather than the wrong works
+    assert hooks._sends_done(handles[:3], td) is None
+    assert hooks._sends_done([fake.work("m")], {"x": _CudaTensor(0)}) is None
+    monkeypatch.setattr(hooks, "_cuda", lambda: None)
+    assert hooks._sends_done(handles, td) is None  # host clocks: no such span
+
+
+def test_a_sending_stage_records_its_send_span_per_step(monkeypatch):
+    """Through the installed wrapper: the span starts before vLLM's ``isend_tensor_dict`` is
+    called and ends at the timing stream's event, in the step's exchange records."""
+    fake = _FakeCuda()
+    monkeypatch.setattr(hooks, "_cuda", lambda: fake)
+    fresh = {"steps": [], "cur": {}, "xpend": [], "xctx": None, "send_stream": None}
+    monkeypatch.setattr(hooks, "_STATE", {**hooks._STATE, **fresh})
+
+    class Group:
+        world_size = 2
+
+        def isend_tensor_dict(self, tensor_dict, **kw):
+            fake.t += 5.0  # posting takes "5 ms" of stream time in this stand-in
+            return [fake.work("metadata"), fake.work("hidden_states")]
+
+        def irecv_tensor_dict(self, **kw):
+            return {}, [], []
+
+    group = Group()
+    assert "pp_send_recv" in hooks._install_exchange(
+        SimpleNamespace(), pp=group, async_cls=type("A", (_Async,), {})
+    )
+    group.isend_tensor_dict({"hidden_states": _CudaTensor(8)})
+    spans = [r for r in hooks._STATE["cur"]["x"] if r.get("metric") == "pp_send_ms"]
+    assert len(spans) == 1 and hooks._elapsed_ms(spans[0]["a"], spans[0]["b"]) == 6.0
+    assert fake.waits == [("hidden_states", "timing")]
+
+
 def test_the_summary_gives_medians_and_the_stall_share_per_main_batch(stage):
     for _ in range(3):
         stage.step()
