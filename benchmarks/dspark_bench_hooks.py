@@ -82,10 +82,13 @@ Per step and rank:
   ``pp_send_host_ms``: host time of that call (posting; the NCCL send itself is asynchronous);
   ``pp_send_ms`` (CUDA only): from an event on the sender's stream right before the call (its
   forward's end: NCCL's stream starts the sends after it) to the sends' completion, waited on a
-  timing stream of the hook's own. It holds the transfer and any wait for the receiver's
-  receive; the receiver's ``pp_recv_wait_ms`` holds the transfer and any wait for the sender's
-  forward. Whoever comes second waits for nothing, so the smaller of the two (medians, one per
-  stage) bounds the link's own time from above, where either alone also holds the peer's work.
+  timing stream of the hook's own (not under ``TORCH_NCCL_BLOCKING_WAIT``, where that wait
+  would hold the host). It holds the transfer and any wait for the receiver's receive; the
+  receiver's ``pp_recv_wait_ms`` holds what is left of the transfer when its stream needs the
+  data, and any wait for the sender's forward. Whoever comes second waits for nothing, so the
+  smaller of the two (medians, one per stage) bounds the transfer time the last stage is
+  exposed to, where either alone may also hold the peer's work (at PP=2: the first and last
+  workers are the two ends of the one link).
 * ``pp_recv_bytes:<key>``, ``pp_recv_rows``: what a non-first stage receives;
   ``pp_recv_host_ms``: host time of ``irecv_tensor_dict`` (it blocks on the metadata object the
   sender posts over the CPU group, so it includes waiting for the sender to reach its send);
@@ -708,8 +711,10 @@ def _sends_done(handles, tensor_dict) -> tuple | None:
     ``isend_tensor_dict`` returns them (the metadata object's first, then one per tensor of
     nonzero size, in the dict's order; parallel_state.py:1217-1236)."""
     torch = _cuda()
+    if torch is None or os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
+        return None  # blocking wait: ``wait`` would hold the host until the peer received
     sent = [v for v in tensor_dict.values() if hasattr(v, "numel") and v.numel() > 0]
-    if torch is None or not isinstance(handles, list) or len(handles) != 1 + len(sent):
+    if not isinstance(handles, list) or len(handles) != 1 + len(sent):
         return None
     works = [h for h, t in zip(handles[1:], sent, strict=True) if getattr(t, "is_cuda", False)]
     if not works:
@@ -746,7 +751,17 @@ def _install_exchange(runner, pp=None, async_cls=None, dist=None) -> list[str]:
         t0 = time.perf_counter()
         out = orig_send(tensor_dict, *args, **kwargs)
         _xrecord("host", metric="pp_send_host_ms", value=(time.perf_counter() - t0) * 1e3)
-        done = _sends_done(out, tensor_dict)
+        try:
+            done = _sends_done(out, tensor_dict)
+        except Exception as e:  # noqa: BLE001 - a timer must never end the step it times
+            done = None
+            if not _STATE.get("send_span_failed"):
+                _STATE["send_span_failed"] = True
+                from vllm.logger import init_logger
+
+                init_logger("vllm.dspark_bench").warning(
+                    "dspark_bench: no send span (pp_send_ms): %s", e
+                )
         if done is not None:
             _xrecord("span", metric="pp_send_ms", a=a, b=done)
         for k, v in tensor_dict.items():

@@ -467,7 +467,9 @@ def _last_stage_exchange(rec: dict, cfg: str, pt: dict) -> list[dict]:
     per row, the keys, the wait share of its step (``stall_share``) and, where the record has
     the first stage's send span (``pp_send_ms``, recorded since 2026-12-07), the link's bound:
     the smaller of the last stage's median wait and the first stage's median send span, over
-    the last stage's main step (the hook's docstring says why the smaller bounds the link)."""
+    the last stage's main step (the hook's docstring says why the smaller bounds the transfer
+    time the last stage is exposed to; the first and last workers are one link's ends at PP=2
+    only, so the bound is left out at other PP sizes)."""
     out = []
     for p in rec.get("points", []):
         here = (p.get("concurrency"), p.get("point_al"))
@@ -484,6 +486,8 @@ def _last_stage_exchange(rec: dict, cfg: str, pt: dict) -> list[dict]:
         side = sum(v for k, v in med.items() if k.startswith("side_recv_bytes:"))
         workers = [w for w in p["step_times"] if isinstance(w, dict)]
         send = ((workers[0].get("exchange") or {}).get("median") or {}).get("pp_send_ms")
+        if p.get("pp") not in (None, 2):
+            send = None
         step = ((workers[-1].get("main") or {}).get("step_ms")) or 0
         link = (min(send, med.get("pp_recv_wait_ms", send)) / step
                 if send is not None and step > 0 else None)  # fmt: skip
@@ -508,12 +512,27 @@ def short_runs(rec: dict, pt: dict) -> str:
             if isinstance(r.get("duration"), (int, float))]  # fmt: skip
     if not asked or not secs or min(secs) >= asked or pt.get("trimmed"):
         return ""
-    probed = any(p.get("probe") for p in rec.get("points", []))
+    here = (pt["acceptance_length"], pt["concurrency"])
+    probed = any(p.get("probe") and (p.get("point_al"), p.get("concurrency")) == here
+                 for p in rec.get("points", []))  # fmt: skip
+    first = not any(p.get("repeat") is not None and (p.get("point_al"), p.get("concurrency"))
+                    != here for p in rec.get("points", [])[: _first_index(rec, here)])  # fmt: skip
+    if probed:
+        why = "the probe's TPOT, before this point"
+    elif first:
+        why = "the guessed TPOT (no probe wave in this record)"
+    else:
+        why = "the TPOT and calibration of the points before it"
     return (f" Runs lasted {min(secs):.1f}-{max(secs):.1f} s, under the {asked:.0f} s asked "
-            "(`--min-run-s`): the prompt count came from "
-            + ("the probe's TPOT" if probed else "the guessed TPOT (no probe wave in this "
-               "record)")
-            + ".")  # fmt: skip
+            f"(`--min-run-s`): the prompt count came from {why}.")  # fmt: skip
+
+
+def _first_index(rec: dict, here: tuple) -> int:
+    """Index of the first measured run of the point ``here`` (AL, C) in the record's points."""
+    for i, p in enumerate(rec.get("points", [])):
+        if p.get("repeat") is not None and (p.get("point_al"), p.get("concurrency")) == here:
+            return i
+    return 0
 
 
 def _link_text(got: list[dict]) -> str:
@@ -524,8 +543,8 @@ def _link_text(got: list[dict]) -> str:
         return ""
     sends = [g["send_ms"] for g in got if g.get("send_ms") is not None]
     return (f"; stage 0's sends {statistics.mean(sends):.2f} ms from its forward's end, the "
-            f"link at most {statistics.mean(links):.1%} of a step (repeats {min(links):.1%}-"
-            f"{max(links):.1%})")  # fmt: skip
+            f"exposed transfer at most {statistics.mean(links):.1%} of a step (repeats "
+            f"{min(links):.1%}-{max(links):.1%})")  # fmt: skip
 
 
 def goal_e(rec: dict) -> list[str]:

@@ -161,8 +161,9 @@ configuration gets the same prompts (seed of (AL index, C, r)), and no server se
 twice. The prompt count is the larger of the usual one and what makes the fastest
 configuration's run last ``--min-run-s`` (default 60 s; whole waves of C, from its last measured
 TPOT; a server with none measured yet first serves one probe wave of C, recorded with ``probe``
-true and not counted, ``--no-probe`` to skip it); when the point's share of the budget does not
-hold N runs of
+true and not counted, which sets its TPOT but not its calibration; no probe where the probes and
+one wave per run of the point would not fit the time left, ``--no-probe`` to skip it); when the
+point's share of the budget does not hold N runs of
 every configuration at that length, every run of the point is shortened alike (whole waves) and
 the point's ``trimmed`` says how; a point where not even one wave per run fits is skipped with the
 reason. Besides every run in ``points`` (with ``repeat`` and ``slot``, its place in the rotation),
@@ -1532,6 +1533,7 @@ def _main(a, argv, out, work, log, deadline, paths, tok, hook_root, mps) -> int:
                 "repeats": a.repeats,
                 "rotation": a.rotation,
                 "min_run_s": a.min_run_s,
+                "probe": a.probe,
                 "baseline": a.cfgs[0].name,
             }
             if a.interleave
@@ -1771,7 +1773,8 @@ class Runner:
         why_not = bench_failure(result, err)
         if why_not:
             self.skip(cfg, al, c, f"bench failed: {why_not}",
-                      **({} if repeat is None else {"repeat": repeat}))  # fmt: skip
+                      **({} if repeat is None else {"repeat": repeat}),
+                      **({"probe": True} if probe else {}))  # fmt: skip
             self.log(f"FAILED {what} C={c}: {why_not}")
             # a result with failed requests: the deployment is not serving; measure it no more
             return None, bool(dep.dead_nodes() or err.startswith("cut") or result is not None)
@@ -1800,9 +1803,12 @@ class Runner:
         if summary.get("median_tpot_ms"):
             self.tpot[cfg.name] = float(summary["median_tpot_ms"])
             # how far off the estimate was, with the measured TPOT (bounded: one odd point
-            # must not starve or flood the rest)
-            est = replace(model, tpot_ms=self.tpot[cfg.name], calib=1.0).point_cost_s(c, n)
-            self.calib[cfg.name] = min(3.0, max(0.5, wall / est)) if est > 0 else 1.0
+            # must not starve or flood the rest). Not from a probe: its one wave leaves the
+            # guessed fixed part (--guess-point-s) most of the estimate, so the ratio would
+            # scale every later wave by the guess's error instead of the run's
+            if not probe:
+                est = replace(model, tpot_ms=self.tpot[cfg.name], calib=1.0).point_cost_s(c, n)
+                self.calib[cfg.name] = min(3.0, max(0.5, wall / est)) if est > 0 else 1.0
         mal = point["measured_acceptance_length"]
         self.log(
             f"{what} C={c}{'' if repeat is None else f' repeat {repeat}'}: "
@@ -1830,7 +1836,8 @@ class Runner:
 
     def outcome(self) -> int:
         data = self.res.data
-        ok = bool(data["points"]) and all(
+        # probes are not measurements: a call that measured nothing else did not succeed
+        ok = any(p.get("repeat") is not None or not p.get("probe") for p in data["points"]) and all(
             s.get("outcome") == "ok" for s in data["servers"].values()
         )
         return 0 if ok else 1
@@ -1979,11 +1986,27 @@ def run_interleaved(a, deps, paths, res: Results, log: Log, deadline: float) -> 
             break
         unmeasured = [cfg for cfg in live if cfg.name not in rn.tpot]
         if a.probe and a.min_run_s > 0 and unmeasured:
-            log(f"probe at AL {al} C={c}: one wave on {', '.join(x.name for x in unmeasured)} "
-                f"(no TPOT measured yet; --guess-tpot-ms {a.guess_tpot_ms:g} would set the "
-                "prompt count)")  # fmt: skip
-            lost = [cfg.name for cfg in unmeasured if rn.probe(cfg, al, ali, c)]
-            if lost and (rn.time_left() <= 0 or not rn.leave(lost, names, live)):
+            # a probe must not eat the point: the probes and one wave per run of the point,
+            # by the guess, must fit the time left, else the guess sets the prompt count
+            need = sum(rn.model(cfg).point_cost_s(c, c) for cfg in unmeasured)
+            need += interleaved_cost_s(c, c, [rn.model(cfg) for cfg in live], a.repeats)
+            if rn.time_left() < need:
+                log(f"no probe at AL {al} C={c}: {rn.time_left():.0f} s left, under the "
+                    f"{need:.0f} s of the probes and one wave per run; the guessed TPOT sets "
+                    "the prompt count")  # fmt: skip
+                unmeasured = []
+            else:
+                log(f"probe at AL {al} C={c}: one wave on "
+                    f"{', '.join(x.name for x in unmeasured)} (no TPOT measured yet; "
+                    f"--guess-tpot-ms {a.guess_tpot_ms:g} would set the prompt count)")  # fmt: skip
+            lost, cut = [], False
+            for cfg in unmeasured:
+                if rn.probe(cfg, al, ali, c):
+                    lost.append(cfg.name)
+                    if rn.time_left() <= 0:
+                        cut = True
+                        break
+            if cut or (lost and not rn.leave(lost, names, live)):
                 log("a probe failed or a server was lost; the interleaved comparison ends here")
                 break
         models = [rn.model(cfg) for cfg in live]

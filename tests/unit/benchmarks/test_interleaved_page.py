@@ -63,8 +63,17 @@ def test_runs_shorter_than_asked_are_said_with_why():
     )
     assert said in page.markdown([(name, rec)])
     probed = copy.deepcopy(rec)
-    probed["points"].insert(0, {"probe": True, "config": "pp1_dspark_k7"})
-    assert page.short_runs(probed, pt).endswith("from the probe's TPOT.")
+    probe = {"probe": True, "config": "pp1_dspark_k7", "point_al": 3.99, "concurrency": 32}
+    probed["points"].insert(0, probe)
+    assert page.short_runs(probed, pt).endswith("from the probe's TPOT, before this point.")
+    # a later point: its count came from the points before it, probe or not
+    later = copy.deepcopy(rec)
+    later["points"].insert(0, {**later["points"][0], "concurrency": 16})
+    probe["concurrency"] = 16
+    later["points"].insert(0, probe)
+    assert page.short_runs(later, pt).endswith(
+        "from the TPOT and calibration of the points before it."
+    )
     assert page.short_runs(rec, {**pt, "trimmed": "budget: 1 of 4 waves"}) == ""
     rec["meta"]["interleave"]["min_run_s"] = 3.7
     assert page.short_runs(rec, pt) == ""
@@ -335,7 +344,7 @@ def test_goal_e_reads_bytes_per_row_and_the_last_stages_wait_from_the_exchange()
     assert "**missed**" in kept[0] and "1.00 of raw taps'" in kept[-1]
     assert "Issue 44 goal (e)" in page.markdown([("x.json", rec)])
     assert page.goal_e(_ksweep_record([1.0] * 3)) == []
-    assert "link at most" not in page.goal_e(rec)[-1]  # no send span recorded: nothing said
+    assert "exposed transfer" not in page.goal_e(rec)[-1]  # no send span recorded: none said
 
 
 def test_goal_e_bounds_the_link_by_the_smaller_of_the_wait_and_the_send_span():
@@ -351,11 +360,14 @@ def test_goal_e_bounds_the_link_by_the_smaller_of_the_wait_and_the_send_span():
     assert "**missed**" in head  # the goal is stated on the wait, as the issue asks
     side = lines[-1]
     assert "of a step (repeats 23.0%-23.1%, 2)" in side
-    assert side.endswith("stage 0's sends 0.25 ms from its forward's end, the link at most 2.5% "
-                         "of a step (repeats 2.5%-2.5%)")  # fmt: skip
+    assert side.endswith("stage 0's sends 0.25 ms from its forward's end, the exposed "
+                         "transfer at most 2.5% of a step (repeats 2.5%-2.5%)")  # fmt: skip
     for p in rec["points"]:  # the receiver came second: its wait bounds the link
         p["step_times"][0]["exchange"]["median"]["pp_send_ms"] = 4.0
-    assert "the link at most 23.0% of a step" in page.goal_e(rec)[-1]
+    assert "the exposed transfer at most 23.0% of a step" in page.goal_e(rec)[-1]
+    for p in rec["points"]:  # PP=3: the first and last workers are not one link's two ends
+        p["pp"] = 3
+    assert "exposed transfer" not in page.goal_e(rec)[-1]
 
 
 def test_performance_md_quotes_the_goals_as_generated_from_the_records(monkeypatch, tmp_path):

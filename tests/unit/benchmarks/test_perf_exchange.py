@@ -7,6 +7,7 @@ recorded sample. Host clocks (no GPU); nothing is timed against a threshold."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from types import SimpleNamespace
 
@@ -209,6 +210,10 @@ def test_the_sends_completion_is_waited_on_a_timing_stream_of_its_own(monkeypatc
     # not laid out as vLLM 0.34.0 returns them: measure nothing rather than the wrong works
     assert hooks._sends_done(handles[:3], td) is None
     assert hooks._sends_done([fake.work("m")], {"x": _CudaTensor(0)}) is None
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")  # there a wait would hold the host
+    fake.waits.clear()
+    assert hooks._sends_done(handles, td) is None and not fake.waits
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")
     monkeypatch.setattr(hooks, "_cuda", lambda: None)
     assert hooks._sends_done(handles, td) is None  # host clocks: no such span
 
@@ -239,6 +244,15 @@ def test_a_sending_stage_records_its_send_span_per_step(monkeypatch):
     spans = [r for r in hooks._STATE["cur"]["x"] if r.get("metric") == "pp_send_ms"]
     assert len(spans) == 1 and hooks._elapsed_ms(spans[0]["a"], spans[0]["b"]) == 6.0
     assert fake.waits == [("hidden_states", "timing")]
+
+    def broken(handles, tensor_dict):
+        raise RuntimeError("a torch that changed")
+
+    monkeypatch.setattr(hooks, "_sends_done", broken)
+    monkeypatch.setitem(sys.modules, "vllm.logger", SimpleNamespace(
+        init_logger=lambda name: SimpleNamespace(warning=lambda *a: None)))  # fmt: skip
+    out = group.isend_tensor_dict({"hidden_states": _CudaTensor(8)})  # the send still goes out
+    assert len(out) == 2 and hooks._STATE["send_span_failed"] is True
 
 
 def test_the_summary_gives_medians_and_the_stall_share_per_main_batch(stage):

@@ -12,6 +12,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from support.perf_records import dry_run_launchers as _launchers
@@ -269,6 +270,100 @@ def test_a_probe_wave_sets_the_prompt_count_from_the_measured_tpot(tmp_path, mon
     assert {m[3] for m in calls.measured if m[2] == 32} == {128}
 
 
+def _real_measure(monkeypatch, walls: list[float], fail: set[int] = frozenset()):
+    """Runner.measure as the driver runs it, with ``vllm bench serve`` and the counters stood
+    in: run i lasts ``walls[i]`` (its TPOT 1.2 ms) and fails when i is in ``fail``. Returns the
+    argv of every run."""
+    import dspark_dev.metrics as metrics
+    import dspark_dev.serve_demo as serve_demo
+
+    argvs: list[list[str]] = []
+    clock = [0.0]
+
+    def bench(argv, timeout_s, on_timeout):
+        i = len(argvs)
+        argvs.append(argv)
+        clock[0] += walls[i]
+        if i in fail:
+            return None, "cut after 5 s, at the budget's deadline (server stopped)"
+        n = int(argv[argv.index("--num-prompts") + 1])
+        return {"output_throughput": 100.0, "median_tpot_ms": 1.2, "duration": walls[i],
+                "completed": n, "failed": 0}, ""  # fmt: skip
+
+    monkeypatch.setattr(serve, "run_bench_in_process", bench)
+    monkeypatch.setattr(serve.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(serve_demo, "spec_metrics", lambda url, settle_s: {})
+    monkeypatch.setattr(metrics, "counter_delta", lambda a, b: {})
+    return argvs
+
+
+def _runner(tmp_path, args, budget_s=10_000.0):
+    a = serve.parse_args(["--configs", "pp1_dspark,pp2_dspark", "--interleave", "--repeats", "3",
+                          "--no-step-times", *args])  # fmt: skip
+    res = serve.Results(tmp_path / "r.json", {"meta": {}, "servers": {}, "points": [],
+                                              "skipped": []})  # fmt: skip
+    dep = SimpleNamespace(url="http://x", dead_nodes=lambda: [], stop=lambda: None)
+    deps = {n: dep for n in ("pp1_dspark", "pp2_dspark")}
+    paths = SimpleNamespace(target="/m")
+    return serve.Runner(a, deps, paths, res, serve.Log(None), budget_s + serve.STOP_RESERVE_S)
+
+
+def test_a_real_probe_sets_the_tpot_not_the_calibration_on_prompts_of_its_own(
+    tmp_path, monkeypatch
+):
+    """Through Runner.measure itself: the probe's run asks ``vllm bench serve`` for one wave
+    on the probe's seed, records ``probe`` and no repeat, and leaves the calibration alone (a
+    one-wave run is mostly the guessed fixed part: its ratio would scale the later waves)."""
+    argvs = _real_measure(monkeypatch, walls=[1.5, 12.0])
+    rn = _runner(tmp_path, ["--workload", "decode", "--output-len", "768"])
+    cfg = serve.CONFIGS["pp1_dspark"]
+    assert rn.probe(cfg, 3.99, 0, 32) is False
+    opt = {argvs[0][i]: argvs[0][i + 1] for i in range(len(argvs[0]) - 1)}
+    assert opt["--num-prompts"] == "32"
+    assert int(opt["--seed"]) == serve.point_seed(0, 32) + serve.PROBE_SEED_OFFSET
+    assert opt["--result-filename"].endswith("_probe.json")
+    [p] = rn.res.data["points"]
+    assert p["probe"] is True and "repeat" not in p
+    assert rn.tpot == {"pp1_dspark": 1.2} and rn.calib == {}
+    rn.measure(cfg, 3.99, 0, 32, 320, why=None, n_full=320, repeat=0, extra={"slot": 0})
+    assert "pp1_dspark" in rn.calib  # a measured run calibrates
+    assert int(argvs[1][argvs[1].index("--seed") + 1]) == serve.point_seed(0, 32, 0)
+
+
+def test_probes_alone_are_no_successful_call_and_a_failed_probe_says_it_was_one(
+    tmp_path, monkeypatch
+):
+    _real_measure(monkeypatch, walls=[1.0, 1.0], fail={1})
+    rn = _runner(tmp_path, [])
+    for name in ("pp1_dspark", "pp2_dspark"):
+        rn.res.data["servers"][name] = {"outcome": "ok"}
+    rn.probe(serve.CONFIGS["pp1_dspark"], 3.99, 0, 8)
+    assert rn.probe(serve.CONFIGS["pp2_dspark"], 3.99, 0, 8) is True  # cut: measure no more
+    [skip] = rn.res.data["skipped"]
+    assert skip["probe"] is True and skip["why"].startswith("bench failed: cut after")
+    assert rn.outcome() == 1  # one probe recorded, nothing measured
+
+
+def test_no_probe_where_it_would_leave_the_point_no_wave_per_run(tmp_path, monkeypatch):
+    """A probe must not eat the point's budget: where the probes and one wave per run of the
+    point do not fit the time left by the guess, no server is probed and the guess sets the
+    count (the point then runs, shortened, as before the probe existed)."""
+    # by the guess one run of a wave of 8 costs 4 s + 256 x 6 ms + 8 x 40 ms = 5.86 s: the
+    # point's 3 x 2 runs 35.1 s, the two probes 11.7 s more
+    args = ["--acceptance-lengths", "3.99", "--concurrency", "8"]
+    tok_s, tpot = (
+        {"pp1_dspark": [1.0] * 3, "pp2_dspark": [1.0] * 3},
+        {"pp1_dspark": 1.2, "pp2_dspark": 2.0},
+    )
+    calls = _Calls(monkeypatch, tok_s, tpot=tpot)
+    rc, data = _run(tmp_path, args, 40.0)
+    assert not calls.probes and rc == 0 and len(calls.measured) == 6
+    assert data["interleaved"][0]["trimmed"].startswith("budget:")
+    calls = _Calls(monkeypatch, tok_s, tpot=tpot)
+    rc, _data = _run(tmp_path, args, 60.0)
+    assert [p[0] for p in calls.probes] == ["pp1_dspark", "pp2_dspark"] and rc == 0
+
+
 def test_no_spec_against_dspark_rotates_in_every_als_point(tmp_path, monkeypatch):
     calls = _Calls(monkeypatch, {"pp2_nospec": [50.0] * 3, "pp2_dspark": [100.0, 90.0, 110.0]})
     a = ["--acceptance-lengths", "3.99,6.1", "--concurrency", "16"]
@@ -499,7 +594,9 @@ def test_interleaved_run_end_to_end_against_stand_in_servers(tmp_path, monkeypat
         ("pp1_dspark", 1, 1), ("pp2_dspark", 1, 1),
     ]  # fmt: skip
     assert res["points"][:2] == probes and all("repeat" not in p for p in probes)
+    assert {p["seed"] for p in probes} == {serve.point_seed(0, 1) + serve.PROBE_SEED_OFFSET}
     res["points"] = res["points"][2:]
+    assert not {p["seed"] for p in res["points"]} & {p["seed"] for p in probes}
     assert [(p["config"], p["repeat"], p["slot"]) for p in res["points"][:6]] == [
         ("pp1_dspark", 0, 0), ("pp2_dspark", 0, 1), ("pp1_dspark", 1, 2),
         ("pp2_dspark", 1, 3), ("pp1_dspark", 2, 4), ("pp2_dspark", 2, 5),
