@@ -388,13 +388,19 @@ def parse_ints(text: str) -> list[int]:
 def point_seed(al_index: int, concurrency: int, repeat: int = 0) -> int:
     """The random dataset's seed of a point: equal across configurations (same prompts for
     no-spec and DSpark at the same C and repeat), distinct across one server's points and
-    repeats (no prefix-cache hits)."""
-    return 1000 + 100 * al_index + concurrency + 100_000 * repeat
+    repeats (no prefix-cache hits). One decimal field each: C below 10,000, the AL index below
+    50 (under :data:`PROBE_SEED_OFFSET`), then the repeat (before 2026-12-07 the AL index moved
+    the seed by 100 only, so AL 0 at C = 128 and AL 1 at C = 28 shared their prompts)."""
+    if not (0 < concurrency < 10_000 and 0 <= al_index < 50 and repeat >= 0):
+        raise ValueError(
+            f"no distinct seed for AL index {al_index}, C {concurrency}, repeat {repeat}"
+        )
+    return 1000 + concurrency + 10_000 * al_index + 1_000_000 * repeat
 
 
-#: added to a point's seed for its probe runs (:meth:`Runner.probe`): below the repeats' step of
-#: 100,000, so a probe's prompts are never a measured run's (no prefix-cache hits in repeat 0)
-PROBE_SEED_OFFSET = 50_000
+#: added to a point's seed for its probe runs (:meth:`Runner.probe`): above every AL index's
+#: field and below the repeats' step, so a probe's prompts are never a measured run's
+PROBE_SEED_OFFSET = 500_000
 
 
 #: ``--workload``: (input tokens, output tokens) of the random dataset. ``mixed`` is the 1024/256

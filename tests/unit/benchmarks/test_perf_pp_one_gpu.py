@@ -39,6 +39,17 @@ def test_an_unknown_configuration_is_refused_naming_the_choices():
         serve.parse_args(["--env", "NOEQUALS"])
 
 
+def test_no_two_points_repeats_or_probes_share_a_seed():
+    """Every (AL index, C, repeat) and every point's probe gets prompts of its own (C = 128 at
+    AL 0 and C = 28 at AL 1 shared theirs before 2026-12-07)."""
+    cs = [*range(1, 130), 256, 512, 1024]
+    seeds = [serve.point_seed(i, c, r) for i in range(12) for c in cs for r in range(6)]
+    probes = [serve.point_seed(i, c) + serve.PROBE_SEED_OFFSET for i in range(12) for c in cs]
+    assert len(set(seeds + probes)) == len(seeds) + len(probes)
+    with pytest.raises(ValueError, match="no distinct seed"):
+        serve.point_seed(0, 10_000)
+
+
 def test_seeds_match_across_configurations_and_differ_within_a_server():
     a = serve.parse_args(["--configs", "pp1"])
     seeds = {}
