@@ -513,10 +513,10 @@ def short_runs(rec: dict, pt: dict) -> str:
     if not asked or not secs or min(secs) >= asked or pt.get("trimmed"):
         return ""
     here = (pt["acceptance_length"], pt["concurrency"])
-    probed = any(p.get("probe") and (p.get("point_al"), p.get("concurrency")) == here
-                 for p in rec.get("points", []))  # fmt: skip
-    first = not any(p.get("repeat") is not None and (p.get("point_al"), p.get("concurrency"))
-                    != here for p in rec.get("points", [])[: _first_index(rec, here)])  # fmt: skip
+    points = rec.get("points", [])
+    probed = any(p.get("probe") and _point_key(p) == here for p in points)
+    # the record's first measured run is this point's: nothing measured came before it
+    first = next((_point_key(p) for p in points if p.get("repeat") is not None), None) == here
     if probed:
         why = "the probe's TPOT, before this point"
     elif first:
@@ -527,12 +527,8 @@ def short_runs(rec: dict, pt: dict) -> str:
             f"(`--min-run-s`): the prompt count came from {why}.")  # fmt: skip
 
 
-def _first_index(rec: dict, here: tuple) -> int:
-    """Index of the first measured run of the point ``here`` (AL, C) in the record's points."""
-    for i, p in enumerate(rec.get("points", [])):
-        if p.get("repeat") is not None and (p.get("point_al"), p.get("concurrency")) == here:
-            return i
-    return 0
+def _point_key(p: dict) -> tuple:
+    return (p.get("point_al"), p.get("concurrency"))
 
 
 def _link_text(got: list[dict]) -> str:
